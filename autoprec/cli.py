@@ -1,0 +1,256 @@
+"""The ``autoprec`` command: search, best, resolve, ui.
+
+Bad input of any kind ends with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any, NoReturn
+
+from autoprec.errors import AutoprecError
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from autoprec.search import DEFAULT_STORAGE, SAMPLERS
+    from autoprec.selection import PREFERENCES
+    from autoprec.tasks import BUILTIN_TASKS, DEFAULT_TASK
+    from autoprec.tracking import DEFAULT_TRACKING_URI
+
+    parser = _Parser(
+        prog="autoprec",
+        description="Find the per-layer precision policy (fp32/fp16/bf16 and loss scaling) "
+        "that trains as well as fp32 with the least time or memory.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = commands.add_parser(
+        "search",
+        help="run a search (built-in task and local stores by default)",
+        description="Train short real trials of candidate policies, record them in Optuna and "
+        "MLflow, and write runs/<study>/best_policy.yaml and summary.json.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    s.add_argument(
+        "--task",
+        default=DEFAULT_TASK,
+        help=f"built-in ({', '.join(sorted(BUILTIN_TASKS))}), package.module:attr or "
+        "path/to/file.py:attr (a Task or a callable returning one)",
+    )
+    s.add_argument(
+        "--space",
+        default=None,
+        help="shipped space name or YAML file (default: the space named after the "
+        "task if shipped, else 'default')",
+    )
+    s.add_argument(
+        "--trials",
+        type=int,
+        default=12,
+        help="total trials in the study (the fp32 baseline is extra); a continued "
+        "study runs only the missing ones",
+    )
+    s.add_argument("--steps", type=int, default=60, help="training steps per trial")
+    s.add_argument(
+        "--device", default="auto", help="auto (npu, then cuda, then cpu), cpu, cuda[:N], npu[:N]"
+    )
+    s.add_argument(
+        "--study", default=None, help="study name (default: the task's name); reuse it to continue"
+    )
+    s.add_argument("--storage", default=DEFAULT_STORAGE, help="Optuna storage URL")
+    s.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow tracking URI")
+    s.add_argument("--seed", type=int, default=0, help="seed of weights, data order and sampler")
+    s.add_argument(
+        "--accuracy-tolerance",
+        type=float,
+        default=None,
+        help="largest accepted accuracy drop from fp32, absolute (0.01 = 1 point); "
+        "default: the space file's",
+    )
+    s.add_argument(
+        "--prefer",
+        choices=PREFERENCES,
+        default="speed",
+        help="how the best feasible policy is chosen",
+    )
+    s.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="Optuna sampler")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    b = commands.add_parser("best", help="print a study's best policy (from MLflow)")
+    b.add_argument("--study", required=True)
+    b.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI)
+    b.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+
+    r = commands.add_parser(
+        "resolve", help="show the dtype each layer of a task's model runs in under a policy"
+    )
+    r.add_argument("--policy", required=True, help="policy YAML file")
+    r.add_argument("--task", default=DEFAULT_TASK, help="task whose model to resolve against")
+
+    u = commands.add_parser("ui", help="open the MLflow UI on the local store")
+    u.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI)
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=5000)
+    return parser
+
+
+class _Progress:
+    """A tqdm bar: trial n of N, the best so far, and the ETA."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+
+    def __call__(self, event: str, data: dict[str, Any]) -> None:
+        if event == "baseline":
+            print("running the fp32 baseline ...", file=sys.stderr, flush=True)
+        elif event == "start" and self.enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=data["total"],
+                initial=data["done"],
+                unit="trial",
+                desc="search",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+            self._show_best(data)
+        elif event == "trial_end" and self.bar is not None:
+            self.bar.update(1)
+            self._show_best(data)
+        elif event == "exhausted":
+            print(
+                "\nthe space seems exhausted: the sampler keeps proposing measured policies",
+                file=sys.stderr,
+            )
+        elif event == "done" and self.bar is not None:
+            self.bar.close()
+
+    def _show_best(self, data: dict[str, Any]) -> None:
+        from autoprec.search import best_record
+
+        best = best_record(data["records"], data["baseline"], data.get("prefer", "speed"))
+        self.bar.set_postfix_str(
+            f"best {best.number}: {best.result.step_time_ms:.2f} ms, "
+            f"{best.result.peak_memory_mb:.2f} MB, acc {best.result.accuracy:.3f}"
+        )
+
+
+def _search(args: argparse.Namespace) -> int:
+    from autoprec.report import front_table, gains_line
+    from autoprec.search import search
+
+    progress = _Progress(enabled=not args.no_progress)
+    result = search(
+        args.task,
+        args.space,
+        trials=args.trials,
+        steps=args.steps,
+        device=args.device,
+        study=args.study,
+        storage=args.storage,
+        tracking_uri=args.tracking_uri,
+        seed=args.seed,
+        accuracy_tolerance=args.accuracy_tolerance,
+        prefer=args.prefer,
+        sampler=args.sampler,
+        progress=progress,
+    )
+    summary = result.summary
+    print(front_table(summary))
+    print(gains_line(summary))
+    print(f"best policy: {result.best_policy_path}")
+    print(f"summary:     {result.summary_path}")
+    print(f"compare:     autoprec ui --tracking-uri {args.tracking_uri}")
+    return 0
+
+
+def _best(args: argparse.Namespace) -> int:
+    from autoprec.tracking import load_best_policy
+
+    policy = load_best_policy(args.study, args.tracking_uri)
+    print(
+        json.dumps(policy.to_dict(), indent=2) if args.json else policy.to_yaml(),
+        end="\n" if args.json else "",
+    )
+    return 0
+
+
+def _resolve(args: argparse.Namespace) -> int:
+    from autoprec.errors import PolicyError
+    from autoprec.policy import load_policy
+    from autoprec.tasks import check_task, load_task
+
+    policy = load_policy(args.policy)
+    model = check_task(load_task(args.task))
+    modules = dict(model.named_modules())
+    try:
+        plan = policy.plan(model)
+    except PolicyError as error:
+        raise PolicyError(f"{args.policy}: {error}") from None
+    rows = [("module", "type", "params", "dtype")]
+    for name, dtype in plan.leaf_dtypes.items():
+        module = modules[name]
+        count = sum(p.numel() for p in module.parameters(recurse=False))
+        rows.append((name or "(model)", type(module).__name__, str(count), dtype))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print(
+        f"outer region: {plan.outer_dtype}; own regions: {len(plan.regions)}; "
+        f"low-precision share of parameters: {policy.low_precision_share(model):.0%}"
+    )
+    print(f"loss scale: {policy.loss_scale.to_dict()}")
+    return 0
+
+
+def _ui(args: argparse.Namespace) -> int:
+    from autoprec.tracking import check_tracking_uri
+
+    check_tracking_uri(args.tracking_uri)
+    mlflow = shutil.which("mlflow")
+    if mlflow is None:
+        raise AutoprecError("the 'mlflow' command is not on PATH; install mlflow")
+    command = [
+        mlflow,
+        "ui",
+        "--backend-store-uri",
+        args.tracking_uri,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+    ]
+    print(f"MLflow UI on http://{args.host}:{args.port} (Ctrl-C to stop)", file=sys.stderr)
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    return subprocess.call(command, env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    handler = {"search": _search, "best": _best, "resolve": _resolve, "ui": _ui}[args.command]
+    try:
+        return handler(args)
+    except AutoprecError as error:
+        print(f"autoprec {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"\nautoprec {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""One backend interface for the CPU, CUDA GPUs and Ascend NPUs.
+
+A backend knows its autocast device type, how to synchronise, which dtypes it runs,
+which precision switches it has (TF32 on CUDA, HF32 on NPU), and how to measure peak
+memory: from the device allocator on CUDA and NPU, and on the CPU as a labelled
+estimate (parameters, gradients and optimizer state, plus the bytes of tensors saved
+for backward, counted once per storage).
+
+The NPU path is written from torch_npu's documented API (see shared/NPU.md); no Ascend
+chip was reachable when it was written, so only its detection and dispatch are tested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from autoprec.errors import DeviceError
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+_MB = 2.0**20
+_DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|npu)(?::(\d+))?$")
+
+
+def npu_available() -> bool:
+    """True when torch_npu imports and sees an NPU; never raises (see NPU.md, Detection)."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        importlib.import_module("torch_npu")
+    except Exception:  # missing CANN libraries, or a CUDA build of torch beside it
+        return False
+    npu = getattr(torch, "npu", None)
+    try:
+        return bool(npu is not None and npu.is_available())
+    except Exception:
+        return False
+
+
+class Backend:
+    """Base class: the operations a trial needs from a device."""
+
+    kind = "cpu"
+    visible_devices_env: str | None = None
+    memory_is_estimate = False
+
+    def __init__(self, index: int | None = None) -> None:
+        self.index = index
+        self.device = torch.device(self.kind if index is None else f"{self.kind}:{index}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
+
+    @property
+    def name(self) -> str:
+        return str(self.device)
+
+    def supports(self, dtype: str) -> bool:
+        return dtype in DTYPES
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so that host timers measure it."""
+
+    def now_s(self) -> float:
+        """A timestamp in seconds taken after synchronising the device."""
+        self.synchronize()
+        return time.perf_counter()
+
+    def autocast(self, dtype: str) -> contextlib.AbstractContextManager[Any]:
+        if dtype == "fp32":
+            return torch.autocast(self.kind, enabled=False)
+        return torch.autocast(self.kind, dtype=DTYPES[dtype])
+
+    def switches(self) -> dict[str, bool]:
+        """The device's silent precision reductions (TF32, HF32) as they are set now."""
+        return {}
+
+    def set_switches(self, tf32: bool | None = None, hf32: bool | None = None) -> dict[str, bool]:
+        """Set the switches given (None leaves one as it is); returns the previous values."""
+        return {}
+
+    def restore_switches(self, previous: dict[str, bool]) -> None:
+        """Put back what ``set_switches`` returned."""
+
+    def memory_meter(self) -> MemoryMeter:
+        return AllocatorMemoryMeter(self)
+
+    def reset_peak_memory(self) -> None:
+        raise NotImplementedError
+
+    def max_memory_allocated_bytes(self) -> int:
+        raise NotImplementedError
+
+
+class CPUBackend(Backend):
+    kind = "cpu"
+    memory_is_estimate = True
+
+    def memory_meter(self) -> MemoryMeter:
+        return EstimatedMemoryMeter()
+
+
+class CUDABackend(Backend):
+    kind = "cuda"
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
+
+    def supports(self, dtype: str) -> bool:
+        if dtype == "bf16":
+            return bool(torch.cuda.is_bf16_supported())
+        return dtype in DTYPES
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def switches(self) -> dict[str, bool]:
+        return {
+            "tf32": bool(torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32)
+        }
+
+    def set_switches(self, tf32: bool | None = None, hf32: bool | None = None) -> dict[str, bool]:
+        previous = self.switches()
+        if tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
+        return previous
+
+    def restore_switches(self, previous: dict[str, bool]) -> None:
+        self.set_switches(tf32=previous.get("tf32"))
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def max_memory_allocated_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+
+class NPUBackend(Backend):
+    """Ascend NPU through torch_npu (written from the documented API; not run here)."""
+
+    kind = "npu"
+    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
+
+    @staticmethod
+    def _npu() -> Any:
+        return torch.npu  # type: ignore[attr-defined]
+
+    def supports(self, dtype: str) -> bool:
+        if dtype == "bf16":  # 910B and later; not 910A or 310P
+            return bool(self._npu().is_bf16_supported())
+        return dtype in DTYPES
+
+    def synchronize(self) -> None:
+        self._npu().synchronize()
+
+    def switches(self) -> dict[str, bool]:
+        npu = self._npu()
+        return {
+            "hf32_matmul": bool(npu.matmul.allow_hf32),
+            "hf32_conv": bool(npu.conv.allow_hf32),
+        }
+
+    def set_switches(self, tf32: bool | None = None, hf32: bool | None = None) -> dict[str, bool]:
+        previous = self.switches()
+        if hf32 is not None:
+            self._npu().matmul.allow_hf32 = hf32
+            self._npu().conv.allow_hf32 = hf32
+        return previous
+
+    def restore_switches(self, previous: dict[str, bool]) -> None:
+        npu = self._npu()
+        if "hf32_matmul" in previous:
+            npu.matmul.allow_hf32 = previous["hf32_matmul"]
+            npu.conv.allow_hf32 = previous["hf32_conv"]
+
+    def reset_peak_memory(self) -> None:
+        self._npu().reset_peak_memory_stats(self.device)
+
+    def max_memory_allocated_bytes(self) -> int:
+        return int(self._npu().max_memory_allocated(self.device))
+
+
+_BACKENDS: dict[str, type[Backend]] = {"cpu": CPUBackend, "cuda": CUDABackend, "npu": NPUBackend}
+
+
+def get_backend(device: str | torch.device | Backend | None = "auto") -> Backend:
+    """The backend for ``auto``, ``cpu``, ``cuda[:N]`` or ``npu[:N]``.
+
+    ``auto`` picks an NPU, then a CUDA GPU, then the CPU. A device that is not there
+    raises DeviceError.
+    """
+    if isinstance(device, Backend):
+        return device
+    text = "auto" if device is None else str(device).strip().lower()
+    match = _DEVICE_PATTERN.match(text)
+    if not match:
+        raise DeviceError(
+            f"device {text!r}: unknown device (expected auto, cpu, cuda, cuda:N, npu or npu:N)"
+        )
+    kind, index_text = match.group(1), match.group(2)
+    index = None if index_text is None else int(index_text)
+    if kind == "auto":
+        if index is not None:
+            raise DeviceError(f"device {text!r}: 'auto' takes no index")
+        if npu_available():
+            kind = "npu"
+        elif torch.cuda.is_available():
+            kind = "cuda"
+        else:
+            kind = "cpu"
+    if kind == "cpu":
+        if index not in (None, 0):
+            raise DeviceError(f"device {text!r}: the CPU has no index {index}")
+        return CPUBackend()
+    count = _device_count(kind)
+    if count == 0:
+        raise DeviceError(f"device {text!r}: no {kind.upper()} device is available on this machine")
+    if index is not None and index >= count:
+        raise DeviceError(f"device {text!r}: only {count} {kind.upper()} device(s) are visible")
+    return _BACKENDS[kind](0 if index is None else index)
+
+
+def _device_count(kind: str) -> int:
+    if kind == "cuda":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if kind == "npu":
+        return int(torch.npu.device_count()) if npu_available() else 0  # type: ignore[attr-defined]
+    return 1
+
+
+class MemoryMeter:
+    """Measures the peak memory of a run of training steps."""
+
+    is_estimate = False
+
+    def start(self, model: torch.nn.Module) -> None:
+        """Begin measuring (before the first step)."""
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Wrap one training step (forward, backward, optimizer step)."""
+        yield
+
+    def peak_mb(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        raise NotImplementedError
+
+
+class AllocatorMemoryMeter(MemoryMeter):
+    """Peak bytes the device's caching allocator handed out (CUDA and NPU)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def start(self, model: torch.nn.Module) -> None:
+        self.backend.synchronize()
+        self.backend.reset_peak_memory()
+
+    def peak_mb(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        self.backend.synchronize()
+        return self.backend.max_memory_allocated_bytes() / _MB
+
+
+class EstimatedMemoryMeter(MemoryMeter):
+    """An honest estimate for the CPU, which has no allocator statistics.
+
+    Peak = bytes of parameters, gradients and optimizer state, plus the largest total
+    of tensors saved for backward in any one step (each storage counted once, storages
+    shared with parameters left out since they are counted already). Autocast's
+    low-precision copies of weights are saved tensors of their own and are counted.
+    Temporaries freed inside a step and allocator fragmentation are not counted.
+    """
+
+    is_estimate = True
+
+    def __init__(self) -> None:
+        self.max_saved_bytes = 0
+        self._parameter_ptrs: set[int] = set()
+
+    def start(self, model: torch.nn.Module) -> None:
+        self._parameter_ptrs = set(_storages(list(model.parameters())))
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.device.type != "meta":
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+        saved = sum(n for ptr, n in storages.items() if ptr not in self._parameter_ptrs)
+        self.max_saved_bytes = max(self.max_saved_bytes, saved)
+
+    def peak_mb(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        tensors: list[torch.Tensor] = []
+        for param in model.parameters():
+            tensors.append(param)
+            if param.grad is not None:
+                tensors.append(param.grad)
+        for state in optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        static_bytes = sum(_storages(tensors).values())
+        return (static_bytes + self.max_saved_bytes) / _MB
+
+
+def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
+    """Bytes of each distinct storage behind the tensors, keyed by its address."""
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return storages

@@ -1,0 +1,31 @@
+"""autoprec's own exception types.
+
+Every error a user can cause by bad input is an `AutoprecError`; the CLI prints its
+message on one line and exits with status 2. The message names the file and field.
+"""
+
+from __future__ import annotations
+
+
+class AutoprecError(Exception):
+    """Base class of every error caused by bad input or an unusable environment."""
+
+
+class PolicyError(AutoprecError):
+    """A policy is malformed, or does not fit the model it is applied to."""
+
+
+class SpaceError(AutoprecError):
+    """A search-space file is malformed, or does not fit the task's model."""
+
+
+class TaskError(AutoprecError):
+    """A task cannot be imported or does not follow the Task contract."""
+
+
+class DeviceError(AutoprecError):
+    """A device was asked for that is not there, or cannot run a requested dtype."""
+
+
+class StoreError(AutoprecError):
+    """An Optuna or MLflow store cannot be used, or does not hold what was asked for."""

@@ -1,0 +1,363 @@
+"""Policy: which dtype each layer runs in, how the loss is scaled, and global switches.
+
+A policy is plain data: ordered rules, a default dtype, loss-scale settings and the
+TF32/HF32 switches. It reads and writes YAML with strict validation, ``resolve``
+says which dtype every leaf module runs in, and ``apply`` installs that on a model
+and returns the `Precision` object a training loop calls.
+
+Rules match leaf modules by glob patterns on ``named_modules()`` names (a pattern
+that matches a module matches every module below it, so ``encoder`` covers
+``encoder.0.fc``) and/or by module type names (any class in the module's MRO, so
+``_BatchNorm`` covers ``BatchNorm2d``). With both, a module must match both. The
+first matching rule wins; leaves that match no rule get the default. Rules assign
+leaves that hold parameters; parameter-free leaves (ReLU, Dropout, pooling) run in
+the region around them, so they never split a region in two.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import yaml
+from torch import nn
+
+from autoprec.devices import DTYPES
+from autoprec.errors import PolicyError
+from autoprec.scaling import LossScale
+
+if TYPE_CHECKING:
+    from autoprec.devices import Backend
+    from autoprec.precision import Precision
+
+LOW_PRECISION = ("fp16", "bf16")
+_POLICY_FIELDS = ("name", "default", "rules", "loss_scale", "switches")
+_RULE_FIELDS = ("name", "patterns", "types", "dtype")
+
+
+def _check_dtype(value: Any, where: str) -> str:
+    if value not in DTYPES:
+        raise PolicyError(f"{where}: unknown dtype {value!r} (expected fp32, fp16 or bf16)")
+    return value
+
+
+def _string_list(value: Any, where: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise PolicyError(f"{where}: expected a list of non-empty strings, got {value!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Leaf modules whose name matches one of ``patterns`` and/or whose type is one of
+    ``types`` run in ``dtype``."""
+
+    dtype: str
+    patterns: tuple[str, ...] = ()
+    types: tuple[str, ...] = ()
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, "dtype")
+        if not self.patterns and not self.types:
+            raise PolicyError("rule: needs patterns, types or both")
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        if self.patterns and not any(
+            fnmatch.fnmatchcase(prefix, pattern)
+            for pattern in self.patterns
+            for prefix in _name_and_ancestors(name)
+        ):
+            return False
+        if self.types:
+            class_names = {cls.__name__ for cls in type(module).__mro__}
+            if not class_names.intersection(self.types):
+                return False
+        return True
+
+    def describe(self) -> str:
+        parts = []
+        if self.patterns:
+            parts.append("patterns " + ", ".join(self.patterns))
+        if self.types:
+            parts.append("types " + ", ".join(self.types))
+        return " and ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        if self.name:
+            data["name"] = self.name
+        if self.patterns:
+            data["patterns"] = list(self.patterns)
+        if self.types:
+            data["types"] = list(self.types)
+        data["dtype"] = self.dtype
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> Rule:
+        if not isinstance(data, dict):
+            raise PolicyError(f"{where}: expected a mapping, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(_RULE_FIELDS))
+        if unknown:
+            raise PolicyError(
+                f"{where}.{unknown[0]}: unknown field (expected {list(_RULE_FIELDS)})"
+            )
+        if "dtype" not in data:
+            raise PolicyError(f"{where}.dtype: missing")
+        patterns = _string_list(data["patterns"], f"{where}.patterns") if "patterns" in data else ()
+        types = _string_list(data["types"], f"{where}.types") if "types" in data else ()
+        if not patterns and not types:
+            raise PolicyError(f"{where}: needs patterns, types or both")
+        name = data.get("name")
+        if name is not None and not isinstance(name, str):
+            raise PolicyError(f"{where}.name: expected a string")
+        return cls(_check_dtype(data["dtype"], f"{where}.dtype"), patterns, types, name)
+
+
+def _name_and_ancestors(name: str) -> Iterable[str]:
+    parts = name.split(".")
+    return (".".join(parts[: i + 1]) for i in range(len(parts)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a policy lands on one model: the dtype of the outer region entered by
+    ``Precision.autocast()``, the modules that get a region of their own (as few as
+    possible: whole same-dtype subtrees, none at all for a uniform policy), and the
+    dtype each leaf runs in."""
+
+    outer_dtype: str
+    regions: tuple[tuple[str, str], ...]
+    leaf_dtypes: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Ordered (patterns/types -> dtype) rules, a default dtype, loss scaling and switches.
+
+    ``tf32`` (CUDA) and ``hf32`` (Ascend) are None to leave the device's setting as is.
+    """
+
+    rules: tuple[Rule, ...] = ()
+    default: str = "fp32"
+    loss_scale: LossScale = field(default_factory=LossScale)
+    tf32: bool | None = None
+    hf32: bool | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.default, "default")
+        object.__setattr__(self, "rules", tuple(self.rules))
+
+    # -- construction and serialisation -------------------------------------------------
+
+    @classmethod
+    def uniform(cls, dtype: str, loss_scale: LossScale | None = None) -> Policy:
+        """The whole model in one dtype; fp16 gets torch's dynamic loss scaling by default."""
+        _check_dtype(dtype, "dtype")
+        if loss_scale is None:
+            loss_scale = LossScale("dynamic") if dtype == "fp16" else LossScale()
+        return cls(default=dtype, loss_scale=loss_scale, name=f"uniform-{dtype}")
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        if self.name:
+            data["name"] = self.name
+        data["default"] = self.default
+        data["rules"] = [rule.to_dict() for rule in self.rules]
+        data["loss_scale"] = self.loss_scale.to_dict()
+        switches = {k: v for k, v in (("tf32", self.tf32), ("hf32", self.hf32)) if v is not None}
+        if switches:
+            data["switches"] = switches
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "policy") -> Policy:
+        if not isinstance(data, dict):
+            raise PolicyError(f"{source}: expected a mapping at the top, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(_POLICY_FIELDS))
+        if unknown:
+            raise PolicyError(
+                f"{source}: {unknown[0]}: unknown field (expected {list(_POLICY_FIELDS)})"
+            )
+        try:
+            rules_data = data.get("rules") or []
+            if not isinstance(rules_data, list):
+                raise PolicyError("rules: expected a list")
+            rules = tuple(Rule.from_dict(r, f"rules[{i}]") for i, r in enumerate(rules_data))
+            default = _check_dtype(data.get("default", "fp32"), "default")
+            loss_scale = LossScale.from_dict(data.get("loss_scale"))
+            switches = data.get("switches") or {}
+            if not isinstance(switches, dict) or set(switches) - {"tf32", "hf32"}:
+                raise PolicyError("switches: expected a mapping with tf32 and/or hf32")
+            for key, value in switches.items():
+                if value is not None and not isinstance(value, bool):
+                    raise PolicyError(f"switches.{key}: expected true, false or null")
+            name = data.get("name")
+            if name is not None and not isinstance(name, str):
+                raise PolicyError("name: expected a string")
+        except PolicyError as error:
+            raise PolicyError(f"{source}: {error}") from None
+        return cls(rules, default, loss_scale, switches.get("tf32"), switches.get("hf32"), name)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str, source: str = "policy") -> Policy:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark else ""
+            raise PolicyError(f"{source}: not valid YAML{where}") from None
+        return cls.from_dict(data, source)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_yaml())
+        return path
+
+    def flatten(self) -> dict[str, str]:
+        """One flat string mapping: the dtype of each rule (by name) and loss scaling."""
+        flat = {"dtype.default": self.default}
+        for i, rule in enumerate(self.rules):
+            flat[f"dtype.{rule.name or f'rule{i}'}"] = rule.dtype
+        for key, value in self.loss_scale.to_dict().items():
+            flat[f"loss_scale.{key}"] = str(value)
+        for key in ("tf32", "hf32"):
+            value = getattr(self, key)
+            if value is not None:
+                flat[key] = str(value)
+        return flat
+
+    # -- landing on a model --------------------------------------------------------------
+
+    def plan(self, model: nn.Module) -> Plan:
+        """Where the regions go on this model; raises PolicyError for a rule that matches
+        no leaf module."""
+        chosen: dict[str, str] = {}
+        weight: Counter[str] = Counter()
+        used = [False] * len(self.rules)
+        for name, module in parameterised_leaves(model):
+            dtype = None
+            for i, rule in enumerate(self.rules):
+                if rule.matches(name, module):
+                    used[i] = True
+                    dtype = dtype or rule.dtype
+            dtype = dtype or self.default
+            chosen[name] = dtype
+            weight[dtype] += sum(p.numel() for p in module.parameters(recurse=False))
+        for i, rule in enumerate(self.rules):
+            if not used[i]:
+                raise PolicyError(
+                    f"rules[{i}] ({rule.describe()}): matches no module with parameters "
+                    f"in {type(model).__name__}"
+                )
+
+        below: dict[str, set[str]] = {name: set() for name, _ in model.named_modules()}
+        for name, dtype in chosen.items():
+            for ancestor in ("", *(_name_and_ancestors(name) if name else ())):
+                below[ancestor].add(dtype)
+
+        if len(below[""]) == 1:
+            outer = next(iter(below[""]))
+        elif below[""]:
+            # The outer region takes the dtype holding most parameters: fewest boundaries.
+            outer = max(sorted(weight), key=lambda d: (weight[d], d == "fp32"))
+        else:
+            outer = self.default
+        regions: list[tuple[str, str]] = []
+        leaf_dtypes: dict[str, str] = {}
+
+        def descend(prefix: str, module: nn.Module, around: str) -> None:
+            children = list(module.named_children())
+            if not children:
+                leaf_dtypes[prefix] = around
+                return
+            for child_name, child in children:
+                full = f"{prefix}.{child_name}" if prefix else child_name
+                dtypes = below.get(full, set())
+                if len(dtypes) > 1:
+                    descend(full, child, around)
+                    continue
+                dtype = next(iter(dtypes)) if dtypes else around
+                if dtype != around:
+                    regions.append((full, dtype))
+                _mark_leaves(full, child, dtype, leaf_dtypes)
+
+        if len(below[""]) <= 1:
+            _mark_leaves("", model, outer, leaf_dtypes)
+        else:
+            descend("", model, outer)
+        return Plan(outer, tuple(regions), leaf_dtypes)
+
+    def resolve(self, model: nn.Module) -> dict[str, str]:
+        """Every leaf module's name mapped to the dtype it runs in."""
+        return self.plan(model).leaf_dtypes
+
+    def low_precision_share(self, model: nn.Module) -> float:
+        """Share of the model's parameters that run in fp16 or bf16."""
+        dtypes = self.resolve(model)
+        modules = dict(model.named_modules())
+        total = low = 0
+        for name, dtype in dtypes.items():
+            count = sum(p.numel() for p in modules[name].parameters(recurse=False))
+            total += count
+            low += count if dtype in LOW_PRECISION else 0
+        return low / total if total else 0.0
+
+    def apply(
+        self, model: nn.Module, device: str | torch.device | Backend | None = None
+    ) -> Precision:
+        """Install the per-layer dtypes on ``model`` and return its Precision object.
+
+        ``device`` defaults to the device the model's parameters are on.
+        """
+        from autoprec.devices import get_backend
+        from autoprec.precision import Precision
+
+        if device is None:
+            first = next(model.parameters(), None)
+            device = first.device if first is not None else "cpu"
+        backend = get_backend(device)
+        plan = self.plan(model)
+        unsupported = sorted(d for d in set(plan.leaf_dtypes.values()) if not backend.supports(d))
+        if unsupported:
+            raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
+        return Precision(model, self, backend, plan)
+
+
+def parameterised_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Leaf modules that hold parameters of their own: the modules a policy assigns."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if next(module.children(), None) is None
+        and next(module.parameters(recurse=False), None) is not None
+    ]
+
+
+def _mark_leaves(prefix: str, module: nn.Module, dtype: str, into: dict[str, str]) -> None:
+    for name, sub in module.named_modules(prefix=prefix):
+        if next(sub.children(), None) is None:
+            into[name] = dtype
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read a policy YAML file (as written by ``autoprec search`` or by hand)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise PolicyError(f"{path}: cannot read ({error.strerror or error})") from None
+    return Policy.from_yaml(text, str(path))

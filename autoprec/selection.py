@@ -1,0 +1,73 @@
+"""Choosing among measured policies: the Pareto front and the best under a preference.
+
+Pure functions over plain records, so the same choice can be made from a live study,
+from summary.json, or in a test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PREFERENCES = ("speed", "memory", "balanced")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A measured policy: the baseline or a finished trial."""
+
+    key: Any  # trial number, or "baseline"
+    accuracy: float
+    peak_memory_mb: float
+    step_time_ms: float
+    feasible: bool
+
+
+def dominates(a: Candidate, b: Candidate) -> bool:
+    """a is at least as good as b in accuracy, memory and time, and better in one."""
+    at_least = (
+        a.accuracy >= b.accuracy
+        and a.peak_memory_mb <= b.peak_memory_mb
+        and a.step_time_ms <= b.step_time_ms
+    )
+    better = (
+        a.accuracy > b.accuracy
+        or a.peak_memory_mb < b.peak_memory_mb
+        or a.step_time_ms < b.step_time_ms
+    )
+    return at_least and better
+
+
+def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates no other candidate dominates, in input order."""
+    return [c for c in candidates if not any(dominates(o, c) for o in candidates)]
+
+
+def select_best(
+    candidates: Sequence[Candidate], prefer: str = "speed", reference: Candidate | None = None
+) -> Candidate | None:
+    """The best feasible candidate.
+
+    - ``speed``: lowest step time, then lowest memory, then highest accuracy;
+    - ``memory``: lowest peak memory, then lowest step time, then highest accuracy;
+    - ``balanced``: lowest sum of step time and memory, each relative to ``reference``
+      (the fp32 baseline), then highest accuracy.
+    """
+    if prefer not in PREFERENCES:
+        raise ValueError(f"prefer: expected one of {PREFERENCES}, got {prefer!r}")
+    feasible = [c for c in candidates if c.feasible]
+    if not feasible:
+        return None
+    if prefer == "speed":
+        return min(feasible, key=lambda c: (c.step_time_ms, c.peak_memory_mb, -c.accuracy))
+    if prefer == "memory":
+        return min(feasible, key=lambda c: (c.peak_memory_mb, c.step_time_ms, -c.accuracy))
+    ref = reference or feasible[0]
+    return min(
+        feasible,
+        key=lambda c: (
+            c.step_time_ms / ref.step_time_ms + c.peak_memory_mb / ref.peak_memory_mb,
+            -c.accuracy,
+        ),
+    )

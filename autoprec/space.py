@@ -1,0 +1,366 @@
+"""Search spaces: which dtypes each group of layers may take, and the loss-scale ranges.
+
+A space is read from YAML (see ``search_spaces/*.yaml``)::
+
+    name: digits-mlp
+    accuracy_tolerance: 0.01     # feasible when accuracy drops at most this much from fp32
+    default_dtype: fp32          # parameterised layers that no group names
+    dtypes: [fp32, fp16, bf16]   # choices of a group that lists none
+    groups:                      # first match wins, as in a policy
+      - {name: fc1, patterns: [fc1]}
+      - {name: norms, types: [LayerNorm], dtypes: [fp32, bf16]}
+    loss_scale:
+      modes: [none, static, dynamic]
+      static_scale_log2: [0, 24]   # static scale 2**k, k in this range
+      init_scale_log2: [8, 24]     # dynamic: initial scale 2**k
+      growth_interval: [10, 2000]  # dynamic: sampled on a log scale
+      hysteresis: [1, 1]           # dynamic: a fixed value when both ends agree
+
+Each Optuna parameter is named after what it sets: ``dtype.<group>``,
+``loss_scale.mode``, ``loss_scale.init_scale_log2`` and so on. Loss scaling is only
+searched when some group is fp16: bf16 has fp32's exponent range and needs none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+from torch import nn
+
+from autoprec.devices import DTYPES
+from autoprec.errors import PolicyError, SpaceError
+from autoprec.policy import Policy, Rule, parameterised_leaves
+from autoprec.scaling import MODES, LossScale
+
+DEFAULT_SPACE = "default"
+_SPACE_FIELDS = (
+    "name",
+    "description",
+    "accuracy_tolerance",
+    "default_dtype",
+    "dtypes",
+    "groups",
+    "loss_scale",
+)
+_GROUP_FIELDS = ("name", "patterns", "types", "dtypes", "optional")
+_RANGE_FIELDS = {
+    "static_scale_log2": (0, 24),
+    "init_scale_log2": (16, 16),
+    "growth_interval": (2000, 2000),
+    "hysteresis": (1, 1),
+}
+
+
+class Suggester(Protocol):
+    """What a space needs from an Optuna trial (``optuna.Trial`` satisfies it)."""
+
+    def suggest_categorical(self, name: str, choices: Any) -> Any: ...
+
+    def suggest_int(self, name: str, low: int, high: int, *, log: bool = False) -> int: ...
+
+
+@dataclass(frozen=True)
+class Group:
+    """Layers searched together. An optional group that matches nothing in a model is
+    dropped for that model; any other group must match something."""
+
+    name: str
+    rule: Rule
+    dtypes: tuple[str, ...]
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class LossScaleSpace:
+    modes: tuple[str, ...] = ("none", "static", "dynamic")
+    ranges: Mapping[str, tuple[int, int]] = field(default_factory=lambda: dict(_RANGE_FIELDS))
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    name: str
+    groups: tuple[Group, ...]
+    accuracy_tolerance: float = 0.01
+    default_dtype: str = "fp32"
+    loss_scale: LossScaleSpace = field(default_factory=LossScaleSpace)
+    description: str = ""
+    source: str = "<space>"
+
+    # -- reading -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str) -> SearchSpace:
+        def fail(message: str) -> SpaceError:
+            return SpaceError(f"{source}: {message}")
+
+        if not isinstance(data, dict):
+            raise fail("expected a mapping at the top")
+        unknown = sorted(set(data) - set(_SPACE_FIELDS))
+        if unknown:
+            raise fail(f"{unknown[0]}: unknown field (expected {list(_SPACE_FIELDS)})")
+        name = data.get("name", Path(source).stem)
+        if not isinstance(name, str) or not name:
+            raise fail("name: expected a non-empty string")
+        tolerance = data.get("accuracy_tolerance", 0.01)
+        if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or tolerance < 0:
+            raise fail(f"accuracy_tolerance: expected a number of at least 0, got {tolerance!r}")
+        default_dtype = data.get("default_dtype", "fp32")
+        if default_dtype not in DTYPES:
+            raise fail(
+                f"default_dtype: unknown dtype {default_dtype!r} (expected fp32, fp16 or bf16)"
+            )
+        space_dtypes = _dtype_list(data.get("dtypes", list(DTYPES)), "dtypes", fail)
+        groups_data = data.get("groups")
+        if not isinstance(groups_data, list) or not groups_data:
+            raise fail("groups: expected a non-empty list")
+        groups = []
+        for i, item in enumerate(groups_data):
+            where = f"groups[{i}]"
+            if not isinstance(item, dict):
+                raise fail(f"{where}: expected a mapping")
+            unknown = sorted(set(item) - set(_GROUP_FIELDS))
+            if unknown:
+                raise fail(f"{where}.{unknown[0]}: unknown field (expected {list(_GROUP_FIELDS)})")
+            group_name = item.get("name")
+            if (
+                not isinstance(group_name, str)
+                or not group_name.replace("_", "").replace("-", "").isalnum()
+            ):
+                raise fail(f"{where}.name: expected a name of letters, digits, '-' and '_'")
+            if any(g.name == group_name for g in groups):
+                raise fail(f"{where}.name: group {group_name!r} is named twice")
+            try:
+                rule = Rule.from_dict(
+                    {k: item[k] for k in ("patterns", "types") if k in item} | {"dtype": "fp32"},
+                    where,
+                )
+            except PolicyError as error:
+                raise fail(str(error)) from None
+            dtypes = _dtype_list(item.get("dtypes", list(space_dtypes)), f"{where}.dtypes", fail)
+            optional = item.get("optional", False)
+            if not isinstance(optional, bool):
+                raise fail(f"{where}.optional: expected true or false")
+            groups.append(Group(group_name, replace(rule, name=group_name), dtypes, optional))
+        return cls(
+            name=name,
+            groups=tuple(groups),
+            accuracy_tolerance=float(tolerance),
+            default_dtype=default_dtype,
+            loss_scale=_loss_scale_space(data.get("loss_scale"), fail),
+            description=str(data.get("description", "")),
+            source=source,
+        )
+
+    # -- fitting a model and a device ----------------------------------------------------
+
+    def fit(self, model: nn.Module) -> SearchSpace:
+        """The space for this model. Each group must take (first match wins) at least one
+        leaf module with parameters; an optional group that takes none is dropped."""
+        leaves = parameterised_leaves(model)
+        taken = [False] * len(leaves)
+        kept = []
+        for i, group in enumerate(self.groups):
+            takes = False
+            for j, (name, module) in enumerate(leaves):
+                if not taken[j] and group.rule.matches(name, module):
+                    taken[j] = takes = True
+            if takes:
+                kept.append(group)
+            elif not group.optional:
+                raise SpaceError(
+                    f"{self.source}: groups[{i}] ({group.name}, {group.rule.describe()}): "
+                    f"matches no module with parameters in {type(model).__name__} "
+                    "that an earlier group has not taken"
+                )
+        if not kept:
+            raise SpaceError(
+                f"{self.source}: no group matches any module of {type(model).__name__}"
+            )
+        return replace(self, groups=tuple(kept))
+
+    def restrict(self, supported: set[str]) -> SearchSpace:
+        """The space without the dtypes a device cannot run."""
+        groups = []
+        for group in self.groups:
+            dtypes = tuple(d for d in group.dtypes if d in supported)
+            if not dtypes:
+                raise SpaceError(
+                    f"{self.source}: group {group.name!r}: none of its dtypes "
+                    f"({', '.join(group.dtypes)}) runs on this device"
+                )
+            groups.append(replace(group, dtypes=dtypes))
+        return replace(self, groups=tuple(groups))
+
+    def fingerprint(self) -> str:
+        """A short hash of what the space searches (not its name or description)."""
+        content = {
+            "groups": [(g.name, g.rule.to_dict(), g.dtypes, g.optional) for g in self.groups],
+            "default_dtype": self.default_dtype,
+            "loss_scale": [self.loss_scale.modes, sorted(self.loss_scale.ranges.items())],
+        }
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:12]
+
+    # -- from Optuna parameters to a policy ----------------------------------------------
+
+    def suggest(self, trial: Suggester) -> Policy:
+        """Ask the trial for every parameter of this space and build the policy."""
+        params: dict[str, Any] = {}
+        for group in self.groups:
+            params[f"dtype.{group.name}"] = trial.suggest_categorical(
+                f"dtype.{group.name}", list(group.dtypes)
+            )
+        if "fp16" in params.values():
+            space = self.loss_scale
+            mode = trial.suggest_categorical("loss_scale.mode", list(space.modes))
+            params["loss_scale.mode"] = mode
+            for key in _mode_fields(mode):
+                low, high = space.ranges[key]
+                if low != high:
+                    params[f"loss_scale.{key}"] = trial.suggest_int(
+                        f"loss_scale.{key}", low, high, log=key == "growth_interval"
+                    )
+        return self.policy(params)
+
+    def policy(self, params: Mapping[str, Any]) -> Policy:
+        """The policy for a set of parameter values (missing loss-scale values take the
+        low end of their range, or none when no group is fp16)."""
+        rules = tuple(replace(g.rule, dtype=params[f"dtype.{g.name}"]) for g in self.groups)
+        mode = params.get("loss_scale.mode", "none")
+        if mode == "none" or "fp16" not in {r.dtype for r in rules}:
+            loss_scale = LossScale()
+        else:
+
+            def value(key: str) -> int:
+                return int(params.get(f"loss_scale.{key}", self.loss_scale.ranges[key][0]))
+
+            if mode == "static":
+                loss_scale = LossScale("static", init_scale=2.0 ** value("static_scale_log2"))
+            else:
+                loss_scale = LossScale(
+                    "dynamic",
+                    init_scale=2.0 ** value("init_scale_log2"),
+                    growth_interval=value("growth_interval"),
+                    hysteresis=value("hysteresis"),
+                )
+        return Policy(rules=rules, default=self.default_dtype, loss_scale=loss_scale)
+
+    def uniform_params(self, dtype: str) -> dict[str, Any]:
+        """Parameters that put every group in ``dtype``; fp16 gets dynamic scaling with
+        torch's defaults where the space allows it (as Apex O1/O2 or GradScaler would)."""
+        params: dict[str, Any] = {f"dtype.{g.name}": dtype for g in self.groups}
+        if dtype == "fp16":
+            enabled = [m for m in self.loss_scale.modes if m != "none"]
+            mode = "dynamic" if "dynamic" in enabled else (enabled[0] if enabled else "none")
+            params["loss_scale.mode"] = mode
+            defaults = {
+                "static_scale_log2": 16,
+                "init_scale_log2": 16,
+                "growth_interval": 2000,
+                "hysteresis": 1,
+            }
+            for key in _mode_fields(mode):
+                low, high = self.loss_scale.ranges[key]
+                if low != high:
+                    params[f"loss_scale.{key}"] = min(max(defaults[key], low), high)
+        return params
+
+    def flat_params(self, policy: Policy) -> dict[str, str]:
+        """The same keys for every policy of this space (for MLflow's compare view)."""
+        flat = {f"dtype.{g.name}": r.dtype for g, r in zip(self.groups, policy.rules, strict=False)}
+        scale = policy.loss_scale
+        flat["loss_scale.mode"] = scale.mode
+        flat["loss_scale.init_scale"] = "-" if scale.mode == "none" else f"{scale.init_scale:g}"
+        dynamic = scale.mode == "dynamic"
+        flat["loss_scale.growth_interval"] = str(scale.growth_interval) if dynamic else "-"
+        flat["loss_scale.hysteresis"] = str(scale.hysteresis) if dynamic else "-"
+        return flat
+
+
+def _mode_fields(mode: str) -> tuple[str, ...]:
+    if mode == "static":
+        return ("static_scale_log2",)
+    if mode == "dynamic":
+        return ("init_scale_log2", "growth_interval", "hysteresis")
+    return ()
+
+
+def _dtype_list(value: Any, where: str, fail: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value:
+        raise fail(f"{where}: expected a non-empty list of dtypes")
+    for item in value:
+        if item not in DTYPES:
+            raise fail(f"{where}: unknown dtype {item!r} (expected fp32, fp16 or bf16)")
+    return tuple(dict.fromkeys(value))
+
+
+def _loss_scale_space(data: Any, fail: Any) -> LossScaleSpace:
+    if data is None:
+        return LossScaleSpace()
+    if not isinstance(data, dict):
+        raise fail("loss_scale: expected a mapping")
+    unknown = sorted(set(data) - {"modes", *_RANGE_FIELDS})
+    if unknown:
+        raise fail(
+            f"loss_scale.{unknown[0]}: unknown field (expected modes, {', '.join(_RANGE_FIELDS)})"
+        )
+    modes = data.get("modes", list(MODES))
+    if not isinstance(modes, list) or not modes or any(m not in MODES for m in modes):
+        raise fail(
+            f"loss_scale.modes: expected a list drawn from none, static, dynamic; got {modes!r}"
+        )
+    ranges = dict(_RANGE_FIELDS)
+    for key in _RANGE_FIELDS:
+        if key not in data:
+            continue
+        value = data[key]
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = [value, value]
+        if (
+            not isinstance(value, list)
+            or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            or value[0] > value[1]
+        ):
+            raise fail(
+                f"loss_scale.{key}: expected [low, high] integers with low <= high, got {value!r}"
+            )
+        minimum = 0 if key.endswith("log2") else 1
+        if value[0] < minimum or (key.endswith("log2") and value[1] > 64):
+            raise fail(f"loss_scale.{key}: out of range, got {value!r}")
+        ranges[key] = (value[0], value[1])
+    return LossScaleSpace(tuple(dict.fromkeys(modes)), ranges)
+
+
+def builtin_spaces() -> dict[str, Path]:
+    """Shipped space files by name."""
+    folder = resources.files("autoprec.search_spaces")
+    return {
+        Path(entry.name).stem: Path(str(entry))
+        for entry in folder.iterdir()
+        if entry.name.endswith(".yaml")
+    }
+
+
+def load_space(spec: str | Path) -> SearchSpace:
+    """A space by shipped name (``default``, ``digits-cnn``, ...) or YAML file path."""
+    shipped = builtin_spaces()
+    path = shipped[str(spec)] if str(spec) in shipped else Path(spec)
+    if not path.is_file():
+        names = ", ".join(sorted(shipped))
+        raise SpaceError(f"space {str(spec)!r}: no such file, and not a shipped space ({names})")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise SpaceError(f"{path}: cannot read ({error.strerror or error})") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise SpaceError(f"{path}: not valid YAML{where}") from None
+    return SearchSpace.from_dict(data, str(path))

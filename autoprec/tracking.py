@@ -1,0 +1,201 @@
+"""MLflow: one experiment per study, one parent run per search, one child run per trial.
+
+Each trial is logged with one ``log_batch`` call (params, metrics) after the run is
+created with its tags, plus its policy YAML as an artifact. The parent carries the
+search settings as params, the best policy and summary as artifacts, the best trial's
+metrics as ``best.<metric>``, and the tag ``autoprec.best_run_id`` naming the best child.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from autoprec.errors import StoreError
+from autoprec.policy import Policy
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
+DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"
+ROLE_TAG = "autoprec.role"
+BEST_TAG = "autoprec.best_run_id"
+STUDY_TAG = "autoprec.study"
+POLICY_ARTIFACT = "policy.yaml"
+BEST_POLICY_ARTIFACT = "best_policy.yaml"
+SUMMARY_ARTIFACT = "summary.json"
+_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "databricks")
+
+
+def check_tracking_uri(uri: str) -> str:
+    """Refuse a URI MLflow would not understand, before anything is written."""
+    scheme = urlparse(uri).scheme.split("+")[0]
+    if scheme not in _SCHEMES:
+        raise StoreError(
+            f"--tracking-uri {uri!r}: unsupported scheme (expected sqlite:///path, "
+            "http(s)://host:port, postgresql://..., or file:///path)"
+        )
+    return uri
+
+
+def _client(uri: str) -> MlflowClient:
+    # No usage telemetry and no download progress bars from MLflow.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("DO_NOT_TRACK", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    from mlflow.tracking import MlflowClient
+
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri)
+
+
+def _is_local(uri: str) -> bool:
+    return urlparse(uri).scheme.split("+")[0] in ("sqlite", "file", "postgresql", "mysql")
+
+
+class Tracker:
+    """Writes one study's runs to an MLflow tracking store."""
+
+    def __init__(self, tracking_uri: str, study: str, artifact_root: Path) -> None:
+        """Connect and look the experiment up; nothing is written yet."""
+        self.uri = tracking_uri
+        self.study = study
+        self.artifact_root = artifact_root
+        try:
+            self.client = _client(tracking_uri)
+            self._experiment = self.client.get_experiment_by_name(study)
+        except Exception as error:
+            raise StoreError(f"MLflow store {tracking_uri}: {_first_line(error)}") from None
+
+    def _experiment_id(self) -> str:
+        """The study's experiment, created on first use with its artifacts under runs/."""
+        experiment = self._experiment
+        if experiment is None:
+            location = None
+            if _is_local(self.uri):
+                location = (self.artifact_root / "mlartifacts" / self.study).resolve().as_uri()
+            experiment_id = self.client.create_experiment(self.study, artifact_location=location)
+            self._experiment = self.client.get_experiment(experiment_id)
+        elif experiment.lifecycle_stage == "deleted":
+            self.client.restore_experiment(experiment.experiment_id)
+        return self._experiment.experiment_id
+
+    def start_parent(self, run_id: str | None, params: dict[str, Any]) -> str:
+        """Create the study's parent run, or reopen it when the study is continued."""
+        from mlflow.entities import Param
+
+        if run_id is not None:
+            self.client.update_run(run_id, status="RUNNING")
+            return run_id
+        run = self.client.create_run(
+            self._experiment_id(),
+            run_name=f"search-{self.study}",
+            tags={ROLE_TAG: "parent", STUDY_TAG: self.study},
+        )
+        self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+        return run.info.run_id
+
+    def log_trial(
+        self,
+        parent_run_id: str,
+        run_name: str,
+        params: dict[str, str],
+        metrics: dict[str, float],
+        tags: dict[str, str],
+        policy: Policy,
+        status: str = "FINISHED",
+    ) -> str:
+        """One child run: created with its tags, one batch of params and metrics, the
+        policy as an artifact, then closed."""
+        from mlflow.entities import Metric, Param
+
+        timestamp_ms = int(time.time() * 1000)
+        run = self.client.create_run(
+            self._experiment_id(),
+            run_name=run_name,
+            tags={"mlflow.parentRunId": parent_run_id, STUDY_TAG: self.study, **tags},
+        )
+        run_id = run.info.run_id
+        self.client.log_batch(
+            run_id,
+            metrics=[Metric(k, float(v), timestamp_ms, 0) for k, v in metrics.items()],
+            params=[Param(k, str(v)) for k, v in params.items()],
+        )
+        self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+        self.client.set_terminated(run_id, status)
+        return run_id
+
+    def finish_parent(
+        self,
+        parent_run_id: str,
+        best_run_id: str | None,
+        best_metrics: dict[str, float],
+        best_policy_path: Path,
+        summary_path: Path,
+    ) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        timestamp_ms = int(time.time() * 1000)
+        tags = [RunTag(BEST_TAG, best_run_id)] if best_run_id else []
+        self.client.log_batch(
+            parent_run_id,
+            metrics=[Metric(f"best.{k}", v, timestamp_ms, 0) for k, v in best_metrics.items()],
+            tags=tags,
+        )
+        self.client.log_artifact(parent_run_id, str(best_policy_path))
+        self.client.log_artifact(parent_run_id, str(summary_path))
+        self.client.set_terminated(parent_run_id, "FINISHED")
+
+    def end_parent(self, parent_run_id: str, status: str) -> None:
+        self.client.set_terminated(parent_run_id, status)
+
+
+def find_parent_run(client: MlflowClient, study: str, uri: str) -> Any:
+    experiment = client.get_experiment_by_name(study)
+    if experiment is None:
+        raise StoreError(f"study {study!r}: no MLflow experiment of that name in {uri}")
+    runs = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`{ROLE_TAG}` = 'parent'",
+        max_results=1,
+    )
+    if not runs:
+        raise StoreError(f"study {study!r}: no search run in {uri}")
+    return runs[0]
+
+
+def load_best_policy(study: str, tracking_uri: str = DEFAULT_TRACKING_URI) -> Policy:
+    """The best policy of a finished search, read back from MLflow."""
+    check_tracking_uri(tracking_uri)
+    if (
+        tracking_uri.startswith("sqlite:///")
+        and not Path(tracking_uri.removeprefix("sqlite:///")).is_file()
+    ):
+        raise StoreError(f"MLflow store {tracking_uri}: no such database file")
+    try:
+        client = _client(tracking_uri)
+        parent = find_parent_run(client, study, tracking_uri)
+        with tempfile.TemporaryDirectory() as folder:
+            path = client.download_artifacts(parent.info.run_id, BEST_POLICY_ARTIFACT, folder)
+            text = Path(path).read_text()
+    except StoreError:
+        raise
+    except Exception as error:
+        raise StoreError(
+            f"study {study!r}: cannot read {BEST_POLICY_ARTIFACT} from {tracking_uri} "
+            f"({_first_line(error)})"
+        ) from None
+    return Policy.from_yaml(text, f"{tracking_uri} {study}/{BEST_POLICY_ARTIFACT}")
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:300]

@@ -1,0 +1,1 @@
+"""Search spaces shipped with autoprec (YAML files beside this one)."""

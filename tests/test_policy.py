@@ -1,0 +1,180 @@
+"""Policies: YAML round trip, strict validation, resolution and the apply mechanism."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec import LossScale, Policy, Rule, load_policy
+from autoprec.errors import PolicyError
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        OrderedDict(
+            fc1=nn.Linear(8, 16),
+            norm=nn.LayerNorm(16),
+            act=nn.ReLU(),
+            block=nn.Sequential(OrderedDict(fc=nn.Linear(16, 16), act=nn.ReLU())),
+            head=nn.Linear(16, 3),
+        )
+    )
+
+
+MIXED = Policy(
+    rules=(
+        Rule("fp32", types=("LayerNorm",), name="norms"),
+        Rule("bf16", patterns=("block",), name="block"),
+        Rule("fp32", patterns=("head",), name="head"),
+    ),
+    default="fp16",
+    loss_scale=LossScale("dynamic", init_scale=1024.0, growth_interval=50, hysteresis=2),
+    tf32=False,
+    name="mixed",
+)
+
+
+def test_yaml_round_trip(tmp_path):
+    path = MIXED.save(tmp_path / "policy.yaml")
+    assert load_policy(path) == MIXED
+    assert Policy.from_yaml(MIXED.to_yaml()).to_dict() == MIXED.to_dict()
+
+
+def test_uniform_policy_round_trip_and_defaults():
+    fp16 = Policy.uniform("fp16")
+    assert fp16.loss_scale == LossScale("dynamic")  # torch's GradScaler defaults
+    assert fp16.loss_scale.init_scale == 2.0**16
+    assert fp16.loss_scale.growth_interval == 2000
+    assert Policy.from_yaml(fp16.to_yaml()) == fp16
+    assert Policy.uniform("bf16").loss_scale.mode == "none"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("default: fp8\n", "default: unknown dtype 'fp8'"),
+        ("rules:\n- patterns: [fc1]\n  dtype: int8\n", "rules[0].dtype: unknown dtype 'int8'"),
+        ("rules:\n- dtype: fp16\n", "rules[0]: needs patterns, types or both"),
+        (
+            "rules:\n- patterns: [fc1]\n  dtype: fp16\n  colour: red\n",
+            "rules[0].colour: unknown field",
+        ),
+        ("loss_scale: {mode: sometimes}\n", "loss_scale.mode: unknown mode 'sometimes'"),
+        ("loss_scale: {mode: dynamic, backoff_factor: 2.0}\n", "loss_scale.backoff_factor"),
+        ("loss_scale: {mode: dynamic, growth_interval: 1.5}\n", "loss_scale.growth_interval"),
+        ("switches: {tf32: maybe}\n", "switches.tf32"),
+        ("precision: fp16\n", "precision: unknown field"),
+        ("rules: [a, b\n", "not valid YAML"),
+        ("- just\n- a list\n", "expected a mapping"),
+    ],
+)
+def test_validation_names_the_field(text, message):
+    with pytest.raises(PolicyError, match=r"^my\.yaml: ") as caught:
+        Policy.from_yaml(text, "my.yaml")
+    assert message in str(caught.value)
+
+
+def test_unreadable_file(tmp_path):
+    with pytest.raises(PolicyError, match="cannot read"):
+        load_policy(tmp_path / "missing.yaml")
+
+
+def test_rule_that_matches_no_module_is_an_error():
+    policy = Policy(rules=(Rule("fp16", patterns=("encoder.*",)),))
+    with pytest.raises(PolicyError, match=r"rules\[0\] \(patterns encoder.\*\): matches no module"):
+        policy.resolve(mlp())
+
+
+def test_resolve_maps_every_leaf():
+    model = mlp()
+    leaves = {n for n, m in model.named_modules() if not list(m.children())}
+    resolved = MIXED.resolve(model)
+    assert set(resolved) == leaves
+    assert resolved["fc1"] == "fp16"
+    assert resolved["norm"] == "fp32"
+    assert resolved["block.fc"] == "bf16"
+    assert resolved["head"] == "fp32"
+
+
+def test_patterns_cover_descendants_and_types_cover_subclasses():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(8, 2))
+    policy = Policy(rules=(Rule("fp32", types=("_BatchNorm",)),), default="bf16")
+    resolved = policy.resolve(model)
+    assert resolved["1"] == "fp32"
+    assert resolved["0"] == "bf16"
+
+
+def test_uniform_policy_installs_no_region():
+    model = mlp()
+    plan = Policy.uniform("bf16").plan(model)
+    assert plan.regions == ()
+    prec = Policy.uniform("bf16").apply(model, "cpu")
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    prec.remove()
+
+
+def _blocky() -> nn.Module:
+    block = nn.Sequential(OrderedDict(a=nn.Linear(16, 16), act=nn.ReLU(), b=nn.Linear(16, 16)))
+    return nn.Sequential(OrderedDict(fc1=nn.Linear(8, 16), block=block, head=nn.Linear(16, 3)))
+
+
+def test_same_dtype_neighbours_share_one_region():
+    # The outer region takes the dtype holding most parameters; a whole same-dtype
+    # subtree gets one region, never one per leaf.
+    plan = Policy(rules=(Rule("fp16", patterns=("fc1",)),)).plan(_blocky())
+    assert plan.outer_dtype == "fp32"
+    assert plan.regions == (("fc1", "fp16"),)
+    plan = Policy(rules=(Rule("fp16", patterns=("block",)),)).plan(_blocky())
+    assert plan.outer_dtype == "fp16"
+    assert dict(plan.regions) == {"fc1": "fp32", "head": "fp32"}
+    assert plan.leaf_dtypes["block.act"] == "fp16"
+
+
+def _run_dtypes(policy: Policy, model: nn.Module) -> dict[str, torch.dtype]:
+    """The dtype each parameterised leaf produced in one forward pass."""
+    seen: dict[str, torch.dtype] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear | nn.LayerNorm):
+            module.register_forward_hook(
+                lambda mod, args, out, name=name: seen.__setitem__(name, out.dtype)
+            )
+    prec = policy.apply(model, "cpu")
+    with prec.autocast():
+        out = model(torch.randn(4, 8))
+    loss = out.float().sum()
+    prec.backward(loss)
+    prec.remove()
+    return seen
+
+
+@pytest.mark.parametrize("low", ["fp16", "bf16"])
+def test_fp32_layers_stay_fp32_inside_low_precision_regions(low):
+    model = mlp()
+    policy = Policy(rules=(Rule("fp32", patterns=("fc1", "head")),), default=low)
+    assert policy.plan(model).outer_dtype == low
+    dtypes = _run_dtypes(policy, model)
+    assert dtypes["fc1"] == torch.float32
+    assert dtypes["head"] == torch.float32  # its input came from a low-precision layer
+    assert dtypes["block.fc"] == {"fp16": torch.float16, "bf16": torch.bfloat16}[low]
+    # Master weights and their gradients stay fp32.
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_remove_restores_the_model():
+    model = mlp()
+    x = torch.randn(2, 8)
+    expected = model(x)
+    prec = MIXED.apply(model, "cpu")
+    prec.remove()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_low_precision_share_counts_parameters():
+    model = nn.Sequential(OrderedDict(big=nn.Linear(10, 10), small=nn.Linear(10, 1)))
+    policy = Policy(rules=(Rule("fp16", patterns=("big",)),))
+    assert policy.low_precision_share(model) == pytest.approx(110 / 121)

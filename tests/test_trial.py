@@ -1,0 +1,117 @@
+"""The trial runner: each dtype trains, failures become results, never exceptions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import autoprec
+from autoprec import Budget, Policy, Rule, get_backend, run_trial
+
+CPU = get_backend("cpu")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_each_dtype_trains(tiny_task, dtype):
+    result = run_trial(tiny_task, Policy.uniform(dtype), CPU, Budget(steps=40))
+    assert result.state == "complete", result.reason
+    assert result.accuracy > 0.6  # 4 classes: chance is 0.25
+    assert result.losses[-1] < result.losses[0]
+    assert result.steps_run == 40
+    assert result.step_time_ms > 0
+    assert result.peak_memory_mb > 0 and result.peak_memory_is_estimate
+    assert result.low_precision_share == (0.0 if dtype == "fp32" else 1.0)
+    metrics = result.metrics()
+    for name in (
+        "accuracy",
+        "step_time_ms",
+        "peak_memory_mb",
+        "overflow_steps",
+        "nonfinite_steps",
+        "grad_underflow_ratio",
+        "final_loss",
+    ):
+        assert name in metrics
+    if dtype == "fp16":
+        assert result.loss_scales[0] == 2.0**16
+
+
+def test_same_seed_same_result(tiny_task):
+    first = run_trial(tiny_task, Policy.uniform("fp32"), CPU, Budget(steps=10))
+    second = run_trial(tiny_task, Policy.uniform("fp32"), CPU, Budget(steps=10))
+    assert first.losses == second.losses
+    assert first.accuracy == second.accuracy
+
+
+def test_low_precision_activations_shrink_the_cpu_memory_estimate(tiny_task):
+    wide = autoprec.Task(
+        "wide",
+        lambda: torch.nn.Sequential(
+            torch.nn.Linear(16, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4)
+        ),
+        tiny_task.train_data,
+        tiny_task.val_data,
+        tiny_task.loss,
+    )
+    fp32 = run_trial(wide, Policy.uniform("fp32"), CPU, Budget(steps=4, warmup_steps=2))
+    bf16 = run_trial(wide, Policy.uniform("bf16"), CPU, Budget(steps=4, warmup_steps=2))
+    assert bf16.peak_memory_mb < fp32.peak_memory_mb
+
+
+def test_nonfinite_loss_without_scaling_is_pruned_with_reason(tiny_task):
+    def exploding_loss(outputs, targets):
+        return torch.nn.functional.cross_entropy(outputs, targets) * float("inf")
+
+    task = autoprec.Task(
+        "inf", tiny_task.model, tiny_task.train_data, tiny_task.val_data, exploding_loss
+    )
+    result = run_trial(task, Policy.uniform("fp32"), CPU, Budget(steps=10))
+    assert result.state == "pruned"
+    assert "non-finite loss" in result.reason and "step 0" in result.reason
+    assert result.nonfinite_steps == 1
+    assert result.accuracy is None
+
+
+def test_overflowing_fp16_layer_is_caught_by_the_scaler_then_pruned(tiny_task):
+    class Blowup(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc(x * 1e6)  # past fp16's 65504 once cast
+
+    task = autoprec.Task("blowup", Blowup, tiny_task.train_data, tiny_task.val_data, tiny_task.loss)
+    result = run_trial(task, Policy.uniform("fp16"), CPU, Budget(steps=20))
+    assert result.state == "pruned"
+    assert result.nonfinite_steps >= 5
+    assert result.overflow_steps >= 5
+    # The same model with that layer kept in fp32 trains.
+    kept = Policy(rules=(Rule("fp32", patterns=("fc",)),), default="fp16")
+    assert run_trial(task, kept, CPU, Budget(steps=20)).state == "complete"
+
+
+def test_exception_becomes_failed_trial(tiny_task):
+    def broken_data(seed):
+        yield torch.randn(32, 5), torch.zeros(32, dtype=torch.long)  # wrong width
+
+    task = autoprec.Task("broken", tiny_task.model, broken_data, tiny_task.val_data, tiny_task.loss)
+    result = run_trial(task, Policy.uniform("fp32"), CPU, Budget(steps=4))
+    assert result.state == "failed"
+    assert result.reason.startswith("RuntimeError")
+    assert result.run_time_s > 0
+
+
+def test_custom_metric_is_used(tiny_task):
+    task = autoprec.Task(
+        "m",
+        tiny_task.model,
+        tiny_task.train_data,
+        tiny_task.val_data,
+        tiny_task.loss,
+        metric=lambda out, y: -float(out.abs().mean()),
+    )
+    result = run_trial(task, Policy.uniform("fp32"), CPU, Budget(steps=4))
+    assert result.accuracy < 0 and math.isfinite(result.accuracy)
