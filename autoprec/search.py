@@ -33,7 +33,12 @@ from autoprec.policy import Policy
 from autoprec.selection import PREFERENCES, Candidate, pareto_front, select_best
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
 from autoprec.tasks import DEFAULT_TASK, Task, check_task, load_task
-from autoprec.tracking import DEFAULT_TRACKING_URI, Tracker, check_tracking_uri
+from autoprec.tracking import (
+    DEFAULT_TRACKING_URI,
+    Tracker,
+    absolute_sqlite_uri,
+    check_tracking_uri,
+)
 from autoprec.trial import Budget, TrialResult, run_trial
 
 DEFAULT_STORAGE = "sqlite:///runs/optuna.db"
@@ -138,7 +143,9 @@ def search(
 
     # 2. Stores: both reachable before either is written to.
     tracker = Tracker(tracking_uri, study_name, runs_dir)
-    optuna_study = _open_study(study_name, storage, sampler, seed, settings, trials)
+    optuna_study = _open_study(
+        study_name, absolute_sqlite_uri(storage), sampler, seed, settings, trials
+    )
     parent_id = tracker.start_parent(
         optuna_study.user_attrs.get("mlflow_parent_run_id"),
         {

@@ -43,6 +43,17 @@ def check_tracking_uri(uri: str) -> str:
     return uri
 
 
+def absolute_sqlite_uri(uri: str) -> str:
+    """``sqlite:///runs/x.db`` made absolute: relative paths would follow the working
+    directory, and MLflow caches its stores by URI within a process."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        path = uri.removeprefix(prefix)
+        if path and path != ":memory:":
+            return prefix + str(Path(path).resolve())
+    return uri
+
+
 def _client(uri: str) -> MlflowClient:
     # No usage telemetry and no download progress bars from MLflow.
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -53,6 +64,7 @@ def _client(uri: str) -> MlflowClient:
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
+    uri = absolute_sqlite_uri(uri)
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     return MlflowClient(tracking_uri=uri)
@@ -176,10 +188,8 @@ def find_parent_run(client: MlflowClient, study: str, uri: str) -> Any:
 def load_best_policy(study: str, tracking_uri: str = DEFAULT_TRACKING_URI) -> Policy:
     """The best policy of a finished search, read back from MLflow."""
     check_tracking_uri(tracking_uri)
-    if (
-        tracking_uri.startswith("sqlite:///")
-        and not Path(tracking_uri.removeprefix("sqlite:///")).is_file()
-    ):
+    local = absolute_sqlite_uri(tracking_uri)
+    if local.startswith("sqlite:///") and not Path(local.removeprefix("sqlite:///")).is_file():
         raise StoreError(f"MLflow store {tracking_uri}: no such database file")
     try:
         client = _client(tracking_uri)
