@@ -86,6 +86,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="how the best feasible policy is chosen",
     )
     s.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="Optuna sampler")
+    s.add_argument(
+        "--confirm-top",
+        type=int,
+        default=3,
+        help="re-time this many of the fastest feasible policies side by side with the "
+        "fp32 baseline before choosing (0: off; skipped with --prefer memory)",
+    )
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     b = commands.add_parser("best", help="print a study's best policy (from MLflow)")
@@ -131,6 +138,16 @@ class _Progress:
         elif event == "trial_end" and self.bar is not None:
             self.bar.update(1)
             self._show_best(data)
+        elif event == "confirm":
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+            print(
+                f"timing the {data['count'] - 1} fastest policies and the baseline "
+                "side by side ...",
+                file=sys.stderr,
+                flush=True,
+            )
         elif event == "exhausted":
             print(
                 "\nthe space seems exhausted: the sampler keeps proposing measured policies",
@@ -167,6 +184,7 @@ def _search(args: argparse.Namespace) -> int:
         accuracy_tolerance=args.accuracy_tolerance,
         prefer=args.prefer,
         sampler=args.sampler,
+        confirm_top=args.confirm_top,
         progress=progress,
     )
     summary = result.summary

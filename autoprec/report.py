@@ -11,6 +11,8 @@ def policy_label(params: dict[str, str]) -> str:
     mode = params.get("loss_scale.mode", "none")
     if mode != "none":
         parts.append(f"scale={mode}:{params.get('loss_scale.init_scale', '-')}")
+    elif "fp16" in params.values():
+        parts.append("scale=none")
     return " ".join(parts)
 
 
@@ -34,7 +36,8 @@ def front_table(summary: dict[str, Any]) -> str:
                 str(r["number"]),
                 _fmt(m.get("accuracy"), ".4f"),
                 _fmt(m.get("accuracy_drop"), "+.4f"),
-                _fmt(m.get("step_time_ms"), ".2f"),
+                _fmt(m.get("confirmed_step_time_ms", m.get("step_time_ms")), ".2f")
+                + ("+" if "confirmed_step_time_ms" in m else ""),
                 _fmt(m.get("peak_memory_mb"), ".2f"),
                 "yes" if r["feasible"] else "no",
                 policy_label(r["params"]),
@@ -49,6 +52,8 @@ def front_table(summary: dict[str, Any]) -> str:
         "* chosen policy; rows: the Pareto front (accuracy, memory, step time) "
         "and the fp32 baseline"
     ]
+    if summary.get("step_times_confirmed"):
+        notes.append("+ step time re-measured side by side with the fp32 baseline")
     if summary.get("peak_memory_is_estimate"):
         notes.append(
             "~ CPU memory is an estimate: parameters, gradients, optimizer state "

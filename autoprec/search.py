@@ -39,7 +39,7 @@ from autoprec.tracking import (
     absolute_sqlite_uri,
     check_tracking_uri,
 )
-from autoprec.trial import Budget, TrialResult, run_trial
+from autoprec.trial import Budget, TrialResult, run_trial, time_side_by_side
 
 DEFAULT_STORAGE = "sqlite:///runs/optuna.db"
 DEFAULT_RUNS_DIR = Path("runs")
@@ -50,6 +50,7 @@ DIRECTIONS = ("maximize", "minimize", "minimize")
 # many in a row the space is taken as exhausted.
 MAX_DUPLICATES_IN_A_ROW = 25
 RECORD_ATTR = "autoprec"  # the Optuna user attribute holding a trial's policy and result
+CONFIRMED_ATTR = "confirmed_step_time_ms"  # study attribute: side-by-side re-timings
 _STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "failed": TrialState.FAIL}
 
@@ -98,11 +99,14 @@ def search(
     prefer: str = "speed",
     sampler: str = "tpe",
     runs_dir: str | Path = DEFAULT_RUNS_DIR,
+    confirm_top: int = 3,
     progress: ProgressCallback | None = None,
 ) -> SearchResult:
     """Search precision policies for a task and return the best one.
 
     ``trials`` is the study's total: continuing a study runs only what is missing.
+    Unless ``prefer="memory"``, the ``confirm_top`` fastest feasible policies are timed
+    again side by side with the baseline before the choice (0 skips that).
     """
     started_s = time.perf_counter()
     notify = progress or (lambda event, data: None)
@@ -114,6 +118,8 @@ def search(
         space = load_space(space or default_space_for(task.name))
     backend = get_backend(device)
     space = space.fit(model).restrict({d for d in DTYPES if backend.supports(d)})
+    if not isinstance(confirm_top, int) or confirm_top < 0:
+        raise AutoprecError(f"--confirm-top: expected an integer >= 0, got {confirm_top!r}")
     if not isinstance(trials, int) or trials < 1:
         raise AutoprecError(f"--trials: expected a positive integer, got {trials!r}")
     budget = Budget(steps=steps, seed=seed)
@@ -176,13 +182,14 @@ def search(
         # 4. Trials.
         context = _Context(task, space, backend, budget, tracker, parent_id, baseline, tolerance)
         _run_trials(optuna_study, context, trials, prefer, notify)
+        confirmed = _confirm_step_times(optuna_study, context, prefer, confirm_top, notify)
         status = "FINISHED"
     finally:
         if status != "FINISHED":
             tracker.end_parent(parent_id, status)
 
     # 5. Choice and outputs.
-    summary = summarize(optuna_study, space, baseline, tolerance, prefer)
+    summary = summarize(optuna_study, space, baseline, tolerance, prefer, confirmed)
     summary["settings"] = {
         **settings,
         "trials": trials,
@@ -458,32 +465,86 @@ def _record(trial: optuna.trial.FrozenTrial) -> TrialRecord:
     )
 
 
-def candidates(records: list[TrialRecord]) -> list[Candidate]:
+def candidates(
+    records: list[TrialRecord], confirmed: dict[str, float] | None = None
+) -> list[Candidate]:
+    """Completed records as candidates; a confirmed step time replaces the trial's own."""
+    confirmed = confirmed or {}
     return [
         Candidate(
-            r.number, r.result.accuracy, r.result.peak_memory_mb, r.result.step_time_ms, r.feasible
+            r.number,
+            r.result.accuracy,
+            r.result.peak_memory_mb,
+            confirmed.get(str(r.number), r.result.step_time_ms),
+            r.feasible,
         )
         for r in records
         if r.result.state == "complete" and r.result.accuracy is not None
     ]
 
 
-def best_record(records: list[TrialRecord], baseline: TrialRecord, prefer: str) -> TrialRecord:
+def best_record(
+    records: list[TrialRecord],
+    baseline: TrialRecord,
+    prefer: str,
+    confirmed: dict[str, float] | None = None,
+) -> TrialRecord:
     """The best feasible record (the fp32 baseline is always a feasible candidate)."""
     pool = [baseline, *records]
-    chosen = select_best(candidates(pool), prefer, reference=candidates([baseline])[0])
+    chosen = select_best(
+        candidates(pool, confirmed), prefer, reference=candidates([baseline], confirmed)[0]
+    )
     return next(r for r in pool if chosen is not None and r.number == chosen.key)
 
 
+def _confirm_step_times(
+    study: optuna.Study, ctx: _Context, prefer: str, top: int, notify: ProgressCallback
+) -> dict[str, float]:
+    """Re-time the ``top`` fastest feasible policies and the baseline side by side.
+
+    Kept in the study, and measured again only when the set of candidates changes.
+    """
+    if prefer == "memory" or top <= 0:
+        return {}
+    records = [_record(t) for t in _finished(study) if RECORD_ATTR in t.user_attrs]
+    fastest = sorted((c for c in candidates(records) if c.feasible), key=lambda c: c.step_time_ms)[
+        :top
+    ]
+    if not fastest:
+        return {}
+    keys = ["baseline", *(str(c.key) for c in fastest)]
+    stored = study.user_attrs.get(CONFIRMED_ATTR) or {}
+    if sorted(stored) == sorted(keys):
+        return stored
+    by_number = {str(r.number): r for r in records}
+    policies = [ctx.baseline.policy, *(by_number[k].policy for k in keys[1:])]
+    notify("confirm", {"count": len(keys)})
+    times_ms = time_side_by_side(ctx.task, policies, ctx.backend, ctx.budget)
+    confirmed = dict(zip(keys, times_ms, strict=True))
+    study.set_user_attr(CONFIRMED_ATTR, confirmed)
+    return confirmed
+
+
 def summarize(
-    study: optuna.Study, space: SearchSpace, baseline: TrialRecord, tolerance: float, prefer: str
+    study: optuna.Study,
+    space: SearchSpace,
+    baseline: TrialRecord,
+    tolerance: float,
+    prefer: str,
+    confirmed: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """summary.json: the baseline, every trial, the Pareto front, and the chosen best."""
+    """summary.json: the baseline, every trial, the Pareto front, and the chosen best.
+
+    Where step times were confirmed side by side, the front and the choice use them.
+    """
+    confirmed = confirmed or {}
     finished = {t.number: t for t in _finished(study) if RECORD_ATTR in t.user_attrs}
     records = [_record(t) for t in finished.values()]
-    front_keys = {c.key for c in pareto_front(candidates([baseline, *records]))}
-    best = best_record(records, baseline, prefer)
-    base = baseline.result
+    front_keys = {c.key for c in pareto_front(candidates([baseline, *records], confirmed))}
+    best = best_record(records, baseline, prefer, confirmed)
+
+    def step_time_ms(r: TrialRecord) -> float:
+        return confirmed.get(str(r.number), r.result.step_time_ms)
 
     def entry(r: TrialRecord) -> dict[str, Any]:
         return {
@@ -496,6 +557,11 @@ def summarize(
             "metrics": {
                 **r.result.metrics(),
                 **({"accuracy_drop": r.accuracy_drop} if r.accuracy_drop is not None else {}),
+                **(
+                    {"confirmed_step_time_ms": confirmed[str(r.number)]}
+                    if str(r.number) in confirmed
+                    else {}
+                ),
             },
             "feasible": r.feasible,
             "pareto": r.number in front_keys,
@@ -506,13 +572,16 @@ def summarize(
 
     best_entry = entry(best)
     best_entry["trial"] = best.number
-    best_entry["speedup_vs_fp32"] = base.step_time_ms / best.result.step_time_ms
-    best_entry["memory_saving_vs_fp32"] = 1.0 - best.result.peak_memory_mb / base.peak_memory_mb
+    best_entry["speedup_vs_fp32"] = step_time_ms(baseline) / step_time_ms(best)
+    best_entry["memory_saving_vs_fp32"] = (
+        1.0 - best.result.peak_memory_mb / baseline.result.peak_memory_mb
+    )
     duplicates = sum(1 for t in study.trials if "duplicate_of" in t.user_attrs)
     return {
         "study": study.study_name,
         "metric_names": [*TrialResult.METRICS, "accuracy_drop"],
-        "peak_memory_is_estimate": base.peak_memory_is_estimate,
+        "peak_memory_is_estimate": baseline.result.peak_memory_is_estimate,
+        "step_times_confirmed": sorted(confirmed),
         "accuracy_tolerance": tolerance,
         "prefer": prefer,
         "baseline": entry(baseline),
@@ -522,7 +591,7 @@ def summarize(
         ],
         "best": best_entry,
         "duplicates_skipped": duplicates,
-        "trial_time_s": base.run_time_s + sum(r.result.run_time_s for r in records),
+        "trial_time_s": baseline.result.run_time_s + sum(r.result.run_time_s for r in records),
     }
 
 

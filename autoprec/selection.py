@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 PREFERENCES = ("speed", "memory", "balanced")
+# Step times within this fraction of the fastest count as a tie: timing a shared machine
+# is not finer than that, and a tie goes to less memory, then higher accuracy.
+TIME_TIE = 0.03
 
 
 @dataclass(frozen=True)
@@ -49,25 +52,28 @@ def select_best(
 ) -> Candidate | None:
     """The best feasible candidate.
 
-    - ``speed``: lowest step time, then lowest memory, then highest accuracy;
+    - ``speed``: lowest step time (within ``TIME_TIE`` of the fastest counts as equal),
+      then lowest memory, then highest accuracy;
     - ``memory``: lowest peak memory, then lowest step time, then highest accuracy;
     - ``balanced``: lowest sum of step time and memory, each relative to ``reference``
-      (the fp32 baseline), then highest accuracy.
+      (the fp32 baseline; within ``TIME_TIE`` counts as equal), then highest accuracy.
     """
     if prefer not in PREFERENCES:
         raise ValueError(f"prefer: expected one of {PREFERENCES}, got {prefer!r}")
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
         return None
-    if prefer == "speed":
-        return min(feasible, key=lambda c: (c.step_time_ms, c.peak_memory_mb, -c.accuracy))
     if prefer == "memory":
         return min(feasible, key=lambda c: (c.peak_memory_mb, c.step_time_ms, -c.accuracy))
+    if prefer == "speed":
+        fastest = min(c.step_time_ms for c in feasible)
+        tied = [c for c in feasible if c.step_time_ms <= fastest * (1 + TIME_TIE)]
+        return min(tied, key=lambda c: (c.peak_memory_mb, -c.accuracy, c.step_time_ms))
     ref = reference or feasible[0]
-    return min(
-        feasible,
-        key=lambda c: (
-            c.step_time_ms / ref.step_time_ms + c.peak_memory_mb / ref.peak_memory_mb,
-            -c.accuracy,
-        ),
-    )
+
+    def score(c: Candidate) -> float:
+        return c.step_time_ms / ref.step_time_ms + c.peak_memory_mb / ref.peak_memory_mb
+
+    lowest = min(score(c) for c in feasible)
+    tied = [c for c in feasible if score(c) <= lowest * (1 + TIME_TIE)]
+    return min(tied, key=lambda c: (-c.accuracy, score(c)))

@@ -21,6 +21,7 @@ import torch
 from autoprec.devices import Backend
 from autoprec.errors import AutoprecError, TaskError
 from autoprec.policy import Policy
+from autoprec.precision import Precision
 from autoprec.tasks import Task
 from autoprec.telemetry import UnderflowCount
 
@@ -152,12 +153,7 @@ def _train_and_evaluate(
             scale_used = prec.loss_scale
             with contextlib.nullcontext() if timed else meter.step():
                 started_s = backend.now_s() if timed else 0.0
-                optimizer.zero_grad(set_to_none=True)
-                with prec.autocast():
-                    outputs = model(inputs)
-                loss = task.loss(outputs.float(), targets)
-                prec.backward(loss)
-                stepped = prec.step(optimizer)
+                loss, stepped = _train_step(task, model, optimizer, prec, inputs, targets)
                 if timed:
                     step_times_s.append(backend.now_s() - started_s)
             loss_value = float(loss.detach())
@@ -196,6 +192,64 @@ def _train_and_evaluate(
         return result
     finally:
         prec.remove()
+
+
+def _train_step(
+    task: Task,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    prec: Precision,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> tuple[torch.Tensor, bool]:
+    """One training step, exactly as a user's loop would run it under the policy."""
+    optimizer.zero_grad(set_to_none=True)
+    with prec.autocast():
+        outputs = model(inputs)
+    loss = task.loss(outputs.float(), targets)
+    prec.backward(loss)
+    return loss, prec.step(optimizer)
+
+
+def time_side_by_side(
+    task: Task, policies: list[Policy], backend: Backend, budget: Budget, rounds: int = 3
+) -> list[float]:
+    """Median step time (ms) of each policy, measured in alternating blocks.
+
+    Separate trials run minutes apart on a shared machine and drift by 10-20%; timing
+    the candidates in turn, round after round, exposes them to the same conditions.
+    Each policy trains its own copy of the model from the same initial weights.
+    """
+    runs = []
+    for policy in policies:
+        torch.manual_seed(budget.seed)
+        model = task.model().to(backend.device).train()
+        optimizer = task.make_optimizer(model.parameters())
+        runs.append((policy, model, optimizer, policy.apply(model, backend)))
+    block = max(1, (budget.steps - budget.untimed_steps) // rounds)
+    data = iter(task.train_data(budget.seed))
+    batches = [
+        tuple(t.to(backend.device) for t in next(data)) for _ in range(budget.untimed_steps + block)
+    ]
+    times_s: list[list[float]] = [[] for _ in runs]
+    try:
+        for round_index in range(rounds + 1):  # round 0 warms up, untimed
+            for times, (policy, model, optimizer, prec) in zip(times_s, runs, strict=True):
+                previous = backend.set_switches(policy.tf32, policy.hf32)
+                for i, (inputs, targets) in enumerate(batches):
+                    if round_index == 0 and i >= budget.untimed_steps:
+                        break
+                    if round_index > 0 and i < budget.untimed_steps:
+                        continue
+                    started_s = backend.now_s()
+                    _train_step(task, model, optimizer, prec, inputs, targets)
+                    if round_index > 0:
+                        times.append(backend.now_s() - started_s)
+                backend.restore_switches(previous)
+    finally:
+        for _, _, _, prec in runs:
+            prec.remove()
+    return [statistics.median(times) * 1000.0 for times in times_s]
 
 
 def _evaluate(task: Task, model: torch.nn.Module, prec: Any, backend: Backend) -> float:

@@ -57,6 +57,17 @@ def test_outputs_exist_and_agree(finished):
             )
     best = summary["best"]
     assert best["feasible"]
+    # The fastest feasible policies were re-timed side by side with the baseline, and
+    # the speedup compares those re-timings.
+    confirmed = summary["step_times_confirmed"]
+    assert "baseline" in confirmed and 2 <= len(confirmed) <= 4
+    entries = {str(t["number"]): t for t in [summary["baseline"], *summary["trials"]]}
+    assert all("confirmed_step_time_ms" in entries[k]["metrics"] for k in confirmed)
+    if str(best["number"]) in confirmed:
+        assert best["speedup_vs_fp32"] == (
+            summary["baseline"]["metrics"]["confirmed_step_time_ms"]
+            / best["metrics"]["confirmed_step_time_ms"]
+        )
     assert autoprec.load_policy(folder / "runs/tiny/best_policy.yaml").to_dict() == best["policy"]
 
 

@@ -9,6 +9,7 @@ import torch
 
 import autoprec
 from autoprec import Budget, Policy, Rule, get_backend, run_trial
+from autoprec.trial import time_side_by_side
 
 CPU = get_backend("cpu")
 
@@ -102,6 +103,13 @@ def test_exception_becomes_failed_trial(tiny_task):
     assert result.state == "failed"
     assert result.reason.startswith("RuntimeError")
     assert result.run_time_s > 0
+
+
+def test_side_by_side_timing_gives_one_median_per_policy(tiny_task):
+    policies = [Policy.uniform("fp32"), Policy.uniform("bf16"), Policy.uniform("fp16")]
+    times_ms = time_side_by_side(tiny_task, policies, CPU, Budget(steps=16), rounds=2)
+    assert len(times_ms) == 3
+    assert all(t > 0 and math.isfinite(t) for t in times_ms)
 
 
 def test_custom_metric_is_used(tiny_task):
