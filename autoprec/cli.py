@@ -62,7 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="total trials in the study (the fp32 baseline is extra); a continued "
         "study runs only the missing ones",
     )
-    s.add_argument("--steps", type=int, default=60, help="training steps per trial")
+    s.add_argument("--steps", type=int, default=200, help="training steps per trial")
     s.add_argument(
         "--device", default="auto", help="auto (npu, then cuda, then cpu), cpu, cuda[:N], npu[:N]"
     )

@@ -89,7 +89,7 @@ def search(
     space: SearchSpace | str | Path | None = None,
     *,
     trials: int = 12,
-    steps: int = 60,
+    steps: int = 200,
     device: str | Backend = "auto",
     study: str | None = None,
     storage: str = DEFAULT_STORAGE,
@@ -164,13 +164,16 @@ def search(
         },
     )
     optuna_study.set_user_attr("mlflow_parent_run_id", parent_id)
+    phases_s = {"setup": time.perf_counter() - started_s}
 
     status = "KILLED"
     try:
         # 3. Baseline and anchors, after a warm-up so that no trial pays this process's
         # one-time costs (lazy imports, thread pools, allocator growth) in its timings.
+        mark_s = time.perf_counter()
         if optuna_study.user_attrs.get("baseline") is None or len(_finished(optuna_study)) < trials:
             _warm_up(task, space, backend, budget)
+        phases_s["warm_up"] = time.perf_counter() - mark_s
         baseline = _baseline(optuna_study, task, space, backend, budget, tracker, parent_id, notify)
         if not optuna_study.user_attrs.get("anchors_enqueued"):
             for dtype in ("fp16", "bf16"):
@@ -182,7 +185,9 @@ def search(
         # 4. Trials.
         context = _Context(task, space, backend, budget, tracker, parent_id, baseline, tolerance)
         _run_trials(optuna_study, context, trials, prefer, notify)
+        mark_s = time.perf_counter()
         confirmed = _confirm_step_times(optuna_study, context, prefer, confirm_top, notify)
+        phases_s["confirm"] = time.perf_counter() - mark_s
         status = "FINISHED"
     finally:
         if status != "FINISHED":
@@ -205,6 +210,7 @@ def search(
     best_policy = Policy.from_dict(summary["best"]["policy"])
     best_policy_path = best_policy.save(out_dir / "best_policy.yaml")
     summary["wall_time_s"] = time.perf_counter() - started_s
+    summary["phase_time_s"] = phases_s  # this invocation's set-up, warm-up and re-timing
     summary_path = out_dir / "summary.json"
     summary_path.write_text(json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
     best = summary["best"]

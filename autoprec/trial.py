@@ -35,7 +35,7 @@ FINAL_LOSS_WINDOW = 5
 class Budget:
     """How long a trial trains. The first ``warmup_steps`` steps are not timed."""
 
-    steps: int = 60
+    steps: int = 200
     warmup_steps: int = 5
     seed: int = 0
 
