@@ -29,6 +29,8 @@ from autoprec.telemetry import UnderflowCount
 # those steps. More than this many in a row means the policy does not train.
 NONFINITE_PATIENCE = 5
 FINAL_LOSS_WINDOW = 5
+# Timed steps per policy and round when candidates are re-timed side by side.
+SIDE_BY_SIDE_BLOCK = 20
 
 
 @dataclass(frozen=True)
@@ -226,7 +228,7 @@ def time_side_by_side(
         model = task.model().to(backend.device).train()
         optimizer = task.make_optimizer(model.parameters())
         runs.append((policy, model, optimizer, policy.apply(model, backend)))
-    block = max(1, (budget.steps - budget.untimed_steps) // rounds)
+    block = max(1, min(SIDE_BY_SIDE_BLOCK, (budget.steps - budget.untimed_steps) // rounds))
     data = iter(task.train_data(budget.seed))
     batches = [
         tuple(t.to(backend.device) for t in next(data)) for _ in range(budget.untimed_steps + block)
