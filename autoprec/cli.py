@@ -93,6 +93,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="re-time this many of the fastest feasible policies side by side with the "
         "fp32 baseline before choosing (0: off; skipped with --prefer memory)",
     )
+    s.add_argument(
+        "--no-early-stopping",
+        action="store_true",
+        help="train every trial to the end, even when its loss trails the fp32 baseline's "
+        "or its loss scaler keeps skipping steps",
+    )
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     b = commands.add_parser("best", help="print a study's best policy (from MLflow)")
@@ -185,6 +191,7 @@ def _search(args: argparse.Namespace) -> int:
         prefer=args.prefer,
         sampler=args.sampler,
         confirm_top=args.confirm_top,
+        early_stopping=not args.no_early_stopping,
         progress=progress,
     )
     summary = result.summary

@@ -39,7 +39,7 @@ from autoprec.tracking import (
     absolute_sqlite_uri,
     check_tracking_uri,
 )
-from autoprec.trial import Budget, TrialResult, run_trial, time_side_by_side
+from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial, time_side_by_side
 
 DEFAULT_STORAGE = "sqlite:///runs/optuna.db"
 DEFAULT_RUNS_DIR = Path("runs")
@@ -100,13 +100,15 @@ def search(
     sampler: str = "tpe",
     runs_dir: str | Path = DEFAULT_RUNS_DIR,
     confirm_top: int = 3,
+    early_stopping: bool = True,
     progress: ProgressCallback | None = None,
 ) -> SearchResult:
     """Search precision policies for a task and return the best one.
 
     ``trials`` is the study's total: continuing a study runs only what is missing.
     Unless ``prefer="memory"``, the ``confirm_top`` fastest feasible policies are timed
-    again side by side with the baseline before the choice (0 skips that).
+    again side by side with the baseline before the choice (0 skips that). With
+    ``early_stopping``, hopeless trials stop early (see `EarlyStopping`).
     """
     started_s = time.perf_counter()
     notify = progress or (lambda event, data: None)
@@ -176,14 +178,15 @@ def search(
         phases_s["warm_up"] = time.perf_counter() - mark_s
         baseline = _baseline(optuna_study, task, space, backend, budget, tracker, parent_id, notify)
         if not optuna_study.user_attrs.get("anchors_enqueued"):
-            for dtype in ("fp16", "bf16"):
-                params = space.uniform_params(dtype)
-                if all(dtype in g.dtypes for g in space.groups):
-                    optuna_study.enqueue_trial(params, user_attrs={"anchor": f"uniform-{dtype}"})
+            for name, params in space.anchors().items():
+                optuna_study.enqueue_trial(params, user_attrs={"anchor": name})
             optuna_study.set_user_attr("anchors_enqueued", True)
 
         # 4. Trials.
-        context = _Context(task, space, backend, budget, tracker, parent_id, baseline, tolerance)
+        stopper = EarlyStopping.from_baseline(baseline.result) if early_stopping else None
+        context = _Context(
+            task, space, backend, budget, tracker, parent_id, baseline, tolerance, stopper
+        )
         _run_trials(optuna_study, context, trials, prefer, notify)
         mark_s = time.perf_counter()
         confirmed = _confirm_step_times(optuna_study, context, prefer, confirm_top, notify)
@@ -235,6 +238,7 @@ class _Context:
     parent_id: str
     baseline: TrialRecord
     tolerance: float
+    early_stopping: EarlyStopping | None
 
 
 def _check_storage_url(url: str) -> None:
@@ -339,7 +343,8 @@ def _baseline(
         parent_id,
         "baseline-fp32",
         space.flat_params(policy),
-        {**result.metrics(), "accuracy_drop": 0.0},
+        result,
+        {"accuracy_drop": 0.0},
         {"autoprec.role": "baseline", "state": "complete", "feasible": "true"},
         policy,
     )
@@ -388,7 +393,7 @@ def _run_trials(
         duplicates_in_a_row = 0
         notify("trial_start", {"number": trial.number, "policy": policy})
         try:
-            result = run_trial(ctx.task, policy, ctx.backend, ctx.budget)
+            result = run_trial(ctx.task, policy, ctx.backend, ctx.budget, ctx.early_stopping)
         except BaseException:
             study.tell(trial, state=TrialState.FAIL)
             raise
@@ -429,17 +434,14 @@ def _tell_and_log(
         tags["reason"] = result.reason[:4000]
     if anchor:
         tags["anchor"] = anchor
-    metrics = result.metrics()
-    if drop is not None:
-        metrics["accuracy_drop"] = drop
     run_id = ctx.tracker.log_trial(
         ctx.parent_id,
         f"trial-{trial.number:03d}" + (f"-{anchor}" if anchor else ""),
         ctx.space.flat_params(policy),
-        metrics,
+        result,
+        {} if drop is None else {"accuracy_drop": drop},
         tags,
         policy,
-        status="FAILED" if result.state == "failed" else "FINISHED",
     )
     # One storage write for everything autoprec keeps about the trial.
     trial.set_user_attr(
@@ -574,6 +576,7 @@ def summarize(
             "mlflow_run_id": r.mlflow_run_id,
             "peak_memory_is_estimate": r.result.peak_memory_is_estimate,
             "switches": r.result.switches,
+            "telemetry": _telemetry_brief(r.result),
         }
 
     best_entry = entry(best)
@@ -598,6 +601,19 @@ def summarize(
         "best": best_entry,
         "duplicates_skipped": duplicates,
         "trial_time_s": baseline.result.run_time_s + sum(r.result.run_time_s for r in records),
+    }
+
+
+def _telemetry_brief(result: TrialResult) -> dict[str, Any]:
+    """The worst layers and the warnings, for summary.json (the full table is in MLflow)."""
+    telemetry = result.telemetry or {}
+    return {
+        "grad_underflow_ratio": telemetry.get("grad_underflow_ratio"),
+        "observed_steps": telemetry.get("observed_steps", 0),
+        "worst_layers": telemetry.get("layers", [])[:3],
+        "warnings": telemetry.get("warnings", []),
+        "loss_scale_final": result.loss_scales[-1] if result.loss_scales else None,
+        "loss_scale_min": min(result.loss_scales) if result.loss_scales else None,
     }
 
 

@@ -271,6 +271,22 @@ class SearchSpace:
                     params[f"loss_scale.{key}"] = min(max(defaults[key], low), high)
         return params
 
+    def anchors(self) -> dict[str, dict[str, Any]]:
+        """Uniform policies every search measures: fp16 as ``model.half()`` gives it (no
+        loss scaling) and as Apex O1/O2 or GradScaler give it (dynamic scaling), and bf16.
+        Only those the space can express."""
+        anchors = {}
+        for dtype in ("fp16", "bf16"):
+            if not all(dtype in g.dtypes for g in self.groups):
+                continue
+            params = self.uniform_params(dtype)
+            anchors[f"uniform-{dtype}"] = params
+            scaled = params.get("loss_scale.mode", "none") != "none"
+            if dtype == "fp16" and scaled and "none" in self.loss_scale.modes:
+                dtypes_only = {k: v for k, v in params.items() if k.startswith("dtype.")}
+                anchors["uniform-fp16-noscale"] = {**dtypes_only, "loss_scale.mode": "none"}
+        return anchors
+
     def flat_params(self, policy: Policy) -> dict[str, str]:
         """The same keys for every policy of this space (for MLflow's compare view)."""
         flat = {f"dtype.{g.name}": r.dtype for g, r in zip(self.groups, policy.rules, strict=False)}

@@ -8,7 +8,10 @@ metrics as ``best.<metric>``, and the tag ``autoprec.best_run_id`` naming the be
 
 from __future__ import annotations
 
+import csv
+import io
 import logging
+import math
 import os
 import tempfile
 import time
@@ -18,6 +21,7 @@ from urllib.parse import urlparse
 
 from autoprec.errors import StoreError
 from autoprec.policy import Policy
+from autoprec.trial import TrialResult
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -27,6 +31,8 @@ ROLE_TAG = "autoprec.role"
 BEST_TAG = "autoprec.best_run_id"
 STUDY_TAG = "autoprec.study"
 POLICY_ARTIFACT = "policy.yaml"
+LAYERS_ARTIFACT = "telemetry_layers.csv"
+MAX_CURVE_POINTS = 400  # per curve, so that one log_batch stays under MLflow's 1000
 BEST_POLICY_ARTIFACT = "best_policy.yaml"
 SUMMARY_ARTIFACT = "summary.json"
 _SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "databricks")
@@ -121,13 +127,14 @@ class Tracker:
         parent_run_id: str,
         run_name: str,
         params: dict[str, str],
-        metrics: dict[str, float],
+        result: TrialResult,
+        extra_metrics: dict[str, float],
         tags: dict[str, str],
         policy: Policy,
-        status: str = "FINISHED",
     ) -> str:
-        """One child run: created with its tags, one batch of params and metrics, the
-        policy as an artifact, then closed."""
+        """One child run: created with its tags; one batch of params, metrics and the
+        per-step ``train_loss`` and ``loss_scale`` curves; the policy and the per-layer
+        telemetry table as artifacts; then closed (FAILED for a failed trial)."""
         from mlflow.entities import Metric, Param
 
         timestamp_ms = int(time.time() * 1000)
@@ -137,13 +144,23 @@ class Tracker:
             tags={"mlflow.parentRunId": parent_run_id, STUDY_TAG: self.study, **tags},
         )
         run_id = run.info.run_id
+        metrics = [
+            Metric(k, float(v), timestamp_ms, 0)
+            for k, v in {**result.metrics(), **extra_metrics}.items()
+        ]
+        stride = max(1, -(-len(result.losses) // MAX_CURVE_POINTS))
+        for step in range(0, len(result.losses), stride):
+            for key, values in (("train_loss", result.losses), ("loss_scale", result.loss_scales)):
+                if math.isfinite(values[step]):
+                    metrics.append(Metric(key, float(values[step]), timestamp_ms, step))
         self.client.log_batch(
-            run_id,
-            metrics=[Metric(k, float(v), timestamp_ms, 0) for k, v in metrics.items()],
-            params=[Param(k, str(v)) for k, v in params.items()],
+            run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in params.items()]
         )
         self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
-        self.client.set_terminated(run_id, status)
+        layers = result.telemetry.get("layers") if result.telemetry else None
+        if layers:
+            self.client.log_text(run_id, layers_csv(layers), LAYERS_ARTIFACT)
+        self.client.set_terminated(run_id, "FAILED" if result.state == "failed" else "FINISHED")
         return run_id
 
     def finish_parent(
@@ -169,6 +186,15 @@ class Tracker:
 
     def end_parent(self, parent_run_id: str, status: str) -> None:
         self.client.set_terminated(parent_run_id, status)
+
+
+def layers_csv(layers: list[dict[str, Any]]) -> str:
+    """The per-layer telemetry as CSV, one row per layer."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(layers[0]))
+    writer.writeheader()
+    writer.writerows(layers)
+    return buffer.getvalue()
 
 
 def find_parent_run(client: MlflowClient, study: str, uri: str) -> Any:

@@ -14,6 +14,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,12 +24,16 @@ from autoprec.errors import AutoprecError, TaskError
 from autoprec.policy import Policy
 from autoprec.precision import Precision
 from autoprec.tasks import Task
-from autoprec.telemetry import UnderflowCount
+from autoprec.telemetry import GradientMonitor, first_nonfinite_layer
 
 # With loss scaling, a few non-finite losses in a row are survivable: the scaler skips
 # those steps. More than this many in a row means the policy does not train.
 NONFINITE_PATIENCE = 5
 FINAL_LOSS_WINDOW = 5
+TELEMETRY_EVERY = 10
+# A layer whose share of zero gradients exceeds the fp32 run's by this much is losing
+# its gradients to fp16's range.
+UNDERFLOW_EVIDENCE = 0.10
 # Timed steps per policy and round when candidates are re-timed side by side.
 SIDE_BY_SIDE_BLOCK = 20
 
@@ -74,6 +79,7 @@ class TrialResult:
     losses: list[float] = field(default_factory=list)
     loss_scales: list[float] = field(default_factory=list)
     switches: dict[str, bool] = field(default_factory=dict)
+    telemetry: dict[str, Any] = field(default_factory=dict)
 
     METRICS = (
         "accuracy",
@@ -101,12 +107,66 @@ class TrialResult:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
-def run_trial(task: Task, policy: Policy, backend: Backend, budget: Budget) -> TrialResult:
+@dataclass(frozen=True)
+class EarlyStopping:
+    """When a trial is hopeless and stops early, recorded as pruned with the reason.
+
+    - the loss trails the fp32 baseline's curve (same weights, same batches): once
+      ``start_fraction`` of the budget has run, the trial is stopped when its recent mean
+      loss exceeds the baseline's by more than ``trail_fraction`` of the progress the
+      baseline made by that step;
+    - the loss scaler skipped at least ``max_skipped`` of the last ``skip_window`` steps.
+    A non-finite loss without loss scaling always ends a trial (its weights would be
+    corrupted), and so do ``NONFINITE_PATIENCE`` non-finite losses in a row with it.
+    """
+
+    reference_losses: tuple[float, ...] = ()
+    reference_zero_share: dict[str, float] = field(default_factory=dict)
+    window: int = 10
+    start_fraction: float = 0.2
+    trail_fraction: float = 0.5
+    skip_window: int = 25
+    max_skipped: int = 20
+
+    @classmethod
+    def from_baseline(cls, baseline: TrialResult) -> EarlyStopping:
+        layers = (baseline.telemetry or {}).get("layers", [])
+        return cls(
+            reference_losses=tuple(baseline.losses),
+            reference_zero_share={layer["name"]: layer["grad_zero_share"] for layer in layers},
+        )
+
+    def trailing(self, losses: list[float], steps: int) -> tuple[float, float] | None:
+        """(trial, baseline) recent mean losses when the trial trails by a clear margin."""
+        step = len(losses)
+        ref = self.reference_losses
+        if step < max(2 * self.window, int(self.start_fraction * steps)) or step > len(ref):
+            return None
+        recent = [v for v in losses[step - self.window : step] if math.isfinite(v)]
+        if not recent:
+            return None
+        trial_loss = statistics.fmean(recent)
+        base_loss = statistics.fmean(ref[step - self.window : step])
+        progress = statistics.fmean(ref[: self.window]) - base_loss
+        if progress <= 0.05 * abs(statistics.fmean(ref[: self.window])):
+            return None  # the baseline itself has not learned yet: nothing to compare
+        if trial_loss - base_loss > self.trail_fraction * progress:
+            return trial_loss, base_loss
+        return None
+
+
+def run_trial(
+    task: Task,
+    policy: Policy,
+    backend: Backend,
+    budget: Budget,
+    early_stopping: EarlyStopping | None = None,
+) -> TrialResult:
     """Train ``task`` under ``policy`` on ``backend`` for ``budget``; never raises for a
     problem of the trial itself (bad input to autoprec still raises AutoprecError)."""
     started = time.perf_counter()
     try:
-        result = _train_and_evaluate(task, policy, backend, budget)
+        result = _train_and_evaluate(task, policy, backend, budget, early_stopping)
     except AutoprecError:
         raise
     except torch.OutOfMemoryError as error:
@@ -122,13 +182,18 @@ def run_trial(task: Task, policy: Policy, backend: Backend, budget: Budget) -> T
 
 
 def _train_and_evaluate(
-    task: Task, policy: Policy, backend: Backend, budget: Budget
+    task: Task,
+    policy: Policy,
+    backend: Backend,
+    budget: Budget,
+    early_stopping: EarlyStopping | None,
 ) -> TrialResult:
     torch.manual_seed(budget.seed)
     model = task.model().to(backend.device)
     model.train()
     optimizer = task.make_optimizer(model.parameters())
     prec = policy.apply(model, backend)
+    layer_dtypes = policy.resolve(model)
     result = TrialResult(
         "complete",
         peak_memory_is_estimate=backend.memory_meter().is_estimate,
@@ -137,8 +202,9 @@ def _train_and_evaluate(
     )
     meter = backend.memory_meter()
     meter.start(model)
-    underflow = UnderflowCount()
+    monitor = GradientMonitor(model)
     step_times_s: list[float] = []
+    skipped: list[bool] = []
     batches = iter(task.train_data(budget.seed))
     nonfinite_in_a_row = 0
     try:
@@ -151,38 +217,66 @@ def _train_and_evaluate(
                     f"(the budget needs {budget.steps})"
                 ) from None
             inputs, targets = inputs.to(backend.device), targets.to(backend.device)
-            timed = step >= budget.untimed_steps
+            # Telemetry is taken on every TELEMETRY_EVERY-th step, which is not timed.
+            observed = step % TELEMETRY_EVERY == 0
+            timed = step >= budget.untimed_steps and not observed
             scale_used = prec.loss_scale
-            with contextlib.nullcontext() if timed else meter.step():
+            with (
+                meter.step() if step < budget.untimed_steps else contextlib.nullcontext(),
+                monitor.activations() if observed else contextlib.nullcontext(),
+            ):
                 started_s = backend.now_s() if timed else 0.0
-                loss, stepped = _train_step(task, model, optimizer, prec, inputs, targets)
+                loss_value, stepped = _train_step(task, model, optimizer, prec, inputs, targets)
                 if timed:
                     step_times_s.append(backend.now_s() - started_s)
-            loss_value = float(loss.detach())
+            if observed and stepped is not None:
+                monitor.observe_gradients(scale_used)
             result.steps_run = step + 1
             result.losses.append(loss_value)
             result.loss_scales.append(scale_used)
+            skipped.append(not stepped)
             result.overflow_steps += 0 if stepped else 1
-            if math.isfinite(loss_value):
-                nonfinite_in_a_row = 0
-                if stepped:
-                    underflow.add(
-                        (p.grad for p in model.parameters() if p.grad is not None), scale_used
+            if not math.isfinite(loss_value):
+                result.nonfinite_steps += 1
+                nonfinite_in_a_row += 1
+                stop = stepped is None or (
+                    early_stopping is not None and nonfinite_in_a_row >= NONFINITE_PATIENCE
+                )
+                if stop:
+                    layer = first_nonfinite_layer(model, partial(_forward, model, prec, inputs))
+                    where = f"; first non-finite output: {layer} ({layer_dtypes.get(layer, '?')})"
+                    result.state = "pruned"
+                    result.reason = (
+                        f"overflow: non-finite loss ({loss_value}) at step {step}"
+                        + (
+                            ", no loss scaling"
+                            if stepped is None
+                            else f", {nonfinite_in_a_row} steps in a row"
+                        )
+                        + (where if layer else "")
                     )
+                    break
                 continue
-            result.nonfinite_steps += 1
-            nonfinite_in_a_row += 1
-            if not policy.loss_scale.enabled:
-                result.state = "pruned"
-                result.reason = f"non-finite loss ({loss_value}) at step {step}, no loss scaling"
-                break
-            if nonfinite_in_a_row >= NONFINITE_PATIENCE:
+            nonfinite_in_a_row = 0
+            if early_stopping is None:
+                continue
+            recent = skipped[-early_stopping.skip_window :]
+            if sum(recent) >= early_stopping.max_skipped:
                 result.state = "pruned"
                 result.reason = (
-                    f"non-finite loss in {nonfinite_in_a_row} steps in a row (to step {step})"
+                    f"overflow: the loss scaler skipped {sum(recent)} of the last {len(recent)} "
+                    f"steps (to step {step}, scale now {prec.loss_scale:g})"
                 )
                 break
-        result.grad_underflow_ratio = underflow.ratio
+            trailing = early_stopping.trailing(result.losses, budget.steps)
+            if trailing is not None:
+                result.state = "pruned"
+                result.reason = _trailing_reason(
+                    trailing, step, policy, layer_dtypes, monitor, early_stopping
+                )
+                break
+        result.telemetry = monitor.report()
+        result.grad_underflow_ratio = monitor.grad_underflow_ratio
         result.peak_memory_mb = meter.peak_mb(model, optimizer)
         if step_times_s:
             result.step_time_ms = statistics.median(step_times_s) * 1000.0
@@ -196,6 +290,44 @@ def _train_and_evaluate(
         prec.remove()
 
 
+def _trailing_reason(
+    trailing: tuple[float, float],
+    step: int,
+    policy: Policy,
+    layer_dtypes: dict[str, str],
+    monitor: GradientMonitor,
+    early_stopping: EarlyStopping,
+) -> str:
+    """Why the loss trails, naming gradient underflow where the zeros show it."""
+    trial_loss, base_loss = trailing
+    text = (
+        f"loss trails the fp32 baseline ({trial_loss:.4g} against {base_loss:.4g} by step {step})"
+    )
+    excess = []
+    for name, stats in monitor.stats.items():
+        reference = early_stopping.reference_zero_share.get(name)
+        if (
+            layer_dtypes.get(name) == "fp16"
+            and reference is not None
+            and stats.grad_elements
+            and stats.grad_zero_share - reference > UNDERFLOW_EVIDENCE
+        ):
+            excess.append(f"{name} {stats.grad_zero_share:.0%} vs {reference:.0%}")
+    if not excess:
+        return text
+    scaling = policy.loss_scale.mode
+    return (
+        f"underflow: {text}; zero gradients in fp16 layers against fp32: "
+        + ", ".join(excess[:3])
+        + (" (no loss scaling)" if scaling == "none" else f" (loss scaling {scaling})")
+    )
+
+
+def _forward(model: torch.nn.Module, prec: Precision, inputs: torch.Tensor) -> None:
+    with prec.autocast():
+        model(inputs)
+
+
 def _train_step(
     task: Task,
     model: torch.nn.Module,
@@ -203,14 +335,19 @@ def _train_step(
     prec: Precision,
     inputs: torch.Tensor,
     targets: torch.Tensor,
-) -> tuple[torch.Tensor, bool]:
-    """One training step, exactly as a user's loop would run it under the policy."""
+) -> tuple[float, bool | None]:
+    """One training step, as a user's loop runs it under the policy. Returns the loss and
+    whether the optimizer stepped; None when a non-finite loss without loss scaling
+    ended the step before backward (stepping would corrupt the weights)."""
     optimizer.zero_grad(set_to_none=True)
     with prec.autocast():
         outputs = model(inputs)
     loss = task.loss(outputs.float(), targets)
+    loss_value = float(loss.detach())
+    if not math.isfinite(loss_value) and not prec.policy.loss_scale.enabled:
+        return loss_value, None
     prec.backward(loss)
-    return loss, prec.step(optimizer)
+    return loss_value, prec.step(optimizer)
 
 
 def time_side_by_side(

@@ -103,7 +103,10 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial(finished):
     assert len(param_keys) == 1  # the same param names on every child
     for child in children:
         assert child.data.tags["state"] in ("complete", "pruned", "failed")
-        assert {a.path for a in client.list_artifacts(child.info.run_id)} == {"policy.yaml"}
+        artifacts = {a.path for a in client.list_artifacts(child.info.run_id)}
+        assert {"policy.yaml", "telemetry_layers.csv"} <= artifacts
+        history = client.get_metric_history(child.info.run_id, "loss_scale")
+        assert len(history) == int(child.data.metrics["steps_run"])  # the trajectory
         if child.data.tags["state"] == "complete":
             assert set(child.data.metrics) >= DOCUMENTED_METRICS
 

@@ -9,7 +9,7 @@ import torch
 
 import autoprec
 from autoprec import Budget, Policy, Rule, get_backend, run_trial
-from autoprec.trial import time_side_by_side
+from autoprec.trial import EarlyStopping, time_side_by_side
 
 CPU = get_backend("cpu")
 
@@ -85,10 +85,15 @@ def test_overflowing_fp16_layer_is_caught_by_the_scaler_then_pruned(tiny_task):
             return self.fc(x * 1e6)  # past fp16's 65504 once cast
 
     task = autoprec.Task("blowup", Blowup, tiny_task.train_data, tiny_task.val_data, tiny_task.loss)
-    result = run_trial(task, Policy.uniform("fp16"), CPU, Budget(steps=20))
+    result = run_trial(task, Policy.uniform("fp16"), CPU, Budget(steps=20), EarlyStopping())
     assert result.state == "pruned"
-    assert result.nonfinite_steps >= 5
+    assert result.reason.startswith("overflow: non-finite loss")
+    assert "first non-finite output: fc (fp16)" in result.reason
+    assert result.nonfinite_steps == 5
     assert result.overflow_steps >= 5
+    # Without early stopping the scaler skips every step to the end of the budget.
+    patient = run_trial(task, Policy.uniform("fp16"), CPU, Budget(steps=20))
+    assert patient.steps_run == 20 and patient.overflow_steps == 20
     # The same model with that layer kept in fp32 trains.
     kept = Policy(rules=(Rule("fp32", patterns=("fc",)),), default="fp16")
     assert run_trial(task, kept, CPU, Budget(steps=20)).state == "complete"
