@@ -124,9 +124,15 @@ class CUDABackend(Backend):
         torch.cuda.synchronize(self.device)
 
     def switches(self) -> dict[str, bool]:
-        return {
-            "tf32": bool(torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32)
-        }
+        """TF32 for matmuls and for cuDNN convolutions, recorded separately. Empty when the
+        process set torch's newer ``fp32_precision`` API, which refuses the legacy flags."""
+        try:
+            return {
+                "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+                "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+            }
+        except RuntimeError:
+            return {}
 
     def set_switches(self, tf32: bool | None = None, hf32: bool | None = None) -> dict[str, bool]:
         previous = self.switches()
@@ -136,7 +142,9 @@ class CUDABackend(Backend):
         return previous
 
     def restore_switches(self, previous: dict[str, bool]) -> None:
-        self.set_switches(tf32=previous.get("tf32"))
+        if "tf32_matmul" in previous:
+            torch.backends.cuda.matmul.allow_tf32 = previous["tf32_matmul"]
+            torch.backends.cudnn.allow_tf32 = previous["tf32_cudnn"]
 
     def reset_peak_memory(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)

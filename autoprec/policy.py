@@ -360,4 +360,6 @@ def load_policy(path: str | Path) -> Policy:
         text = path.read_text()
     except OSError as error:
         raise PolicyError(f"{path}: cannot read ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        raise PolicyError(f"{path}: cannot read (not UTF-8 text)") from None
     return Policy.from_yaml(text, str(path))

@@ -32,7 +32,7 @@ from autoprec.errors import AutoprecError, StoreError
 from autoprec.policy import Policy
 from autoprec.selection import PREFERENCES, Candidate, pareto_front, select_best
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
-from autoprec.tasks import DEFAULT_TASK, Task, check_task, load_task
+from autoprec.tasks import DEFAULT_TASK, Task, check_task, check_task_data, load_task
 from autoprec.tracking import (
     DEFAULT_TRACKING_URI,
     Tracker,
@@ -125,6 +125,7 @@ def search(
     if not isinstance(trials, int) or trials < 1:
         raise AutoprecError(f"--trials: expected a positive integer, got {trials!r}")
     budget = Budget(steps=steps, seed=seed)
+    check_task_data(task, model, budget.steps, budget.seed)
     if prefer not in PREFERENCES:
         raise AutoprecError(f"--prefer: expected one of {', '.join(PREFERENCES)}, got {prefer!r}")
     if sampler not in SAMPLERS:
@@ -353,13 +354,14 @@ def _baseline(
 
 
 def _finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Trials that ran to an end (duplicates of earlier policies are not counted)."""
+    """Trials that were measured to an end and recorded. Duplicates of measured policies
+    and trials cut off by an interrupt are not counted."""
     return [
         t
         for t in study.get_trials(
             deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
         )
-        if "duplicate_of" not in t.user_attrs
+        if RECORD_ATTR in t.user_attrs
     ]
 
 
@@ -369,7 +371,7 @@ def _run_trials(
     finished = _finished(study)
     done = len(finished)
     seen = {json.dumps(ctx.baseline.policy.to_dict(), sort_keys=True): "baseline"}
-    records = [_record(t) for t in finished if RECORD_ATTR in t.user_attrs]
+    records = [_record(t, ctx.tolerance) for t in finished]
     for record in records:
         seen[json.dumps(record.policy.to_dict(), sort_keys=True)] = record.number
     notify("start", {"total": trials, "done": done, "records": records, "baseline": ctx.baseline})
@@ -396,6 +398,9 @@ def _run_trials(
             result = run_trial(ctx.task, policy, ctx.backend, ctx.budget, ctx.early_stopping)
         except BaseException:
             study.tell(trial, state=TrialState.FAIL)
+            anchor = trial.user_attrs.get("anchor")
+            if anchor:  # measure the anchor when the study is continued
+                study.enqueue_trial(trial.params, user_attrs={"anchor": anchor})
             raise
         record = _tell_and_log(study, trial, policy, result, ctx)
         seen[key] = trial.number
@@ -461,14 +466,16 @@ def _tell_and_log(
     return TrialRecord(trial.number, policy, result, drop, feasible, run_id)
 
 
-def _record(trial: optuna.trial.FrozenTrial) -> TrialRecord:
+def _record(trial: optuna.trial.FrozenTrial, tolerance: float) -> TrialRecord:
+    """A stored trial; feasibility follows the tolerance in force now."""
     attrs = trial.user_attrs[RECORD_ATTR]
+    drop = attrs.get("accuracy_drop")
     return TrialRecord(
         trial.number,
         Policy.from_dict(attrs["policy"]),
         TrialResult.from_dict(attrs["result"]),
-        attrs.get("accuracy_drop"),
-        bool(attrs.get("feasible")),
+        drop,
+        drop is not None and drop <= tolerance + 1e-12,
         attrs.get("mlflow_run_id"),
     )
 
@@ -476,14 +483,19 @@ def _record(trial: optuna.trial.FrozenTrial) -> TrialRecord:
 def candidates(
     records: list[TrialRecord], confirmed: dict[str, float] | None = None
 ) -> list[Candidate]:
-    """Completed records as candidates; a confirmed step time replaces the trial's own."""
+    """Completed records as candidates. A confirmed step time replaces the trial's own;
+    the others are scaled by the baseline's confirmed-to-own ratio, so that all compare."""
     confirmed = confirmed or {}
+    scale = 1.0
+    baseline = next((r for r in records if r.number == "baseline"), None)
+    if baseline is not None and "baseline" in confirmed:
+        scale = confirmed["baseline"] / baseline.result.step_time_ms
     return [
         Candidate(
             r.number,
             r.result.accuracy,
             r.result.peak_memory_mb,
-            confirmed.get(str(r.number), r.result.step_time_ms),
+            confirmed.get(str(r.number), r.result.step_time_ms * scale),
             r.feasible,
         )
         for r in records
@@ -497,8 +509,11 @@ def best_record(
     prefer: str,
     confirmed: dict[str, float] | None = None,
 ) -> TrialRecord:
-    """The best feasible record (the fp32 baseline is always a feasible candidate)."""
+    """The best feasible record (the fp32 baseline is always a feasible candidate). Once
+    the fastest were re-timed side by side, the choice is among those."""
     pool = [baseline, *records]
+    if confirmed:
+        pool = [r for r in pool if str(r.number) in confirmed]
     chosen = select_best(
         candidates(pool, confirmed), prefer, reference=candidates([baseline], confirmed)[0]
     )
@@ -514,7 +529,7 @@ def _confirm_step_times(
     """
     if prefer == "memory" or top <= 0:
         return {}
-    records = [_record(t) for t in _finished(study) if RECORD_ATTR in t.user_attrs]
+    records = [_record(t, ctx.tolerance) for t in _finished(study)]
     fastest = sorted((c for c in candidates(records) if c.feasible), key=lambda c: c.step_time_ms)[
         :top
     ]
@@ -546,8 +561,8 @@ def summarize(
     Where step times were confirmed side by side, the front and the choice use them.
     """
     confirmed = confirmed or {}
-    finished = {t.number: t for t in _finished(study) if RECORD_ATTR in t.user_attrs}
-    records = [_record(t) for t in finished.values()]
+    finished = {t.number: t for t in _finished(study)}
+    records = [_record(t, tolerance) for t in finished.values()]
     front_keys = {c.key for c in pareto_front(candidates([baseline, *records], confirmed))}
     best = best_record(records, baseline, prefer, confirmed)
 

@@ -4,7 +4,6 @@ A space is read from YAML (see ``search_spaces/*.yaml``)::
 
     name: digits-mlp
     accuracy_tolerance: 0.01     # feasible when accuracy drops at most this much from fp32
-    default_dtype: fp32          # parameterised layers that no group names
     dtypes: [fp32, fp16, bf16]   # choices of a group that lists none
     groups:                      # first match wins, as in a policy
       - {name: fc1, patterns: [fc1]}
@@ -19,6 +18,8 @@ A space is read from YAML (see ``search_spaces/*.yaml``)::
 Each Optuna parameter is named after what it sets: ``dtype.<group>``,
 ``loss_scale.mode``, ``loss_scale.init_scale_log2`` and so on. Loss scaling is only
 searched when some group is fp16: bf16 has fp32's exponent range and needs none.
+Layers with parameters that no group takes stay in fp32 (add a catch-all group such as
+``{name: rest, patterns: ["*"], optional: true}`` to search them too).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ _SPACE_FIELDS = (
     "name",
     "description",
     "accuracy_tolerance",
-    "default_dtype",
     "dtypes",
     "groups",
     "loss_scale",
@@ -88,7 +88,6 @@ class SearchSpace:
     name: str
     groups: tuple[Group, ...]
     accuracy_tolerance: float = 0.01
-    default_dtype: str = "fp32"
     loss_scale: LossScaleSpace = field(default_factory=LossScaleSpace)
     description: str = ""
     source: str = "<space>"
@@ -111,11 +110,6 @@ class SearchSpace:
         tolerance = data.get("accuracy_tolerance", 0.01)
         if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or tolerance < 0:
             raise fail(f"accuracy_tolerance: expected a number of at least 0, got {tolerance!r}")
-        default_dtype = data.get("default_dtype", "fp32")
-        if default_dtype not in DTYPES:
-            raise fail(
-                f"default_dtype: unknown dtype {default_dtype!r} (expected fp32, fp16 or bf16)"
-            )
         space_dtypes = _dtype_list(data.get("dtypes", list(DTYPES)), "dtypes", fail)
         groups_data = data.get("groups")
         if not isinstance(groups_data, list) or not groups_data:
@@ -152,7 +146,6 @@ class SearchSpace:
             name=name,
             groups=tuple(groups),
             accuracy_tolerance=float(tolerance),
-            default_dtype=default_dtype,
             loss_scale=_loss_scale_space(data.get("loss_scale"), fail),
             description=str(data.get("description", "")),
             source=source,
@@ -202,7 +195,6 @@ class SearchSpace:
         """A short hash of what the space searches (not its name or description)."""
         content = {
             "groups": [(g.name, g.rule.to_dict(), g.dtypes, g.optional) for g in self.groups],
-            "default_dtype": self.default_dtype,
             "loss_scale": [self.loss_scale.modes, sorted(self.loss_scale.ranges.items())],
         }
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:12]
@@ -249,7 +241,7 @@ class SearchSpace:
                     growth_interval=value("growth_interval"),
                     hysteresis=value("hysteresis"),
                 )
-        return Policy(rules=rules, default=self.default_dtype, loss_scale=loss_scale)
+        return Policy(rules=rules, default="fp32", loss_scale=loss_scale)
 
     def uniform_params(self, dtype: str) -> dict[str, Any]:
         """Parameters that put every group in ``dtype``; fp16 gets dynamic scaling with
@@ -375,6 +367,8 @@ def load_space(spec: str | Path) -> SearchSpace:
         data = yaml.safe_load(path.read_text())
     except OSError as error:
         raise SpaceError(f"{path}: cannot read ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        raise SpaceError(f"{path}: cannot read (not UTF-8 text)") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""

@@ -105,13 +105,14 @@ class Tracker:
             self._experiment = self.client.get_experiment(experiment_id)
         elif experiment.lifecycle_stage == "deleted":
             self.client.restore_experiment(experiment.experiment_id)
+            self._experiment = self.client.get_experiment(experiment.experiment_id)
         return self._experiment.experiment_id
 
     def start_parent(self, run_id: str | None, params: dict[str, Any]) -> str:
         """Create the study's parent run, or reopen it when the study is continued."""
         from mlflow.entities import Param
 
-        if run_id is not None:
+        if run_id is not None and self._run_exists(run_id):
             self.client.update_run(run_id, status="RUNNING")
             return run_id
         run = self.client.create_run(
@@ -121,6 +122,15 @@ class Tracker:
         )
         self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
         return run.info.run_id
+
+    def _run_exists(self, run_id: str) -> bool:
+        """Whether this store holds the run (a study continued against another MLflow
+        store gets a parent run of its own there)."""
+        try:
+            run = self.client.get_run(run_id)
+        except Exception:
+            return False
+        return run.info.lifecycle_stage == "active"
 
     def log_trial(
         self,
@@ -203,11 +213,12 @@ def find_parent_run(client: MlflowClient, study: str, uri: str) -> Any:
         raise StoreError(f"study {study!r}: no MLflow experiment of that name in {uri}")
     runs = client.search_runs(
         [experiment.experiment_id],
-        filter_string=f"tags.`{ROLE_TAG}` = 'parent'",
-        max_results=1,
+        filter_string=f"tags.`{ROLE_TAG}` = 'parent' and attributes.status = 'FINISHED'",
+        order_by=["attributes.end_time DESC"],
     )
+    runs = [r for r in runs if BEST_TAG in r.data.tags]
     if not runs:
-        raise StoreError(f"study {study!r}: no search run in {uri}")
+        raise StoreError(f"study {study!r}: no finished search in {uri}")
     return runs[0]
 
 

@@ -222,7 +222,7 @@ def _train_and_evaluate(
             timed = step >= budget.untimed_steps and not observed
             scale_used = prec.loss_scale
             with (
-                meter.step() if step < budget.untimed_steps else contextlib.nullcontext(),
+                meter.step() if step < max(1, budget.untimed_steps) else contextlib.nullcontext(),
                 monitor.activations() if observed else contextlib.nullcontext(),
             ):
                 started_s = backend.now_s() if timed else 0.0
@@ -386,7 +386,7 @@ def time_side_by_side(
                         times.append(backend.now_s() - started_s)
                 backend.restore_switches(previous)
     finally:
-        for _, _, _, prec in runs:
+        for _, _, _, prec in reversed(runs):
             prec.remove()
     return [statistics.median(times) * 1000.0 for times in times_s]
 

@@ -40,6 +40,11 @@ TASK_FILE = textwrap.dedent(
             loss=nn.functional.cross_entropy,
             optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
         )
+
+    def short():
+        task = factory()
+        task.train_data = lambda seed: [(torch.randn(50, 12), torch.zeros(50).long())] * 3
+        return task
     """
 )
 
@@ -130,6 +135,7 @@ BAD_SPACES = {
         (["search", "--task", "missing.py:factory"], "no such file missing.py"),
         (["search", "--task", "task.py:nothere"], "has no attribute 'nothere'"),
         (["search", "--task", "digits"], "expected a built-in name"),
+        (["search", "--task", "task.py:short", "--steps", "40"], "train_data ran out after 3"),
         (["search", "--task", "task.py:factory", "--device", "cuda"], "no CUDA device"),
         (["search", "--task", "task.py:factory", "--device", "tpu"], "unknown device"),
         (["search", "--task", "task.py:factory", "--trials", "0"], "--trials"),

@@ -80,6 +80,10 @@ def test_validation_names_the_field(text, message):
 def test_unreadable_file(tmp_path):
     with pytest.raises(PolicyError, match="cannot read"):
         load_policy(tmp_path / "missing.yaml")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00default")
+    with pytest.raises(PolicyError, match="not UTF-8"):
+        load_policy(binary)
 
 
 def test_rule_that_matches_no_module_is_an_error():

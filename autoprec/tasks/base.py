@@ -129,6 +129,36 @@ def _import_file(path_text: str, spec: str) -> Any:
     return module
 
 
+def check_task_data(task: Task, model: nn.Module, steps: int, seed: int) -> None:
+    """Draw the batches a trial needs and run one forward and loss in fp32, so that bad
+    data fails before any store is opened."""
+    try:
+        batches = iter(task.train_data(seed))
+        for step in range(steps):
+            batch = next(batches, None)
+            if batch is None:
+                raise TaskError(
+                    f"task {task.name!r}: train_data ran out after {step} batches "
+                    f"(the budget needs {steps})"
+                )
+            if step == 0:
+                inputs, targets = batch
+                with torch.no_grad():
+                    loss = task.loss(model(inputs).float(), targets)
+                if loss.numel() != 1:
+                    raise TaskError(f"task {task.name!r}: loss must return a scalar")
+        if next(iter(task.val_data()), None) is None:
+            raise TaskError(f"task {task.name!r}: val_data yielded no batches")
+    except TaskError:
+        raise
+    except Exception as error:
+        first_line = (str(error).splitlines() or [""])[0]
+        raise TaskError(
+            f"task {task.name!r}: a first training step failed ({type(error).__name__}: "
+            f"{first_line})"
+        ) from None
+
+
 def check_task(task: Task) -> nn.Module:
     """Build the task's model once and check the contract; returns the model."""
     try:
