@@ -56,6 +56,21 @@ _RANGE_FIELDS = {
     "growth_interval": (2000, 2000),
     "hysteresis": (1, 1),
 }
+# Dynamic-scaling settings searched as a choice among listed values (one value: fixed).
+_CHOICE_FIELDS = {
+    "growth_factor": (2.0,),
+    "backoff_factor": (0.5,),
+    "min_scale": (0.0,),
+}
+_TORCH_DEFAULTS = {
+    "static_scale_log2": 16,
+    "init_scale_log2": 16,
+    "growth_interval": 2000,
+    "hysteresis": 1,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "min_scale": 0.0,
+}
 
 
 class Suggester(Protocol):
@@ -81,6 +96,7 @@ class Group:
 class LossScaleSpace:
     modes: tuple[str, ...] = ("none", "static", "dynamic")
     ranges: Mapping[str, tuple[int, int]] = field(default_factory=lambda: dict(_RANGE_FIELDS))
+    choices: Mapping[str, tuple[float, ...]] = field(default_factory=lambda: dict(_CHOICE_FIELDS))
 
 
 @dataclass(frozen=True)
@@ -195,7 +211,11 @@ class SearchSpace:
         """A short hash of what the space searches (not its name or description)."""
         content = {
             "groups": [(g.name, g.rule.to_dict(), g.dtypes, g.optional) for g in self.groups],
-            "loss_scale": [self.loss_scale.modes, sorted(self.loss_scale.ranges.items())],
+            "loss_scale": [
+                self.loss_scale.modes,
+                sorted(self.loss_scale.ranges.items()),
+                sorted(self.loss_scale.choices.items()),
+            ],
         }
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -213,11 +233,14 @@ class SearchSpace:
             mode = trial.suggest_categorical("loss_scale.mode", list(space.modes))
             params["loss_scale.mode"] = mode
             for key in _mode_fields(mode):
+                name = f"loss_scale.{key}"
+                if key in space.choices:
+                    if len(space.choices[key]) > 1:
+                        params[name] = trial.suggest_categorical(name, list(space.choices[key]))
+                    continue
                 low, high = space.ranges[key]
                 if low != high:
-                    params[f"loss_scale.{key}"] = trial.suggest_int(
-                        f"loss_scale.{key}", low, high, log=key == "growth_interval"
-                    )
+                    params[name] = trial.suggest_int(name, low, high, log=key == "growth_interval")
         return self.policy(params)
 
     def policy(self, params: Mapping[str, Any]) -> Policy:
@@ -229,17 +252,23 @@ class SearchSpace:
             loss_scale = LossScale()
         else:
 
-            def value(key: str) -> int:
+            def value(key: str) -> Any:
+                if key in self.loss_scale.choices:
+                    return float(params.get(f"loss_scale.{key}", self.loss_scale.choices[key][0]))
                 return int(params.get(f"loss_scale.{key}", self.loss_scale.ranges[key][0]))
 
             if mode == "static":
                 loss_scale = LossScale("static", init_scale=2.0 ** value("static_scale_log2"))
             else:
+                init_scale = 2.0 ** value("init_scale_log2")
                 loss_scale = LossScale(
                     "dynamic",
-                    init_scale=2.0 ** value("init_scale_log2"),
+                    init_scale=init_scale,
                     growth_interval=value("growth_interval"),
                     hysteresis=value("hysteresis"),
+                    growth_factor=value("growth_factor"),
+                    backoff_factor=value("backoff_factor"),
+                    min_scale=min(value("min_scale"), init_scale),
                 )
         return Policy(rules=rules, default="fp32", loss_scale=loss_scale)
 
@@ -251,16 +280,16 @@ class SearchSpace:
             enabled = [m for m in self.loss_scale.modes if m != "none"]
             mode = "dynamic" if "dynamic" in enabled else (enabled[0] if enabled else "none")
             params["loss_scale.mode"] = mode
-            defaults = {
-                "static_scale_log2": 16,
-                "init_scale_log2": 16,
-                "growth_interval": 2000,
-                "hysteresis": 1,
-            }
             for key in _mode_fields(mode):
+                default = _TORCH_DEFAULTS[key]
+                if key in self.loss_scale.choices:
+                    options = self.loss_scale.choices[key]
+                    if len(options) > 1:
+                        params[f"loss_scale.{key}"] = default if default in options else options[0]
+                    continue
                 low, high = self.loss_scale.ranges[key]
                 if low != high:
-                    params[f"loss_scale.{key}"] = min(max(defaults[key], low), high)
+                    params[f"loss_scale.{key}"] = min(max(default, low), high)
         return params
 
     def anchors(self) -> dict[str, dict[str, Any]]:
@@ -288,6 +317,8 @@ class SearchSpace:
         dynamic = scale.mode == "dynamic"
         flat["loss_scale.growth_interval"] = str(scale.growth_interval) if dynamic else "-"
         flat["loss_scale.hysteresis"] = str(scale.hysteresis) if dynamic else "-"
+        for key in ("growth_factor", "backoff_factor", "min_scale"):
+            flat[f"loss_scale.{key}"] = f"{getattr(scale, key):g}" if dynamic else "-"
         return flat
 
 
@@ -295,7 +326,14 @@ def _mode_fields(mode: str) -> tuple[str, ...]:
     if mode == "static":
         return ("static_scale_log2",)
     if mode == "dynamic":
-        return ("init_scale_log2", "growth_interval", "hysteresis")
+        return (
+            "init_scale_log2",
+            "growth_interval",
+            "hysteresis",
+            "growth_factor",
+            "backoff_factor",
+            "min_scale",
+        )
     return ()
 
 
@@ -313,11 +351,10 @@ def _loss_scale_space(data: Any, fail: Any) -> LossScaleSpace:
         return LossScaleSpace()
     if not isinstance(data, dict):
         raise fail("loss_scale: expected a mapping")
-    unknown = sorted(set(data) - {"modes", *_RANGE_FIELDS})
+    known = ["modes", *_RANGE_FIELDS, *_CHOICE_FIELDS]
+    unknown = sorted(set(data) - set(known))
     if unknown:
-        raise fail(
-            f"loss_scale.{unknown[0]}: unknown field (expected modes, {', '.join(_RANGE_FIELDS)})"
-        )
+        raise fail(f"loss_scale.{unknown[0]}: unknown field (expected {', '.join(known)})")
     modes = data.get("modes", list(MODES))
     if not isinstance(modes, list) or not modes or any(m not in MODES for m in modes):
         raise fail(
@@ -343,7 +380,26 @@ def _loss_scale_space(data: Any, fail: Any) -> LossScaleSpace:
         if value[0] < minimum or (key.endswith("log2") and value[1] > 64):
             raise fail(f"loss_scale.{key}: out of range, got {value!r}")
         ranges[key] = (value[0], value[1])
-    return LossScaleSpace(tuple(dict.fromkeys(modes)), ranges)
+    choices = dict(_CHOICE_FIELDS)
+    for key in _CHOICE_FIELDS:
+        if key not in data:
+            continue
+        value = data[key]
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = [value]
+        if not (
+            isinstance(value, list)
+            and value
+            and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+        ):
+            raise fail(f"loss_scale.{key}: expected a list of numbers, got {value!r}")
+        try:  # the values must make valid settings on their own
+            for v in value:
+                LossScale("dynamic", **{key: float(v)})
+        except PolicyError as error:
+            raise fail(str(error)) from None
+        choices[key] = tuple(float(v) for v in dict.fromkeys(value))
+    return LossScaleSpace(tuple(dict.fromkeys(modes)), ranges, choices)
 
 
 def builtin_spaces() -> dict[str, Path]:

@@ -109,6 +109,7 @@ class GradientMonitor:
         finally:
             for handle in handles:
                 handle.remove()
+            self._collect()
 
     def _hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -211,11 +212,12 @@ def _tensors(value: Any) -> Iterable[torch.Tensor]:
 
 
 def first_nonfinite_layer(model: nn.Module, run_forward: Any) -> str | None:
-    """The first layer, in execution order, whose output is not finite in one forward."""
+    """The first module, in order of completion, whose output is not finite in one
+    forward: the leaf that overflowed, or the parent whose own arithmetic did."""
     found: list[str] = []
     handles = []
     for name, module in model.named_modules():
-        if next(module.children(), None) is not None:
+        if module is model:
             continue
 
         def hook(module: nn.Module, args: Any, output: Any, name: str = name) -> None:

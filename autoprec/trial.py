@@ -244,7 +244,7 @@ def _train_and_evaluate(
                 )
                 if stop:
                     layer = first_nonfinite_layer(model, partial(_forward, model, prec, inputs))
-                    where = f"; first non-finite output: {layer} ({layer_dtypes.get(layer, '?')})"
+                    where = f"; first non-finite output: {layer} ({_dtype_of(layer, layer_dtypes)})"
                     result.state = "pruned"
                     result.reason = (
                         f"overflow: non-finite loss ({loss_value}) at step {step}"
@@ -321,6 +321,12 @@ def _trailing_reason(
         + ", ".join(excess[:3])
         + (" (no loss scaling)" if scaling == "none" else f" (loss scaling {scaling})")
     )
+
+
+def _dtype_of(name: str | None, layer_dtypes: dict[str, str]) -> str:
+    """The dtype a module runs in: its own, or that shared by every leaf below it."""
+    below = {d for leaf, d in layer_dtypes.items() if leaf == name or leaf.startswith(f"{name}.")}
+    return below.pop() if len(below) == 1 else "mixed"
 
 
 def _forward(model: torch.nn.Module, prec: Precision, inputs: torch.Tensor) -> None:

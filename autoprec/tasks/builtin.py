@@ -33,27 +33,31 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return images[train], labels[train], images[val], labels[val]
 
 
-def _batches(inputs: torch.Tensor, targets: torch.Tensor, seed: int) -> Iterator[Batch]:
+def _batches(
+    inputs: torch.Tensor, targets: torch.Tensor, seed: int, batch_size: int
+) -> Iterator[Batch]:
     """Shuffled batches, a new permutation every epoch, forever."""
     generator = torch.Generator().manual_seed(seed)
     while True:
         order = torch.randperm(len(targets), generator=generator)
-        for start in range(0, len(order) - BATCH_SIZE + 1, BATCH_SIZE):
-            index = order[start : start + BATCH_SIZE]
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            index = order[start : start + batch_size]
             yield inputs[index], targets[index]
 
 
 def digits_data(
-    flatten: bool,
+    flatten: bool, input_scale: float = 1.0, batch_size: int = BATCH_SIZE
 ) -> tuple[Callable[[int], Iterator[Batch]], Callable[[], list[Batch]]]:
-    """train_data and val_data callables for the digits split, as flat vectors or images."""
+    """train_data and val_data callables for the digits split, as flat vectors or images,
+    with pixel values in [0, input_scale]."""
 
     def shape(images: torch.Tensor) -> torch.Tensor:
+        images = images * input_scale
         return images.reshape(len(images), -1) if flatten else images.unsqueeze(1)
 
     def train_data(seed: int) -> Iterator[Batch]:
         x, y, _, _ = _digits()
-        return _batches(shape(x), y, seed)
+        return _batches(shape(x), y, seed, batch_size)
 
     def val_data() -> list[Batch]:
         _, _, x, y = _digits()
@@ -107,8 +111,86 @@ def digits_cnn() -> Task:
     return Task("digits-cnn", SmallCNN, train_data, val_data, F.cross_entropy)
 
 
+# -- fragile tasks: real failure mechanisms of plain fp16, trainable in fp32 and bf16 ---
+
+RAW_SENSOR_SCALE = 1023.0  # raw 10-bit sensor counts instead of values in [0, 1]
+SMALL_LOSS_WEIGHT = 2.0**-20  # a loss weighted this low has gradients below fp16's range
+FRAGILE_BATCH = 256
+
+
+class QuadraticFeatures(nn.Module):
+    """A projection followed by its square (an energy feature): on raw inputs in the
+    hundreds, the squares reach ~1e5, past fp16's largest value 65504."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(in_features, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return h * h
+
+
+def overflow_mlp(hidden: int = 256) -> nn.Module:
+    """Quadratic features of unnormalised inputs, a LayerNorm, then an MLP."""
+    return nn.Sequential(
+        OrderedDict(
+            features=QuadraticFeatures(64, 64),
+            norm_in=nn.LayerNorm(64),
+            fc1=nn.Linear(64, hidden),
+            act1=nn.ReLU(),
+            fc2=nn.Linear(hidden, hidden),
+            act2=nn.ReLU(),
+            head=nn.Linear(hidden, 10),
+        )
+    )
+
+
+def digits_overflow() -> Task:
+    """Overflow: on raw 10-bit inputs the quadratic features pass 65504.
+
+    Uniform fp16 produces inf in ``features.proj`` and diverges whatever the loss scale
+    (the overflow is in the forward pass); keeping that layer in fp32 or bf16 (fp32's
+    range) fixes it while the layers behind the LayerNorm run in fp16.
+    """
+    train_data, val_data = digits_data(
+        flatten=True, input_scale=RAW_SENSOR_SCALE, batch_size=FRAGILE_BATCH
+    )
+    return Task("digits-overflow", overflow_mlp, train_data, val_data, F.cross_entropy)
+
+
+def _small_weight_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs, targets) * SMALL_LOSS_WEIGHT
+
+
+def _adam_small_eps(params: object) -> torch.optim.Optimizer:
+    # Adam normalises gradient size away, so fp32 trains on a tiny loss as on a plain one
+    # once eps is below the gradients' magnitude.
+    return torch.optim.Adam(params, lr=1e-3, eps=1e-20)  # type: ignore[arg-type]
+
+
+def digits_underflow() -> Task:
+    """Underflow: a loss weighted by 2**-20 puts the gradients near 1e-9, under fp16's
+    smallest subnormal (6e-8).
+
+    Uniform fp16 without loss scaling flushes them to zero and stops learning; a loss
+    scale of 2**10 or more, or bf16 (fp32's range), trains as fp32 does.
+    """
+    train_data, val_data = digits_data(flatten=True, batch_size=FRAGILE_BATCH)
+    return Task(
+        "digits-underflow",
+        lambda: mlp(256),
+        train_data,
+        val_data,
+        _small_weight_loss,
+        optimizer=_adam_small_eps,
+    )
+
+
 BUILTIN_TASKS: dict[str, Callable[[], Task]] = {
     "digits-mlp": digits_mlp,
     "digits-cnn": digits_cnn,
+    "digits-overflow": digits_overflow,
+    "digits-underflow": digits_underflow,
 }
 DEFAULT_TASK = "digits-mlp"
