@@ -43,12 +43,16 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
 
 
 class _Region:
-    """A module's forward run in its own dtype, whatever region surrounds it."""
+    """A module's forward run in its own dtype, whatever region surrounds it.
 
-    def __init__(self, forward: Any, device_type: str, dtype: str) -> None:
+    An fp32 region casts its inputs up. A low-precision region inside fp32 surroundings
+    casts its outputs up, since the fp32 layers after it run without autocast."""
+
+    def __init__(self, forward: Any, device_type: str, dtype: str, around: str) -> None:
         self.forward = forward
         self.device_type = device_type
         self.dtype = dtype
+        self.upcast_outputs = dtype != "fp32" and around == "fp32"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.dtype == "fp32":
@@ -56,7 +60,8 @@ class _Region:
             with torch.autocast(self.device_type, enabled=False):
                 return self.forward(*args, **kwargs)
         with torch.autocast(self.device_type, dtype=DTYPES[self.dtype]):
-            return self.forward(*args, **kwargs)
+            outputs = self.forward(*args, **kwargs)
+        return _cast_floats(outputs, torch.float32) if self.upcast_outputs else outputs
 
 
 class Precision:
@@ -75,7 +80,7 @@ class Precision:
         for name, dtype in plan.regions:
             module = modules[name]
             previous = module.__dict__.get("forward")
-            module.forward = _Region(module.forward, backend.kind, dtype)
+            module.forward = _Region(module.forward, backend.kind, dtype, plan.outer_dtype)
             self._installed.append((module, previous))
 
     @property

@@ -182,3 +182,22 @@ def test_low_precision_share_counts_parameters():
     model = nn.Sequential(OrderedDict(big=nn.Linear(10, 10), small=nn.Linear(10, 1)))
     policy = Policy(rules=(Rule("fp16", patterns=("big",)),))
     assert policy.low_precision_share(model) == pytest.approx(110 / 121)
+
+
+@pytest.mark.parametrize("low", ["fp16", "bf16"])
+def test_low_precision_regions_inside_fp32_hand_fp32_to_the_next_layer(low):
+    # fc1 and norm low precision, the bigger rest fp32: the outer region is fp32 and the
+    # fp32 layers after a low-precision region must still get fp32 inputs.
+    model = mlp()
+    policy = Policy(rules=(Rule(low, patterns=("fc1", "norm")),), default="fp32")
+    assert policy.plan(model).outer_dtype == "fp32"
+    outputs = {}
+    model.fc1.register_forward_hook(lambda m, a, out: outputs.__setitem__("fc1", out))
+    dtypes = _run_dtypes(policy, model)
+    # fc1 computed in low precision (its values are exactly representable there), then
+    # handed on in fp32.
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[low]
+    assert dtypes["fc1"] == torch.float32
+    assert torch.equal(outputs["fc1"], outputs["fc1"].to(dtype).float())
+    assert dtypes["block.fc"] == torch.float32
+    assert dtypes["head"] == torch.float32

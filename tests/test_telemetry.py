@@ -100,8 +100,13 @@ def test_fragile_tasks_train_in_fp32_and_bf16(overflow, underflow, dtype):
 @pytest.mark.parametrize("loss_scale", [LossScale(), LossScale("dynamic")])
 def test_uniform_fp16_overflows_whatever_the_loss_scale(overflow, loss_scale):
     task, baseline = overflow
-    result = run_trial(task, Policy.uniform("fp16", loss_scale), CPU, Budget(steps=40),
-                       EarlyStopping.from_baseline(baseline))
+    result = run_trial(
+        task,
+        Policy.uniform("fp16", loss_scale),
+        CPU,
+        Budget(steps=40),
+        EarlyStopping.from_baseline(baseline),
+    )
     assert result.state == "pruned"
     assert result.reason.startswith("overflow:")
     assert "first non-finite output: features (fp16)" in result.reason
@@ -111,11 +116,17 @@ def test_uniform_fp16_overflows_whatever_the_loss_scale(overflow, loss_scale):
 def test_uniform_fp16_without_scaling_stops_learning_and_is_pruned_early(underflow):
     task, baseline = underflow
     assert any("underflow" in w for w in baseline.telemetry["warnings"])  # the advice
-    result = run_trial(task, Policy.uniform("fp16", LossScale()), CPU, Budget(steps=40),
-                       EarlyStopping.from_baseline(baseline))
+    result = run_trial(
+        task,
+        Policy.uniform("fp16", LossScale()),
+        CPU,
+        Budget(steps=40),
+        EarlyStopping.from_baseline(baseline),
+    )
     assert result.state == "pruned"
     assert result.reason.startswith("underflow: loss trails the fp32 baseline")
     assert result.steps_run < 40
-    scaled = run_trial(task, Policy.uniform("fp16"), CPU, Budget(steps=40),
-                       EarlyStopping.from_baseline(baseline))
+    scaled = run_trial(
+        task, Policy.uniform("fp16"), CPU, Budget(steps=40), EarlyStopping.from_baseline(baseline)
+    )
     assert scaled.state == "complete" and scaled.accuracy > 0.8
