@@ -11,12 +11,15 @@ from autoprec.precision import Precision
 from autoprec.scaling import LossScale
 from autoprec.search import SearchResult, search
 from autoprec.tasks import Task, load_task
+from autoprec.telemetry import GradientMonitor
 from autoprec.tracking import load_best_policy
-from autoprec.trial import Budget, TrialResult, run_trial
+from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial
 
 __all__ = [
     "AutoprecError",
     "Budget",
+    "EarlyStopping",
+    "GradientMonitor",
     "LossScale",
     "Policy",
     "Precision",

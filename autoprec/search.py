@@ -615,6 +615,8 @@ def summarize(
         ],
         "best": best_entry,
         "duplicates_skipped": duplicates,
+        # What fp16 would do to the fp32 baseline's own gradients and activations.
+        "advice": (baseline.result.telemetry or {}).get("warnings", []),
         "trial_time_s": baseline.result.run_time_s + sum(r.result.run_time_s for r in records),
     }
 

@@ -122,7 +122,7 @@ class EarlyStopping:
 
     reference_losses: tuple[float, ...] = ()
     reference_zero_share: dict[str, float] = field(default_factory=dict)
-    window: int = 10
+    window: int = 5
     start_fraction: float = 0.2
     trail_fraction: float = 0.5
     skip_window: int = 25
@@ -271,10 +271,14 @@ def _train_and_evaluate(
             trailing = early_stopping.trailing(result.losses, budget.steps)
             if trailing is not None:
                 result.state = "pruned"
-                result.reason = _trailing_reason(
-                    trailing, step, policy, layer_dtypes, monitor, early_stopping
-                )
+                evidence = _underflow_evidence(policy, layer_dtypes, monitor, early_stopping)
+                result.reason = _trailing_reason(trailing, step, evidence)
                 break
+        if result.state == "complete" and early_stopping is not None:
+            # A trial that ran to the end can still have lost gradients: say so.
+            evidence = _underflow_evidence(policy, layer_dtypes, monitor, early_stopping)
+            if evidence:
+                result.reason = f"underflow: {evidence}"
         result.telemetry = monitor.report()
         result.grad_underflow_ratio = monitor.grad_underflow_ratio
         result.peak_memory_mb = meter.peak_mb(model, optimizer)
@@ -290,19 +294,13 @@ def _train_and_evaluate(
         prec.remove()
 
 
-def _trailing_reason(
-    trailing: tuple[float, float],
-    step: int,
+def _underflow_evidence(
     policy: Policy,
     layer_dtypes: dict[str, str],
     monitor: GradientMonitor,
     early_stopping: EarlyStopping,
-) -> str:
-    """Why the loss trails, naming gradient underflow where the zeros show it."""
-    trial_loss, base_loss = trailing
-    text = (
-        f"loss trails the fp32 baseline ({trial_loss:.4g} against {base_loss:.4g} by step {step})"
-    )
+) -> str | None:
+    """fp16 layers with far more zero gradients than the same layers in the fp32 run."""
     excess = []
     for name, stats in monitor.stats.items():
         reference = early_stopping.reference_zero_share.get(name)
@@ -314,13 +312,26 @@ def _trailing_reason(
         ):
             excess.append(f"{name} {stats.grad_zero_share:.0%} vs {reference:.0%}")
     if not excess:
-        return text
+        return None
     scaling = policy.loss_scale.mode
     return (
-        f"underflow: {text}; zero gradients in fp16 layers against fp32: "
+        "zero gradients in fp16 layers against fp32: "
         + ", ".join(excess[:3])
         + (" (no loss scaling)" if scaling == "none" else f" (loss scaling {scaling})")
     )
+
+
+def _trailing_reason(
+    trailing: tuple[float, float],
+    step: int,
+    evidence: str | None,
+) -> str:
+    """Why the loss trails, naming gradient underflow where the zeros show it."""
+    trial_loss, base_loss = trailing
+    text = (
+        f"loss trails the fp32 baseline ({trial_loss:.4g} against {base_loss:.4g} by step {step})"
+    )
+    return f"underflow: {text}; {evidence}" if evidence else text
 
 
 def _dtype_of(name: str | None, layer_dtypes: dict[str, str]) -> str:
