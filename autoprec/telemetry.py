@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.policy import parameterised_leaves
+
 FP16_MAX = 65504.0
 UNDERFLOW_WARNING = 0.01  # warn when more than 1% of nonzero gradients would flush
 
@@ -90,12 +92,7 @@ class GradientMonitor:
     def __init__(self, model: nn.Module, warn_underflow: float = UNDERFLOW_WARNING) -> None:
         self.model = model
         self.warn_underflow = warn_underflow
-        self.layers = [
-            (name, module)
-            for name, module in model.named_modules()
-            if next(module.children(), None) is None
-            and next(module.parameters(recurse=False), None) is not None
-        ]
+        self.layers = parameterised_leaves(model)
         self.stats = {name: LayerStats(name) for name, _ in self.layers}
         self.observed_steps = 0
         self._pending: list[tuple[str, str, torch.Tensor]] = []
