@@ -1,4 +1,4 @@
-"""The ``autoprec`` command: search, best, resolve, ui.
+"""The ``autoprec`` command: search, best, resolve, report, compare, ui.
 
 Bad input of any kind ends with one line on stderr and exit status 2.
 """
@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 from autoprec.errors import AutoprecError
@@ -111,6 +112,27 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--policy", required=True, help="policy YAML file")
     r.add_argument("--task", default=DEFAULT_TASK, help="task whose model to resolve against")
+
+    rep = commands.add_parser(
+        "report",
+        help="write runs/<study>/report.html and PNG plots, and log them to the MLflow parent",
+    )
+    rep.add_argument("--study", required=True)
+    rep.add_argument("--runs-dir", default="runs", help="where the search wrote its outputs")
+    rep.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow store to log to (default: the one the search used)",
+    )
+
+    cmp_ = commands.add_parser("compare", help="compare two or more studies on one page")
+    cmp_.add_argument(
+        "--study", action="append", required=True, help="a study to compare (give two or more)"
+    )
+    cmp_.add_argument("--runs-dir", default="runs")
+    cmp_.add_argument(
+        "--out", default=None, help="HTML file (default: runs/compare-<studies>.html)"
+    )
 
     u = commands.add_parser("ui", help="open the MLflow UI on the local store")
     u.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI)
@@ -217,28 +239,61 @@ def _best(args: argparse.Namespace) -> int:
 def _resolve(args: argparse.Namespace) -> int:
     from autoprec.errors import PolicyError
     from autoprec.policy import load_policy
+    from autoprec.report import text_table
     from autoprec.tasks import check_task, load_task
 
     policy = load_policy(args.policy)
     model = check_task(load_task(args.task))
-    modules = dict(model.named_modules())
     try:
         plan = policy.plan(model)
     except PolicyError as error:
         raise PolicyError(f"{args.policy}: {error}") from None
-    rows = [("module", "type", "params", "dtype")]
-    for name, dtype in plan.leaf_dtypes.items():
-        module = modules[name]
-        count = sum(p.numel() for p in module.parameters(recurse=False))
-        rows.append((name or "(model)", type(module).__name__, str(count), dtype))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    rows = [["module", "type", "params", "dtype"]]
+    rows += [
+        [r["name"], r["type"], str(r["params"]), r["dtype"]] for r in policy.layer_table(model)
+    ]
+    print(text_table(rows))
     print(
         f"outer region: {plan.outer_dtype}; own regions: {len(plan.regions)}; "
         f"low-precision share of parameters: {policy.low_precision_share(model):.0%}"
     )
     print(f"loss scale: {policy.loss_scale.to_dict()}")
+    return 0
+
+
+def _read_summary(runs_dir: str, study: str) -> dict[str, Any]:
+    path = Path(runs_dir) / study / "summary.json"
+    try:
+        return json.loads(path.read_text())
+    except OSError:
+        raise AutoprecError(f"study {study!r}: no {path} (run autoprec search first)") from None
+    except json.JSONDecodeError as error:
+        raise AutoprecError(f"{path}: not valid JSON (line {error.lineno})") from None
+
+
+def _report(args: argparse.Namespace) -> int:
+    from autoprec.report import render_report
+    from autoprec.tracking import Tracker
+
+    summary = _read_summary(args.runs_dir, args.study)
+    files = render_report(summary, Path(args.runs_dir) / args.study)
+    uri = args.tracking_uri or summary.get("settings", {}).get("tracking_uri")
+    parent = summary.get("mlflow_parent_run_id")
+    if uri and parent:
+        Tracker(uri, args.study, Path(args.runs_dir)).log_files(parent, files, "report")
+    for path in files:
+        print(path)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from autoprec.report import render_comparison
+
+    if len(args.study) < 2:
+        raise AutoprecError("--study: give two or more studies to compare")
+    summaries = [_read_summary(args.runs_dir, study) for study in args.study]
+    out = Path(args.out or Path(args.runs_dir) / f"compare-{'-'.join(args.study)}.html")
+    print(render_comparison(summaries, out))
     return 0
 
 
@@ -266,7 +321,14 @@ def _ui(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handler = {"search": _search, "best": _best, "resolve": _resolve, "ui": _ui}[args.command]
+    handler = {
+        "search": _search,
+        "best": _best,
+        "resolve": _resolve,
+        "report": _report,
+        "compare": _compare,
+        "ui": _ui,
+    }[args.command]
     try:
         return handler(args)
     except AutoprecError as error:

@@ -305,6 +305,19 @@ class Policy:
         """Every leaf module's name mapped to the dtype it runs in."""
         return self.plan(model).leaf_dtypes
 
+    def layer_table(self, model: nn.Module) -> list[dict[str, Any]]:
+        """Each leaf module: name, type, parameter count and the dtype it runs in."""
+        modules = dict(model.named_modules())
+        return [
+            {
+                "name": name or "(model)",
+                "type": type(modules[name]).__name__,
+                "params": sum(p.numel() for p in modules[name].parameters(recurse=False)),
+                "dtype": dtype,
+            }
+            for name, dtype in self.resolve(model).items()
+        ]
+
     def low_precision_share(self, model: nn.Module) -> float:
         """Share of the model's parameters that run in fp16 or bf16."""
         dtypes = self.resolve(model)

@@ -30,6 +30,7 @@ from optuna.trial import TrialState
 from autoprec.devices import DTYPES, Backend, get_backend
 from autoprec.errors import AutoprecError, StoreError
 from autoprec.policy import Policy
+from autoprec.report import policy_label
 from autoprec.selection import PREFERENCES, Candidate, pareto_front, select_best
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
 from autoprec.tasks import DEFAULT_TASK, Task, check_task, check_task_data, load_task
@@ -209,15 +210,23 @@ def search(
         "tracking_uri": tracking_uri,
         "device_name": backend.name,
     }
+    summary["mlflow_parent_run_id"] = parent_id
+    best_policy = Policy.from_dict(summary["best"]["policy"])
+    summary["best"]["layers"] = best_policy.layer_table(model)
     out_dir = runs_dir / study_name
     out_dir.mkdir(parents=True, exist_ok=True)
-    best_policy = Policy.from_dict(summary["best"]["policy"])
     best_policy_path = best_policy.save(out_dir / "best_policy.yaml")
     summary["wall_time_s"] = time.perf_counter() - started_s
     summary["phase_time_s"] = phases_s  # this invocation's set-up, warm-up and re-timing
     summary_path = out_dir / "summary.json"
     summary_path.write_text(json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
     best = summary["best"]
+    entries = [summary["baseline"], *summary["trials"]]
+    tracker.mark_children(
+        {e["mlflow_run_id"] for e in entries if e["pareto"] and e["mlflow_run_id"]},
+        best.get("mlflow_run_id"),
+        [e["mlflow_run_id"] for e in entries if e["mlflow_run_id"]],
+    )
     tracker.finish_parent(
         parent_id,
         best.get("mlflow_run_id"),
@@ -441,7 +450,7 @@ def _tell_and_log(
         tags["anchor"] = anchor
     run_id = ctx.tracker.log_trial(
         ctx.parent_id,
-        f"trial-{trial.number:03d}" + (f"-{anchor}" if anchor else ""),
+        f"t{trial.number:03d} " + (anchor or policy_label(ctx.space.flat_params(policy))),
         ctx.space.flat_params(policy),
         result,
         {} if drop is None else {"accuracy_drop": drop},

@@ -154,10 +154,11 @@ class Tracker:
             tags={"mlflow.parentRunId": parent_run_id, STUDY_TAG: self.study, **tags},
         )
         run_id = run.info.run_id
-        metrics = [
-            Metric(k, float(v), timestamp_ms, 0)
-            for k, v in {**result.metrics(), **extra_metrics}.items()
-        ]
+        # Every child gets every metric name, NaN where a pruned or failed trial measured
+        # nothing, so that MLflow's compare and chart views line up.
+        values = dict.fromkeys((*TrialResult.METRICS, "accuracy_drop"), float("nan"))
+        values.update({**result.metrics(), **extra_metrics})
+        metrics = [Metric(k, float(v), timestamp_ms, 0) for k, v in values.items()]
         stride = max(1, -(-len(result.losses) // MAX_CURVE_POINTS))
         for step in range(0, len(result.losses), stride):
             for key, values in (("train_loss", result.losses), ("loss_scale", result.loss_scales)):
@@ -193,6 +194,29 @@ class Tracker:
         self.client.log_artifact(parent_run_id, str(best_policy_path))
         self.client.log_artifact(parent_run_id, str(summary_path))
         self.client.set_terminated(parent_run_id, "FINISHED")
+
+    def log_files(self, run_id: str, files: list[Path], folder: str) -> None:
+        """Attach files to a run under ``folder`` (the report on the parent run)."""
+        try:
+            for path in files:
+                self.client.log_artifact(run_id, str(path), folder)
+        except Exception as error:
+            raise StoreError(f"MLflow store {self.uri}: {_first_line(error)}") from None
+
+    def mark_children(
+        self, pareto_run_ids: set[str], best_run_id: str | None, child_run_ids: list[str]
+    ) -> None:
+        """Tag every child with its Pareto membership and whether it is the chosen one."""
+        from mlflow.entities import RunTag
+
+        for run_id in child_run_ids:
+            self.client.log_batch(
+                run_id,
+                tags=[
+                    RunTag("pareto", str(run_id in pareto_run_ids).lower()),
+                    RunTag("best", str(run_id == best_run_id).lower()),
+                ],
+            )
 
     def end_parent(self, parent_run_id: str, status: str) -> None:
         self.client.set_terminated(parent_run_id, status)

@@ -26,15 +26,6 @@ DOCUMENTED_METRICS = {
 }
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("search")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(folder)
-        result = autoprec.search(make_tiny_task(), trials=5, steps=12, study="tiny", device="cpu")
-    return folder, result
-
-
 def test_outputs_exist_and_agree(finished):
     folder, result = finished
     assert (folder / "runs/tiny/best_policy.yaml").is_file()
@@ -101,6 +92,10 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial(finished):
     assert {"best_policy.yaml", "summary.json"} <= artifacts
     param_keys = {frozenset(c.data.params) for c in children}
     assert len(param_keys) == 1  # the same param names on every child
+    metric_keys = {frozenset(c.data.metrics) for c in children}
+    assert len(metric_keys) == 1 and next(iter(metric_keys)) >= DOCUMENTED_METRICS
+    assert [c.data.tags["best"] for c in children].count("true") == 1
+    assert {c.data.tags["pareto"] for c in children} <= {"true", "false"}
     for child in children:
         assert child.data.tags["state"] in ("complete", "pruned", "failed")
         artifacts = {a.path for a in client.list_artifacts(child.info.run_id)}
