@@ -334,8 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     except AutoprecError as error:
         print(f"autoprec {args.command}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print(f"\nautoprec {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        result = getattr(interrupt, "result", None)
+        where = f"; results so far in {result.summary_path}" if result else ""
+        print(f"\nautoprec {args.command}: interrupted{where}", file=sys.stderr)
         return 130
 
 

@@ -189,9 +189,17 @@ def search(
         context = _Context(
             task, space, backend, budget, tracker, parent_id, baseline, tolerance, stopper
         )
-        _run_trials(optuna_study, context, trials, prefer, notify)
+        interrupted = False
+        try:
+            _run_trials(optuna_study, context, trials, prefer, notify)
+        except KeyboardInterrupt:  # Ctrl-C: keep what was measured, write it out, then stop
+            interrupted = True
         mark_s = time.perf_counter()
-        confirmed = _confirm_step_times(optuna_study, context, prefer, confirm_top, notify)
+        confirmed = (
+            {}
+            if interrupted
+            else _confirm_step_times(optuna_study, context, prefer, confirm_top, notify)
+        )
         phases_s["confirm"] = time.perf_counter() - mark_s
         status = "FINISHED"
     finally:
@@ -211,6 +219,7 @@ def search(
         "device_name": backend.name,
     }
     summary["mlflow_parent_run_id"] = parent_id
+    summary["interrupted"] = interrupted
     best_policy = Policy.from_dict(summary["best"]["policy"])
     summary["best"]["layers"] = best_policy.layer_table(model)
     out_dir = runs_dir / study_name
@@ -233,9 +242,22 @@ def search(
         _numeric(best["metrics"]),
         best_policy_path,
         summary_path,
+        status="KILLED" if interrupted else "FINISHED",
     )
     notify("done", {"summary": summary})
-    return SearchResult(study_name, best_policy, summary, best_policy_path, summary_path)
+    result = SearchResult(study_name, best_policy, summary, best_policy_path, summary_path)
+    if interrupted:
+        raise SearchInterrupted(result)
+    return result
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the trials: the running trial was recorded as interrupted (failed in
+    Optuna, not counted), and the summary and best policy so far were written."""
+
+    def __init__(self, result: SearchResult) -> None:
+        super().__init__(f"search interrupted; results so far in {result.summary_path}")
+        self.result = result
 
 
 @dataclass(frozen=True)
@@ -405,7 +427,9 @@ def _run_trials(
         notify("trial_start", {"number": trial.number, "policy": policy})
         try:
             result = run_trial(ctx.task, policy, ctx.backend, ctx.budget, ctx.early_stopping)
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, KeyboardInterrupt):
+                trial.set_user_attr("interrupted", True)
             study.tell(trial, state=TrialState.FAIL)
             anchor = trial.user_attrs.get("anchor")
             if anchor:  # measure the anchor when the study is continued

@@ -181,6 +181,7 @@ class Tracker:
         best_metrics: dict[str, float],
         best_policy_path: Path,
         summary_path: Path,
+        status: str = "FINISHED",
     ) -> None:
         from mlflow.entities import Metric, RunTag
 
@@ -193,7 +194,7 @@ class Tracker:
         )
         self.client.log_artifact(parent_run_id, str(best_policy_path))
         self.client.log_artifact(parent_run_id, str(summary_path))
-        self.client.set_terminated(parent_run_id, "FINISHED")
+        self.client.set_terminated(parent_run_id, status)
 
     def log_files(self, run_id: str, files: list[Path], folder: str) -> None:
         """Attach files to a run under ``folder`` (the report on the parent run)."""

@@ -11,6 +11,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 import autoprec
+from autoprec.search import SearchInterrupted
 from autoprec.tracking import BEST_TAG
 from tests.conftest import make_tiny_task
 
@@ -156,3 +157,35 @@ def test_best_policy_file_is_plain_yaml(finished):
     folder, _ = finished
     data = yaml.safe_load((folder / "runs/tiny/best_policy.yaml").read_text())
     assert set(data) >= {"default", "rules", "loss_scale"}
+
+
+def test_ctrl_c_keeps_what_was_measured_and_the_study_continues(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    task = make_tiny_task()
+    build = task.model
+    calls = {"n": 0}
+
+    def model_then_ctrl_c():
+        # 1 check, 3 warm-up runs, the baseline and two trials; Ctrl-C in the third trial.
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise KeyboardInterrupt
+        return build()
+
+    task.model = model_then_ctrl_c
+    with pytest.raises(SearchInterrupted) as caught:
+        autoprec.search(task, trials=4, steps=12, study="cc", device="cpu")
+    summary = json.loads((tmp_path / "runs/cc/summary.json").read_text())
+    assert summary["interrupted"] is True
+    assert len(summary["trials"]) == 2
+    assert caught.value.result.summary_path.resolve() == tmp_path / "runs/cc/summary.json"
+    assert (tmp_path / "runs/cc/best_policy.yaml").is_file()
+    study = optuna.load_study(study_name="cc", storage=f"sqlite:///{tmp_path}/runs/optuna.db")
+    cut = [t for t in study.trials if t.user_attrs.get("interrupted")]
+    assert len(cut) == 1 and cut[0].state == optuna.trial.TrialState.FAIL
+    anchor = cut[0].user_attrs["anchor"]
+
+    task.model = build  # continue: only what is missing runs, the cut anchor included
+    again = autoprec.search(task, trials=4, steps=12, study="cc", device="cpu")
+    assert len(again.summary["trials"]) == 4 and again.summary["interrupted"] is False
+    assert anchor in {t["anchor"] for t in again.summary["trials"]}
