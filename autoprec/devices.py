@@ -264,18 +264,23 @@ class MemoryMeter:
 
 
 class AllocatorMemoryMeter(MemoryMeter):
-    """Peak bytes the device's caching allocator handed out (CUDA and NPU)."""
+    """Peak bytes the device's caching allocator handed out (CUDA and NPU), over the
+    measured steps only."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        self.peak_bytes = 0
 
-    def start(self, model: torch.nn.Module) -> None:
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
         self.backend.synchronize()
         self.backend.reset_peak_memory()
+        yield
+        self.backend.synchronize()
+        self.peak_bytes = max(self.peak_bytes, self.backend.max_memory_allocated_bytes())
 
     def peak_mb(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
-        self.backend.synchronize()
-        return self.backend.max_memory_allocated_bytes() / _MB
+        return self.peak_bytes / _MB
 
 
 class EstimatedMemoryMeter(MemoryMeter):

@@ -117,7 +117,11 @@ def plot_front(summary: dict[str, Any], x_metric: str, path: Path) -> Path:
     def x_of(row: dict[str, Any]) -> float | None:
         return _step_ms(row) if x_metric == "step_time_ms" else row["metrics"].get(x_metric)
 
-    complete = [r for r in _rows(summary) if r["state"] == "complete" and x_of(r) is not None]
+    complete = [
+        r
+        for r in _rows(summary)
+        if r["state"] == "complete" and x_of(r) is not None and "accuracy" in r["metrics"]
+    ]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     for feasible, marker, name in ((True, "o", "feasible"), (False, "x", "infeasible")):
         points = [r for r in complete if r["feasible"] == feasible and not r["pareto"]]
@@ -384,7 +388,8 @@ def render_comparison(summaries: list[dict[str, Any]], path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle("Pareto fronts")
     fig.tight_layout()
-    png = path.with_suffix(".png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    png = path.with_name(f"{path.stem}-fronts.png")
     fig.savefig(png)
     plt.close(fig)
     rows = []

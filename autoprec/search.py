@@ -231,11 +231,6 @@ def search(
     summary_path.write_text(json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
     best = summary["best"]
     entries = [summary["baseline"], *summary["trials"]]
-    tracker.mark_children(
-        {e["mlflow_run_id"] for e in entries if e["pareto"] and e["mlflow_run_id"]},
-        best.get("mlflow_run_id"),
-        [e["mlflow_run_id"] for e in entries if e["mlflow_run_id"]],
-    )
     tracker.finish_parent(
         parent_id,
         best.get("mlflow_run_id"),
@@ -243,6 +238,11 @@ def search(
         best_policy_path,
         summary_path,
         status="KILLED" if interrupted else "FINISHED",
+    )
+    tracker.mark_children(
+        {e["mlflow_run_id"] for e in entries if e["pareto"] and e["mlflow_run_id"]},
+        best.get("mlflow_run_id"),
+        [e["mlflow_run_id"] for e in entries if e["mlflow_run_id"]],
     )
     notify("done", {"summary": summary})
     result = SearchResult(study_name, best_policy, summary, best_policy_path, summary_path)
@@ -556,16 +556,22 @@ def best_record(
 def _confirm_step_times(
     study: optuna.Study, ctx: _Context, prefer: str, top: int, notify: ProgressCallback
 ) -> dict[str, float]:
-    """Re-time the ``top`` fastest feasible policies and the baseline side by side.
+    """Re-time the ``top`` best feasible policies (by step time, or by the balanced score)
+    and the baseline side by side.
 
     Kept in the study, and measured again only when the set of candidates changes.
     """
     if prefer == "memory" or top <= 0:
         return {}
     records = [_record(t, ctx.tolerance) for t in _finished(study)]
-    fastest = sorted((c for c in candidates(records) if c.feasible), key=lambda c: c.step_time_ms)[
-        :top
-    ]
+    base = candidates([ctx.baseline])[0]
+
+    def rank(c: Candidate) -> float:  # the preference decides which few are re-timed
+        if prefer == "balanced":
+            return c.step_time_ms / base.step_time_ms + c.peak_memory_mb / base.peak_memory_mb
+        return c.step_time_ms
+
+    fastest = sorted((c for c in candidates(records) if c.feasible), key=rank)[:top]
     if not fastest:
         return {}
     keys = ["baseline", *(str(c.key) for c in fastest)]

@@ -23,6 +23,11 @@ Per layer (leaf modules with parameters):
 - ``act_at_fp16_max``: finite outputs with ``|x| >= 65504``: saturated values on an
   fp16 layer (Ascend 910A saturates instead of producing inf), or, on an fp32/bf16
   layer, values that would overflow if the layer ran in fp16.
+- ``act_overflow_origin``: observed steps on which the module turned inputs that were
+  finite and within fp16's range into outputs that are not: where overflow starts, as
+  opposed to the modules that only pass it on.
+Activations are watched on every module (a parent's own arithmetic can overflow, as in
+``h * h``); gradients on the leaf modules that hold parameters.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class LayerStats:
     act_elements: int = 0
     act_nonfinite: int = 0
     act_at_fp16_max: int = 0
+    act_overflow_origin: int = 0
     act_max_abs: float = 0.0
 
     @property
@@ -94,55 +100,69 @@ class GradientMonitor:
         self.warn_underflow = warn_underflow
         self.layers = parameterised_leaves(model)
         self.stats = {name: LayerStats(name) for name, _ in self.layers}
-        self.observed_steps = 0
+        self.watched = [(n, m) for n, m in model.named_modules() if m is not model]
+        self.observed_steps = 0  # forward passes watched
+        self.gradient_steps = 0  # optimizer steps whose gradients were counted
         self._pending: list[tuple[str, str, torch.Tensor]] = []
 
     @contextlib.contextmanager
     def activations(self) -> Iterator[None]:
         """Count non-finite and fp16-range outputs of every layer during this block."""
-        handles = [module.register_forward_hook(self._hook(name)) for name, module in self.layers]
+        handles = [module.register_forward_hook(self._hook(name)) for name, module in self.watched]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+            self.observed_steps += 1
             self._collect()
 
     def _hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            for tensor in _tensors(output):
-                if not tensor.is_floating_point():
-                    continue
-                with torch.no_grad():
+            with torch.no_grad():
+                clean = torch.tensor(True)
+                for tensor in _tensors(args):
+                    if tensor.is_floating_point() and tensor.numel():
+                        in_range = torch.isfinite(tensor) & (tensor.detach().abs() < FP16_MAX)
+                        clean = clean & in_range.all().cpu()
+                broken = torch.tensor(False)
+                for tensor in _tensors(output):
+                    if not tensor.is_floating_point() or tensor.numel() == 0:
+                        continue
                     values = tensor.detach()
                     finite = torch.isfinite(values)
                     magnitude = torch.where(finite, values.abs(), 0).float()
+                    at_max = magnitude >= FP16_MAX
                     self._pending.append((name, "act_elements", torch.tensor(values.numel())))
                     self._pending.append((name, "act_nonfinite", (~finite).sum()))
-                    self._pending.append((name, "act_at_fp16_max", (magnitude >= FP16_MAX).sum()))
+                    self._pending.append((name, "act_at_fp16_max", at_max.sum()))
                     self._pending.append((name, "act_max_abs", magnitude.amax()))
+                    broken = broken | ((~finite).any() | at_max.any()).cpu()
+                self._pending.append((name, "act_overflow_origin", (clean & broken).int()))
 
         return hook
 
     def observe_gradients(self, scale: float = 1.0) -> None:
         """Count this step's gradients (unscaled, as after ``prec.step``) per layer."""
         fields = ("grad_elements", "grad_nonzero", "grad_zero", "grad_flushed", "grad_nonfinite")
+        seen: set[int] = set()  # a parameter shared by two modules counts once
         for name, module in self.layers:
             for param in module.parameters(recurse=False):
-                if param.grad is None:
+                if param.grad is None or id(param) in seen:
                     continue
+                seen.add(id(param))
                 for field_name, count in zip(fields, _flush_counts(param.grad, scale), strict=True):
                     self._pending.append((name, field_name, count))
-        self.observed_steps += 1
+        self.gradient_steps += 1
         self._collect()
 
     def _collect(self) -> None:
         """Move the pending device counters to the host in one transfer."""
         if not self._pending:
             return
-        values = torch.stack([v.float().cpu() for _, _, v in self._pending]).tolist()
+        values = torch.stack([v.double().cpu() for _, _, v in self._pending]).tolist()
         for (name, field_name, _), value in zip(self._pending, values, strict=True):
-            stats = self.stats[name]
+            stats = self.stats.setdefault(name, LayerStats(name))
             if field_name == "act_max_abs":
                 stats.act_max_abs = max(stats.act_max_abs, float(value))
             else:
@@ -168,16 +188,18 @@ class GradientMonitor:
                     "scale (dynamic scaling) or keep the layer in fp32/bf16"
                 )
         for stats in self.stats.values():
+            if not stats.act_overflow_origin:
+                continue  # it only passed on what an earlier module produced
             if stats.act_nonfinite:
                 lines.append(
-                    f"overflow: {stats.name} produced {stats.act_nonfinite} non-finite outputs; "
-                    "keep it in fp32 or bf16 (fp16's largest value is 65504)"
+                    f"overflow: {stats.name} turned finite inputs into {stats.act_nonfinite} "
+                    "non-finite outputs; keep it in fp32 or bf16 (fp16's largest value is 65504)"
                 )
-            elif stats.act_at_fp16_max:
+            else:
                 lines.append(
                     f"overflow risk: {stats.act_at_fp16_max} outputs of {stats.name} reach "
-                    f"|x| >= 65504 (max {stats.act_max_abs:.3g}); in fp16 they overflow or "
-                    "saturate: keep it in fp32 or bf16"
+                    f"|x| >= 65504 (max {stats.act_max_abs:.3g}) from inputs below it; in fp16 "
+                    "they overflow or saturate: keep it in fp32 or bf16"
                 )
         return lines
 
@@ -186,11 +208,16 @@ class GradientMonitor:
         self._collect()
         layers = sorted(
             self.stats.values(),
-            key=lambda s: (s.act_nonfinite + s.act_at_fp16_max, s.grad_underflow_ratio),
+            key=lambda s: (
+                s.act_overflow_origin,
+                s.act_nonfinite + s.act_at_fp16_max,
+                s.grad_underflow_ratio,
+            ),
             reverse=True,
         )
         return {
             "observed_steps": self.observed_steps,
+            "gradient_steps": self.gradient_steps,
             "grad_underflow_ratio": self.grad_underflow_ratio,
             "layers": [s.to_dict() for s in (layers if top is None else layers[:top])],
             "warnings": self.warnings(),

@@ -211,6 +211,8 @@ class Tracker:
         from mlflow.entities import RunTag
 
         for run_id in child_run_ids:
+            if not self._run_exists(run_id):
+                continue  # logged to another MLflow store by an earlier search of the study
             self.client.log_batch(
                 run_id,
                 tags=[

@@ -33,7 +33,7 @@ FINAL_LOSS_WINDOW = 5
 TELEMETRY_EVERY = 10
 # A layer whose share of zero gradients exceeds the fp32 run's by this much is losing
 # its gradients to fp16's range.
-UNDERFLOW_EVIDENCE = 0.10
+UNDERFLOW_EVIDENCE = 0.50
 # Timed steps per policy and round when candidates are re-timed side by side.
 SIDE_BY_SIDE_BLOCK = 20
 
@@ -47,8 +47,8 @@ class Budget:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.steps, int) or self.steps < 2:
-            raise AutoprecError(f"steps: must be an integer of at least 2, got {self.steps!r}")
+        if not isinstance(self.steps, int) or self.steps < 3:
+            raise AutoprecError(f"steps: must be an integer of at least 3, got {self.steps!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise AutoprecError(
                 f"warmup_steps: must be a non-negative integer, got {self.warmup_steps!r}"
@@ -114,8 +114,10 @@ class EarlyStopping:
     - the loss trails the fp32 baseline's curve (same weights, same batches): once
       ``start_fraction`` of the budget has run, the trial is stopped when its recent mean
       loss exceeds the baseline's by more than ``trail_fraction`` of the progress the
-      baseline made by that step;
-    - the loss scaler skipped at least ``max_skipped`` of the last ``skip_window`` steps.
+      baseline made in as many optimizer steps (skipped steps are not held against it);
+    - the loss scaler skipped at least ``max_skipped`` of the last ``skip_window`` steps
+      while its scale could not go lower (static scaling, or dynamic at its floor or
+      below 1): the start-up backoff of a high initial scale is not counted.
     A non-finite loss without loss scaling always ends a trial (its weights would be
     corrupted), and so do ``NONFINITE_PATIENCE`` non-finite losses in a row with it.
     """
@@ -136,17 +138,22 @@ class EarlyStopping:
             reference_zero_share={layer["name"]: layer["grad_zero_share"] for layer in layers},
         )
 
-    def trailing(self, losses: list[float], steps: int) -> tuple[float, float] | None:
-        """(trial, baseline) recent mean losses when the trial trails by a clear margin."""
+    def trailing(
+        self, losses: list[float], steps: int, skipped: int = 0
+    ) -> tuple[float, float] | None:
+        """(trial, baseline) recent mean losses when the trial trails by a clear margin.
+        The baseline is read where it stood after as many optimizer steps as the trial
+        took (``len(losses) - skipped``)."""
         step = len(losses)
+        taken = step - skipped
         ref = self.reference_losses
-        if step < max(2 * self.window, int(self.start_fraction * steps)) or step > len(ref):
+        if taken < max(2 * self.window, int(self.start_fraction * steps)) or taken > len(ref):
             return None
         recent = [v for v in losses[step - self.window : step] if math.isfinite(v)]
         if not recent:
             return None
         trial_loss = statistics.fmean(recent)
-        base_loss = statistics.fmean(ref[step - self.window : step])
+        base_loss = statistics.fmean(ref[taken - self.window : taken])
         progress = statistics.fmean(ref[: self.window]) - base_loss
         if progress <= 0.05 * abs(statistics.fmean(ref[: self.window])):
             return None  # the baseline itself has not learned yet: nothing to compare
@@ -205,6 +212,7 @@ def _train_and_evaluate(
     monitor = GradientMonitor(model)
     step_times_s: list[float] = []
     skipped: list[bool] = []
+    stuck: list[bool] = []
     batches = iter(task.train_data(budget.seed))
     nonfinite_in_a_row = 0
     try:
@@ -218,23 +226,28 @@ def _train_and_evaluate(
                 ) from None
             inputs, targets = inputs.to(backend.device), targets.to(backend.device)
             # Telemetry is taken on every TELEMETRY_EVERY-th step, which is not timed.
+            # Memory is measured on the untimed steps after step 0, which is observed, so
+            # that telemetry's scratch tensors stay out of the peak.
             observed = step % TELEMETRY_EVERY == 0
-            timed = step >= budget.untimed_steps and not observed
+            measured = 1 <= step <= max(1, budget.untimed_steps)
+            timed = step > budget.untimed_steps and not observed and not measured
             scale_used = prec.loss_scale
             with (
-                meter.step() if step < max(1, budget.untimed_steps) else contextlib.nullcontext(),
+                meter.step() if measured else contextlib.nullcontext(),
                 monitor.activations() if observed else contextlib.nullcontext(),
             ):
                 started_s = backend.now_s() if timed else 0.0
                 loss_value, stepped = _train_step(task, model, optimizer, prec, inputs, targets)
                 if timed:
                     step_times_s.append(backend.now_s() - started_s)
-            if observed and stepped is not None:
+            if observed and stepped:  # skipped steps hold overflowed, not lost, gradients
                 monitor.observe_gradients(scale_used)
             result.steps_run = step + 1
             result.losses.append(loss_value)
             result.loss_scales.append(scale_used)
             skipped.append(not stepped)
+            # A skip counts against the policy only once the scale cannot go lower.
+            stuck.append(not stepped and _scale_at_floor(policy, prec.loss_scale))
             result.overflow_steps += 0 if stepped else 1
             if not math.isfinite(loss_value):
                 result.nonfinite_steps += 1
@@ -260,7 +273,7 @@ def _train_and_evaluate(
             nonfinite_in_a_row = 0
             if early_stopping is None:
                 continue
-            recent = skipped[-early_stopping.skip_window :]
+            recent = stuck[-early_stopping.skip_window :]
             if sum(recent) >= early_stopping.max_skipped:
                 result.state = "pruned"
                 result.reason = (
@@ -268,12 +281,18 @@ def _train_and_evaluate(
                     f"steps (to step {step}, scale now {prec.loss_scale:g})"
                 )
                 break
-            trailing = early_stopping.trailing(result.losses, budget.steps)
+            trailing = early_stopping.trailing(result.losses, budget.steps, sum(skipped))
             if trailing is not None:
                 result.state = "pruned"
                 evidence = _underflow_evidence(policy, layer_dtypes, monitor, early_stopping)
                 result.reason = _trailing_reason(trailing, step, evidence)
                 break
+        if result.state == "complete" and result.overflow_steps == result.steps_run:
+            result.state = "pruned"
+            result.reason = (
+                f"overflow: the loss scaler skipped all {result.steps_run} steps "
+                f"(scale now {prec.loss_scale:g})"
+            )
         if result.state == "complete" and early_stopping is not None:
             # A trial that ran to the end can still have lost gradients: say so.
             evidence = _underflow_evidence(policy, layer_dtypes, monitor, early_stopping)
@@ -289,6 +308,10 @@ def _train_and_evaluate(
             result.final_loss = statistics.fmean(finite[-FINAL_LOSS_WINDOW:])
         if result.state == "complete":
             result.accuracy = _evaluate(task, model, prec, backend)
+            if not math.isfinite(result.accuracy):
+                result.state = "failed"
+                result.reason = f"the task's metric returned {result.accuracy}"
+                result.accuracy = None
         return result
     finally:
         prec.remove()
@@ -332,6 +355,14 @@ def _trailing_reason(
         f"loss trails the fp32 baseline ({trial_loss:.4g} against {base_loss:.4g} by step {step})"
     )
     return f"underflow: {text}; {evidence}" if evidence else text
+
+
+def _scale_at_floor(policy: Policy, scale: float) -> bool:
+    """Whether a skipping scaler has no lower scale left to try."""
+    settings = policy.loss_scale
+    if settings.mode == "static":
+        return True
+    return settings.mode == "dynamic" and scale <= max(settings.min_scale, 1.0)
 
 
 def _dtype_of(name: str | None, layer_dtypes: dict[str, str]) -> str:

@@ -55,7 +55,11 @@ def test_saturation_at_65504_and_nonfinite_outputs_are_counted():
     assert stats.act_at_fp16_max == 2  # the two saturated values, not the inf
     assert stats.act_nonfinite == 1
     assert report["layers"][0]["name"] == "0"
-    assert any(w.startswith("overflow: 0 produced 1 non-finite") for w in report["warnings"])
+    assert stats.act_overflow_origin == 1  # its inputs were finite and in range
+    assert any(
+        w.startswith("overflow: 0 turned finite inputs into 1 non-finite")
+        for w in report["warnings"]
+    )
 
 
 def test_fp32_outputs_past_fp16_range_are_flagged_as_overflow_risk():
@@ -130,3 +134,29 @@ def test_uniform_fp16_without_scaling_stops_learning_and_is_pruned_early(underfl
         task, Policy.uniform("fp16"), CPU, Budget(steps=40), EarlyStopping.from_baseline(baseline)
     )
     assert scaled.state == "complete" and scaled.accuracy > 0.8
+
+
+def test_overflow_is_blamed_on_the_module_where_it_starts():
+    # The fp32 baseline of the overflow task: the square in `features` (a parent module
+    # with no parameters of its own) passes 65504; the LayerNorm after it only receives it.
+    task = load_task("digits-overflow")
+    model = task.model()
+    inputs, _ = next(iter(task.train_data(0)))
+    monitor = GradientMonitor(model)
+    with monitor.activations():
+        model(inputs)
+    warnings = monitor.warnings()
+    assert len(warnings) == 1 and warnings[0].startswith("overflow risk: ")
+    assert " of features reach " in warnings[0]
+    assert monitor.stats["norm_in"].act_overflow_origin == 0
+
+
+def test_shared_parameters_count_once_and_empty_outputs_pass():
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    model(torch.ones(2, 3)).sum().backward()
+    monitor = GradientMonitor(model)
+    with monitor.activations():
+        model(torch.ones(0, 3))  # an empty batch, as an expert that got no tokens
+    monitor.observe_gradients()
+    assert sum(s.grad_elements for s in monitor.stats.values()) == 12

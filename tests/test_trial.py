@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autoprec
-from autoprec import Budget, Policy, Rule, get_backend, run_trial
+from autoprec import Budget, LossScale, Policy, Rule, get_backend, run_trial
 from autoprec.trial import EarlyStopping, time_side_by_side
 
 CPU = get_backend("cpu")
@@ -128,3 +128,32 @@ def test_custom_metric_is_used(tiny_task):
     )
     result = run_trial(task, Policy.uniform("fp32"), CPU, Budget(steps=4))
     assert result.accuracy < 0 and math.isfinite(result.accuracy)
+
+
+def test_a_high_initial_loss_scale_backing_off_is_not_pruned(tiny_task):
+    # 2**24 with hysteresis 4 skips dozens of steps while it backs off: healthy, not hopeless.
+    baseline = run_trial(tiny_task, Policy.uniform("fp32"), CPU, Budget(steps=80))
+    scale = LossScale("dynamic", init_scale=2.0**24, hysteresis=4, backoff_factor=0.5)
+    result = run_trial(
+        tiny_task,
+        Policy.uniform("fp16", scale),
+        CPU,
+        Budget(steps=80),
+        EarlyStopping.from_baseline(baseline),
+    )
+    assert result.state == "complete", result.reason
+    assert result.accuracy >= baseline.accuracy - 0.05
+
+
+def test_a_trial_that_never_steps_is_pruned_even_without_early_stopping(tiny_task):
+    class Blowup(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc(x * 1e6)
+
+    task = autoprec.Task("blowup", Blowup, tiny_task.train_data, tiny_task.val_data, tiny_task.loss)
+    result = run_trial(task, Policy.uniform("fp16"), CPU, Budget(steps=10))
+    assert result.state == "pruned" and "skipped all 10 steps" in result.reason

@@ -149,7 +149,7 @@ def overflow_mlp(hidden: int = 256) -> nn.Module:
 def digits_overflow() -> Task:
     """Overflow: on raw 10-bit inputs the quadratic features pass 65504.
 
-    Uniform fp16 produces inf in ``features.proj`` and diverges whatever the loss scale
+    Uniform fp16 produces inf in ``features`` (its ``h * h``) and diverges whatever the scale
     (the overflow is in the forward pass); keeping that layer in fp32 or bf16 (fp32's
     range) fixes it while the layers behind the LayerNorm run in fp16.
     """
