@@ -83,7 +83,8 @@ def gains_line(summary: dict[str, Any]) -> str:
     drop_pt = 100.0 * best["metrics"].get("accuracy_drop", 0.0)
     speed = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
     memory = f"{abs(saving) * 100:.0f}% {'less' if saving >= 0 else 'more'} memory"
-    return f"best: trial {best['number']} - {speed}, {memory}, accuracy {-drop_pt:+.1f} pt vs fp32"
+    change_pt = -drop_pt + 0.0  # no "-0.0"
+    return f"best: trial {best['number']} - {speed}, {memory}, accuracy {change_pt:+.1f} pt vs fp32"
 
 
 # -- the HTML report and its plots ------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 PREFERENCES = ("speed", "memory", "balanced")
 # Step times within this fraction of the fastest count as a tie: timing a shared machine
 # is not finer than that, and a tie goes to less memory, then higher accuracy.
-TIME_TIE = 0.03
+TIME_TIE = 0.05
 
 
 @dataclass(frozen=True)

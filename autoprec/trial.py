@@ -399,7 +399,7 @@ def _train_step(
 
 
 def time_side_by_side(
-    task: Task, policies: list[Policy], backend: Backend, budget: Budget, rounds: int = 3
+    task: Task, policies: list[Policy], backend: Backend, budget: Budget, rounds: int = 5
 ) -> list[float]:
     """Median step time (ms) of each policy, measured in alternating blocks.
 
