@@ -13,31 +13,26 @@ less time with early stopping, and the same best policy.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
+
+from _fresh import fresh_folder
 
 import autoprec
 
 
 def run(task: str, trials: int, steps: int, early_stopping: bool, prefer: str) -> dict:
-    with tempfile.TemporaryDirectory() as folder:
-        cwd = os.getcwd()
-        os.chdir(folder)
-        try:
-            started = time.perf_counter()
-            result = autoprec.search(
-                task,
-                trials=trials,
-                steps=steps,
-                device="cpu",
-                prefer=prefer,
-                early_stopping=early_stopping,
-                sampler="random",
-            )
-            wall_s = time.perf_counter() - started
-        finally:
-            os.chdir(cwd)
+    with fresh_folder():
+        started = time.perf_counter()
+        result = autoprec.search(
+            task,
+            trials=trials,
+            steps=steps,
+            device="cpu",
+            prefer=prefer,
+            early_stopping=early_stopping,
+            sampler="random",
+        )
+        wall_s = time.perf_counter() - started
     summary = result.summary
     states = [t["state"] for t in summary["trials"]]
     return {

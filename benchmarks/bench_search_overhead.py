@@ -12,25 +12,20 @@ Target: overhead at most 10% of the trials' time.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
+
+from _fresh import fresh_folder
 
 import autoprec
 
 
 def run(task: str, trials: int, steps: int, confirm_top: int) -> dict:
-    with tempfile.TemporaryDirectory() as folder:
-        cwd = os.getcwd()
-        os.chdir(folder)
-        try:
-            started = time.perf_counter()
-            result = autoprec.search(
-                task, trials=trials, steps=steps, device="cpu", confirm_top=confirm_top
-            )
-            wall_s = time.perf_counter() - started
-        finally:
-            os.chdir(cwd)
+    with fresh_folder():
+        started = time.perf_counter()
+        result = autoprec.search(
+            task, trials=trials, steps=steps, device="cpu", confirm_top=confirm_top
+        )
+        wall_s = time.perf_counter() - started
     summary = result.summary
     phases = summary["phase_time_s"]
     trial_s = summary["trial_time_s"]

@@ -75,15 +75,18 @@ def test_nonfinite_loss_without_scaling_is_pruned_with_reason(tiny_task):
     assert result.accuracy is None
 
 
+class Blowup(torch.nn.Module):
+    """Inputs scaled past fp16's 65504: every fp16 forward overflows."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(x * 1e6)
+
+
 def test_overflowing_fp16_layer_is_caught_by_the_scaler_then_pruned(tiny_task):
-    class Blowup(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = torch.nn.Linear(16, 4)
-
-        def forward(self, x):
-            return self.fc(x * 1e6)  # past fp16's 65504 once cast
-
     task = autoprec.Task("blowup", Blowup, tiny_task.train_data, tiny_task.val_data, tiny_task.loss)
     result = run_trial(task, Policy.uniform("fp16"), CPU, Budget(steps=20), EarlyStopping())
     assert result.state == "pruned"
@@ -146,14 +149,6 @@ def test_a_high_initial_loss_scale_backing_off_is_not_pruned(tiny_task):
 
 
 def test_a_trial_that_never_steps_is_pruned_even_without_early_stopping(tiny_task):
-    class Blowup(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = torch.nn.Linear(16, 4)
-
-        def forward(self, x):
-            return self.fc(x * 1e6)
-
     task = autoprec.Task("blowup", Blowup, tiny_task.train_data, tiny_task.val_data, tiny_task.loss)
     result = run_trial(task, Policy.uniform("fp16"), CPU, Budget(steps=10))
     assert result.state == "pruned" and "skipped all 10 steps" in result.reason
