@@ -11,7 +11,9 @@ that matches a module matches every module below it, so ``encoder`` covers
 ``_BatchNorm`` covers ``BatchNorm2d``). With both, a module must match both. The
 first matching rule wins; leaves that match no rule get the default. Rules assign
 leaves that hold parameters; parameter-free leaves (ReLU, Dropout, pooling) run in
-the region around them, so they never split a region in two.
+the region around them, so they never split a region in two. LayerNorm, GroupNorm and
+embeddings compute in fp32 under autocast whatever a rule says: they resolve to fp32
+and never get a region of their own.
 """
 
 from __future__ import annotations
@@ -248,12 +250,16 @@ class Policy:
         chosen: dict[str, str] = {}
         weight: Counter[str] = Counter()
         used = [False] * len(self.rules)
+        always_fp32 = []
         for name, module in parameterised_leaves(model):
             dtype = None
             for i, rule in enumerate(self.rules):
                 if rule.matches(name, module):
                     used[i] = True
                     dtype = dtype or rule.dtype
+            if runs_fp32_under_autocast(module):
+                always_fp32.append(name)  # no region: autocast keeps it in fp32 anyway
+                continue
             dtype = dtype or self.default
             chosen[name] = dtype
             weight[dtype] += sum(p.numel() for p in module.parameters(recurse=False))
@@ -299,6 +305,7 @@ class Policy:
             _mark_leaves("", model, outer, leaf_dtypes)
         else:
             descend("", model, outer)
+        leaf_dtypes.update(dict.fromkeys(always_fp32, "fp32"))
         return Plan(outer, tuple(regions), leaf_dtypes)
 
     def resolve(self, model: nn.Module) -> dict[str, str]:
@@ -348,6 +355,16 @@ class Policy:
         if unsupported:
             raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
         return Precision(model, self, backend, plan)
+
+
+# Modules that autocast runs in fp32 whatever the surrounding region's dtype, on CUDA, NPU
+# and CPU alike: layer_norm and group_norm are on autocast's fp32 list, and embedding
+# lookups keep their fp32 weights' dtype.
+AUTOCAST_FP32_TYPES = ("LayerNorm", "GroupNorm", "Embedding", "EmbeddingBag")
+
+
+def runs_fp32_under_autocast(module: nn.Module) -> bool:
+    return any(cls.__name__ in AUTOCAST_FP32_TYPES for cls in type(module).__mro__)
 
 
 def parameterised_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:

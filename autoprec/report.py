@@ -201,7 +201,9 @@ def plot_dtype_map(summary: dict[str, Any], path: Path, top: int = 8) -> Path:
     grid = [[codes[r["params"][f"dtype.{g}"]] for g in groups] for r in rows]
     from matplotlib.colors import ListedColormap
 
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(groups), 0.9 + 0.38 * len(rows)), dpi=110)
+    width_in = max(5.5, 3.0 + 0.9 * len(groups))
+    height_in = max(2.5, 0.9 + 0.38 * len(rows))
+    fig, ax = plt.subplots(figsize=(width_in, height_in), dpi=110)
     ax.imshow(
         grid, cmap=ListedColormap(list(DTYPE_COLOURS.values())), vmin=0, vmax=2, aspect="auto"
     )

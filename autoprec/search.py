@@ -187,7 +187,7 @@ def search(
         # 4. Trials.
         stopper = EarlyStopping.from_baseline(baseline.result) if early_stopping else None
         context = _Context(
-            task, space, backend, budget, tracker, parent_id, baseline, tolerance, stopper
+            task, space, backend, budget, tracker, parent_id, baseline, tolerance, stopper, model
         )
         interrupted = False
         try:
@@ -271,6 +271,7 @@ class _Context:
     baseline: TrialRecord
     tolerance: float
     early_stopping: EarlyStopping | None
+    model: Any  # the task's model, for resolving policies (never trained)
 
 
 def _check_storage_url(url: str) -> None:
@@ -401,10 +402,10 @@ def _run_trials(
 ) -> None:
     finished = _finished(study)
     done = len(finished)
-    seen = {json.dumps(ctx.baseline.policy.to_dict(), sort_keys=True): "baseline"}
+    seen = {_measured_as(ctx.baseline.policy, ctx.model): "baseline"}
     records = [_record(t, ctx.tolerance) for t in finished]
     for record in records:
-        seen[json.dumps(record.policy.to_dict(), sort_keys=True)] = record.number
+        seen[_measured_as(record.policy, ctx.model)] = record.number
     notify("start", {"total": trials, "done": done, "records": records, "baseline": ctx.baseline})
     duplicates_in_a_row = 0
     while done < trials:
@@ -414,7 +415,7 @@ def _run_trials(
         except Exception:
             study.tell(trial, state=TrialState.FAIL)
             raise
-        key = json.dumps(policy.to_dict(), sort_keys=True)
+        key = _measured_as(policy, ctx.model)
         if key in seen:
             trial.set_user_attr("duplicate_of", seen[key])
             study.tell(trial, state=TrialState.PRUNED)
@@ -450,6 +451,14 @@ def _run_trials(
                 "prefer": prefer,
             },
         )
+
+
+def _measured_as(policy: Policy, model: Any) -> str:
+    """What a trial of this policy would measure: the dtype each layer runs in, and the
+    loss scaling if any layer runs in fp16. Policies alike in this are trained once."""
+    dtypes = policy.resolve(model)
+    scaling = policy.loss_scale.to_dict() if "fp16" in dtypes.values() else {"mode": "none"}
+    return json.dumps([dtypes, scaling, policy.tf32, policy.hf32], sort_keys=True)
 
 
 def _tell_and_log(

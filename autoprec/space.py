@@ -37,7 +37,7 @@ from torch import nn
 
 from autoprec.devices import DTYPES
 from autoprec.errors import PolicyError, SpaceError
-from autoprec.policy import Policy, Rule, parameterised_leaves
+from autoprec.policy import Policy, Rule, parameterised_leaves, runs_fp32_under_autocast
 from autoprec.scaling import MODES, LossScale
 
 DEFAULT_SPACE = "default"
@@ -171,8 +171,10 @@ class SearchSpace:
 
     def fit(self, model: nn.Module) -> SearchSpace:
         """The space for this model. Each group must take (first match wins) at least one
-        leaf module with parameters; an optional group that takes none is dropped."""
-        leaves = parameterised_leaves(model)
+        leaf module with parameters that autocast does not keep in fp32 anyway (LayerNorm,
+        GroupNorm, embeddings); an optional group that takes none is dropped."""
+        # Layers autocast keeps in fp32 anyway have nothing to search.
+        leaves = [(n, m) for n, m in parameterised_leaves(model) if not runs_fp32_under_autocast(m)]
         taken = [False] * len(leaves)
         kept = []
         for i, group in enumerate(self.groups):

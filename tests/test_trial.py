@@ -23,7 +23,10 @@ def test_each_dtype_trains(tiny_task, dtype):
     assert result.steps_run == 40
     assert result.step_time_ms > 0
     assert result.peak_memory_mb > 0 and result.peak_memory_is_estimate
-    assert result.low_precision_share == (0.0 if dtype == "fp32" else 1.0)
+    # All but the LayerNorm, which autocast keeps in fp32.
+    assert (
+        result.low_precision_share == 0.0 if dtype == "fp32" else result.low_precision_share > 0.9
+    )
     metrics = result.metrics()
     for name in (
         "accuracy",
