@@ -9,7 +9,7 @@ from autoprec.errors import AutoprecError
 from autoprec.policy import Policy, Rule, load_policy
 from autoprec.precision import Precision
 from autoprec.scaling import LossScale
-from autoprec.search import SearchResult, search
+from autoprec.search import SearchInterrupted, SearchResult, search
 from autoprec.tasks import Task, load_task
 from autoprec.telemetry import GradientMonitor
 from autoprec.tracking import load_best_policy
@@ -24,6 +24,7 @@ __all__ = [
     "Policy",
     "Precision",
     "Rule",
+    "SearchInterrupted",
     "SearchResult",
     "Task",
     "TrialResult",

@@ -11,7 +11,6 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 import autoprec
-from autoprec.search import SearchInterrupted
 from autoprec.tracking import BEST_TAG
 from tests.conftest import make_tiny_task
 
@@ -173,7 +172,7 @@ def test_ctrl_c_keeps_what_was_measured_and_the_study_continues(tmp_path, monkey
         return build()
 
     task.model = model_then_ctrl_c
-    with pytest.raises(SearchInterrupted) as caught:
+    with pytest.raises(autoprec.SearchInterrupted) as caught:
         autoprec.search(task, trials=4, steps=12, study="cc", device="cpu")
     summary = json.loads((tmp_path / "runs/cc/summary.json").read_text())
     assert summary["interrupted"] is True
