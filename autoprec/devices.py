@@ -53,7 +53,6 @@ class Backend:
 
     kind = "cpu"
     visible_devices_env: str | None = None
-    memory_is_estimate = False
 
     def __init__(self, index: int | None = None) -> None:
         self.index = index
@@ -105,7 +104,6 @@ class Backend:
 
 class CPUBackend(Backend):
     kind = "cpu"
-    memory_is_estimate = True
 
     def memory_meter(self) -> MemoryMeter:
         return EstimatedMemoryMeter()

@@ -229,19 +229,6 @@ class Policy:
         path.write_text(self.to_yaml())
         return path
 
-    def flatten(self) -> dict[str, str]:
-        """One flat string mapping: the dtype of each rule (by name) and loss scaling."""
-        flat = {"dtype.default": self.default}
-        for i, rule in enumerate(self.rules):
-            flat[f"dtype.{rule.name or f'rule{i}'}"] = rule.dtype
-        for key, value in self.loss_scale.to_dict().items():
-            flat[f"loss_scale.{key}"] = str(value)
-        for key in ("tf32", "hf32"):
-            value = getattr(self, key)
-            if value is not None:
-                flat[key] = str(value)
-        return flat
-
     # -- landing on a model --------------------------------------------------------------
 
     def plan(self, model: nn.Module) -> Plan:

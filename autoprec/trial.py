@@ -200,14 +200,14 @@ def _train_and_evaluate(
     model.train()
     optimizer = task.make_optimizer(model.parameters())
     prec = policy.apply(model, backend)
-    layer_dtypes = policy.resolve(model)
+    layer_dtypes = prec.plan.leaf_dtypes
+    meter = backend.memory_meter()
     result = TrialResult(
         "complete",
-        peak_memory_is_estimate=backend.memory_meter().is_estimate,
+        peak_memory_is_estimate=meter.is_estimate,
         low_precision_share=policy.low_precision_share(model),
         switches=dict(prec.switches),
     )
-    meter = backend.memory_meter()
     meter.start(model)
     monitor = GradientMonitor(model)
     step_times_s: list[float] = []
