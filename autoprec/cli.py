@@ -27,6 +27,7 @@ class _Parser(argparse.ArgumentParser):
 def _build_parser() -> argparse.ArgumentParser:
     from autoprec.search import DEFAULT_STORAGE, SAMPLERS
     from autoprec.selection import PREFERENCES
+    from autoprec.studies import HEARTBEAT_INTERVAL_S
     from autoprec.tasks import BUILTIN_TASKS, DEFAULT_TASK
     from autoprec.tracking import DEFAULT_TRACKING_URI
 
@@ -100,6 +101,35 @@ def _build_parser() -> argparse.ArgumentParser:
         help="train every trial to the end, even when its loss trails the fp32 baseline's "
         "or its loss scaler keeps skipping steps",
     )
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes on this host, sharing the study's budget (run the same "
+        "command on other hosts, with a shared --storage and --tracking-uri, to join)",
+    )
+    s.add_argument(
+        "--devices",
+        default=None,
+        help="devices the workers are pinned to, round-robin: npu:0-7, cuda:0,cuda:1 "
+        "(default: the --device for every worker; on the CPU they share its cores)",
+    )
+    s.add_argument(
+        "--trial-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a trial running longer fails with that reason (default: 25x the fp32 "
+        "baseline's trial, at least 300 s; 0: no limit)",
+    )
+    s.add_argument(
+        "--heartbeat",
+        type=int,
+        default=HEARTBEAT_INTERVAL_S,
+        metavar="SECONDS",
+        help="a running trial records a heartbeat this often; one silent for 3x this "
+        "(its worker died) is failed and its MLflow run closed as KILLED",
+    )
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     b = commands.add_parser("best", help="print a study's best policy (from MLflow)")
@@ -151,6 +181,20 @@ class _Progress:
     def __call__(self, event: str, data: dict[str, Any]) -> None:
         if event == "baseline":
             print("running the fp32 baseline ...", file=sys.stderr, flush=True)
+        elif event == "waiting":
+            print(
+                f"waiting for {data['holder']} to set the study up (parent run, baseline) ...",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif event == "workers":
+            where = (
+                f"sharing {data['cores']} CPU cores ({data['threads']} threads each; "
+                "expect little gain past one worker per core)"
+                if data["kind"] == "cpu"
+                else "pinned to " + ", ".join(data["devices"])
+            )
+            print(f"{data['workers']} workers, {where}", file=sys.stderr, flush=True)
         elif event == "start" and self.enabled:
             from tqdm import tqdm
 
@@ -214,6 +258,10 @@ def _search(args: argparse.Namespace) -> int:
         sampler=args.sampler,
         confirm_top=args.confirm_top,
         early_stopping=not args.no_early_stopping,
+        workers=args.workers,
+        devices=args.devices,
+        trial_timeout_s=args.trial_timeout,
+        heartbeat_s=args.heartbeat,
         progress=progress,
     )
     summary = result.summary

@@ -3,29 +3,39 @@
 Order of work, so that bad input never touches a store:
 1. load and check the task, the space, the device and every option;
 2. open the Optuna study (created once; continued when it exists and fits) and the
-   MLflow experiment, and open or reopen the study's parent run;
-3. run the fp32 baseline once per study (kept in the study, logged as a child run),
-   and enqueue the uniform fp16 and bf16 anchors once;
-4. ask, train, tell and log until the study holds ``trials`` finished trials;
+   MLflow experiment;
+3. set the study up once, under its set-up lease: the MLflow parent run, the fp32
+   baseline (kept in the study, logged as a child run) and the anchors (uniform fp16
+   and bf16); a process that finds another doing it waits;
+4. ask, claim, train, tell and log until the study holds ``trials`` measured trials, in
+   this process or in ``workers`` worker processes (several hosts may join the same
+   study with the same command);
 5. choose the best feasible policy (accuracy drop within tolerance) by the preference,
    and write ``runs/<study>/best_policy.yaml`` and ``summary.json``.
+
+A trial whose process dies stops sending heartbeats: the next worker to look fails it
+in Optuna, closes its MLflow child run as KILLED, and the budget counts only trials
+that were measured to an end.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import logging
 import math
+import os
+import random
 import re
+import signal
+import threading
 import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from autoprec.devices import DTYPES, Backend, get_backend
 from autoprec.errors import AutoprecError, StoreError
@@ -33,6 +43,19 @@ from autoprec.policy import Policy
 from autoprec.report import policy_label
 from autoprec.selection import PREFERENCES, Candidate, pareto_front, select_best
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
+from autoprec.studies import (
+    CLAIM_ATTR,
+    HEARTBEAT_INTERVAL_S,
+    RECORD_ATTR,
+    RUN_ATTR,
+    Lease,
+    Ledger,
+    claim,
+    fail_stale,
+    heartbeat,
+    open_storage,
+    worker_id,
+)
 from autoprec.tasks import DEFAULT_TASK, Task, check_task, check_task_data, load_task
 from autoprec.tracking import (
     DEFAULT_TRACKING_URI,
@@ -41,6 +64,13 @@ from autoprec.tracking import (
     check_tracking_uri,
 )
 from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial, time_side_by_side
+from autoprec.workers import (
+    WorkerSpec,
+    local_device,
+    parse_devices,
+    start_workers,
+    wait_for_workers,
+)
 
 DEFAULT_STORAGE = "sqlite:///runs/optuna.db"
 DEFAULT_RUNS_DIR = Path("runs")
@@ -50,8 +80,12 @@ DIRECTIONS = ("maximize", "minimize", "minimize")
 # Sampled policies identical to one already measured are not trained again; after this
 # many in a row the space is taken as exhausted.
 MAX_DUPLICATES_IN_A_ROW = 25
-RECORD_ATTR = "autoprec"  # the Optuna user attribute holding a trial's policy and result
 CONFIRMED_ATTR = "confirmed_step_time_ms"  # study attribute: side-by-side re-timings
+# Default per-trial time limit: this many times the fp32 baseline's trial, at least
+# TRIAL_TIMEOUT_MIN_S (fp16 can be 20x slower than fp32 where it has no native kernels).
+TRIAL_TIMEOUT_FACTOR = 25
+TRIAL_TIMEOUT_MIN_S = 300.0
+POLL_S = 1.0  # how often a waiting worker reads the study again
 _STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "failed": TrialState.FAIL}
 
@@ -102,29 +136,62 @@ def search(
     runs_dir: str | Path = DEFAULT_RUNS_DIR,
     confirm_top: int = 3,
     early_stopping: bool = True,
+    workers: int = 1,
+    devices: str | Sequence[str] | None = None,
+    trial_timeout_s: float | None = None,
+    heartbeat_s: int = HEARTBEAT_INTERVAL_S,
     progress: ProgressCallback | None = None,
 ) -> SearchResult:
     """Search precision policies for a task and return the best one.
 
-    ``trials`` is the study's total: continuing a study runs only what is missing.
-    Unless ``prefer="memory"``, the ``confirm_top`` fastest feasible policies are timed
-    again side by side with the baseline before the choice (0 skips that). With
-    ``early_stopping``, hopeless trials stop early (see `EarlyStopping`).
+    ``trials`` is the study's total, whoever runs them: continuing a study, or joining it
+    from another host, runs only what is missing. ``workers`` processes share the work on
+    this host, pinned round-robin to ``devices`` (``"npu:0-7"``, ``"cuda:0,cuda:1"``);
+    workers need ``task`` and ``space`` by name or path. A trial running past
+    ``trial_timeout_s`` (None: 25x the fp32 baseline's trial, at least 300 s; 0: no
+    limit) fails with that reason. Unless ``prefer="memory"``, the ``confirm_top``
+    fastest feasible policies are timed again side by side with the baseline before the
+    choice (0 skips that). With ``early_stopping``, hopeless trials stop early.
     """
     started_s = time.perf_counter()
     notify = progress or (lambda event, data: None)
 
     # 1. Everything the user gave is checked before any store is opened.
+    if not isinstance(workers, int) or workers < 1:
+        raise AutoprecError(f"--workers: expected a positive integer, got {workers!r}")
+    device_list = parse_devices(devices)
+    if workers > 1 and not (isinstance(task, str) and isinstance(space, str | Path | None)):
+        raise AutoprecError(
+            "--workers: worker processes load the task and the space themselves; "
+            "name them (built-in name, module:attr or file.py:attr; a space name or file)"
+        )
+    task_spec = task if isinstance(task, str) else None
+    space_spec = str(space) if isinstance(space, str | Path) else None
     task = load_task(task) if isinstance(task, str) else task
     model = check_task(task)
     if not isinstance(space, SearchSpace):
-        space = load_space(space or default_space_for(task.name))
-    backend = get_backend(device)
+        space_spec = space_spec or default_space_for(task.name)
+        space = load_space(space_spec)
+    if device_list:
+        backend, *_ = [get_backend(d) for d in device_list]  # each must be there
+        if device != "auto" and get_backend(device).kind != backend.kind:
+            raise AutoprecError(f"--device {device!r} and --devices {devices!r} disagree")
+    else:
+        backend = get_backend(device)
+        device_list = [str(backend.device)] if backend.kind != "cpu" else ["cpu"]
     space = space.fit(model).restrict({d for d in DTYPES if backend.supports(d)})
     if not isinstance(confirm_top, int) or confirm_top < 0:
         raise AutoprecError(f"--confirm-top: expected an integer >= 0, got {confirm_top!r}")
     if not isinstance(trials, int) or trials < 1:
         raise AutoprecError(f"--trials: expected a positive integer, got {trials!r}")
+    if trial_timeout_s is not None and not (
+        isinstance(trial_timeout_s, int | float) and trial_timeout_s >= 0
+    ):
+        raise AutoprecError(
+            f"--trial-timeout: expected seconds >= 0 (0: no limit), got {trial_timeout_s!r}"
+        )
+    if not isinstance(heartbeat_s, int) or heartbeat_s < 1:
+        raise AutoprecError(f"--heartbeat: expected whole seconds >= 1, got {heartbeat_s!r}")
     budget = Budget(steps=steps, seed=seed)
     check_task_data(task, model, budget.steps, budget.seed)
     if prefer not in PREFERENCES:
@@ -153,52 +220,92 @@ def search(
 
     # 2. Stores: both reachable before either is written to.
     tracker = Tracker(tracking_uri, study_name, runs_dir)
+    storage_url = absolute_sqlite_uri(storage)
     optuna_study = _open_study(
-        study_name, absolute_sqlite_uri(storage), sampler, seed, settings, trials
+        study_name,
+        open_storage(storage_url, heartbeat_s, _on_stale(tracker)),
+        sampler,
+        seed,
+        settings,
+        trials,
     )
-    parent_id = tracker.start_parent(
-        optuna_study.user_attrs.get("mlflow_parent_run_id"),
-        {
-            **settings,
-            "trials": trials,
-            "accuracy_tolerance": tolerance,
-            "prefer": prefer,
-            "sampler": sampler,
-            "storage": storage,
-        },
-    )
-    optuna_study.set_user_attr("mlflow_parent_run_id", parent_id)
+    fail_stale(optuna_study)
     phases_s = {"setup": time.perf_counter() - started_s}
 
+    # 3. Set-up, once per study; then 4. the trials.
+    # Until the baseline sets the default, an explicit limit or the minimum applies.
+    warm = _WarmUp(
+        task,
+        space,
+        backend,
+        budget,
+        TRIAL_TIMEOUT_MIN_S if trial_timeout_s is None else float(trial_timeout_s),
+    )
+    parent_params = {
+        **settings,
+        "trials": trials,
+        "accuracy_tolerance": tolerance,
+        "prefer": prefer,
+        "sampler": sampler,
+        "storage": storage,
+    }
+    parent_id, baseline = _set_up(
+        optuna_study, tracker, parent_params, task, space, backend, budget, warm, notify
+    )
+    phases_s["baseline"] = time.perf_counter() - started_s - phases_s["setup"]
+    limit_s = (
+        max(TRIAL_TIMEOUT_MIN_S, TRIAL_TIMEOUT_FACTOR * baseline.result.run_time_s)
+        if trial_timeout_s is None
+        else float(trial_timeout_s)
+    )
     status = "KILLED"
+    interrupted = False
     try:
-        # 3. Baseline and anchors, after a warm-up so that no trial pays this process's
-        # one-time costs (lazy imports, thread pools, allocator growth) in its timings.
-        mark_s = time.perf_counter()
-        if optuna_study.user_attrs.get("baseline") is None or len(_finished(optuna_study)) < trials:
-            _warm_up(task, space, backend, budget)
-        phases_s["warm_up"] = time.perf_counter() - mark_s
-        baseline = _baseline(optuna_study, task, space, backend, budget, tracker, parent_id, notify)
-        if not optuna_study.user_attrs.get("anchors_enqueued"):
-            for name, params in space.anchors().items():
-                optuna_study.enqueue_trial(params, user_attrs={"anchor": name})
-            optuna_study.set_user_attr("anchors_enqueued", True)
-
-        # 4. Trials.
         stopper = EarlyStopping.from_baseline(baseline.result) if early_stopping else None
         context = _Context(
-            task, space, backend, budget, tracker, parent_id, baseline, tolerance, stopper, model
+            task,
+            space,
+            backend,
+            budget,
+            tracker,
+            parent_id,
+            baseline,
+            tolerance,
+            stopper,
+            model,
+            limit_s,
         )
-        interrupted = False
         try:
-            _run_trials(optuna_study, context, trials, prefer, notify)
+            if workers == 1:
+                if len(Ledger.read(optuna_study).recorded) < trials:
+                    warm.ensure()
+                _run_trials(optuna_study, context, trials, prefer, notify)
+            else:
+                spec = dict(
+                    task=task_spec,
+                    space=space_spec,
+                    study=study_name,
+                    storage=storage_url,
+                    tracking_uri=absolute_sqlite_uri(tracking_uri),
+                    runs_dir=str(runs_dir.resolve()),
+                    trials=trials,
+                    steps=budget.steps,
+                    seed=budget.seed,
+                    prefer=prefer,
+                    sampler=sampler,
+                    tolerance=float(tolerance),
+                    early_stopping=early_stopping,
+                    trial_timeout_s=limit_s,
+                    heartbeat_s=heartbeat_s,
+                )
+                _run_workers(optuna_study, context, spec, workers, device_list, prefer, notify)
         except KeyboardInterrupt:  # Ctrl-C: keep what was measured, write it out, then stop
             interrupted = True
         mark_s = time.perf_counter()
         confirmed = (
             {}
             if interrupted
-            else _confirm_step_times(optuna_study, context, prefer, confirm_top, notify)
+            else _confirm_step_times(optuna_study, context, prefer, confirm_top, notify, warm)
         )
         phases_s["confirm"] = time.perf_counter() - mark_s
         status = "FINISHED"
@@ -217,6 +324,9 @@ def search(
         "storage": storage,
         "tracking_uri": tracking_uri,
         "device_name": backend.name,
+        "workers": workers,
+        "devices": device_list,
+        "trial_timeout_s": limit_s,
     }
     summary["mlflow_parent_run_id"] = parent_id
     summary["interrupted"] = interrupted
@@ -260,6 +370,10 @@ class SearchInterrupted(KeyboardInterrupt):
         self.result = result
 
 
+class TrialTimeout(Exception):
+    """Raised inside a trial that ran past its time limit (the trial then fails)."""
+
+
 @dataclass(frozen=True)
 class _Context:
     task: Task
@@ -272,6 +386,28 @@ class _Context:
     tolerance: float
     early_stopping: EarlyStopping | None
     model: Any  # the task's model, for resolving policies (never trained)
+    trial_timeout_s: float = 0.0  # 0: no limit
+
+
+class _WarmUp:
+    """A short untimed run of every dtype the space uses, once per process, so that no
+    trial pays the process's one-time costs (lazy imports, thread pools, allocator
+    growth) in its timings; its results are discarded."""
+
+    def __init__(
+        self, task: Task, space: SearchSpace, backend: Backend, budget: Budget, limit_s: float
+    ) -> None:
+        self.args = (task, space, backend, budget, limit_s)
+        self.done = False
+
+    def ensure(self) -> None:
+        if self.done:
+            return
+        task, space, backend, budget, limit_s = self.args
+        short = Budget(steps=min(budget.steps, 2 * budget.untimed_steps + 2), seed=budget.seed)
+        for dtype in sorted({d for g in space.groups for d in g.dtypes}):
+            _run_with_time_limit(task, Policy.uniform(dtype), backend, short, None, limit_s)
+        self.done = True
 
 
 def _check_storage_url(url: str) -> None:
@@ -289,24 +425,35 @@ def _check_storage_url(url: str) -> None:
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
 
 
-def _make_sampler(name: str, seed: int, trials: int) -> optuna.samplers.BaseSampler:
+def _make_sampler(
+    name: str, seed: int, trials: int, worker: int = 0
+) -> optuna.samplers.BaseSampler:
+    """The study's sampler; each worker seeds its own (seed + worker index)."""
+    seed += worker
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "nsga2":
         return optuna.samplers.NSGAIISampler(
             seed=seed, population_size=max(4, min(20, trials // 2))
         )
+    # constant_liar: a running trial counts as a poor result, so that workers asking at
+    # the same time are steered apart.
     return optuna.samplers.TPESampler(
-        seed=seed, n_startup_trials=max(4, trials // 3), multivariate=True
+        seed=seed, n_startup_trials=max(4, trials // 3), multivariate=True, constant_liar=True
     )
 
 
 def _open_study(
-    name: str, storage: str, sampler: str, seed: int, settings: dict[str, Any], trials: int
+    name: str,
+    storage: optuna.storages.BaseStorage,
+    sampler: str,
+    seed: int,
+    settings: dict[str, Any],
+    trials: int,
+    worker: int = 0,
 ) -> optuna.Study:
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    logging.getLogger("sqlalchemy").setLevel(logging.WARNING)
+    """Create the study, or load it when it exists and was run with the same settings."""
+    where = getattr(storage, "url", "the Optuna storage")
     try:
         existing = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}.get(name)
         if existing is not None:
@@ -315,13 +462,13 @@ def _open_study(
             if changed:
                 key = changed[0]
                 raise StoreError(
-                    f"study {name!r} in {storage} was run with {key}={old[key]!r}, not "
+                    f"study {name!r} in {where} was run with {key}={old[key]!r}, not "
                     f"{settings[key]!r}; use another --study or the same settings"
                 )
         study = optuna.create_study(
             storage=storage,
             study_name=name,
-            sampler=_make_sampler(sampler, seed, trials),
+            sampler=_make_sampler(sampler, seed, trials, worker),
             directions=list(DIRECTIONS),
             load_if_exists=True,
         )
@@ -329,7 +476,7 @@ def _open_study(
         raise
     except Exception as error:
         raise StoreError(
-            f"Optuna storage {storage}: {(str(error).splitlines() or [''])[0]}"
+            f"Optuna storage {where}: {(str(error).splitlines() or [''])[0]}"
         ) from None
     if existing is None:
         for key, value in settings.items():
@@ -337,11 +484,65 @@ def _open_study(
     return study
 
 
-def _warm_up(task: Task, space: SearchSpace, backend: Backend, budget: Budget) -> None:
-    """A short untimed run of every dtype the space uses; its results are discarded."""
-    steps = min(budget.steps, 2 * budget.untimed_steps + 2)
-    for dtype in sorted({d for g in space.groups for d in g.dtypes}):
-        run_trial(task, Policy.uniform(dtype), backend, Budget(steps=steps, seed=budget.seed))
+def _on_stale(tracker: Tracker) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """What happens to a trial whose worker died: its MLflow child run is closed as
+    KILLED, and an anchor is queued again (Optuna has already failed the trial)."""
+
+    def on_stale(study: optuna.Study, trial: FrozenTrial) -> None:
+        run_id = trial.user_attrs.get(RUN_ATTR)
+        if run_id:
+            tracker.close_killed(run_id, "its worker stopped sending heartbeats (killed?)")
+        anchor = trial.user_attrs.get("anchor")
+        if anchor and RECORD_ATTR not in trial.user_attrs:
+            study.enqueue_trial(trial.params, user_attrs={"anchor": anchor})
+
+    return on_stale
+
+
+def _set_up(
+    study: optuna.Study,
+    tracker: Tracker,
+    parent_params: dict[str, Any],
+    task: Task,
+    space: SearchSpace,
+    backend: Backend,
+    budget: Budget,
+    warm: _WarmUp,
+    notify: ProgressCallback,
+) -> tuple[str, TrialRecord]:
+    """The study's parent run, baseline and anchors, made once: by whoever holds the
+    set-up lease; a process that finds it held waits for the holder to finish."""
+    lease = Lease(study, "setup", worker_id())
+    waiting = False
+    while True:
+        attrs = study.user_attrs
+        parent_id = attrs.get("mlflow_parent_run_id")
+        ready = attrs.get("baseline") is not None and attrs.get("anchors_enqueued")
+        if ready and parent_id and tracker.has_run(parent_id):
+            tracker.start_parent(parent_id, parent_params)  # reopened: RUNNING again
+            return parent_id, _baseline(study, task, space, backend, budget, tracker, parent_id)
+        if lease.acquire():
+            break
+        if not waiting:
+            notify("waiting", {"holder": lease.holder()})
+            waiting = True
+        time.sleep(2 * POLL_S)
+    try:
+        parent_id = tracker.start_parent(
+            study.user_attrs.get("mlflow_parent_run_id"), parent_params
+        )
+        study.set_user_attr("mlflow_parent_run_id", parent_id)
+        if study.user_attrs.get("baseline") is None:
+            notify("baseline", {})
+            warm.ensure()
+        baseline = _baseline(study, task, space, backend, budget, tracker, parent_id)
+        if not study.user_attrs.get("anchors_enqueued"):
+            for name, params in space.anchors().items():
+                study.enqueue_trial(params, user_attrs={"anchor": name})
+            study.set_user_attr("anchors_enqueued", True)
+    finally:
+        lease.release()
+    return parent_id, baseline
 
 
 def _baseline(
@@ -352,8 +553,8 @@ def _baseline(
     budget: Budget,
     tracker: Tracker,
     parent_id: str,
-    notify: ProgressCallback,
 ) -> TrialRecord:
+    """The stored fp32 baseline, or (under the set-up lease) a new one."""
     policy = space.policy(space.uniform_params("fp32"))
     stored = study.user_attrs.get("baseline")
     if stored is not None:
@@ -365,86 +566,98 @@ def _baseline(
             True,
             stored.get("mlflow_run_id"),
         )
-    notify("baseline", {})
+    cut_off = study.user_attrs.get("baseline_run_started")
+    if cut_off:  # a baseline whose process died: its run is closed, and it runs again
+        tracker.close_killed(cut_off, "the search stopped before the baseline finished")
+    tags = {"autoprec.role": "baseline"}
+    run_id = tracker.start_child(parent_id, "baseline-fp32", tags)
+    study.set_user_attr("baseline_run_started", run_id)
     result = run_trial(task, policy, backend, budget)
     if result.state != "complete":
+        tracker.log_trial(run_id, space.flat_params(policy), result, {}, tags, policy)
         raise AutoprecError(
             f"task {task.name!r}: the fp32 baseline did not train ({result.reason}); "
             "fix the task before searching"
         )
-    run_id = tracker.log_trial(
-        parent_id,
-        "baseline-fp32",
+    tracker.log_trial(
+        run_id,
         space.flat_params(policy),
         result,
         {"accuracy_drop": 0.0},
-        {"autoprec.role": "baseline", "state": "complete", "feasible": "true"},
+        {**tags, "state": "complete", "feasible": "true"},
         policy,
     )
     study.set_user_attr("baseline", {"result": result.to_dict(), "mlflow_run_id": run_id})
     return TrialRecord("baseline", policy, result, 0.0, True, run_id)
 
 
-def _finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Trials that were measured to an end and recorded. Duplicates of measured policies
-    and trials cut off by an interrupt are not counted."""
-    return [
-        t
-        for t in study.get_trials(
-            deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-        )
-        if RECORD_ATTR in t.user_attrs
-    ]
+def _finished(study: optuna.Study) -> list[FrozenTrial]:
+    """Trials that were measured to an end and recorded, by number. Duplicates of
+    measured policies, trials over the budget, and trials cut off by an interrupt or a
+    crash are not counted."""
+    return [t for _, t in sorted(Ledger.read(study).recorded.items())]
 
 
 def _run_trials(
     study: optuna.Study, ctx: _Context, trials: int, prefer: str, notify: ProgressCallback
-) -> None:
-    finished = _finished(study)
-    done = len(finished)
-    seen = {_measured_as(ctx.baseline.policy, ctx.model): "baseline"}
-    records = [_record(t, ctx.tolerance) for t in finished]
-    for record in records:
-        seen[_measured_as(record.policy, ctx.model)] = record.number
-    notify("start", {"total": trials, "done": done, "records": records, "baseline": ctx.baseline})
+) -> int:
+    """Ask, claim, train, tell and log until the study holds ``trials`` measured trials
+    (whoever measured them); the number measured here."""
+    records = [_record(t, ctx.tolerance) for t in _finished(study)]
+    notify(
+        "start",
+        {"total": trials, "done": len(records), "records": records, "baseline": ctx.baseline},
+    )
+    keys: dict[int, str] = {}
+
+    def measured(t: FrozenTrial) -> str:
+        if t.number not in keys:
+            keys[t.number] = t.user_attrs.get(CLAIM_ATTR) or _measured_as(
+                Policy.from_dict(t.user_attrs[RECORD_ATTR]["policy"]), ctx.model
+            )
+        return keys[t.number]
+
+    baseline_key = _measured_as(ctx.baseline.policy, ctx.model)
+    owner = worker_id()
+    measured_here = 0
     duplicates_in_a_row = 0
-    while done < trials:
+    while True:
+        fail_stale(study)
+        ledger = Ledger.read(study)
+        if len(ledger.recorded) >= trials:
+            return measured_here
+        if len(ledger.recorded) + len(ledger.running) >= trials:
+            time.sleep(POLL_S)  # the last trials run elsewhere: wait, in case one dies
+            continue
         trial = study.ask()
         try:
-            policy = ctx.space.suggest(trial)
-        except Exception:
-            study.tell(trial, state=TrialState.FAIL)
+            with heartbeat(study, trial):
+                policy = ctx.space.suggest(trial)
+                key = _measured_as(policy, ctx.model)
+                verdict = claim(study, trial, key, trials, measured, baseline_key, owner)
+                if verdict.shared or verdict.over_budget:  # other workers hold the slots
+                    _step_back(study, trial)
+                    continue
+                if verdict.duplicate_of is not None:
+                    trial.set_user_attr("duplicate_of", verdict.duplicate_of)
+                    study.tell(trial, state=TrialState.PRUNED)
+                    duplicates_in_a_row += 1
+                    if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
+                        notify("exhausted", {"done": len(ledger.recorded)})
+                        return measured_here
+                    continue
+                duplicates_in_a_row = 0
+                record = _measure(study, trial, policy, ctx, notify)
+        except BaseException as error:  # Ctrl-C, or a bug: the trial is not left running
+            _abandon(study, trial, error)
             raise
-        key = _measured_as(policy, ctx.model)
-        if key in seen:
-            trial.set_user_attr("duplicate_of", seen[key])
-            study.tell(trial, state=TrialState.PRUNED)
-            duplicates_in_a_row += 1
-            if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
-                notify("exhausted", {"done": done})
-                return
-            continue
-        duplicates_in_a_row = 0
-        notify("trial_start", {"number": trial.number, "policy": policy})
-        try:
-            result = run_trial(ctx.task, policy, ctx.backend, ctx.budget, ctx.early_stopping)
-        except BaseException as error:
-            if isinstance(error, KeyboardInterrupt):
-                trial.set_user_attr("interrupted", True)
-            study.tell(trial, state=TrialState.FAIL)
-            anchor = trial.user_attrs.get("anchor")
-            if anchor:  # measure the anchor when the study is continued
-                study.enqueue_trial(trial.params, user_attrs={"anchor": anchor})
-            raise
-        record = _tell_and_log(study, trial, policy, result, ctx)
-        seen[key] = trial.number
-        done += 1
-        records.append(record)
+        measured_here += 1
+        records = [_record(t, ctx.tolerance) for t in _finished(study)]
         notify(
             "trial_end",
             {
                 "record": record,
-                "done": done,
+                "done": len(records),
                 "total": trials,
                 "records": records,
                 "baseline": ctx.baseline,
@@ -453,16 +666,232 @@ def _run_trials(
         )
 
 
+def _measure(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    policy: Policy,
+    ctx: _Context,
+    notify: ProgressCallback,
+) -> TrialRecord:
+    """Train one claimed trial; its MLflow child run is open while it runs."""
+    anchor = trial.user_attrs.get("anchor")
+    notify("trial_start", {"number": trial.number, "policy": policy})
+    tags = {"autoprec.role": "trial", "trial_number": str(trial.number)}
+    if anchor:
+        tags["anchor"] = anchor
+    run_id = ctx.tracker.start_child(
+        ctx.parent_id,
+        f"t{trial.number:03d} " + (anchor or policy_label(ctx.space.flat_params(policy))),
+        tags,
+    )
+    trial.set_user_attr(RUN_ATTR, run_id)
+    try:
+        result = _run_with_time_limit(
+            ctx.task, policy, ctx.backend, ctx.budget, ctx.early_stopping, ctx.trial_timeout_s
+        )
+    except BaseException as error:
+        reason = "interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else repr(error)
+        ctx.tracker.close_killed(run_id, reason)
+        raise
+    return _tell_and_log(study, trial, policy, result, ctx, run_id)
+
+
+def _step_back(study: optuna.Study, trial: optuna.Trial) -> None:
+    """Give up a trial without training it: the budget's last slots are claimed, or two
+    workers were handed the same trial (whoever tells it first queues an anchor again;
+    the other finds it finished)."""
+    try:
+        trial.set_user_attr("over_budget", True)
+        study.tell(trial, state=TrialState.FAIL)
+    except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
+        return
+    _requeue_anchor(study, trial)
+    time.sleep(random.uniform(0, POLL_S))  # two that stepped back ask apart
+
+
+def _abandon(study: optuna.Study, trial: optuna.Trial, error: BaseException) -> None:
+    """A trial cut off by Ctrl-C or an error: failed in Optuna (not counted), marked
+    interrupted, and an anchor queued again."""
+    try:
+        if isinstance(error, KeyboardInterrupt):
+            trial.set_user_attr("interrupted", True)
+        study.tell(trial, state=TrialState.FAIL)
+    except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
+        return  # already told
+    _requeue_anchor(study, trial)
+
+
+def _requeue_anchor(study: optuna.Study, trial: optuna.Trial) -> None:
+    """An anchor that was not measured is measured later (or when the study continues)."""
+    anchor = trial.user_attrs.get("anchor")
+    if anchor:
+        study.enqueue_trial(trial.params, user_attrs={"anchor": anchor})
+
+
+def _run_with_time_limit(
+    task: Task,
+    policy: Policy,
+    backend: Backend,
+    budget: Budget,
+    early_stopping: EarlyStopping | None,
+    limit_s: float,
+) -> TrialResult:
+    """run_trial, failed with a reason when it runs past ``limit_s`` (0: no limit).
+
+    The limit is a SIGALRM timer, so it needs the main thread (elsewhere there is no
+    limit), and it strikes between Python calls: a hang inside one native call is only
+    cut short when that call returns.
+    """
+    args = (task, policy, backend, budget, early_stopping)
+    if not limit_s or threading.current_thread() is not threading.main_thread():
+        return run_trial(*args)
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise TrialTimeout(f"no result after {limit_s:.0f} s (the per-trial time limit)")
+
+    started_s = time.perf_counter()
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, limit_s)
+    try:
+        result = run_trial(*args)
+    except TrialTimeout as error:  # struck outside run_trial's own handling
+        result = TrialResult("failed", f"TrialTimeout: {error}")
+        result.run_time_s = time.perf_counter() - started_s
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return result
+
+
+def _run_workers(
+    study: optuna.Study,
+    ctx: _Context,
+    spec: dict[str, Any],
+    workers: int,
+    devices: list[str],
+    prefer: str,
+    notify: ProgressCallback,
+) -> None:
+    """Start ``workers`` processes on this host, pinned round-robin to ``devices``, and
+    follow the study until they are done."""
+    pinned = [devices[i % len(devices)] for i in range(workers)]
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // workers)  # on the CPU, the workers share its cores
+    specs = [
+        WorkerSpec(index=i, device=local_device(d), threads=threads, **spec)
+        for i, d in enumerate(pinned)
+    ]
+    notify(
+        "workers",
+        {
+            "workers": workers,
+            "devices": pinned,
+            "cores": cores,
+            "threads": threads,
+            "kind": ctx.backend.kind,
+        },
+    )
+    records = [_record(t, ctx.tolerance) for t in _finished(study)]
+    seen = {r.number for r in records}
+    notify(
+        "start",
+        {
+            "total": spec["trials"],
+            "done": len(records),
+            "records": records,
+            "baseline": ctx.baseline,
+        },
+    )
+
+    def poll() -> None:
+        records = [_record(t, ctx.tolerance) for t in _finished(study)]
+        for record in records:
+            if record.number not in seen:
+                seen.add(record.number)
+                notify(
+                    "trial_end",
+                    {
+                        "record": record,
+                        "done": len(seen),
+                        "total": spec["trials"],
+                        "records": records,
+                        "baseline": ctx.baseline,
+                        "prefer": prefer,
+                    },
+                )
+
+    log_dir = Path(spec["runs_dir"]) / spec["study"] / "workers"
+    processes = start_workers(specs, pinned, log_dir)
+    codes = wait_for_workers(processes, poll)
+    failed = [i for i, code in enumerate(codes) if code != 0]
+    if failed and len(_finished(study)) < spec["trials"]:
+        raise AutoprecError(
+            f"worker {failed[0]} stopped with status {codes[failed[0]]} before the budget "
+            f"was met; see {log_dir / f'worker-{failed[0]}.log'}"
+        )
+
+
+def run_worker(spec: WorkerSpec) -> int:
+    """A worker process: join the study, run trials until its budget is met; the number
+    of trials measured here."""
+    task = load_task(spec.task)
+    model = check_task(task)
+    backend = get_backend(spec.device)
+    space = load_space(spec.space or default_space_for(task.name))
+    space = space.fit(model).restrict({d for d in DTYPES if backend.supports(d)})
+    budget = Budget(steps=spec.steps, seed=spec.seed)
+    tracker = Tracker(spec.tracking_uri, spec.study, Path(spec.runs_dir))
+    study = optuna.load_study(
+        study_name=spec.study,
+        storage=open_storage(spec.storage, spec.heartbeat_s, _on_stale(tracker)),
+        sampler=_make_sampler(spec.sampler, spec.seed, spec.trials, spec.index + 1),
+    )
+    if study.user_attrs.get("space_fingerprint") != space.fingerprint():
+        raise AutoprecError(f"study {spec.study!r}: this worker's space differs from the study's")
+    parent_id = study.user_attrs["mlflow_parent_run_id"]
+    baseline = _baseline(study, task, space, backend, budget, tracker, parent_id)
+    stopper = EarlyStopping.from_baseline(baseline.result) if spec.early_stopping else None
+    ctx = _Context(
+        task,
+        space,
+        backend,
+        budget,
+        tracker,
+        parent_id,
+        baseline,
+        spec.tolerance,
+        stopper,
+        model,
+        spec.trial_timeout_s,
+    )
+    if len(_finished(study)) < spec.trials:
+        _WarmUp(task, space, backend, budget, spec.trial_timeout_s).ensure()
+
+    def log(event: str, data: dict[str, Any]) -> None:
+        if event == "trial_end":
+            r = data["record"]
+            print(f"trial {r.number}: {r.result.state} {r.result.reason or ''}", flush=True)
+
+    return _run_trials(study, ctx, spec.trials, spec.prefer, log)
+
+
 def _measured_as(policy: Policy, model: Any) -> str:
     """What a trial of this policy would measure: the dtype each layer runs in, and the
-    loss scaling if any layer runs in fp16. Policies alike in this are trained once."""
+    loss scaling if any layer runs in fp16. Policies alike in this are trained once.
+    A short hash, so that it can be kept with every trial."""
     dtypes = policy.resolve(model)
     scaling = policy.loss_scale.to_dict() if "fp16" in dtypes.values() else {"mode": "none"}
-    return json.dumps([dtypes, scaling, policy.tf32, policy.hf32], sort_keys=True)
+    text = json.dumps([dtypes, scaling, policy.tf32, policy.hf32], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def _tell_and_log(
-    study: optuna.Study, trial: optuna.Trial, policy: Policy, result: TrialResult, ctx: _Context
+    study: optuna.Study,
+    trial: optuna.Trial,
+    policy: Policy,
+    result: TrialResult,
+    ctx: _Context,
+    run_id: str,
 ) -> TrialRecord:
     drop = None
     feasible = False
@@ -470,20 +899,11 @@ def _tell_and_log(
         drop = ctx.baseline.result.accuracy - result.accuracy
         feasible = drop <= ctx.tolerance + 1e-12
         trial.set_constraint("accuracy_drop", drop - ctx.tolerance)
-    anchor = trial.user_attrs.get("anchor")
-    tags = {
-        "autoprec.role": "trial",
-        "state": result.state,
-        "trial_number": str(trial.number),
-        "feasible": str(feasible).lower(),
-    }
+    tags = {"state": result.state, "feasible": str(feasible).lower()}
     if result.reason:
         tags["reason"] = result.reason[:4000]
-    if anchor:
-        tags["anchor"] = anchor
-    run_id = ctx.tracker.log_trial(
-        ctx.parent_id,
-        f"t{trial.number:03d} " + (anchor or policy_label(ctx.space.flat_params(policy))),
+    ctx.tracker.log_trial(
+        run_id,
         ctx.space.flat_params(policy),
         result,
         {} if drop is None else {"accuracy_drop": drop},
@@ -563,7 +983,12 @@ def best_record(
 
 
 def _confirm_step_times(
-    study: optuna.Study, ctx: _Context, prefer: str, top: int, notify: ProgressCallback
+    study: optuna.Study,
+    ctx: _Context,
+    prefer: str,
+    top: int,
+    notify: ProgressCallback,
+    warm: _WarmUp | None = None,
 ) -> dict[str, float]:
     """Re-time the ``top`` best feasible policies (by step time, or by the balanced score)
     and the baseline side by side.
@@ -590,6 +1015,8 @@ def _confirm_step_times(
     by_number = {str(r.number): r for r in records}
     policies = [ctx.baseline.policy, *(by_number[k].policy for k in keys[1:])]
     notify("confirm", {"count": len(keys)})
+    if warm is not None:
+        warm.ensure()
     times_ms = time_side_by_side(ctx.task, policies, ctx.backend, ctx.budget)
     confirmed = dict(zip(keys, times_ms, strict=True))
     study.set_user_attr(CONFIRMED_ATTR, confirmed)

@@ -112,7 +112,7 @@ class Tracker:
         """Create the study's parent run, or reopen it when the study is continued."""
         from mlflow.entities import Param
 
-        if run_id is not None and self._run_exists(run_id):
+        if run_id is not None and self.has_run(run_id):
             self.client.update_run(run_id, status="RUNNING")
             return run_id
         run = self.client.create_run(
@@ -123,7 +123,7 @@ class Tracker:
         self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
         return run.info.run_id
 
-    def _run_exists(self, run_id: str) -> bool:
+    def has_run(self, run_id: str) -> bool:
         """Whether this store holds the run (a study continued against another MLflow
         store gets a parent run of its own there)."""
         try:
@@ -132,28 +132,31 @@ class Tracker:
             return False
         return run.info.lifecycle_stage == "active"
 
+    def start_child(self, parent_run_id: str, run_name: str, tags: dict[str, str]) -> str:
+        """A child run, opened when its trial starts (so that a trial cut off by a crash
+        leaves a run that can be closed as KILLED)."""
+        run = self.client.create_run(
+            self._experiment_id(),
+            run_name=run_name,
+            tags={"mlflow.parentRunId": parent_run_id, STUDY_TAG: self.study, **tags},
+        )
+        return run.info.run_id
+
     def log_trial(
         self,
-        parent_run_id: str,
-        run_name: str,
+        run_id: str,
         params: dict[str, str],
         result: TrialResult,
         extra_metrics: dict[str, float],
         tags: dict[str, str],
         policy: Policy,
     ) -> str:
-        """One child run: created with its tags; one batch of params, metrics and the
+        """Fill in and close a child run: one batch of tags, params, metrics and the
         per-step ``train_loss`` and ``loss_scale`` curves; the policy and the per-layer
         telemetry table as artifacts; then closed (FAILED for a failed trial)."""
-        from mlflow.entities import Metric, Param
+        from mlflow.entities import Metric, Param, RunTag
 
         timestamp_ms = int(time.time() * 1000)
-        run = self.client.create_run(
-            self._experiment_id(),
-            run_name=run_name,
-            tags={"mlflow.parentRunId": parent_run_id, STUDY_TAG: self.study, **tags},
-        )
-        run_id = run.info.run_id
         # Every child gets every metric name, NaN where a pruned or failed trial measured
         # nothing, so that MLflow's compare and chart views line up.
         values = dict.fromkeys((*TrialResult.METRICS, "accuracy_drop"), float("nan"))
@@ -165,7 +168,10 @@ class Tracker:
                 if math.isfinite(values[step]):
                     metrics.append(Metric(key, float(values[step]), timestamp_ms, step))
         self.client.log_batch(
-            run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in params.items()]
+            run_id,
+            metrics=metrics,
+            params=[Param(k, str(v)) for k, v in params.items()],
+            tags=[RunTag(k, v) for k, v in tags.items()],
         )
         self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
         layers = result.telemetry.get("layers") if result.telemetry else None
@@ -211,7 +217,7 @@ class Tracker:
         from mlflow.entities import RunTag
 
         for run_id in child_run_ids:
-            if not self._run_exists(run_id):
+            if not self.has_run(run_id):
                 continue  # logged to another MLflow store by an earlier search of the study
             self.client.log_batch(
                 run_id,
@@ -223,6 +229,18 @@ class Tracker:
 
     def end_parent(self, parent_run_id: str, status: str) -> None:
         self.client.set_terminated(parent_run_id, status)
+
+    def close_killed(self, run_id: str, reason: str) -> None:
+        """Close the child run of a trial that never finished (interrupted, or its worker
+        died), with the reason as a tag."""
+        from mlflow.entities import RunTag
+
+        if not self.has_run(run_id):
+            return
+        self.client.log_batch(
+            run_id, tags=[RunTag("state", "killed"), RunTag("reason", reason[:4000])]
+        )
+        self.client.set_terminated(run_id, "KILLED")
 
 
 def layers_csv(layers: list[dict[str, Any]]) -> str:

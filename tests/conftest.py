@@ -1,46 +1,13 @@
-"""Shared fixtures: a tiny task built only against the public Task contract."""
+"""Shared fixtures: a tiny task (tests/contract_tasks.py) and searches on it."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import pytest
-import torch
-from torch import nn
-from torch.nn import functional as F
 
 import autoprec
+from tests.contract_tasks import make_tiny_task
 
-
-def make_tiny_task(name: str = "tiny", hidden: int = 32) -> autoprec.Task:
-    """Four Gaussian blobs in 16 dimensions: learnable in a few dozen steps."""
-    generator = torch.Generator().manual_seed(1)
-    centers = torch.randn(4, 16, generator=generator) * 2.0
-    labels = torch.randint(0, 4, (512,), generator=generator)
-    inputs = centers[labels] + torch.randn(512, 16, generator=generator)
-
-    def model() -> nn.Module:
-        return nn.Sequential(
-            OrderedDict(
-                fc1=nn.Linear(16, hidden),
-                norm=nn.LayerNorm(hidden),
-                act=nn.ReLU(),
-                head=nn.Linear(hidden, 4),
-            )
-        )
-
-    def train_data(seed: int):
-        g = torch.Generator().manual_seed(seed)
-        while True:
-            order = torch.randperm(384, generator=g)
-            for i in range(0, 384 - 32 + 1, 32):
-                index = order[i : i + 32]
-                yield inputs[index], labels[index]
-
-    def val_data():
-        return [(inputs[384:], labels[384:])]
-
-    return autoprec.Task(name, model, train_data, val_data, F.cross_entropy)
+__all__ = ["make_tiny_task"]
 
 
 @pytest.fixture

@@ -1,0 +1,207 @@
+"""The Optuna side of a search shared by many workers: storage, heartbeats, claims, leases.
+
+Optuna's relational storage already coordinates workers; this module only adds what a
+precision search needs on top, all through that one storage:
+
+- every trial's process records a heartbeat; a trial whose process died (SIGKILL, a lost
+  host) goes stale and is failed by the next worker that looks (`fail_stale`);
+- a trial *claims* a slot of the study's budget and the policy it measures, then reads
+  the study back and steps back if the other claims leave no room, so that the budget
+  is exact and no policy is trained twice, however many workers ask at once (`claim`);
+- one-off set-up work (the MLflow parent run, the fp32 baseline, the anchors) is done
+  by whoever holds the study's set-up lease (`Lease`), renewed while it works; a lease
+  that is not renewed lapses, so a set-up cut off by a crash is done again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+RECORD_ATTR = "autoprec"  # user attribute: the trial's policy and result, once measured
+CLAIM_ATTR = "autoprec.claim"  # user attribute: the key of the policy the trial measures
+TAKEN_ATTR = "autoprec.taken_by"  # user attributes: the workers that were handed a trial
+RUN_ATTR = "mlflow_run_id"  # user attribute: the trial's MLflow child run, from its start
+HEARTBEAT_INTERVAL_S = 10
+GRACE_PERIOD_S = 30
+LEASE_TTL_S = 60.0
+_SETTLE_S = 1.0  # between writing a lease and reading it back
+
+
+def worker_id() -> str:
+    """This process, as other workers see it."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def open_storage(
+    url: str,
+    heartbeat_s: int = HEARTBEAT_INTERVAL_S,
+    on_stale: Callable[[optuna.Study, FrozenTrial], None] | None = None,
+) -> optuna.storages.RDBStorage:
+    """A relational Optuna storage with heartbeats (grace: 3 intervals, at least 3 s)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    # Heartbeats serve ask/tell here as they serve study.optimize (see `heartbeat`).
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+    logging.getLogger("sqlalchemy").setLevel(logging.WARNING)
+    engine_kwargs: dict[str, Any] = {}
+    if url.startswith("sqlite"):
+        # Several processes write one file: wait for the lock rather than fail.
+        engine_kwargs["connect_args"] = {"timeout": 120}
+    else:
+        engine_kwargs["pool_pre_ping"] = True
+    return optuna.storages.RDBStorage(
+        url,
+        engine_kwargs=engine_kwargs,
+        heartbeat_interval=heartbeat_s,
+        grace_period=max(3, 3 * heartbeat_s),
+        heartbeat_stale_trial_callback=on_stale,
+    )
+
+
+def fail_stale(study: optuna.Study) -> None:
+    """Fail the trials whose process stopped sending heartbeats (and run the callback)."""
+    optuna.storages.fail_stale_trials(study)
+
+
+@contextlib.contextmanager
+def heartbeat(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
+    """Record the trial's heartbeat in the background while the block runs."""
+    # Optuna's own heartbeat thread, as study.optimize uses it; ask/tell has no public
+    # entry to it.
+    from optuna.storages._heartbeat import get_heartbeat_thread
+
+    with get_heartbeat_thread(trial._trial_id, study._storage):
+        yield
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """The study as the budget sees it: trials measured and recorded, and trials running
+    under a claim (their keys), by trial number."""
+
+    recorded: dict[int, FrozenTrial]
+    running: dict[int, str]
+    trials: dict[int, FrozenTrial]
+
+    @classmethod
+    def read(cls, study: optuna.Study) -> Ledger:
+        recorded: dict[int, FrozenTrial] = {}
+        running: dict[int, str] = {}
+        trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+        for t in trials.values():
+            if t.state.is_finished() and RECORD_ATTR in t.user_attrs:
+                recorded[t.number] = t
+            elif t.state == TrialState.RUNNING and CLAIM_ATTR in t.user_attrs:
+                running[t.number] = t.user_attrs[CLAIM_ATTR]
+        return cls(recorded, running, trials)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What reading the study back after claiming says about a trial."""
+
+    duplicate_of: int | str | None = None  # a trial measuring the same policy first
+    over_budget: bool = False
+    shared: bool = False  # another worker was handed the same trial
+
+
+def claim(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    key: str,
+    budget: int,
+    measured: Callable[[FrozenTrial], str],
+    baseline_key: str,
+    owner: str,
+) -> Claim:
+    """Claim a slot of the budget and the policy ``key`` for ``trial``.
+
+    The claim is written first and the study read after, and every other running claim
+    counts against it, whatever its number. Of several workers claiming at once, the
+    last to write sees all the others; so no more trials go ahead than the budget
+    allows, and no policy is trained twice (at worst, all of them step back and ask
+    again). The same goes for two workers handed the same queued trial.
+    """
+    taken = f"{TAKEN_ATTR}.{owner}"
+    trial.set_user_attr(taken, True)
+    trial.set_user_attr(CLAIM_ATTR, key)
+    ledger = Ledger.read(study)
+    attrs = ledger.trials[trial.number].user_attrs
+    if any(k.startswith(TAKEN_ATTR + ".") and k != taken for k in attrs):
+        # On sqlite, two workers can pop the same queued trial at once: both step back.
+        return Claim(shared=True)
+    if key == baseline_key:
+        return Claim(duplicate_of="baseline")
+    for number, t in sorted(ledger.recorded.items()):
+        if measured(t) == key:
+            return Claim(duplicate_of=number)
+    others = {n: k for n, k in ledger.running.items() if n != trial.number}
+    for number, other in sorted(others.items()):
+        if other == key:
+            return Claim(duplicate_of=number)
+    return Claim(over_budget=len(ledger.recorded) + len(others) >= budget)
+
+
+class Lease:
+    """A named lease on one-off work in a study, held by one worker at a time.
+
+    Optuna's storage has no compare-and-set, so the lease is written and read back after
+    a short settle: of two workers taking it at once, both read the same last writer.
+    The holder renews it in the background; a lease not renewed for ``ttl_s`` lapses.
+    """
+
+    def __init__(self, study: optuna.Study, name: str, owner: str, ttl_s: float = LEASE_TTL_S):
+        self.study = study
+        self.key = f"lease.{name}"
+        self.owner = owner
+        self.ttl_s = ttl_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def holder(self) -> str | None:
+        """The live holder, if any."""
+        lease = self.study.user_attrs.get(self.key)
+        if lease and lease.get("until", 0) > time.time():
+            return lease.get("owner")
+        return None
+
+    def acquire(self) -> bool:
+        holder = self.holder()
+        if holder is not None and holder != self.owner:
+            return False
+        self._write()
+        time.sleep(_SETTLE_S)
+        if self.holder() != self.owner:
+            return False
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._renew, daemon=True)
+        self._thread.start()
+        return True
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.holder() == self.owner:
+            self.study.set_user_attr(self.key, {"owner": self.owner, "until": 0})
+
+    def _write(self) -> None:
+        self.study.set_user_attr(self.key, {"owner": self.owner, "until": time.time() + self.ttl_s})
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            with contextlib.suppress(Exception):  # a missed renewal only shortens the lease
+                self._write()

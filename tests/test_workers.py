@@ -1,0 +1,265 @@
+"""Several workers on one study, and searches that survive faults: a trial that raises,
+runs out of memory or hangs; a search killed with SIGKILL and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+import autoprec
+from autoprec.errors import DeviceError
+from autoprec.studies import CLAIM_ATTR, RECORD_ATTR, RUN_ATTR
+from autoprec.tracking import _client
+from autoprec.workers import parse_devices, pinned_env
+
+TASKS = Path(__file__).with_name("contract_tasks.py")
+CLI = "import sys; from autoprec.cli import main; sys.exit(main(sys.argv[1:]))"
+SMALL_SPACE = """\
+name: small
+dtypes: [fp32, fp16, bf16]
+groups:
+  - {name: fc1, patterns: [fc1]}
+  - {name: head, patterns: [head]}
+loss_scale:
+  modes: [dynamic]
+  init_scale_log2: [16, 16]
+  growth_interval: [2000, 2000]
+  hysteresis: [1, 1]
+  growth_factor: [2.0]
+  backoff_factor: [0.5]
+  min_scale: [0.0]
+"""
+
+
+def _recorded(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return [t for t in study.trials if t.state.is_finished() and RECORD_ATTR in t.user_attrs]
+
+
+def _peek(folder: Path, study: str) -> optuna.Study | None:
+    """The study as a running search has it so far (None before it exists)."""
+    if not (folder / "runs/optuna.db").is_file():
+        return None
+    try:
+        return optuna.load_study(study_name=study, storage=f"sqlite:///{folder}/runs/optuna.db")
+    except Exception:  # not created yet, or the file is being set up
+        return None
+
+
+def _runs_of(tracking_uri: str, study: str) -> tuple[object, list[object]]:
+    """The study's one parent run and the runs under it."""
+    client = _client(tracking_uri)
+    experiment = client.get_experiment_by_name(study)
+    runs = client.search_runs([experiment.experiment_id], max_results=1000)
+    parents = [r for r in runs if r.data.tags.get("autoprec.role") == "parent"]
+    assert len(parents) == 1
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert len(children) == len(runs) - 1  # nothing outside the one parent
+    return parents[0], children
+
+
+def test_three_workers_share_one_budget_exactly(in_tmp):
+    result = autoprec.search(
+        f"{TASKS}:tiny", trials=12, steps=20, study="w3", device="cpu", workers=3
+    )
+    study = optuna.load_study(study_name="w3", storage=f"sqlite:///{in_tmp}/runs/optuna.db")
+    recorded = _recorded(study)
+    assert len(recorded) == 12
+    # Nothing else was measured: the other trials are duplicates or over-budget claims,
+    # told at once without training.
+    others = [t for t in study.trials if t not in recorded]
+    assert all("duplicate_of" in t.user_attrs or t.user_attrs.get("over_budget") for t in others), [
+        (t.number, t.state, t.user_attrs) for t in others
+    ]
+    keys = [t.user_attrs[CLAIM_ATTR] for t in recorded]
+    assert len(set(keys)) == 12  # no policy evaluated twice
+    # Every worker measured something (their logs say how many).
+    logs = sorted((in_tmp / "runs/w3/workers").glob("worker-*.log"))
+    assert len(logs) == 3
+    measured = [int(log.read_text().split("done, ")[1].split()[0]) for log in logs]
+    assert sum(measured) == 12 and all(n >= 1 for n in measured), measured
+
+    _, children = _runs_of(f"sqlite:///{in_tmp}/runs/mlflow.db", "w3")
+    roles = [c.data.tags["autoprec.role"] for c in children]
+    assert roles.count("baseline") == 1 and roles.count("trial") == 12
+    assert all(c.info.status in ("FINISHED", "FAILED") for c in children)
+    assert {c.info.run_id for c in children if c.data.tags["autoprec.role"] == "trial"} == {
+        t.user_attrs[RUN_ATTR] for t in recorded
+    }
+    assert result.summary["settings"]["workers"] == 3
+    assert len(result.summary["trials"]) == 12
+
+
+def test_a_trial_that_raises_runs_out_of_memory_or_hangs_fails_and_the_search_goes_on(in_tmp):
+    space = in_tmp / "small.yaml"
+    space.write_text(SMALL_SPACE)
+    result = autoprec.search(
+        f"{TASKS}:trapped",
+        space,
+        trials=8,  # the whole space: 3 dtypes for fc1 x 3 for the head, less all-fp32
+        steps=12,
+        study="faults",
+        device="cpu",
+        sampler="random",
+        trial_timeout_s=2,
+        confirm_top=0,
+    )
+    reasons = {t["number"]: t["reason"] or "" for t in result.summary["trials"]}
+    states = {t["number"]: t["state"] for t in result.summary["trials"]}
+    assert len(reasons) == 8
+    hung = [n for n, r in reasons.items() if r.startswith("TrialTimeout: no result after 2 s")]
+    oom = [n for n, r in reasons.items() if r == "out of memory: tried to allocate 80.00 GiB"]
+    boom = [n for n, r in reasons.items() if "boom: a bug that shows only in fp16" in r]
+    assert len(hung) == 3  # fc1 in fp16 hangs, whatever the head
+    assert len(oom) == 3  # fc1 in bf16 runs out of memory
+    assert len(boom) == 1  # fc1 in fp32, head in fp16
+    assert all(states[n] == "failed" for n in hung + oom + boom)
+    assert [s for s in states.values() if s == "complete"] == ["complete"]  # fc1 fp32, head bf16
+    # Every failed trial is closed as FAILED in MLflow with its reason.
+    _, children = _runs_of(f"sqlite:///{in_tmp}/runs/mlflow.db", "faults")
+    failed = [c for c in children if c.info.status == "FAILED"]
+    assert len(failed) == 7
+    assert all(c.data.tags["reason"] for c in failed)
+    timed = [t for t in result.summary["trials"] if t["number"] in hung]
+    assert all(t["metrics"]["run_time_s"] < 10 for t in timed)
+
+
+def _search_command(tmp: Path, study: str, trials: int) -> list[str]:
+    return [
+        sys.executable,
+        "-c",
+        CLI,
+        "search",
+        "--task",
+        f"{TASKS}:slow_tiny",
+        "--trials",
+        str(trials),
+        "--steps",
+        "40",
+        "--study",
+        study,
+        "--device",
+        "cpu",
+        "--heartbeat",
+        "1",
+        "--confirm-top",
+        "0",
+        "--no-progress",
+    ]
+
+
+def test_sigkill_mid_trial_then_resume_keeps_every_finished_trial(in_tmp):
+    storage = f"sqlite:///{in_tmp}/runs/optuna.db"
+    command = _search_command(in_tmp, "kill", trials=5)
+    process = subprocess.Popen(
+        command, cwd=in_tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    deadline = time.monotonic() + 300
+    killed = None
+    while time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+        study = _peek(in_tmp, "kill")
+        if study is None:
+            continue
+        running = [
+            t for t in study.trials if t.state == TrialState.RUNNING and RUN_ATTR in t.user_attrs
+        ]
+        if len(_recorded(study)) >= 2 and running:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+            killed = running[0].number
+            break
+    assert killed is not None, process.communicate()[0].decode()[-2000:]
+    before = {t.number: t.user_attrs[RECORD_ATTR] for t in _recorded(study)}
+    study = optuna.load_study(study_name="kill", storage=storage)
+    assert study.trials[killed].state == TrialState.RUNNING  # nobody has looked yet
+
+    resumed = subprocess.run(command, cwd=in_tmp, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    study = optuna.load_study(study_name="kill", storage=storage)
+    after = {t.number: t.user_attrs[RECORD_ATTR] for t in _recorded(study)}
+    assert len(after) == 5  # the budget counts only what finished
+    assert {n: after[n] for n in before} == before  # finished trials intact
+    cut = study.trials[killed]
+    assert cut.state == TrialState.FAIL and RECORD_ATTR not in cut.user_attrs
+    _, children = _runs_of(f"sqlite:///{in_tmp}/runs/mlflow.db", "kill")
+    by_id = {c.info.run_id: c for c in children}
+    cut_run = by_id[cut.user_attrs[RUN_ATTR]]
+    assert cut_run.info.status == "KILLED"
+    assert "heartbeat" in cut_run.data.tags["reason"]
+    finished_runs = [c for c in children if c.info.status in ("FINISHED", "FAILED")]
+    assert len(finished_runs) == 5 + 1  # the trials and the baseline
+    summary = json.loads((in_tmp / "runs/kill/summary.json").read_text())
+    assert sorted(t["number"] for t in summary["trials"]) == sorted(after)
+
+
+def test_ctrl_c_stops_the_workers_and_writes_what_was_measured(in_tmp):
+    command = [*_search_command(in_tmp, "cc", trials=30), "--workers", "2"]
+    storage = f"sqlite:///{in_tmp}/runs/optuna.db"
+    process = subprocess.Popen(command, cwd=in_tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.3)
+        study = _peek(in_tmp, "cc")
+        if study is None:
+            continue
+        if len(_recorded(study)) >= 2 and any(
+            t.state == TrialState.RUNNING and RUN_ATTR in t.user_attrs for t in study.trials
+        ):
+            break
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr.decode()[-2000:]
+    study = optuna.load_study(study_name="cc", storage=storage)
+    assert not [t for t in study.trials if t.state == TrialState.RUNNING]
+    cut = [t for t in study.trials if t.user_attrs.get("interrupted")]
+    assert cut and all(t.state == TrialState.FAIL for t in cut)
+    summary = json.loads((in_tmp / "runs/cc/summary.json").read_text())
+    assert summary["interrupted"] is True
+    assert len(summary["trials"]) == len(_recorded(study)) >= 2
+    assert (in_tmp / "runs/cc/best_policy.yaml").is_file()
+    _, children = _runs_of(f"sqlite:///{in_tmp}/runs/mlflow.db", "cc")
+    killed = [c for c in children if c.info.status == "KILLED"]
+    assert {c.info.run_id for c in killed} == {t.user_attrs[RUN_ATTR] for t in cut}
+
+
+def test_devices_are_parsed_and_pinned():
+    assert parse_devices("npu:0-3") == ["npu:0", "npu:1", "npu:2", "npu:3"]
+    assert parse_devices("cuda:0,cuda:1") == ["cuda:0", "cuda:1"]
+    for bad in ("npu:3-1", "cuda:0,npu:1", "gpu:0", "cuda:0,cuda:0"):
+        with pytest.raises(DeviceError):
+            parse_devices(bad)
+    env = pinned_env("npu:5", threads=4)
+    assert env["ASCEND_RT_VISIBLE_DEVICES"] == "5" and env["OMP_NUM_THREADS"] == "4"
+    assert pinned_env("cuda:1", threads=1)["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_workers_refuse_bad_input_before_any_store(in_tmp):
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", CLI, "search", *args],
+            cwd=in_tmp,
+            capture_output=True,
+            text=True,
+        )
+
+    for args, words in (
+        (["--workers", "0"], "--workers"),
+        (["--devices", "cuda:0-1"], "CUDA"),
+        (["--devices", "tpu:0"], "--devices"),
+        (["--trial-timeout", "-1"], "--trial-timeout"),
+        (["--heartbeat", "0"], "--heartbeat"),
+    ):
+        done = cli(*args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert words in done.stderr and "Traceback" not in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+    assert not (in_tmp / "runs/optuna.db").exists()
