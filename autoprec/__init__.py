@@ -8,6 +8,7 @@ from autoprec.devices import get_backend
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy, Rule, load_policy
 from autoprec.precision import Precision
+from autoprec.profile import Profile, profile_task
 from autoprec.scaling import LossScale
 from autoprec.search import SearchInterrupted, SearchResult, search
 from autoprec.tasks import Task, load_task
@@ -23,6 +24,7 @@ __all__ = [
     "LossScale",
     "Policy",
     "Precision",
+    "Profile",
     "Rule",
     "SearchInterrupted",
     "SearchResult",
@@ -32,6 +34,7 @@ __all__ = [
     "load_best_policy",
     "load_policy",
     "load_task",
+    "profile_task",
     "run_trial",
     "search",
 ]

@@ -1,4 +1,4 @@
-"""The ``autoprec`` command: search, best, resolve, report, compare, ui.
+"""The ``autoprec`` command: search, profile, best, resolve, report, compare, ui.
 
 Bad input of any kind ends with one line on stderr and exit status 2.
 """
@@ -87,7 +87,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default="speed",
         help="how the best feasible policy is chosen",
     )
-    s.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="Optuna sampler")
+    s.add_argument(
+        "--sampler",
+        choices=SAMPLERS,
+        default="guided",
+        help="guided: profile the model, try the most promising policies and bisect "
+        "for the layers that must stay fp32, then TPE; or an Optuna sampler alone",
+    )
     s.add_argument(
         "--confirm-top",
         type=int,
@@ -104,9 +110,10 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--workers",
         type=int,
-        default=1,
-        help="worker processes on this host, sharing the study's budget (run the same "
-        "command on other hosts, with a shared --storage and --tracking-uri, to join)",
+        default=None,
+        help="worker processes on this host, sharing the study's budget (default: one per "
+        "--devices entry, else 1; run the same command on other hosts, with a shared "
+        "--storage and --tracking-uri, to join)",
     )
     s.add_argument(
         "--devices",
@@ -132,6 +139,23 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    pr = commands.add_parser(
+        "profile",
+        help="rank every layer by numerical risk in fp16/bf16 (one cheap pass, no search)",
+        description="Train a few fp32 steps with every module watched (values past the "
+        "low dtypes' range, values they would flush to zero), then run each module alone "
+        "in fp16/bf16 and measure how far the loss and output move. Prints the ranking "
+        "and writes runs/<study>/profile.json; also logged to MLflow.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    pr.add_argument("--task", default=DEFAULT_TASK, help="as for search")
+    pr.add_argument("--study", default=None, help="study name (default: the task's name)")
+    pr.add_argument("--device", default="auto", help="as for search")
+    pr.add_argument("--steps", type=int, default=3, help="fp32 training steps watched")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--top", type=int, default=20, help="rows of the printed ranking")
+    pr.add_argument("--runs-dir", default="runs")
+    pr.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI)
     b = commands.add_parser("best", help="print a study's best policy (from MLflow)")
     b.add_argument("--study", required=True)
     b.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI)
@@ -181,6 +205,11 @@ class _Progress:
     def __call__(self, event: str, data: dict[str, Any]) -> None:
         if event == "baseline":
             print("running the fp32 baseline ...", file=sys.stderr, flush=True)
+        elif event == "profile":
+            print("profiling every layer's numerical risk ...", file=sys.stderr, flush=True)
+        elif event == "profiled":
+            top = ", ".join(f"{m.name} ({m.reason})" for m in data["profile"].modules[:3])
+            print(f"riskiest: {top}; profile in {data['path']}", file=sys.stderr, flush=True)
         elif event == "waiting":
             print(
                 f"waiting for {data['holder']} to set the study up (parent run, baseline) ...",
@@ -270,6 +299,30 @@ def _search(args: argparse.Namespace) -> int:
     print(f"best policy: {result.best_policy_path}")
     print(f"summary:     {result.summary_path}")
     print(f"compare:     autoprec ui --tracking-uri {args.tracking_uri}")
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from autoprec.devices import get_backend
+    from autoprec.profile import profile_task
+    from autoprec.search import STUDY_NAME
+    from autoprec.tasks import load_task
+    from autoprec.tracking import Tracker, check_tracking_uri
+
+    if args.steps < 1 or args.top < 1:
+        raise AutoprecError("--steps and --top: expected positive integers")
+    check_tracking_uri(args.tracking_uri)
+    task = load_task(args.task)
+    backend = get_backend(args.device)
+    study = args.study or task.name
+    if not STUDY_NAME.match(study):
+        raise AutoprecError(f"--study {study!r}: use letters, digits, '.', '-' and '_'")
+    tracker = Tracker(args.tracking_uri, study, Path(args.runs_dir))  # reachable first
+    profile = profile_task(task, backend, steps=args.steps, seed=args.seed)
+    path = profile.save(Path(args.runs_dir) / study / "profile.json")
+    tracker.log_profile(profile, path)
+    print(profile.table(args.top))
+    print(f"profile: {path}")
     return 0
 
 
@@ -371,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handler = {
         "search": _search,
+        "profile": _profile,
         "best": _best,
         "resolve": _resolve,
         "report": _report,

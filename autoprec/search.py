@@ -20,6 +20,7 @@ that were measured to an end.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -39,7 +40,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autoprec.devices import DTYPES, Backend, get_backend
 from autoprec.errors import AutoprecError, StoreError
+from autoprec.guided import GuidedStrategy, Observation
 from autoprec.policy import Policy
+from autoprec.profile import Profile, profile_task
 from autoprec.report import policy_label
 from autoprec.selection import PREFERENCES, Candidate, pareto_front, select_best
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
@@ -48,6 +51,7 @@ from autoprec.studies import (
     HEARTBEAT_INTERVAL_S,
     RECORD_ATTR,
     RUN_ATTR,
+    STEPPED_BACK_ATTR,
     Lease,
     Ledger,
     claim,
@@ -74,7 +78,9 @@ from autoprec.workers import (
 
 DEFAULT_STORAGE = "sqlite:///runs/optuna.db"
 DEFAULT_RUNS_DIR = Path("runs")
-SAMPLERS = ("tpe", "nsga2", "random")
+# guided: profile-ranked seeding and bisection (autoprec.guided), then TPE.
+SAMPLERS = ("guided", "tpe", "nsga2", "random")
+PROFILE_ATTR = "profile"  # study attribute: the ranking the groups and guidance use
 OBJECTIVES = ("accuracy", "peak_memory_mb", "step_time_ms")
 DIRECTIONS = ("maximize", "minimize", "minimize")
 # Sampled policies identical to one already measured are not trained again; after this
@@ -86,7 +92,7 @@ CONFIRMED_ATTR = "confirmed_step_time_ms"  # study attribute: side-by-side re-ti
 TRIAL_TIMEOUT_FACTOR = 25
 TRIAL_TIMEOUT_MIN_S = 300.0
 POLL_S = 1.0  # how often a waiting worker reads the study again
-_STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "failed": TrialState.FAIL}
 
 
@@ -132,11 +138,11 @@ def search(
     seed: int = 0,
     accuracy_tolerance: float | None = None,
     prefer: str = "speed",
-    sampler: str = "tpe",
+    sampler: str = "guided",
     runs_dir: str | Path = DEFAULT_RUNS_DIR,
     confirm_top: int = 3,
     early_stopping: bool = True,
-    workers: int = 1,
+    workers: int | None = None,
     devices: str | Sequence[str] | None = None,
     trial_timeout_s: float | None = None,
     heartbeat_s: int = HEARTBEAT_INTERVAL_S,
@@ -146,7 +152,8 @@ def search(
 
     ``trials`` is the study's total, whoever runs them: continuing a study, or joining it
     from another host, runs only what is missing. ``workers`` processes share the work on
-    this host, pinned round-robin to ``devices`` (``"npu:0-7"``, ``"cuda:0,cuda:1"``);
+    this host (default: one per device listed, else 1), pinned round-robin to
+    ``devices`` (``"npu:0-7"``, ``"cuda:0,cuda:1"``);
     workers need ``task`` and ``space`` by name or path. A trial running past
     ``trial_timeout_s`` (None: 25x the fp32 baseline's trial, at least 300 s; 0: no
     limit) fails with that reason. Unless ``prefer="memory"``, the ``confirm_top``
@@ -157,9 +164,11 @@ def search(
     notify = progress or (lambda event, data: None)
 
     # 1. Everything the user gave is checked before any store is opened.
+    device_list = parse_devices(devices)
+    if workers is None:  # one per listed device
+        workers = max(1, len(device_list))
     if not isinstance(workers, int) or workers < 1:
         raise AutoprecError(f"--workers: expected a positive integer, got {workers!r}")
-    device_list = parse_devices(devices)
     if workers > 1 and not (isinstance(task, str) and isinstance(space, str | Path | None)):
         raise AutoprecError(
             "--workers: worker processes load the task and the space themselves; "
@@ -179,7 +188,9 @@ def search(
     else:
         backend = get_backend(device)
         device_list = [str(backend.device)] if backend.kind != "cpu" else ["cpu"]
-    space = space.fit(model).restrict({d for d in DTYPES if backend.supports(d)})
+    supported = {d for d in DTYPES if backend.supports(d)}
+    unfitted = space
+    space = unfitted.fit(model).restrict(supported)  # checked now; fitted to a profile later
     if not isinstance(confirm_top, int) or confirm_top < 0:
         raise AutoprecError(f"--confirm-top: expected an integer >= 0, got {confirm_top!r}")
     if not isinstance(trials, int) or trials < 1:
@@ -202,7 +213,7 @@ def search(
     if not (isinstance(tolerance, int | float) and math.isfinite(tolerance) and tolerance >= 0):
         raise AutoprecError(f"--accuracy-tolerance: expected a number >= 0, got {tolerance!r}")
     study_name = study or task.name
-    if not _STUDY_NAME.match(study_name):
+    if not STUDY_NAME.match(study_name):
         raise AutoprecError(
             f"--study {study_name!r}: use letters, digits, '.', '-' and '_' (at most 100)"
         )
@@ -221,9 +232,15 @@ def search(
     # 2. Stores: both reachable before either is written to.
     tracker = Tracker(tracking_uri, study_name, runs_dir)
     storage_url = absolute_sqlite_uri(storage)
+    try:
+        optuna_storage = open_storage(storage_url, heartbeat_s, _on_stale(tracker))
+    except Exception as error:  # unreachable server, missing driver, bad credentials
+        raise StoreError(
+            f"Optuna storage {storage}: {(str(error).splitlines() or [''])[0][:300]}"
+        ) from None
     optuna_study = _open_study(
         study_name,
-        open_storage(storage_url, heartbeat_s, _on_stale(tracker)),
+        optuna_storage,
         sampler,
         seed,
         settings,
@@ -249,9 +266,20 @@ def search(
         "sampler": sampler,
         "storage": storage,
     }
-    parent_id, baseline = _set_up(
-        optuna_study, tracker, parent_params, task, space, backend, budget, warm, notify
+    needs_profile = sampler == "guided" or unfitted.auto is not None
+    parent_id, baseline, profile = _set_up(
+        optuna_study,
+        tracker,
+        parent_params,
+        task,
+        _Fitting(unfitted, model, supported, needs_profile),
+        backend,
+        budget,
+        warm,
+        notify,
+        runs_dir / study_name,
     )
+    space = _Fitting(unfitted, model, supported, needs_profile).space(profile)
     phases_s["baseline"] = time.perf_counter() - started_s - phases_s["setup"]
     limit_s = (
         max(TRIAL_TIMEOUT_MIN_S, TRIAL_TIMEOUT_FACTOR * baseline.result.run_time_s)
@@ -274,6 +302,7 @@ def search(
             stopper,
             model,
             limit_s,
+            _guidance(sampler, space, model, profile, prefer),
         )
         try:
             if workers == 1:
@@ -302,11 +331,14 @@ def search(
         except KeyboardInterrupt:  # Ctrl-C: keep what was measured, write it out, then stop
             interrupted = True
         mark_s = time.perf_counter()
-        confirmed = (
-            {}
-            if interrupted
-            else _confirm_step_times(optuna_study, context, prefer, confirm_top, notify, warm)
-        )
+        confirmed: dict[str, float] = {}
+        if not interrupted:
+            try:
+                confirmed = _confirm_step_times(
+                    optuna_study, context, prefer, confirm_top, notify, warm
+                )
+            except KeyboardInterrupt:  # the trials' own times stand
+                interrupted = True
         phases_s["confirm"] = time.perf_counter() - mark_s
         status = "FINISHED"
     finally:
@@ -330,6 +362,14 @@ def search(
     }
     summary["mlflow_parent_run_id"] = parent_id
     summary["interrupted"] = interrupted
+    summary["profile"] = (
+        None
+        if profile is None
+        else [
+            {"rank": m.rank, "module": m.name, "risk": m.risk, "reason": m.reason}
+            for m in profile.modules[:5]
+        ]
+    )
     best_policy = Policy.from_dict(summary["best"]["policy"])
     summary["best"]["layers"] = best_policy.layer_table(model)
     out_dir = runs_dir / study_name
@@ -387,6 +427,30 @@ class _Context:
     early_stopping: EarlyStopping | None
     model: Any  # the task's model, for resolving policies (never trained)
     trial_timeout_s: float = 0.0  # 0: no limit
+    guide: GuidedStrategy | None = None  # proposes trials before the sampler does
+
+
+@dataclass(frozen=True)
+class _Fitting:
+    """How the space meets the model: fitted to the profile where one is used (its
+    riskiest modules become groups of their own in a ``groups: auto`` space)."""
+
+    unfitted: SearchSpace
+    model: Any
+    supported: set[str]
+    needs_profile: bool
+
+    def space(self, profile: Profile | None) -> SearchSpace:
+        return self.unfitted.fit(self.model, profile).restrict(self.supported)
+
+
+def _guidance(
+    sampler: str, space: SearchSpace, model: Any, profile: Profile | None, prefer: str
+) -> GuidedStrategy | None:
+    if sampler != "guided" or profile is None:
+        return None
+    order = [name for name, _ in profile.group_risk(space, model)]
+    return GuidedStrategy(space, order, prefer)
 
 
 class _WarmUp:
@@ -436,8 +500,8 @@ def _make_sampler(
         return optuna.samplers.NSGAIISampler(
             seed=seed, population_size=max(4, min(20, trials // 2))
         )
-    # constant_liar: a running trial counts as a poor result, so that workers asking at
-    # the same time are steered apart.
+    # TPE, also after guidance. constant_liar: a running trial counts as a poor result,
+    # so that workers asking at the same time are steered apart.
     return optuna.samplers.TPESampler(
         seed=seed, n_startup_trials=max(4, trials // 3), multivariate=True, constant_liar=True
     )
@@ -490,7 +554,7 @@ def _on_stale(tracker: Tracker) -> Callable[[optuna.Study, FrozenTrial], None]:
 
     def on_stale(study: optuna.Study, trial: FrozenTrial) -> None:
         run_id = trial.user_attrs.get(RUN_ATTR)
-        if run_id:
+        if run_id and RECORD_ATTR not in trial.user_attrs:  # a recorded run is complete
             tracker.close_killed(run_id, "its worker stopped sending heartbeats (killed?)")
         anchor = trial.user_attrs.get("anchor")
         if anchor and RECORD_ATTR not in trial.user_attrs:
@@ -504,34 +568,50 @@ def _set_up(
     tracker: Tracker,
     parent_params: dict[str, Any],
     task: Task,
-    space: SearchSpace,
+    fitting: _Fitting,
     backend: Backend,
     budget: Budget,
     warm: _WarmUp,
     notify: ProgressCallback,
-) -> tuple[str, TrialRecord]:
-    """The study's parent run, baseline and anchors, made once: by whoever holds the
-    set-up lease; a process that finds it held waits for the holder to finish."""
+    out_dir: Path,
+) -> tuple[str, TrialRecord, Profile | None]:
+    """The study's parent run, profile, baseline and anchors, made once: by whoever
+    holds the set-up lease; a process that finds it held waits for the holder."""
     lease = Lease(study, "setup", worker_id())
     waiting = False
     while True:
         attrs = study.user_attrs
         parent_id = attrs.get("mlflow_parent_run_id")
         ready = attrs.get("baseline") is not None and attrs.get("anchors_enqueued")
+        if fitting.needs_profile:
+            ready = ready and attrs.get(PROFILE_ATTR) is not None
         if ready and parent_id and tracker.has_run(parent_id):
             tracker.start_parent(parent_id, parent_params)  # reopened: RUNNING again
-            return parent_id, _baseline(study, task, space, backend, budget, tracker, parent_id)
+            profile = _stored_profile(study)
+            space = fitting.space(profile)
+            baseline = _baseline(study, task, space, backend, budget, tracker, parent_id)
+            return parent_id, baseline, profile
         if lease.acquire():
             break
         if not waiting:
             notify("waiting", {"holder": lease.holder()})
             waiting = True
         time.sleep(2 * POLL_S)
+    parent_id = None
     try:
         parent_id = tracker.start_parent(
             study.user_attrs.get("mlflow_parent_run_id"), parent_params
         )
         study.set_user_attr("mlflow_parent_run_id", parent_id)
+        profile = _stored_profile(study)
+        if fitting.needs_profile and profile is None:
+            notify("profile", {})
+            profile = profile_task(task, backend, seed=budget.seed)
+            path = profile.save(out_dir / "profile.json")
+            tracker.log_profile(profile, path, parent_id)
+            study.set_user_attr(PROFILE_ATTR, profile.brief())
+            notify("profiled", {"profile": profile, "path": path})
+        space = fitting.space(profile)
         if study.user_attrs.get("baseline") is None:
             notify("baseline", {})
             warm.ensure()
@@ -540,9 +620,18 @@ def _set_up(
             for name, params in space.anchors().items():
                 study.enqueue_trial(params, user_attrs={"anchor": name})
             study.set_user_attr("anchors_enqueued", True)
+    except BaseException:  # Ctrl-C or an error during set-up: the parent run is closed
+        if parent_id is not None:
+            tracker.end_parent(parent_id, "KILLED")
+        raise
     finally:
         lease.release()
-    return parent_id, baseline
+    return parent_id, baseline, profile
+
+
+def _stored_profile(study: optuna.Study) -> Profile | None:
+    data = study.user_attrs.get(PROFILE_ATTR)
+    return None if data is None else Profile.from_dict(data)
 
 
 def _baseline(
@@ -572,7 +661,11 @@ def _baseline(
     tags = {"autoprec.role": "baseline"}
     run_id = tracker.start_child(parent_id, "baseline-fp32", tags)
     study.set_user_attr("baseline_run_started", run_id)
-    result = run_trial(task, policy, backend, budget)
+    try:
+        result = run_trial(task, policy, backend, budget)
+    except BaseException:
+        tracker.close_killed(run_id, "interrupted during the baseline")
+        raise
     if result.state != "complete":
         tracker.log_trial(run_id, space.flat_params(policy), result, {}, tags, policy)
         raise AutoprecError(
@@ -629,14 +722,18 @@ def _run_trials(
         if len(ledger.recorded) + len(ledger.running) >= trials:
             time.sleep(POLL_S)  # the last trials run elsewhere: wait, in case one dies
             continue
+        if ctx.guide is not None:
+            _guide(study, ctx, ledger)
         trial = study.ask()
         try:
             with heartbeat(study, trial):
                 policy = ctx.space.suggest(trial)
                 key = _measured_as(policy, ctx.model)
                 verdict = claim(study, trial, key, trials, measured, baseline_key, owner)
-                if verdict.shared or verdict.over_budget:  # other workers hold the slots
-                    _step_back(study, trial)
+                if verdict.shared:  # another worker was handed this queued trial too
+                    continue  # left to it (or, if both let go, failed as stale and requeued)
+                if verdict.step_back:  # the last slots, or this policy, are taken
+                    _step_back(study, trial, verdict.step_back)
                     continue
                 if verdict.duplicate_of is not None:
                     trial.set_user_attr("duplicate_of", verdict.duplicate_of)
@@ -649,7 +746,7 @@ def _run_trials(
                 duplicates_in_a_row = 0
                 record = _measure(study, trial, policy, ctx, notify)
         except BaseException as error:  # Ctrl-C, or a bug: the trial is not left running
-            _abandon(study, trial, error)
+            _abandon(study, trial, error, ctx.tracker)
             raise
         measured_here += 1
         records = [_record(t, ctx.tolerance) for t in _finished(study)]
@@ -664,6 +761,29 @@ def _run_trials(
                 "prefer": prefer,
             },
         )
+
+
+def _guide(study: optuna.Study, ctx: _Context, ledger: Ledger) -> None:
+    """Queue the guided strategy's next proposal once the queue is empty (anchors and
+    earlier proposals first, so that each proposal knows what came before it)."""
+    assert ctx.guide is not None
+    if any(t.state == TrialState.WAITING for t in ledger.trials.values()):
+        return
+    history = [Observation(ctx.space.uniform_params("fp32"), "complete", True)]
+    for t in ledger.recorded.values():
+        record = _record(t, ctx.tolerance)
+        history.append(
+            Observation(t.params, record.result.state, record.feasible, record.result.metrics())
+        )
+    pending = [
+        t.params or t.system_attrs.get("fixed_params", {})
+        for t in ledger.trials.values()
+        if t.state in (TrialState.WAITING, TrialState.RUNNING)
+    ]
+    proposal = ctx.guide.propose(history, pending)
+    if proposal is not None:
+        params, phase = proposal
+        study.enqueue_trial(params, user_attrs={"guided": phase})
 
 
 def _measure(
@@ -685,23 +805,17 @@ def _measure(
         tags,
     )
     trial.set_user_attr(RUN_ATTR, run_id)
-    try:
-        result = _run_with_time_limit(
-            ctx.task, policy, ctx.backend, ctx.budget, ctx.early_stopping, ctx.trial_timeout_s
-        )
-    except BaseException as error:
-        reason = "interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else repr(error)
-        ctx.tracker.close_killed(run_id, reason)
-        raise
+    result = _run_with_time_limit(
+        ctx.task, policy, ctx.backend, ctx.budget, ctx.early_stopping, ctx.trial_timeout_s
+    )
     return _tell_and_log(study, trial, policy, result, ctx, run_id)
 
 
-def _step_back(study: optuna.Study, trial: optuna.Trial) -> None:
-    """Give up a trial without training it: the budget's last slots are claimed, or two
-    workers were handed the same trial (whoever tells it first queues an anchor again;
-    the other finds it finished)."""
+def _step_back(study: optuna.Study, trial: optuna.Trial, why: str) -> None:
+    """Give up a trial without training it: the budget's last slots are claimed, or
+    another worker is measuring the same policy."""
     try:
-        trial.set_user_attr("over_budget", True)
+        trial.set_user_attr(STEPPED_BACK_ATTR, why)
         study.tell(trial, state=TrialState.FAIL)
     except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
         return
@@ -709,15 +823,23 @@ def _step_back(study: optuna.Study, trial: optuna.Trial) -> None:
     time.sleep(random.uniform(0, POLL_S))  # two that stepped back ask apart
 
 
-def _abandon(study: optuna.Study, trial: optuna.Trial, error: BaseException) -> None:
+def _abandon(
+    study: optuna.Study, trial: optuna.Trial, error: BaseException, tracker: Tracker
+) -> None:
     """A trial cut off by Ctrl-C or an error: failed in Optuna (not counted), marked
-    interrupted, and an anchor queued again."""
+    interrupted, its MLflow run closed as KILLED, and an anchor queued again."""
+    interrupted = isinstance(error, KeyboardInterrupt)
     try:
-        if isinstance(error, KeyboardInterrupt):
+        if interrupted:
             trial.set_user_attr("interrupted", True)
         study.tell(trial, state=TrialState.FAIL)
     except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
         return  # already told
+    run_id = trial.user_attrs.get(RUN_ATTR)
+    if run_id:
+        reason = "interrupted (Ctrl-C)" if interrupted else f"{type(error).__name__}: {error}"
+        with contextlib.suppress(Exception):  # the store may be what failed
+            tracker.close_killed(run_id, reason)
     _requeue_anchor(study, trial)
 
 
@@ -837,8 +959,8 @@ def run_worker(spec: WorkerSpec) -> int:
     task = load_task(spec.task)
     model = check_task(task)
     backend = get_backend(spec.device)
-    space = load_space(spec.space or default_space_for(task.name))
-    space = space.fit(model).restrict({d for d in DTYPES if backend.supports(d)})
+    unfitted = load_space(spec.space or default_space_for(task.name))
+    supported = {d for d in DTYPES if backend.supports(d)}
     budget = Budget(steps=spec.steps, seed=spec.seed)
     tracker = Tracker(spec.tracking_uri, spec.study, Path(spec.runs_dir))
     study = optuna.load_study(
@@ -846,8 +968,11 @@ def run_worker(spec: WorkerSpec) -> int:
         storage=open_storage(spec.storage, spec.heartbeat_s, _on_stale(tracker)),
         sampler=_make_sampler(spec.sampler, spec.seed, spec.trials, spec.index + 1),
     )
-    if study.user_attrs.get("space_fingerprint") != space.fingerprint():
+    fingerprint = unfitted.fit(model).restrict(supported).fingerprint()
+    if study.user_attrs.get("space_fingerprint") != fingerprint:
         raise AutoprecError(f"study {spec.study!r}: this worker's space differs from the study's")
+    profile = _stored_profile(study)
+    space = _Fitting(unfitted, model, supported, profile is not None).space(profile)
     parent_id = study.user_attrs["mlflow_parent_run_id"]
     baseline = _baseline(study, task, space, backend, budget, tracker, parent_id)
     stopper = EarlyStopping.from_baseline(baseline.result) if spec.early_stopping else None
@@ -863,6 +988,7 @@ def run_worker(spec: WorkerSpec) -> int:
         stopper,
         model,
         spec.trial_timeout_s,
+        _guidance(spec.sampler, space, model, profile, spec.prefer),
     )
     if len(_finished(study)) < spec.trials:
         _WarmUp(task, space, backend, budget, spec.trial_timeout_s).ensure()
@@ -1050,6 +1176,7 @@ def summarize(
             "state": r.result.state,
             "reason": r.result.reason,
             "anchor": finished[r.number].user_attrs.get("anchor") if r.number in finished else None,
+            "guided": finished[r.number].user_attrs.get("guided") if r.number in finished else None,
             "params": space.flat_params(r.policy),
             "policy": r.policy.to_dict(),
             "metrics": {

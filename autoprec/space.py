@@ -20,17 +20,24 @@ Each Optuna parameter is named after what it sets: ``dtype.<group>``,
 searched when some group is fp16: bf16 has fp32's exponent range and needs none.
 Layers with parameters that no group takes stay in fp32 (add a catch-all group such as
 ``{name: rest, patterns: ["*"], optional: true}`` to search them too).
+
+``groups: auto`` (with ``auto_groups: {max_groups: 12, own_groups: 3}``, the defaults)
+builds the groups when the space is fitted to a model: by type family and position
+(``convs.layer1``, ``norms.layer2-layer3``, ``linears.fc``), with the riskiest modules
+of a sensitivity profile first as groups of their own (``risk.features``); see
+`AutoGroups`. The fitted space holds the concrete groups, and its fingerprint says so.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 from torch import nn
@@ -40,14 +47,28 @@ from autoprec.errors import PolicyError, SpaceError
 from autoprec.policy import Policy, Rule, parameterised_leaves, runs_fp32_under_autocast
 from autoprec.scaling import MODES, LossScale
 
+if TYPE_CHECKING:
+    from autoprec.profile import Profile
+
 DEFAULT_SPACE = "default"
+_GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 _SPACE_FIELDS = (
     "name",
     "description",
     "accuracy_tolerance",
     "dtypes",
     "groups",
+    "auto_groups",
     "loss_scale",
+)
+_AUTO_FIELDS = ("max_groups", "own_groups")
+# Type families of automatic groups, in group order; "other" takes what the others leave.
+_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("convs", ("_ConvNd",)),
+    ("norms", ("_NormBase", "RMSNorm")),
+    ("linears", ("Linear", "Bilinear")),
+    ("other", ()),
 )
 _GROUP_FIELDS = ("name", "patterns", "types", "dtypes", "optional")
 _RANGE_FIELDS = {
@@ -93,6 +114,34 @@ class Group:
 
 
 @dataclass(frozen=True)
+class AutoGroups:
+    """``groups: auto``: groups built from the model when the space is fitted.
+
+    Parameterised leaves are grouped by type family (convs, norms, linears, other) and
+    by position: the top-level child of the root they sit under (or of the first module
+    below the root with more than one child), with neighbouring positions of a family
+    merged until there are at most ``max_groups`` groups. Given a profile, the
+    ``own_groups`` riskiest modules come first as groups of their own (``risk.<name>``).
+    """
+
+    max_groups: int = 12
+    own_groups: int = 3
+
+    def __post_init__(self) -> None:
+        for key in _AUTO_FIELDS:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SpaceError(f"auto_groups.{key}: expected an integer, got {value!r}")
+        if self.max_groups < 1:
+            raise SpaceError(f"auto_groups.max_groups: expected at least 1, got {self.max_groups}")
+        if not 0 <= self.own_groups < self.max_groups:
+            raise SpaceError(
+                f"auto_groups.own_groups: expected 0 to max_groups - 1 ({self.max_groups - 1}), "
+                f"got {self.own_groups}"
+            )
+
+
+@dataclass(frozen=True)
 class LossScaleSpace:
     modes: tuple[str, ...] = ("none", "static", "dynamic")
     ranges: Mapping[str, tuple[int, int]] = field(default_factory=lambda: dict(_RANGE_FIELDS))
@@ -107,6 +156,8 @@ class SearchSpace:
     loss_scale: LossScaleSpace = field(default_factory=LossScaleSpace)
     description: str = ""
     source: str = "<space>"
+    dtypes: tuple[str, ...] = tuple(DTYPES)
+    auto: AutoGroups | None = None  # set until ``fit`` builds the groups of ``groups: auto``
 
     # -- reading -------------------------------------------------------------------------
 
@@ -128,8 +179,25 @@ class SearchSpace:
             raise fail(f"accuracy_tolerance: expected a number of at least 0, got {tolerance!r}")
         space_dtypes = _dtype_list(data.get("dtypes", list(DTYPES)), "dtypes", fail)
         groups_data = data.get("groups")
-        if not isinstance(groups_data, list) or not groups_data:
-            raise fail("groups: expected a non-empty list")
+        auto = None
+        if groups_data == "auto":
+            auto_data = data.get("auto_groups") or {}
+            if not isinstance(auto_data, dict):
+                raise fail("auto_groups: expected a mapping")
+            unknown = sorted(set(auto_data) - set(_AUTO_FIELDS))
+            if unknown:
+                raise fail(
+                    f"auto_groups.{unknown[0]}: unknown field (expected {list(_AUTO_FIELDS)})"
+                )
+            try:
+                auto = AutoGroups(**auto_data)
+            except SpaceError as error:
+                raise fail(str(error)) from None
+            groups_data = []
+        elif "auto_groups" in data:
+            raise fail("auto_groups: only with 'groups: auto'")
+        elif not isinstance(groups_data, list) or not groups_data:
+            raise fail("groups: expected a non-empty list or 'auto'")
         groups = []
         for i, item in enumerate(groups_data):
             where = f"groups[{i}]"
@@ -139,11 +207,8 @@ class SearchSpace:
             if unknown:
                 raise fail(f"{where}.{unknown[0]}: unknown field (expected {list(_GROUP_FIELDS)})")
             group_name = item.get("name")
-            if (
-                not isinstance(group_name, str)
-                or not group_name.replace("_", "").replace("-", "").isalnum()
-            ):
-                raise fail(f"{where}.name: expected a name of letters, digits, '-' and '_'")
+            if not isinstance(group_name, str) or not _GROUP_NAME.match(group_name):
+                raise fail(f"{where}.name: expected a name of letters, digits, '.', '-' and '_'")
             if any(g.name == group_name for g in groups):
                 raise fail(f"{where}.name: group {group_name!r} is named twice")
             try:
@@ -165,24 +230,28 @@ class SearchSpace:
             loss_scale=_loss_scale_space(data.get("loss_scale"), fail),
             description=str(data.get("description", "")),
             source=source,
+            dtypes=space_dtypes,
+            auto=auto,
         )
 
     # -- fitting a model and a device ----------------------------------------------------
 
-    def fit(self, model: nn.Module) -> SearchSpace:
+    def fit(self, model: nn.Module, profile: Profile | None = None) -> SearchSpace:
         """The space for this model. Each group must take (first match wins) at least one
         leaf module with parameters that autocast does not keep in fp32 anyway (LayerNorm,
-        GroupNorm, embeddings); an optional group that takes none is dropped."""
-        # Layers autocast keeps in fp32 anyway have nothing to search.
-        leaves = [(n, m) for n, m in parameterised_leaves(model) if not runs_fp32_under_autocast(m)]
-        taken = [False] * len(leaves)
+        GroupNorm, embeddings); an optional group that takes none is dropped.
+
+        A ``groups: auto`` space builds its groups here (see `AutoGroups`), with the
+        riskiest modules of ``profile`` as groups of their own; a space with groups
+        written by hand ignores the profile."""
+        space = self
+        if self.auto is not None:
+            groups = _auto_groups(model, self.auto, profile, self.dtypes, self.source)
+            space = replace(self, groups=groups, auto=None)
+        taken = set(space.assignment(model).values())
         kept = []
-        for i, group in enumerate(self.groups):
-            takes = False
-            for j, (name, module) in enumerate(leaves):
-                if not taken[j] and group.rule.matches(name, module):
-                    taken[j] = takes = True
-            if takes:
+        for i, group in enumerate(space.groups):
+            if group.name in taken:
                 kept.append(group)
             elif not group.optional:
                 raise SpaceError(
@@ -194,7 +263,19 @@ class SearchSpace:
             raise SpaceError(
                 f"{self.source}: no group matches any module of {type(model).__name__}"
             )
-        return replace(self, groups=tuple(kept))
+        return replace(space, groups=tuple(kept))
+
+    def assignment(self, model: nn.Module) -> dict[str, str]:
+        """Each searched leaf (a leaf with parameters that autocast does not keep in fp32
+        anyway) mapped to the group that takes it, first match wins; leaves that no group
+        takes are left out (they stay fp32)."""
+        assigned = {}
+        for name, module in searched_leaves(model):
+            for group in self.groups:
+                if group.rule.matches(name, module):
+                    assigned[name] = group.name
+                    break
+        return assigned
 
     def restrict(self, supported: set[str]) -> SearchSpace:
         """The space without the dtypes a device cannot run."""
@@ -207,12 +288,19 @@ class SearchSpace:
                     f"({', '.join(group.dtypes)}) runs on this device"
                 )
             groups.append(replace(group, dtypes=dtypes))
-        return replace(self, groups=tuple(groups))
+        dtypes = tuple(d for d in self.dtypes if d in supported)
+        if self.auto is not None and not dtypes:
+            raise SpaceError(
+                f"{self.source}: dtypes: none of {', '.join(self.dtypes)} runs on this device"
+            )
+        return replace(self, groups=tuple(groups), dtypes=dtypes)
 
     def fingerprint(self) -> str:
         """A short hash of what the space searches (not its name or description)."""
         content = {
             "groups": [(g.name, g.rule.to_dict(), g.dtypes, g.optional) for g in self.groups],
+            "auto": None if self.auto is None else [self.auto.max_groups, self.auto.own_groups],
+            "dtypes": self.dtypes if self.auto is not None else None,
             "loss_scale": [
                 self.loss_scale.modes,
                 sorted(self.loss_scale.ranges.items()),
@@ -322,6 +410,146 @@ class SearchSpace:
         for key in ("growth_factor", "backoff_factor", "min_scale"):
             flat[f"loss_scale.{key}"] = f"{getattr(scale, key):g}" if dynamic else "-"
         return flat
+
+
+def searched_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Leaves with parameters that a space searches: all but those autocast keeps in fp32
+    anyway (LayerNorm, GroupNorm, embeddings), which have nothing to search."""
+    return [(n, m) for n, m in parameterised_leaves(model) if not runs_fp32_under_autocast(m)]
+
+
+@dataclass
+class _Segment:
+    """Neighbouring positions of one type family: one automatic group."""
+
+    positions: list[str]  # module names, each covering everything below it
+    labels: list[str]  # the same, relative to the level positions are taken at
+    parameters: int = 0
+
+
+def _auto_groups(
+    model: nn.Module,
+    settings: AutoGroups,
+    profile: Profile | None,
+    dtypes: tuple[str, ...],
+    source: str,
+) -> tuple[Group, ...]:
+    """The groups of ``groups: auto`` for this model (see `AutoGroups`)."""
+    leaves = searched_leaves(model)
+    if not leaves:
+        raise SpaceError(f"{source}: {type(model).__name__} has no module to search")
+    own = _own_groups(model, leaves, settings.own_groups, profile, source)
+    taken = {leaf for covered in own.values() for leaf in covered}
+    level = _position_level(model)
+    by_family: dict[str, dict[str, _Segment]] = {}
+    for name, module in leaves:
+        if name not in taken:
+            position, label = _position(name, level)
+            segment = by_family.setdefault(_family(module), {}).setdefault(
+                position, _Segment([position], [label])
+            )
+            segment.parameters += sum(p.numel() for p in module.parameters(recurse=False))
+    segments = {family: list(positions.values()) for family, positions in by_family.items()}
+
+    names: list[str] = []
+
+    def group(name: str, patterns: tuple[str, ...], types: tuple[str, ...] = ()) -> Group:
+        names.append(_unique(name, names))
+        return Group(names[-1], Rule("fp32", patterns, types, names[-1]), dtypes)
+
+    groups = [group(f"risk.{name}", (name,)) for name in own]
+    budget = settings.max_groups - len(own)
+    if len(segments) > budget:  # fewer groups allowed than type families: one for the rest
+        return (*groups, group("rest", ("*",)))
+    while sum(len(v) for v in segments.values()) > budget:
+        # Merge, in the family with the most groups, the neighbours with fewest parameters.
+        family = max(segments, key=lambda f: len(segments[f]))
+        row = segments[family]
+        i = min(range(len(row) - 1), key=lambda j: row[j].parameters + row[j + 1].parameters)
+        second = row.pop(i + 1)
+        row[i].positions += second.positions
+        row[i].labels += second.labels
+        row[i].parameters += second.parameters
+    for family, types in _FAMILIES:  # "other" last: it has no types and takes what is left
+        for segment in segments.get(family, []):
+            label = segment.labels[0]
+            if len(segment.labels) > 1:
+                label += f"-{segment.labels[-1]}"
+            groups.append(group(f"{family}.{label}", tuple(segment.positions), types))
+    return tuple(groups)
+
+
+def _own_groups(
+    model: nn.Module,
+    leaves: list[tuple[str, nn.Module]],
+    count: int,
+    profile: Profile | None,
+    source: str,
+) -> dict[str, list[str]]:
+    """The ``count`` riskiest modules of the profile (with risk above 0) that cover some
+    searched leaf, but not every one, and are neither inside nor around one chosen
+    before: module name -> the leaves it covers."""
+    own: dict[str, list[str]] = {}
+    if profile is None or count == 0:
+        return own
+    names = {name for name, _ in model.named_modules()}
+    missing = [m.name for m in profile.modules if m.name not in names]
+    if missing:
+        raise SpaceError(
+            f"{source}: the profile of {profile.task!r} names module {missing[0]!r}, "
+            f"which {type(model).__name__} does not have"
+        )
+    for module in profile.modules:
+        if len(own) == count or not module.risk > 0:
+            break
+        if any(_related(module.name, chosen) for chosen in own):
+            continue
+        covered = [n for n, _ in leaves if n == module.name or n.startswith(f"{module.name}.")]
+        if covered and len(covered) < len(leaves):
+            own[module.name] = covered
+    return own
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(f"{b}.") or b.startswith(f"{a}.")
+
+
+def _family(module: nn.Module) -> str:
+    class_names = {cls.__name__ for cls in type(module).__mro__}
+    for family, types in _FAMILIES:
+        if not types or class_names.intersection(types):
+            return family
+    raise AssertionError("the last family takes every module")
+
+
+def _position_level(model: nn.Module) -> str:
+    """The module whose children are the positions: the root, or the first module below
+    it with more than one child (a model that wraps its backbone in one child)."""
+    prefix, module = "", model
+    while True:
+        children = list(module.named_children())
+        if len(children) != 1:
+            return prefix
+        name, module = children[0]
+        prefix = f"{prefix}.{name}" if prefix else name
+
+
+def _position(leaf: str, level: str) -> tuple[str, str]:
+    """(pattern, readable label) of the position a leaf sits at."""
+    if leaf == level:  # the chain of single children ends in this leaf
+        return (leaf or "*"), (leaf.rsplit(".", 1)[-1] or "model")
+    rest = leaf[len(level) + 1 :] if level else leaf
+    child = rest.split(".", 1)[0]
+    return (f"{level}.{child}" if level else child), child
+
+
+def _unique(name: str, taken: list[str]) -> str:
+    """A valid group name, not yet taken."""
+    name = _NOT_IN_NAME.sub("_", name)
+    candidate, n = name, 2
+    while candidate in taken:
+        candidate, n = f"{name}_{n}", n + 1
+    return candidate
 
 
 def _mode_fields(mode: str) -> tuple[str, ...]:

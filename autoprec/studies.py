@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -28,15 +29,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import optuna
+import sqlalchemy.exc
 from optuna.trial import FrozenTrial, TrialState
 
 RECORD_ATTR = "autoprec"  # user attribute: the trial's policy and result, once measured
 CLAIM_ATTR = "autoprec.claim"  # user attribute: the key of the policy the trial measures
+STEPPED_BACK_ATTR = "stepped_back"  # user attribute: why a trial gave way untrained
 TAKEN_ATTR = "autoprec.taken_by"  # user attributes: the workers that were handed a trial
 RUN_ATTR = "mlflow_run_id"  # user attribute: the trial's MLflow child run, from its start
-HEARTBEAT_INTERVAL_S = 10
-GRACE_PERIOD_S = 30
+HEARTBEAT_INTERVAL_S = 10  # the grace before a silent trial is failed: 3 intervals
 LEASE_TTL_S = 60.0
+_CREATE_ATTEMPTS = 5
 _SETTLE_S = 1.0  # between writing a lease and reading it back
 
 
@@ -62,13 +65,22 @@ def open_storage(
         engine_kwargs["connect_args"] = {"timeout": 120}
     else:
         engine_kwargs["pool_pre_ping"] = True
-    return optuna.storages.RDBStorage(
-        url,
-        engine_kwargs=engine_kwargs,
-        heartbeat_interval=heartbeat_s,
-        grace_period=max(3, 3 * heartbeat_s),
-        heartbeat_stale_trial_callback=on_stale,
-    )
+    for attempt in range(_CREATE_ATTEMPTS):
+        try:
+            return optuna.storages.RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=heartbeat_s,
+                grace_period=max(3, 3 * heartbeat_s),
+                heartbeat_stale_trial_callback=on_stale,
+            )
+        except sqlalchemy.exc.DBAPIError:
+            # Several hosts opening a new database at once race to create Optuna's
+            # tables; the loser finds them made on the next try.
+            if attempt == _CREATE_ATTEMPTS - 1:
+                raise
+            time.sleep(1.0 + random.random())
+    raise AssertionError("unreachable")
 
 
 def fail_stale(study: optuna.Study) -> None:
@@ -113,9 +125,9 @@ class Ledger:
 class Claim:
     """What reading the study back after claiming says about a trial."""
 
-    duplicate_of: int | str | None = None  # a trial measuring the same policy first
-    over_budget: bool = False
-    shared: bool = False  # another worker was handed the same trial
+    duplicate_of: int | str | None = None  # a trial that measured the same policy
+    step_back: str | None = None  # why this trial gives way: "budget" or "policy running"
+    shared: bool = False  # another worker was handed the same queued trial
 
 
 def claim(
@@ -133,7 +145,7 @@ def claim(
     counts against it, whatever its number. Of several workers claiming at once, the
     last to write sees all the others; so no more trials go ahead than the budget
     allows, and no policy is trained twice (at worst, all of them step back and ask
-    again). The same goes for two workers handed the same queued trial.
+    again). A policy counts as a duplicate only once it was measured.
     """
     taken = f"{TAKEN_ATTR}.{owner}"
     trial.set_user_attr(taken, True)
@@ -141,7 +153,9 @@ def claim(
     ledger = Ledger.read(study)
     attrs = ledger.trials[trial.number].user_attrs
     if any(k.startswith(TAKEN_ATTR + ".") and k != taken for k in attrs):
-        # On sqlite, two workers can pop the same queued trial at once: both step back.
+        # On sqlite, two workers can pop the same queued trial at once. The one that
+        # sees the other lets go without telling; if both see each other, the trial
+        # goes stale and is failed (and an anchor queued again) after the grace.
         return Claim(shared=True)
     if key == baseline_key:
         return Claim(duplicate_of="baseline")
@@ -149,10 +163,11 @@ def claim(
         if measured(t) == key:
             return Claim(duplicate_of=number)
     others = {n: k for n, k in ledger.running.items() if n != trial.number}
-    for number, other in sorted(others.items()):
-        if other == key:
-            return Claim(duplicate_of=number)
-    return Claim(over_budget=len(ledger.recorded) + len(others) >= budget)
+    if key in others.values():  # not a duplicate yet: that trial may still fail or die
+        return Claim(step_back="policy running")
+    if len(ledger.recorded) + len(others) >= budget:
+        return Claim(step_back="budget")
+    return Claim()
 
 
 class Lease:

@@ -26,6 +26,8 @@ from autoprec.trial import TrialResult
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
+    from autoprec.profile import Profile
+
 DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"
 ROLE_TAG = "autoprec.role"
 BEST_TAG = "autoprec.best_run_id"
@@ -96,13 +98,21 @@ class Tracker:
 
     def _experiment_id(self) -> str:
         """The study's experiment, created on first use with its artifacts under runs/."""
-        experiment = self._experiment
+        experiment = self._experiment or self.client.get_experiment_by_name(self.study)
+        self._experiment = experiment
         if experiment is None:
             location = None
             if _is_local(self.uri):
                 location = (self.artifact_root / "mlartifacts" / self.study).resolve().as_uri()
-            experiment_id = self.client.create_experiment(self.study, artifact_location=location)
-            self._experiment = self.client.get_experiment(experiment_id)
+            try:
+                experiment_id = self.client.create_experiment(
+                    self.study, artifact_location=location
+                )
+                self._experiment = self.client.get_experiment(experiment_id)
+            except Exception:  # another host of the same search created it a moment ago
+                self._experiment = self.client.get_experiment_by_name(self.study)
+                if self._experiment is None:
+                    raise
         elif experiment.lifecycle_stage == "deleted":
             self.client.restore_experiment(experiment.experiment_id)
             self._experiment = self.client.get_experiment(experiment.experiment_id)
@@ -126,10 +136,14 @@ class Tracker:
     def has_run(self, run_id: str) -> bool:
         """Whether this store holds the run (a study continued against another MLflow
         store gets a parent run of its own there)."""
+        from mlflow.exceptions import MlflowException
+
         try:
             run = self.client.get_run(run_id)
-        except Exception:
-            return False
+        except MlflowException as error:
+            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise StoreError(f"MLflow store {self.uri}: {_first_line(error)}") from None
         return run.info.lifecycle_stage == "active"
 
     def start_child(self, parent_run_id: str, run_name: str, tags: dict[str, str]) -> str:
@@ -226,6 +240,32 @@ class Tracker:
                     RunTag("best", str(run_id == best_run_id).lower()),
                 ],
             )
+
+    def log_profile(self, profile: Profile, path: Path, parent_run_id: str | None = None) -> str:
+        """A sensitivity profile (``profile.json``, and the three riskiest modules as tags
+        ``risk.1`` to ``risk.3``): on the parent run of the search that made it, or on a
+        ``profile`` run of its own from ``autoprec profile``. Never a child run: every
+        child is a trial, with the same params and metrics."""
+        from mlflow.entities import Metric, RunTag
+
+        run_id = parent_run_id
+        if run_id is None:
+            tags = {ROLE_TAG: "profile", STUDY_TAG: self.study}
+            run_id = self.client.create_run(
+                self._experiment_id(), run_name="profile", tags=tags
+            ).info.run_id
+        self.client.log_batch(
+            run_id,
+            metrics=[Metric("profile_time_s", profile.time_s, int(time.time() * 1000), 0)],
+            tags=[
+                RunTag(f"risk.{m.rank}", f"{m.name}: {m.reason}"[:4000])
+                for m in profile.modules[:3]
+            ],
+        )
+        self.client.log_artifact(run_id, str(path))
+        if parent_run_id is None:
+            self.client.set_terminated(run_id, "FINISHED")
+        return run_id
 
     def end_parent(self, parent_run_id: str, status: str) -> None:
         self.client.set_terminated(parent_run_id, status)

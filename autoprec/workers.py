@@ -11,6 +11,7 @@ share the cores: each gets its share of torch's threads.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -64,7 +65,10 @@ def pinned_env(device: str, threads: int) -> dict[str, str]:
     env = dict(os.environ)
     kind, _, index = device.partition(":")
     if kind in _VISIBLE_ENV:
-        env[_VISIBLE_ENV[kind]] = index
+        # Indices are as this process sees the devices: under an existing restriction
+        # (a batch scheduler's), device i is the i-th of the visible ones.
+        visible = [v for v in env.get(_VISIBLE_ENV[kind], "").split(",") if v.strip()]
+        env[_VISIBLE_ENV[kind]] = visible[int(index)].strip() if visible else index
     env["OMP_NUM_THREADS"] = str(threads)
     return env
 
@@ -138,14 +142,20 @@ def wait_for_workers(
 
 
 def stop_workers(processes: list[Any]) -> None:
+    """One SIGINT each, STOP_GRACE_S to record their running trials, then SIGKILL (at
+    once on a second Ctrl-C; their trials are then failed by heartbeat)."""
     for p in processes:
         if p.poll() is None:
             p.send_signal(signal.SIGINT)
     deadline = time.monotonic() + STOP_GRACE_S
+    try:
+        for p in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        pass
     for p in processes:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if p.poll() is None:
             p.kill()
             p.wait()
 

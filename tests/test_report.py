@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
-import time
 import urllib.parse
 import urllib.request
 
@@ -16,6 +13,7 @@ import pytest
 from PIL import Image
 
 from autoprec.cli import main
+from tests.servers import mlflow_server
 
 PNGS = ("front_step_time.png", "front_memory.png", "dtype_map.png")
 
@@ -84,12 +82,6 @@ def test_compare_two_studies(report, tmp_path):
     assert "tiny" in page and "other" in page and "base64," in page
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(base: str, path: str, **params) -> dict:
     url = f"{base}{path}?{urllib.parse.urlencode(params)}"
     with urllib.request.urlopen(url, timeout=10) as response:
@@ -109,36 +101,7 @@ def _post(base: str, path: str, body: dict) -> dict:
 
 def test_a_real_mlflow_server_serves_the_search(finished):
     folder, _ = finished
-    port = _free_port()
-    mlflow = shutil.which("mlflow") or f"{sys.executable} -m mlflow"
-    server = subprocess.Popen(
-        [
-            *mlflow.split(),
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{folder}/runs/mlflow.db",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2):
-                    break
-            except OSError:
-                assert server.poll() is None, "mlflow server exited"
-                assert time.monotonic() < deadline, "mlflow server did not start in 90 s"
-                time.sleep(0.5)
+    with mlflow_server(f"sqlite:///{folder}/runs/mlflow.db") as base:
         experiment = _get(base, "/api/2.0/mlflow/experiments/get-by-name", experiment_name="tiny")[
             "experiment"
         ]
@@ -147,9 +110,6 @@ def test_a_real_mlflow_server_serves_the_search(finished):
             "/api/2.0/mlflow/runs/search",
             {"experiment_ids": [experiment["experiment_id"]], "max_results": 1000},
         )["runs"]
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
     def tags(run):
         return {t["key"]: t["value"] for t in run["data"].get("tags", [])}

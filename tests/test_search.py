@@ -165,9 +165,10 @@ def test_ctrl_c_keeps_what_was_measured_and_the_study_continues(tmp_path, monkey
     calls = {"n": 0}
 
     def model_then_ctrl_c():
-        # 1 check, 3 warm-up runs, the baseline and two trials; Ctrl-C in the third trial.
+        # 1 check, the profile, 3 warm-up runs, the baseline and two trials; Ctrl-C in the
+        # third trial.
         calls["n"] += 1
-        if calls["n"] == 8:
+        if calls["n"] == 9:
             raise KeyboardInterrupt
         return build()
 

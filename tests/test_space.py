@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
+import re
+from collections import OrderedDict
+
 import optuna
 import pytest
+import torch
+from torch import nn
 
 from autoprec.errors import SpaceError
-from autoprec.space import builtin_spaces, load_space
+from autoprec.profile import ModuleRisk, Profile
+from autoprec.space import builtin_spaces, load_space, searched_leaves
 from autoprec.tasks import BUILTIN_TASKS, load_task
 
 
@@ -14,24 +21,28 @@ def test_shipped_spaces_load_and_fit_their_tasks():
     assert {"default", "digits-mlp", "digits-cnn"} <= set(builtin_spaces())
     for name in BUILTIN_TASKS:
         model = load_task(name).model()
-        load_space(name).fit(model)
+        if name in builtin_spaces():  # digits-resnet has none: the default fits it
+            load_space(name).fit(model)
         load_space("default").fit(model)
 
 
 def test_default_space_drops_optional_groups_the_model_lacks(tiny_task):
     fitted = load_space("default").fit(tiny_task.model())
     # The tiny task's LayerNorm runs in fp32 under autocast anyway: nothing to search.
-    assert [g.name for g in fitted.groups] == ["linears"]
+    assert [g.name for g in fitted.groups] == ["linears.fc1", "linears.head"]
 
 
 def test_suggest_searches_loss_scaling_only_with_fp16(tiny_task):
     space = load_space("default").fit(tiny_task.model())
-    bf16 = space.suggest(optuna.trial.FixedTrial({"dtype.linears": "bf16"}))
+    bf16 = space.suggest(
+        optuna.trial.FixedTrial({"dtype.linears.fc1": "bf16", "dtype.linears.head": "bf16"})
+    )
     assert bf16.loss_scale.mode == "none"
     fp16 = space.suggest(
         optuna.trial.FixedTrial(
             {
-                "dtype.linears": "fp16",
+                "dtype.linears.fc1": "fp16",
+                "dtype.linears.head": "fp32",
                 "loss_scale.mode": "static",
                 "loss_scale.static_scale_log2": 10,
             }
@@ -39,6 +50,7 @@ def test_suggest_searches_loss_scaling_only_with_fp16(tiny_task):
     )
     assert fp16.loss_scale.mode == "static" and fp16.loss_scale.init_scale == 1024.0
     assert fp16.resolve(tiny_task.model())["fc1"] == "fp16"
+    assert fp16.resolve(tiny_task.model())["head"] == "fp32"
 
 
 def test_uniform_params_are_the_anchors(tiny_task):
@@ -52,6 +64,9 @@ def test_uniform_params_are_the_anchors(tiny_task):
 
 def test_restrict_removes_unsupported_dtypes(tiny_task):
     space = load_space("default").fit(tiny_task.model()).restrict({"fp32", "fp16"})
+    assert all("bf16" not in g.dtypes for g in space.groups)
+    # An automatic space restricted before it is fitted builds its groups without them.
+    space = load_space("default").restrict({"fp32", "fp16"}).fit(tiny_task.model())
     assert all("bf16" not in g.dtypes for g in space.groups)
 
 
@@ -102,3 +117,143 @@ def test_group_that_matches_nothing(tmp_path, tiny_task):
 def test_missing_space():
     with pytest.raises(SpaceError, match="no such file, and not a shipped space"):
         load_space("nope.yaml")
+
+
+# -- groups: auto ---------------------------------------------------------------------------
+
+
+def _auto_space(tmp_path, max_groups=12, own_groups=3):
+    return load_space(
+        _write(
+            tmp_path,
+            f"groups: auto\nauto_groups: {{max_groups: {max_groups}, own_groups: {own_groups}}}\n",
+        )
+    )
+
+
+def _fake_profile(model, risky):
+    """A profile in which the modules named in ``risky`` are the riskiest, in that order."""
+    names = [name for name, _ in model.named_modules() if name]
+    ordered = risky + [n for n in names if n not in risky]
+    modules = [
+        ModuleRisk(n, "Module", 0, False, risk=math.inf if n in risky else 0.01, rank=i + 1)
+        for i, n in enumerate(ordered)
+    ]
+    return Profile("fake", "cpu", 1, 0, ("fp16",), modules, 0.0)
+
+
+def _check_fitted(space, model, max_groups):
+    """At most max_groups groups, and every searched leaf taken by one of them."""
+    assert len(space.groups) <= max_groups
+    assigned = space.assignment(model)
+    assert set(assigned) == {name for name, _ in searched_leaves(model)}
+    assert set(assigned.values()) == {g.name for g in space.groups}
+    for group in space.groups:
+        assert re.fullmatch(r"[A-Za-z0-9_.-]+", group.name)
+        for pattern in group.rule.patterns:  # exact module names or "*"
+            assert pattern == "*" or pattern in dict(model.named_modules())
+
+
+def test_default_space_groups_a_resnet_by_type_and_stage():
+    model = load_task("digits-resnet").model()
+    space = load_space("default")
+    assert space.auto is not None and not space.groups
+    fitted = space.fit(model)
+    assert fitted.auto is None
+    _check_fitted(fitted, model, 12)
+    assert [g.name for g in fitted.groups] == [
+        *(f"convs.{p}" for p in ("conv1", "layer1", "layer2", "layer3", "layer4")),
+        *(f"norms.{p}" for p in ("bn1", "layer1", "layer2", "layer3", "layer4")),
+        "linears.fc",
+    ]
+    assert not any(g.name.startswith("risk.") for g in fitted.groups)  # no profile
+    layer3 = fitted.groups[3].rule
+    assert layer3.patterns == ("layer3",) and layer3.types == ("_ConvNd",)
+    policy = fitted.policy(fitted.uniform_params("bf16"))
+    assert set(policy.resolve(model).values()) == {"bf16"}
+
+
+def test_risky_modules_get_groups_of_their_own_first(tmp_path):
+    model = load_task("digits-resnet").model()
+    # layer3 only contains the risky block: it must not become a group of its own.
+    risky = ["layer3.2", "layer3", "layer4.0.conv1", "layer4.0.relu", "fc"]
+    profile = _fake_profile(model, risky)
+    fitted = load_space("default").fit(model, profile)
+    _check_fitted(fitted, model, 12)
+    names = [g.name for g in fitted.groups]
+    assert names[:3] == ["risk.layer3.2", "risk.layer4.0.conv1", "risk.fc"]
+    assert fitted.groups[0].rule.patterns == ("layer3.2",) and not fitted.groups[0].rule.types
+    assignment = fitted.assignment(model)
+    assert {assignment[f"layer3.2.{leaf}"] for leaf in ("conv1", "bn2", "conv3")} == {
+        "risk.layer3.2"
+    }
+    assert assignment["layer3.1.conv1"] == "convs.layer3"  # the rest of the stage as before
+    # 3 own groups + 10 would make 13: the conv stem merges with its neighbour stage.
+    assert len(names) == 12 and "convs.conv1-layer1" in names and "norms.bn1" in names
+    assert "linears.fc" not in names  # fc is its own group; nothing left for linears
+    for max_groups in (2, 4, 6):  # fewer groups: neighbouring stages merge further
+        small = _auto_space(tmp_path, max_groups, 1).fit(model, profile)
+        _check_fitted(small, model, max_groups)
+        assert small.groups[0].name == "risk.layer3.2"
+
+
+def test_auto_groups_are_stable_and_fingerprinted(tmp_path):
+    task = load_task("digits-resnet")
+    space = load_space("default")
+    first, second = space.fit(task.model()), space.fit(task.model())
+    assert first == second and first.fingerprint() == second.fingerprint()
+    model = task.model()
+    guided = space.fit(model, _fake_profile(model, ["layer2.1"]))
+    assert guided.fingerprint() != first.fingerprint()
+    assert (
+        guided.fingerprint() == space.fit(model, _fake_profile(model, ["layer2.1"])).fingerprint()
+    )
+    assert space.fingerprint() != _auto_space(tmp_path, 6).fingerprint()
+
+
+def test_auto_groups_look_through_a_wrapper_and_keep_other_layers_last():
+    class Scaler(nn.Module):  # a parameterised layer of no known family
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return x * self.weight
+
+    body = nn.Sequential(
+        OrderedDict(
+            stem=nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), Scaler()),
+            head=nn.Linear(8, 2),
+        )
+    )
+    model = nn.Sequential(OrderedDict(backbone=body))
+    fitted = load_space("default").fit(model)
+    _check_fitted(fitted, model, 12)
+    assert [g.name for g in fitted.groups] == ["linears.stem", "linears.head", "other.stem"]
+    assert fitted.groups[0].rule.patterns == ("backbone.stem",)
+    assert fitted.assignment(model)["backbone.stem.2"] == "other.stem"
+    assert "backbone.stem.1" not in fitted.assignment(model)  # LayerNorm: not searched
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("groups: auto\nauto_groups: {max_groups: 3, own_groups: 3}\n", "auto_groups.own_groups"),
+        ("groups: auto\nauto_groups: {max_groups: 0}\n", "auto_groups.max_groups"),
+        ("groups: auto\nauto_groups: {max_groups: two}\n", "auto_groups.max_groups"),
+        ("groups: auto\nauto_groups: {most: 3}\n", "auto_groups.most: unknown field"),
+        ("groups: [{name: a, patterns: [fc1]}]\nauto_groups: {max_groups: 3}\n", "only with"),
+        ("groups: some\n", "groups: expected a non-empty list or 'auto'"),
+    ],
+)
+def test_bad_auto_groups(tmp_path, text, message):
+    path = _write(tmp_path, text)
+    with pytest.raises(SpaceError) as caught:
+        load_space(path)
+    assert str(path) in str(caught.value) and message in str(caught.value)
+
+
+def test_a_profile_of_another_model(tiny_task):
+    model = load_task("digits-resnet").model()
+    with pytest.raises(SpaceError, match=r"names module 'layer1\.0'"):
+        load_space("default").fit(tiny_task.model(), _fake_profile(model, ["layer1.0"]))

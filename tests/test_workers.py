@@ -73,12 +73,12 @@ def test_three_workers_share_one_budget_exactly(in_tmp):
     study = optuna.load_study(study_name="w3", storage=f"sqlite:///{in_tmp}/runs/optuna.db")
     recorded = _recorded(study)
     assert len(recorded) == 12
-    # Nothing else was measured: the other trials are duplicates or over-budget claims,
-    # told at once without training.
+    # Nothing else was measured: the other trials are duplicates or claims that stepped
+    # back (budget taken, or the policy running elsewhere), told at once untrained.
     others = [t for t in study.trials if t not in recorded]
-    assert all("duplicate_of" in t.user_attrs or t.user_attrs.get("over_budget") for t in others), [
-        (t.number, t.state, t.user_attrs) for t in others
-    ]
+    assert all(
+        "duplicate_of" in t.user_attrs or t.user_attrs.get("stepped_back") for t in others
+    ), [(t.number, t.state, t.user_attrs) for t in others]
     keys = [t.user_attrs[CLAIM_ATTR] for t in recorded]
     assert len(set(keys)) == 12  # no policy evaluated twice
     # Every worker measured something (their logs say how many).
@@ -195,8 +195,8 @@ def test_sigkill_mid_trial_then_resume_keeps_every_finished_trial(in_tmp):
     cut_run = by_id[cut.user_attrs[RUN_ATTR]]
     assert cut_run.info.status == "KILLED"
     assert "heartbeat" in cut_run.data.tags["reason"]
-    finished_runs = [c for c in children if c.info.status in ("FINISHED", "FAILED")]
-    assert len(finished_runs) == 5 + 1  # the trials and the baseline
+    measured = [c for c in children if c.info.status in ("FINISHED", "FAILED")]
+    assert len(measured) == 5 + 1  # the trials and the baseline
     summary = json.loads((in_tmp / "runs/kill/summary.json").read_text())
     assert sorted(t["number"] for t in summary["trials"]) == sorted(after)
 
@@ -228,10 +228,15 @@ def test_ctrl_c_stops_the_workers_and_writes_what_was_measured(in_tmp):
     assert (in_tmp / "runs/cc/best_policy.yaml").is_file()
     _, children = _runs_of(f"sqlite:///{in_tmp}/runs/mlflow.db", "cc")
     killed = [c for c in children if c.info.status == "KILLED"]
-    assert {c.info.run_id for c in killed} == {t.user_attrs[RUN_ATTR] for t in cut}
+    # A trial cut off before its MLflow run was opened (while claiming) has none.
+    assert {c.info.run_id for c in killed} == {
+        t.user_attrs[RUN_ATTR] for t in cut if RUN_ATTR in t.user_attrs
+    }
 
 
-def test_devices_are_parsed_and_pinned():
+def test_devices_are_parsed_and_pinned(monkeypatch):
+    for name in ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
     assert parse_devices("npu:0-3") == ["npu:0", "npu:1", "npu:2", "npu:3"]
     assert parse_devices("cuda:0,cuda:1") == ["cuda:0", "cuda:1"]
     for bad in ("npu:3-1", "cuda:0,npu:1", "gpu:0", "cuda:0,cuda:0"):
@@ -240,6 +245,9 @@ def test_devices_are_parsed_and_pinned():
     env = pinned_env("npu:5", threads=4)
     assert env["ASCEND_RT_VISIBLE_DEVICES"] == "5" and env["OMP_NUM_THREADS"] == "4"
     assert pinned_env("cuda:1", threads=1)["CUDA_VISIBLE_DEVICES"] == "1"
+    # Under a scheduler's restriction, cuda:1 is the second GPU this process sees.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert pinned_env("cuda:1", threads=1)["CUDA_VISIBLE_DEVICES"] == "5"
 
 
 def test_workers_refuse_bad_input_before_any_store(in_tmp):

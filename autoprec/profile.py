@@ -1,0 +1,674 @@
+"""Sensitivity profiling: which modules fp16 or bf16 would break, from one cheap pass.
+
+``profile_task`` builds the task's model as a trial does (the same torch seed, the same
+batches, the loss in fp32) and runs a few fp32 training steps with every module but the
+root watched (parents included: a parent's own arithmetic, such as ``h * h``, can
+overflow where none of its children does). Per module and low dtype it records
+
+- value ranges against the dtype's limits, for the outputs, the gradients of the
+  outputs and (on leaves that hold parameters) the parameter gradients: the share of
+  elements above the dtype's largest value (overflow), and the shares of nonzero
+  elements below its smallest normal (precision lost) and below its smallest subnormal
+  (flushed to zero);
+- the deviation test: on one fixed batch (the first, at most ``DEVIATION_SAMPLES``
+  samples of it), after the training steps, a forward pass and the fp32 loss with that
+  module alone in the dtype (its floating inputs cast to the dtype, run under the
+  backend's autocast, its outputs cast back to fp32, as a policy region does),
+  compared with the fp32 forward: the relative deviation of the loss and the relative
+  L2 deviation of the model's output. Forward only, without gradients. The slice keeps
+  the test cheap (one forward per module and dtype); overflow that the slice misses
+  still shows in the value ranges, which cover every training batch.
+
+Gradients are measured unscaled (as with a loss scale of 1): their underflow shares say
+what fp16 loses without loss scaling.
+
+The risk of a module in dtype ``d``, where every share is measured against d's limits::
+
+    inf                      the output or loss comes out non-finite (or the forward
+                             fails) with the module alone in d
+    1 + overflow             else, when overflow > 0: the largest share of outputs,
+                             output gradients or parameter gradients above d's maximum
+    x / (1 + x)              otherwise, in [0, 1), with
+                             x = deviation + flushed + 0.1 * subnormal
+
+where ``deviation`` is the larger of the relative loss and output deviations,
+``flushed`` the largest share of nonzero values below d's smallest subnormal and
+``subnormal`` the largest share below its smallest normal. A module's risk is its worst
+over the dtypes. So non-finite results rank first, then overflow, then deviation and
+underflow. Among equal risks, a module whose inputs were already out of the dtype's
+range ranks after those whose were not (it only passes the problem on), and a parent
+ranks after its riskiest descendant when that one is as risky (it only contains it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autoprec.devices import DTYPES, Backend, get_backend
+from autoprec.errors import AutoprecError, DeviceError, SpaceError, TaskError
+from autoprec.policy import LOW_PRECISION, parameterised_leaves
+from autoprec.precision import _cast_floats, _Region
+from autoprec.tasks import Task, check_task, load_task
+from autoprec.telemetry import _tensors
+
+if TYPE_CHECKING:
+    from autoprec.space import SearchSpace
+
+# The deviation test runs at most this many samples of the fixed batch: fp16 convolutions
+# and matmuls are many times slower than fp32 on CPUs without fp16 kernels.
+DEVIATION_SAMPLES = 16
+SUBNORMAL_WEIGHT = 0.1
+# Value kinds watched per module: outputs, gradients of the outputs, parameter gradients.
+KINDS = {"act": "outputs", "grad": "output gradients", "param_grad": "parameter gradients"}
+
+
+def dtype_limits(dtype: str) -> tuple[float, float, float]:
+    """(largest value, smallest normal, smallest subnormal) of a dtype."""
+    info = torch.finfo(DTYPES[dtype])
+    return float(info.max), float(info.tiny), float(info.tiny * info.eps)
+
+
+@dataclass
+class ModuleRisk:
+    """One module's figures. ``stats`` maps each profiled dtype to its shares
+    (``<kind>_above_max`` of all elements, ``<kind>_below_normal`` and
+    ``<kind>_below_subnormal`` of the nonzero ones, for kinds act, grad and param_grad),
+    ``loss_deviation``, ``output_deviation``, ``nonfinite`` (1.0 when the module alone
+    in that dtype gives a non-finite output or loss) and its ``risk``. ``max_abs`` holds
+    the largest magnitudes seen: input (on the deviation batch), act, grad, param_grad.
+    ``parameters`` counts the module's parameters, its children's included."""
+
+    name: str
+    type: str
+    parameters: int
+    leaf: bool
+    stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    max_abs: dict[str, float] = field(default_factory=dict)
+    risk: float = 0.0
+    rank: int = 0
+    reason: str = ""
+
+
+@dataclass
+class Profile:
+    """Every module of a task's model (the root excepted), riskiest first."""
+
+    task: str
+    device: str
+    steps: int
+    seed: int
+    dtypes: tuple[str, ...]
+    modules: list[ModuleRisk]
+    time_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe: non-finite floats become the strings "inf", "-inf" and "nan"."""
+        return _encode(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Profile:
+        try:
+            modules = [
+                ModuleRisk(
+                    name=str(item["name"]),
+                    type=str(item["type"]),
+                    parameters=int(item["parameters"]),
+                    leaf=bool(item["leaf"]),
+                    stats={
+                        str(d): {str(k): _decode(v) for k, v in values.items()}
+                        for d, values in item["stats"].items()
+                    },
+                    max_abs={str(k): _decode(v) for k, v in item["max_abs"].items()},
+                    risk=_decode(item["risk"]),
+                    rank=int(item["rank"]),
+                    reason=str(item["reason"]),
+                )
+                for item in data["modules"]
+            ]
+            return cls(
+                task=str(data["task"]),
+                device=str(data["device"]),
+                steps=int(data["steps"]),
+                seed=int(data["seed"]),
+                dtypes=tuple(str(d) for d in data["dtypes"]),
+                modules=modules,
+                time_s=float(data["time_s"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise AutoprecError(
+                f"profile: malformed ({type(error).__name__}: {error}); "
+                "expected what Profile.to_dict writes"
+            ) from None
+
+    def brief(self) -> dict[str, Any]:
+        """`to_dict` without the per-dtype figures: the ranking, which is all a search
+        needs (kept in the Optuna study, so that every worker fits the same groups)."""
+        data = self.to_dict()
+        for module in data["modules"]:
+            module["stats"], module["max_abs"] = {}, {}
+        return data
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read a profile written by ``save``."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as error:
+            raise AutoprecError(f"{path}: cannot read ({error.strerror or error})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise AutoprecError(f"{path}: not a JSON profile") from None
+        try:
+            return cls.from_dict(data)
+        except AutoprecError as error:
+            raise AutoprecError(f"{path}: {error}") from None
+
+    def table(self, top: int = 20) -> str:
+        """The ``top`` riskiest modules as a ranked plain-text table."""
+        header = ("rank", "module", "type", "params", "risk", "max|out|", "max|grad|", "reason")
+        rows = [
+            (
+                str(m.rank),
+                m.name,
+                m.type,
+                str(m.parameters),
+                _number(m.risk),
+                _number(m.max_abs.get("act", 0.0)),
+                _number(m.max_abs.get("grad", 0.0)),
+                m.reason,
+            )
+            for m in self.modules[:top]
+        ]
+        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header) - 1)]
+        right = {0, 3, 4, 5, 6}
+        lines = []
+        for row in (header, *rows):
+            cells = [
+                cell.rjust(width) if i in right else cell.ljust(width)
+                for i, (cell, width) in enumerate(zip(row, widths, strict=False))
+            ]
+            lines.append("  ".join([*cells, row[-1]]).rstrip())
+        title = (
+            f"profile of {self.task} on {self.device}: {len(self.modules)} modules, "
+            f"{self.steps} fp32 steps, {', '.join(self.dtypes)} tested, {self.time_s:.1f} s"
+        )
+        return "\n".join([title, *lines])
+
+    def group_risk(self, space: SearchSpace, model: nn.Module) -> list[tuple[str, float]]:
+        """The (fitted) space's group names with their risk, riskiest first.
+
+        A group's risk is the largest risk of the modules it assigns (first match wins,
+        as in the space's policy): a module counts for every group its parameterised
+        leaves belong to, so a block whose leaves all belong to one group counts for that
+        group, and one whose leaves span several counts for each.
+        """
+        if not space.groups:
+            raise SpaceError(f"{space.source}: fit the space to the model before group_risk")
+        names = {name for name, _ in model.named_modules()}
+        missing = [m.name for m in self.modules if m.name not in names]
+        if missing:
+            raise SpaceError(
+                f"profile of {self.task!r}: module {missing[0]!r} is not in "
+                f"{type(model).__name__}; profile the same model"
+            )
+        group_of = space.assignment(model)
+        risks = {group.name: 0.0 for group in space.groups}
+        for module in self.modules:
+            for leaf, group in group_of.items():
+                if leaf == module.name or leaf.startswith(f"{module.name}."):
+                    risks[group] = max(risks[group], module.risk)
+        return sorted(risks.items(), key=lambda item: -item[1])
+
+
+def profile_task(
+    task: Task | str,
+    backend: Backend | str = "cpu",
+    *,
+    steps: int = 3,
+    seed: int = 0,
+    dtypes: Sequence[str] | None = None,
+) -> Profile:
+    """Rank every module of ``task``'s model by numerical risk in low precision.
+
+    ``steps`` fp32 training steps are watched, then each module is run alone in each of
+    ``dtypes`` (default: the low-precision dtypes the backend runs) on one fixed batch.
+    See the module docstring for what is measured and the risk formula.
+    """
+    started_s = time.perf_counter()
+    task = load_task(task) if isinstance(task, str) else task
+    if not isinstance(task, Task):
+        raise TaskError(
+            f"task: expected an autoprec.Task or a task name, got {type(task).__name__}"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise AutoprecError(f"steps: expected a positive integer, got {steps!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise AutoprecError(f"seed: expected an integer, got {seed!r}")
+    backend = get_backend(backend)
+    tested = _check_dtypes(dtypes, backend)
+    limits = [dtype_limits(d) for d in tested]
+
+    torch.manual_seed(seed)
+    model = check_task(task).to(backend.device).train()
+    watcher = _Watcher(model, limits)
+    with _task_errors(task):
+        optimizer = task.make_optimizer(model.parameters())
+        batches = iter(task.train_data(seed))
+        first_batch = None
+        for step in range(steps):
+            batch = next(batches, None)
+            if batch is None:
+                raise TaskError(
+                    f"task {task.name!r}: train_data ran out after {step} batches "
+                    f"(the profile needs {steps})"
+                )
+            inputs, targets = (t.to(backend.device) for t in batch)
+            first_batch = first_batch or (inputs, targets)
+            optimizer.zero_grad(set_to_none=True)
+            with watcher.outputs(gradients=True):
+                loss = task.loss(model(inputs).float(), targets)
+                loss.backward()
+            watcher.parameter_gradients()
+            optimizer.step()
+        assert first_batch is not None
+        inputs, targets = _deviation_slice(*first_batch)
+        with watcher.inputs():
+            reference = _forward(task, model, inputs, targets, seed)
+    if not math.isfinite(reference[1]):
+        raise TaskError(
+            f"task {task.name!r}: the fp32 loss is {reference[1]} after {steps} steps; "
+            "nothing to compare low precision with"
+        )
+    deviations = {
+        name: {
+            d: _deviation(task, model, module, backend, d, inputs, targets, seed, reference)
+            for d in tested
+        }
+        for name, module in watcher.modules
+        if name in watcher.ran
+    }
+    modules = _rank(watcher, tested, deviations)
+    return Profile(
+        task=task.name,
+        device=backend.name,
+        steps=steps,
+        seed=seed,
+        dtypes=tested,
+        modules=modules,
+        time_s=time.perf_counter() - started_s,
+    )
+
+
+@contextlib.contextmanager
+def _task_errors(task: Task) -> Iterator[None]:
+    """A failure in the task's own code (model, data, loss, optimizer) as a TaskError."""
+    try:
+        yield
+    except AutoprecError:
+        raise
+    except Exception as error:
+        first_line = (str(error).splitlines() or [""])[0]
+        raise TaskError(
+            f"task {task.name!r}: the fp32 pass failed ({type(error).__name__}: {first_line})"
+        ) from None
+
+
+def _check_dtypes(dtypes: Sequence[str] | None, backend: Backend) -> tuple[str, ...]:
+    if dtypes is None:
+        tested = tuple(d for d in LOW_PRECISION if backend.supports(d))
+        if not tested:
+            raise DeviceError(f"device {backend.name}: runs neither fp16 nor bf16")
+        return tested
+    if isinstance(dtypes, str):
+        dtypes = [dtypes]
+    if not dtypes:
+        raise AutoprecError("dtypes: expected fp16 and/or bf16, got none")
+    for dtype in dtypes:
+        if dtype not in LOW_PRECISION:
+            raise AutoprecError(f"dtypes: expected fp16 and/or bf16, got {dtype!r}")
+        if not backend.supports(dtype):
+            raise DeviceError(f"dtype {dtype}: not supported by device {backend.name}")
+    return tuple(dict.fromkeys(dtypes))
+
+
+# -- watching the fp32 steps ---------------------------------------------------------------
+
+# Layout of one counts vector: elements, nonzero elements, largest magnitude, then per
+# dtype: above its maximum, nonzero below its smallest normal, below its smallest subnormal.
+_ELEMENTS, _NONZERO, _MAX_ABS, _PER_DTYPE = 0, 1, 2, 3
+
+
+def _range_counts(tensor: torch.Tensor, limits: list[tuple[float, float, float]]) -> torch.Tensor:
+    """One tensor's counts as a float64 vector, computed on its device without a sync."""
+    magnitude = tensor.detach().float().abs()
+    magnitude = torch.where(torch.isnan(magnitude), torch.inf, magnitude)  # NaN overflows too
+    nonzero = magnitude != 0
+    parts = [
+        torch.full((), magnitude.numel(), device=magnitude.device),
+        nonzero.sum(),
+        magnitude.amax(),
+    ]
+    for largest, normal, subnormal in limits:
+        parts += [
+            (magnitude > largest).sum(),
+            (nonzero & (magnitude < normal)).sum(),
+            (nonzero & (magnitude < subnormal)).sum(),
+        ]
+    return torch.stack([part.double() for part in parts])
+
+
+class _Watcher:
+    """Value ranges per module and kind, gathered by hooks; moved to the host once a step."""
+
+    def __init__(self, model: nn.Module, limits: list[tuple[float, float, float]]) -> None:
+        self.model = model
+        self.limits = limits
+        self.modules = [(n, m) for n, m in model.named_modules() if m is not model]
+        self.ran: set[str] = set()
+        self.totals: dict[tuple[str, str], list[float]] = {}
+        self._pending: list[tuple[str, str, torch.Tensor]] = []
+
+    def _add(self, name: str, kind: str, tensor: torch.Tensor) -> None:
+        if tensor.is_floating_point() and tensor.numel():
+            self._pending.append((name, kind, _range_counts(tensor, self.limits)))
+
+    def _collect(self) -> None:
+        if not self._pending:
+            return
+        device = self._pending[0][2].device
+        rows = torch.stack([c.to(device) for _, _, c in self._pending]).cpu().tolist()
+        for (name, kind, _), row in zip(self._pending, rows, strict=True):
+            total = self.totals.get((name, kind))
+            if total is None:
+                self.totals[(name, kind)] = row
+                continue
+            for i, value in enumerate(row):
+                total[i] = max(total[i], value) if i == _MAX_ABS else total[i] + value
+        self._pending.clear()
+
+    @contextlib.contextmanager
+    def _hooked(self, make_hook: Any, **options: Any) -> Iterator[None]:
+        handles = [
+            module.register_forward_hook(make_hook(name), **options)
+            for name, module in self.modules
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._collect()
+
+    def outputs(self, gradients: bool) -> contextlib.AbstractContextManager[None]:
+        """Outputs of every module, and the gradients that reach them (tensor hooks, so
+        that in-place operations after a module, such as ``ReLU(inplace=True)``, work)."""
+
+        def make_hook(name: str) -> Any:
+            def hook(module: nn.Module, args: Any, output: Any) -> None:
+                self.ran.add(name)
+                for tensor in _tensors(output):
+                    self._add(name, "act", tensor)
+                    if gradients and tensor.requires_grad:
+                        tensor.register_hook(lambda grad, name=name: self._add(name, "grad", grad))
+
+            return hook
+
+        return self._hooked(make_hook)
+
+    def inputs(self) -> contextlib.AbstractContextManager[None]:
+        """Inputs of every module, to tell where a range problem starts."""
+
+        def make_hook(name: str) -> Any:
+            def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+                for tensor in _tensors((args, kwargs)):
+                    self._add(name, "input", tensor)
+
+            return hook
+
+        return self._hooked(make_hook, with_kwargs=True)
+
+    def parameter_gradients(self) -> None:
+        seen: set[int] = set()  # a parameter shared by two modules counts once
+        for name, module in parameterised_leaves(self.model):
+            for param in module.parameters(recurse=False):
+                if param.grad is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    self._add(name, "param_grad", param.grad)
+        self._collect()
+
+    def shares(self, name: str, kind: str, index: int) -> dict[str, float]:
+        """The dtype's overflow and underflow shares for one module and kind."""
+        total = self.totals.get((name, kind))
+        if total is None:
+            return {
+                f"{kind}_above_max": 0.0,
+                f"{kind}_below_normal": 0.0,
+                f"{kind}_below_subnormal": 0.0,
+            }
+        base = _PER_DTYPE + 3 * index
+        elements, nonzero = max(total[_ELEMENTS], 1.0), max(total[_NONZERO], 1.0)
+        return {
+            f"{kind}_above_max": total[base] / elements,
+            f"{kind}_below_normal": total[base + 1] / nonzero,
+            f"{kind}_below_subnormal": total[base + 2] / nonzero,
+        }
+
+    def max_abs(self, name: str, kind: str) -> float:
+        total = self.totals.get((name, kind))
+        return total[_MAX_ABS] if total is not None else 0.0
+
+
+# -- the deviation test --------------------------------------------------------------------
+
+
+def _deviation_slice(
+    inputs: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first DEVIATION_SAMPLES samples, where inputs and targets are batch-first."""
+    if (
+        isinstance(inputs, torch.Tensor)
+        and isinstance(targets, torch.Tensor)
+        and inputs.dim() > 0
+        and targets.dim() > 0
+        and len(inputs) == len(targets) > DEVIATION_SAMPLES
+    ):
+        return inputs[:DEVIATION_SAMPLES], targets[:DEVIATION_SAMPLES]
+    return inputs, targets
+
+
+def _forward(
+    task: Task, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, seed: int
+) -> tuple[torch.Tensor, float]:
+    """The model's output (fp32) and loss, with the same random draws (dropout) each time."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        outputs = model(inputs).float()
+        loss = float(task.loss(outputs, targets))
+    return outputs, loss
+
+
+def _deviation(
+    task: Task,
+    model: nn.Module,
+    module: nn.Module,
+    backend: Backend,
+    dtype: str,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    seed: int,
+    reference: tuple[torch.Tensor, float],
+) -> dict[str, Any]:
+    """Loss and output deviation from fp32 with ``module`` alone in ``dtype``."""
+    region = _Region(module.forward, backend.kind, dtype, "fp32")
+    low = DTYPES[dtype]
+    previous = module.__dict__.get("forward")
+    module.forward = lambda *args, **kwargs: region(
+        *_cast_floats(args, low), **_cast_floats(kwargs, low)
+    )
+    try:
+        outputs, loss = _forward(task, model, inputs, targets, seed)
+    except Exception as error:  # an op without a kernel for this dtype, say
+        first_line = (str(error).splitlines() or [""])[0]
+        return {"error": f"{type(error).__name__}: {first_line}"[:200]}
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
+    reference_outputs, reference_loss = reference
+    output_finite = bool(torch.isfinite(outputs).all())
+    if not output_finite or not math.isfinite(loss):
+        return {"nonfinite": "output" if not output_finite else "loss"}
+    norm = float(torch.linalg.vector_norm(reference_outputs))
+    return {
+        "loss_deviation": abs(loss - reference_loss) / max(abs(reference_loss), 1e-12),
+        "output_deviation": float(torch.linalg.vector_norm(outputs - reference_outputs))
+        / max(norm, 1e-12),
+    }
+
+
+# -- combining -----------------------------------------------------------------------------
+
+
+def _rank(
+    watcher: _Watcher, dtypes: tuple[str, ...], deviations: dict[str, dict[str, dict[str, Any]]]
+) -> list[ModuleRisk]:
+    """Every watched module's figures, riskiest first (ties as the module docstring says)."""
+    entries = [
+        _module_risk(name, module, watcher, dtypes, deviations.get(name, {}))
+        for name, module in watcher.modules
+    ]
+    keys = []
+    for order, (entry, passed_on) in enumerate(entries):
+        below = [m for m, _ in entries if m.name.startswith(f"{entry.name}.")]
+        riskiest = max(below, key=lambda m: m.risk, default=None)
+        contains = riskiest is not None and riskiest.risk >= entry.risk > 0
+        if contains and entry.risk >= 1:
+            entry.reason += f" (contains {riskiest.name})"
+        keys.append((-entry.risk, passed_on, contains, order))
+    ranked = [entry for _, (entry, _) in sorted(zip(keys, entries, strict=True))]
+    for rank, entry in enumerate(ranked, start=1):
+        entry.rank = rank
+    return ranked
+
+
+def _module_risk(
+    name: str,
+    module: nn.Module,
+    watcher: _Watcher,
+    dtypes: tuple[str, ...],
+    deviations: dict[str, dict[str, Any]],
+) -> tuple[ModuleRisk, bool]:
+    """One module's figures, and whether its worst dtype's problem came in through its
+    inputs (already past that dtype's maximum in fp32)."""
+    stats: dict[str, dict[str, float]] = {}
+    reasons: dict[str, str] = {}
+    input_max_abs = watcher.max_abs(name, "input")
+    for index, dtype in enumerate(dtypes):
+        shares = {}
+        for kind in KINDS:
+            shares.update(watcher.shares(name, kind, index))
+        stats[dtype], reasons[dtype] = _dtype_risk(dtype, shares, deviations.get(dtype, {}))
+        if input_max_abs > dtype_limits(dtype)[0]:
+            reasons[dtype] += f"; inputs already reach {_number(input_max_abs)}"
+    worst = max(dtypes, key=lambda d: stats[d]["risk"])  # the first on ties
+    risk = stats[worst]["risk"]
+    entry = ModuleRisk(
+        name=name,
+        type=type(module).__name__,
+        parameters=sum(p.numel() for p in module.parameters()),
+        leaf=next(module.children(), None) is None,
+        stats=stats,
+        max_abs={kind: watcher.max_abs(name, kind) for kind in ("input", *KINDS)},
+        risk=risk,
+        reason=reasons[worst] if name in watcher.ran else "not run in the forward",
+    )
+    return entry, risk > 0 and input_max_abs > dtype_limits(worst)[0]
+
+
+def _dtype_risk(
+    dtype: str, shares: dict[str, float], result: dict[str, Any]
+) -> tuple[dict[str, float], str]:
+    """One dtype's stats with its risk (formula in the module docstring), and the reason."""
+    largest, normal, subnormal = dtype_limits(dtype)
+    stats = dict(shares)
+    stats["loss_deviation"] = result.get("loss_deviation", 0.0)
+    stats["output_deviation"] = result.get("output_deviation", 0.0)
+    failed = "error" in result or "nonfinite" in result
+    stats["nonfinite"] = 1.0 if failed else 0.0
+    parts = []
+    if "error" in result:
+        parts.append(f"forward fails ({result['error']})")
+    elif "nonfinite" in result:
+        parts.append(f"{result['nonfinite']} non-finite")
+    overflow = 0.0
+    for kind, label in KINDS.items():
+        share = shares[f"{kind}_above_max"]
+        overflow = max(overflow, share)
+        if share > 0:
+            parts.append(f"{_percent(share)} of {label} above {largest:.5g}")
+    deviation = max(stats["loss_deviation"], stats["output_deviation"])
+    flushed = max(shares[f"{kind}_below_subnormal"] for kind in KINDS)
+    below_normal = max(shares[f"{kind}_below_normal"] for kind in KINDS)
+    if failed:
+        risk = math.inf
+    elif overflow > 0:
+        risk = 1.0 + overflow
+    else:
+        x = deviation + flushed + SUBNORMAL_WEIGHT * below_normal
+        risk = x / (1.0 + x)
+        if deviation > 0:
+            parts.append(
+                f"loss off by {_percent(stats['loss_deviation'])}, output by "
+                f"{_percent(stats['output_deviation'])}"
+            )
+    if not failed and flushed > 0:
+        kind = max(KINDS, key=lambda k: shares[f"{k}_below_subnormal"])
+        parts.append(f"{_percent(flushed)} of nonzero {KINDS[kind]} below {subnormal:.3g} (flush)")
+    elif not failed and below_normal >= 0.01:
+        kind = max(KINDS, key=lambda k: shares[f"{k}_below_normal"])
+        parts.append(f"{_percent(below_normal)} of nonzero {KINDS[kind]} below {normal:.3g}")
+    stats["risk"] = risk
+    return stats, f"{dtype}: " + "; ".join(parts) if parts else f"{dtype}: no deviation"
+
+
+def _percent(share: float) -> str:
+    return f"{100 * share:.3g}%"
+
+
+def _number(value: float) -> str:
+    return str(value) if not math.isfinite(value) else f"{value:.3g}"
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "inf", "-inf", "nan"
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value: Any) -> float:
+    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)

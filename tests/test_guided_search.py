@@ -1,0 +1,83 @@
+"""`autoprec profile` and the guided search, end to end on real stores."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import autoprec
+from autoprec.tracking import _client
+
+CLI = "import sys; from autoprec.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_profile_command_ranks_writes_and_logs(in_tmp):
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, "profile", "--task", "digits-overflow", "--top", "5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = done.stdout.splitlines()
+    assert table[0].startswith("profile of digits-overflow on cpu")
+    assert table[2].split()[:2] == ["1", "features"]  # the layer that overflows, first
+    data = json.loads((in_tmp / "runs/digits-overflow/profile.json").read_text())
+    assert data["modules"][0]["name"] == "features" and data["modules"][0]["risk"] == "inf"
+    client = _client(f"sqlite:///{in_tmp}/runs/mlflow.db")
+    experiment = client.get_experiment_by_name("digits-overflow")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.data.tags["autoprec.role"] == "profile"
+    assert run.data.tags["risk.1"].startswith("features: fp16: output non-finite")
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["profile.json"]
+
+
+def test_profile_command_refuses_bad_input(in_tmp):
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, "profile", "--task", "no_such_file.py:task"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (in_tmp / "runs").exists()
+
+
+def test_guided_search_keeps_the_overflowing_layer_and_lowers_the_rest(in_tmp):
+    result = autoprec.search(
+        "digits-overflow", trials=6, steps=40, device="cpu", prefer="memory", confirm_top=0
+    )
+    summary = result.summary
+    assert summary["profile"][0]["module"] == "features"
+    trials = {t["number"]: t for t in summary["trials"]}
+    guided = [t for t in trials.values() if t["guided"]]
+    assert guided and guided[0]["guided"] == "bisect"
+    # The first bisection step keeps the riskiest group (features) in fp32, the rest fp16,
+    # and trains as well as fp32: the layer that must stay is found in one trial.
+    first = guided[0]["params"]
+    assert first["dtype.features"] == "fp32"
+    assert first["dtype.hidden"] == first["dtype.head"] == "fp16"
+    assert guided[0]["feasible"]
+    # The uniform fp16 anchors overflow in `features`; the profile said so before.
+    assert all(
+        "overflow" in t["reason"] for t in trials.values() if t["anchor"] and "fp16" in t["anchor"]
+    )
+    assert summary["best"]["feasible"] and summary["best"]["metrics"]["low_precision_share"] > 0.9
+    # The profile is kept on the search's parent run (children are trials only).
+    client = _client(f"sqlite:///{in_tmp}/runs/mlflow.db")
+    parent = client.get_run(summary["mlflow_parent_run_id"])
+    assert parent.data.tags["risk.1"].startswith("features: ")
+    assert "profile.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+
+
+def test_a_resnet_with_150_modules_gets_a_feasible_guided_policy(in_tmp):
+    task = autoprec.load_task("digits-resnet")
+    assert len(list(task.model().named_modules())) >= 100
+    result = autoprec.search(task, trials=8, steps=20, device="cpu", prefer="memory", confirm_top=0)
+    summary = result.summary
+    assert len(summary["trials"]) == 8
+    groups = [k for k in summary["trials"][0]["params"] if k.startswith("dtype.")]
+    assert 3 < len(groups) <= 12  # automatic groups keep the space small
+    assert summary["best"]["feasible"] and summary["best"]["number"] != "baseline"
+    assert summary["best"]["metrics"]["low_precision_share"] > 0.5

@@ -1,0 +1,219 @@
+"""Sensitivity profiling: the layer that really overflows ranks among the top three, on the
+shipped overflow task and on held-out tasks written only against the Task contract."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import autoprec
+from autoprec.devices import CPUBackend
+from autoprec.errors import AutoprecError, DeviceError, SpaceError, TaskError
+from autoprec.profile import Profile
+from autoprec.space import load_space
+from autoprec.tasks.builtin import Bottleneck, ResNet
+from tests.test_fragile_search import attention_overflow_task
+
+
+def gain_cnn_task() -> autoprec.Task:
+    """Held out: a CNN whose middle block multiplies its normalised activations by a large
+    gain (an untuned residual scale); the next block's BatchNorm absorbs it in fp32, but
+    in fp16 the block's outputs pass 65504."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(576, 3, 8, 8, generator=g)
+    y = (x[:, 0].mean(dim=(1, 2)) > x[:, 1].mean(dim=(1, 2))).long()
+
+    class Block(nn.Module):
+        def __init__(self, channels_in: int, channels_out: int, gain: float = 1.0):
+            super().__init__()
+            self.conv = nn.Conv2d(channels_in, channels_out, 3, padding=1)
+            self.bn = nn.BatchNorm2d(channels_out)
+            self.gain = gain
+
+        def forward(self, h):
+            return F.relu(self.bn(self.conv(h))) * self.gain
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(Block(3, 8), Block(8, 16, gain=3e4), Block(16, 16))
+            self.pool = nn.AdaptiveAvgPool2d(1)
+            self.head = nn.Linear(16, 2)
+
+        def forward(self, images):
+            return self.head(torch.flatten(self.pool(self.blocks(images)), 1))
+
+    def train_data(seed):
+        gen = torch.Generator().manual_seed(seed)
+        while True:
+            order = torch.randperm(512, generator=gen)
+            for i in range(0, 512, 64):
+                yield x[order[i : i + 64]], y[order[i : i + 64]]
+
+    return autoprec.Task(
+        "held-out-gain", Net, train_data, lambda: [(x[512:], y[512:])], F.cross_entropy
+    )
+
+
+@pytest.fixture(scope="module")
+def overflow_profile() -> Profile:
+    return autoprec.profile_task("digits-overflow")
+
+
+@pytest.mark.parametrize(
+    ("make_task", "culprit"),
+    [
+        (lambda: autoprec.load_task("digits-overflow"), "features"),
+        (attention_overflow_task, "attn"),
+        (gain_cnn_task, "blocks.1"),
+    ],
+    ids=["digits-overflow", "held-out-attention", "held-out-gain-cnn"],
+)
+def test_the_overflowing_layer_ranks_in_the_top_three(make_task, culprit):
+    task = make_task()
+    profile = autoprec.profile_task(task, "cpu")
+    assert culprit in [m.name for m in profile.modules[:3]]
+    entry = next(m for m in profile.modules if m.name == culprit)
+    assert math.isinf(entry.risk) and entry.stats["fp16"]["nonfinite"] == 1.0
+    assert entry.reason.startswith("fp16: output non-finite")
+    assert math.isfinite(entry.stats["bf16"]["risk"])  # bf16 has fp32's range
+    # Every module but the root, ranked 1..n, riskiest first.
+    names = [name for name, _ in task.model().named_modules() if name]
+    assert sorted(m.name for m in profile.modules) == sorted(names)
+    assert [m.rank for m in profile.modules] == list(range(1, len(names) + 1))
+    risks = [m.risk for m in profile.modules]
+    assert risks == sorted(risks, reverse=True)
+
+
+class LoudBottleneck(Bottleneck):
+    """A block whose output is scaled by a large gain, past fp16's range."""
+
+    def forward(self, x):
+        return super().forward(x) * 2e4
+
+
+def test_a_150_module_resnet():
+    def loud_resnet():
+        model = ResNet()
+        model.layer3[2] = LoudBottleneck(64, 16)
+        return model
+
+    task = dataclasses.replace(autoprec.load_task("digits-resnet"), model=loud_resnet)
+    profile = autoprec.profile_task(task)
+    model = loud_resnet()
+    assert len(profile.modules) == len(list(model.named_modules())) - 1 >= 149
+    assert profile.modules[0].name == "layer3.2"
+    # Modules before the loud block are unaffected.
+    assert all(math.isfinite(m.risk) for m in profile.modules if m.name.startswith("layer1"))
+    space = load_space("default").fit(model, profile)
+    assert space.groups[0].name == "risk.layer3.2" and len(space.groups) <= 12
+    assert profile.group_risk(space, model)[0] == ("risk.layer3.2", math.inf)
+
+
+def test_overflow_shares_and_where_it_starts(overflow_profile):
+    modules = {m.name: m for m in overflow_profile.modules}
+    features = modules["features"]
+    assert overflow_profile.modules[0] is features  # the origin, before what it feeds
+    assert features.stats["fp16"]["act_above_max"] > 0.05
+    assert features.stats["bf16"]["act_above_max"] == 0.0
+    assert features.max_abs["act"] > 65504 > features.max_abs["input"]
+    assert "of outputs above 65504" in features.reason
+    # The LayerNorm behind it breaks in fp16 only because its inputs already do.
+    assert "inputs already reach" in modules["norm_in"].reason
+    assert modules["features.proj"].stats["fp16"]["act_above_max"] == 0.0
+
+
+def test_a_healthy_task_has_finite_risks_and_no_overflow():
+    profile = autoprec.profile_task("digits-mlp", dtypes=["fp16", "bf16"])
+    assert profile.dtypes == ("fp16", "bf16")
+    for module in profile.modules:
+        assert 0 <= module.risk < 1, module.reason
+        for dtype in profile.dtypes:
+            stats = module.stats[dtype]
+            assert stats["nonfinite"] == 0.0
+            assert all(stats[f"{kind}_above_max"] == 0.0 for kind in ("act", "grad", "param_grad"))
+            assert stats["output_deviation"] < 0.05
+    fc1 = next(m for m in profile.modules if m.name == "fc1")
+    assert fc1.leaf and fc1.parameters == 64 * 256 + 256 and fc1.type == "Linear"
+
+
+def test_json_round_trip_and_table(overflow_profile, tmp_path):
+    path = overflow_profile.save(tmp_path / "runs/study/profile.json")
+
+    def no_bare_constants(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    data = json.loads(path.read_text(), parse_constant=no_bare_constants)
+    assert data["modules"][0]["risk"] == "inf"
+    assert Profile.load(path) == overflow_profile
+    assert Profile.from_dict(data) == overflow_profile
+
+    table = overflow_profile.table(top=3)
+    lines = table.splitlines()
+    assert len(lines) == 2 + 3  # title, header, three modules
+    assert lines[1].split()[:5] == ["rank", "module", "type", "params", "risk"]
+    for rank, module in enumerate(overflow_profile.modules[:3], start=1):
+        assert lines[1 + rank].split()[:2] == [str(rank), module.name]
+    assert "inf" in lines[2] and "above 65504" in lines[2]
+
+
+def test_group_risk_on_fitted_spaces(overflow_profile):
+    model = autoprec.load_task("digits-overflow").model()
+    space = load_space("default").fit(model)
+    risks = overflow_profile.group_risk(space, model)
+    assert risks[0] == ("linears.features", math.inf)
+    assert {name for name, _ in risks} == {g.name for g in space.groups}
+    assert all(math.isfinite(risk) for _, risk in risks[1:])
+    # Fitted with the profile, the culprit is a group of its own, first.
+    guided = load_space("default").fit(model, overflow_profile)
+    assert guided.groups[0].name == "risk.features"
+    assert overflow_profile.group_risk(guided, model)[0] == ("risk.features", math.inf)
+    hand = load_space("digits-overflow").fit(model)
+    assert overflow_profile.group_risk(hand, model)[0] == ("features", math.inf)
+
+
+class NoFp16(CPUBackend):
+    def supports(self, dtype: str) -> bool:
+        return dtype != "fp16"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"steps": 0}, AutoprecError, "steps: expected a positive integer"),
+        ({"dtypes": ["fp32"]}, AutoprecError, "dtypes: expected fp16 and/or bf16, got 'fp32'"),
+        ({"dtypes": []}, AutoprecError, "dtypes: expected fp16 and/or bf16, got none"),
+        ({"backend": "tpu"}, DeviceError, "unknown device"),
+        ({"backend": NoFp16(), "dtypes": ["fp16"]}, DeviceError, "fp16: not supported"),
+        ({"task": "no-such-task"}, TaskError, "no-such-task"),
+    ],
+)
+def test_bad_input(tiny_task, kwargs, error, message):
+    kwargs = {"task": tiny_task, **kwargs}
+    with pytest.raises(error, match=message):
+        autoprec.profile_task(kwargs.pop("task"), **kwargs)
+
+
+def test_a_task_that_fails_in_fp32(tiny_task):
+    broken = dataclasses.replace(tiny_task, loss=lambda outputs, targets: outputs.sum(dim=5))
+    with pytest.raises(TaskError, match="'tiny': the fp32 pass failed \\(IndexError"):
+        autoprec.profile_task(broken)
+
+
+def test_bad_profiles(overflow_profile, tiny_task, tmp_path):
+    with pytest.raises(AutoprecError, match="profile: malformed"):
+        Profile.from_dict({"task": "x"})
+    (tmp_path / "p.json").write_text("{")
+    with pytest.raises(AutoprecError, match=r"p\.json: not a JSON profile"):
+        Profile.load(tmp_path / "p.json")
+    other = tiny_task.model()
+    with pytest.raises(SpaceError, match="module 'features' is not in Sequential"):
+        overflow_profile.group_risk(load_space("default").fit(other), other)
+    with pytest.raises(SpaceError, match="fit the space"):
+        overflow_profile.group_risk(load_space("default"), other)
