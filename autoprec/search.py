@@ -553,12 +553,12 @@ def _on_stale(tracker: Tracker) -> Callable[[optuna.Study, FrozenTrial], None]:
     KILLED, and an anchor is queued again (Optuna has already failed the trial)."""
 
     def on_stale(study: optuna.Study, trial: FrozenTrial) -> None:
+        if RECORD_ATTR in trial.user_attrs:  # measured and logged before the worker died
+            return
         run_id = trial.user_attrs.get(RUN_ATTR)
-        if run_id and RECORD_ATTR not in trial.user_attrs:  # a recorded run is complete
+        if run_id:
             tracker.close_killed(run_id, "its worker stopped sending heartbeats (killed?)")
-        anchor = trial.user_attrs.get("anchor")
-        if anchor and RECORD_ATTR not in trial.user_attrs:
-            study.enqueue_trial(trial.params, user_attrs={"anchor": anchor})
+        _requeue_anchor(study, trial)
 
     return on_stale
 
@@ -843,7 +843,7 @@ def _abandon(
     _requeue_anchor(study, trial)
 
 
-def _requeue_anchor(study: optuna.Study, trial: optuna.Trial) -> None:
+def _requeue_anchor(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> None:
     """An anchor that was not measured is measured later (or when the study continues)."""
     anchor = trial.user_attrs.get("anchor")
     if anchor:
