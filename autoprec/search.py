@@ -247,6 +247,7 @@ def search(
         trials,
     )
     fail_stale(optuna_study)
+    _close_cut_off_runs(optuna_study, tracker)
     phases_s = {"setup": time.perf_counter() - started_s}
 
     # 3. Set-up, once per study; then 4. the trials.
@@ -561,6 +562,15 @@ def _on_stale(tracker: Tracker) -> Callable[[optuna.Study, FrozenTrial], None]:
         _requeue_anchor(study, trial)
 
     return on_stale
+
+
+def _close_cut_off_runs(study: optuna.Study, tracker: Tracker) -> None:
+    """Failed trials whose MLflow run is still open (their worker died while the
+    tracking store was unreachable): closed as KILLED now."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+        run_id = t.user_attrs.get(RUN_ATTR)
+        if run_id and RECORD_ATTR not in t.user_attrs:
+            tracker.close_if_open(run_id, "its trial was failed before its run was closed")
 
 
 def _set_up(

@@ -270,6 +270,14 @@ class Tracker:
     def end_parent(self, parent_run_id: str, status: str) -> None:
         self.client.set_terminated(parent_run_id, status)
 
+    def close_if_open(self, run_id: str, reason: str) -> bool:
+        """Close a run still RUNNING as KILLED (a trial failed before its run was closed,
+        e.g. when the store was down as its worker died); whether it was open."""
+        if not self.has_run(run_id) or self.client.get_run(run_id).info.status != "RUNNING":
+            return False
+        self.close_killed(run_id, reason)
+        return True
+
     def close_killed(self, run_id: str, reason: str) -> None:
         """Close the child run of a trial that never finished (interrupted, or its worker
         died), with the reason as a tag."""

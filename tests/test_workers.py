@@ -271,3 +271,22 @@ def test_workers_refuse_bad_input_before_any_store(in_tmp):
         assert words in done.stderr and "Traceback" not in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
     assert not (in_tmp / "runs/optuna.db").exists()
+
+
+def test_a_failed_trial_whose_run_stayed_open_is_closed_when_the_study_continues(in_tmp):
+    from autoprec.search import _close_cut_off_runs
+    from autoprec.tracking import Tracker
+
+    tracker = Tracker(f"sqlite:///{in_tmp}/runs/mlflow.db", "sweep", in_tmp / "runs")
+    parent = tracker.start_parent(None, {})
+    study = optuna.create_study(directions=["maximize"])
+    cut, done = study.ask(), study.ask()
+    for trial in (cut, done):
+        trial.set_user_attr(RUN_ATTR, tracker.start_child(parent, "t", {}))
+    study.tell(cut, state=TrialState.FAIL)  # as fail_stale leaves it when MLflow was down
+    tracker.client.set_terminated(done.user_attrs[RUN_ATTR], "FINISHED")
+    study.tell(done, state=TrialState.FAIL)
+    _close_cut_off_runs(study, tracker)
+    run = tracker.client.get_run(cut.user_attrs[RUN_ATTR])
+    assert run.info.status == "KILLED" and run.data.tags["state"] == "killed"
+    assert tracker.client.get_run(done.user_attrs[RUN_ATTR]).info.status == "FINISHED"
