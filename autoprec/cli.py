@@ -218,7 +218,8 @@ class _Progress:
             )
         elif event == "workers":
             where = (
-                f"sharing {data['cores']} CPU cores ({data['threads']} threads each; "
+                f"sharing {data['cores']} CPU cores ({data['threads']} "
+                f"thread{'s' if data['threads'] > 1 else ''} each; "
                 "expect little gain past one worker per core)"
                 if data["kind"] == "cpu"
                 else "pinned to " + ", ".join(data["devices"])
