@@ -24,6 +24,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (those options say in words what they default to)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from autoprec.search import DEFAULT_STORAGE, SAMPLERS
     from autoprec.selection import PREFERENCES
@@ -43,7 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="run a search (built-in task and local stores by default)",
         description="Train short real trials of candidate policies, record them in Optuna and "
         "MLflow, and write runs/<study>/best_policy.yaml and summary.json.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     s.add_argument(
         "--task",
@@ -146,7 +155,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "low dtypes' range, values they would flush to zero), then run each module alone "
         "in fp16/bf16 and measure how far the loss and output move. Prints the ranking "
         "and writes runs/<study>/profile.json; also logged to MLflow.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     pr.add_argument("--task", default=DEFAULT_TASK, help="as for search")
     pr.add_argument("--study", default=None, help="study name (default: the task's name)")
