@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 
 import autoprec
 from autoprec.errors import DeviceError
-from autoprec.studies import CLAIM_ATTR, RECORD_ATTR, RUN_ATTR
+from autoprec.studies import CLAIM_ATTR, RECORD_ATTR, RUN_ATTR, TAKEN_ATTR
 from autoprec.tracking import _client
 from autoprec.workers import parse_devices, pinned_env
 
@@ -73,19 +73,25 @@ def test_three_workers_share_one_budget_exactly(in_tmp):
     study = optuna.load_study(study_name="w3", storage=f"sqlite:///{in_tmp}/runs/optuna.db")
     recorded = _recorded(study)
     assert len(recorded) == 12
-    # Nothing else was measured: the other trials are duplicates or claims that stepped
-    # back (budget taken, or the policy running elsewhere), told at once untrained.
+    # Nothing else was trained: the other trials are duplicates, claims that stepped back
+    # (budget taken, or the policy running elsewhere), or a queued trial that two workers
+    # were handed at once on sqlite and both let go (failed as stale after the grace).
     others = [t for t in study.trials if t not in recorded]
-    assert all(
-        "duplicate_of" in t.user_attrs or t.user_attrs.get("stepped_back") for t in others
-    ), [(t.number, t.state, t.user_attrs) for t in others]
+    for t in others:
+        assert RUN_ATTR not in t.user_attrs, t.user_attrs  # never trained
+        takers = sum(k.startswith(TAKEN_ATTR + ".") for k in t.user_attrs)
+        assert (
+            "duplicate_of" in t.user_attrs
+            or t.user_attrs.get("stepped_back")
+            or (takers > 1 and t.state == TrialState.FAIL)
+        ), (t.number, t.state, t.user_attrs)
     keys = [t.user_attrs[CLAIM_ATTR] for t in recorded]
     assert len(set(keys)) == 12  # no policy evaluated twice
-    # Every worker measured something (their logs say how many).
+    # The workers shared the trials (their logs say how many each measured).
     logs = sorted((in_tmp / "runs/w3/workers").glob("worker-*.log"))
     assert len(logs) == 3
     measured = [int(log.read_text().split("done, ")[1].split()[0]) for log in logs]
-    assert sum(measured) == 12 and all(n >= 1 for n in measured), measured
+    assert sum(measured) == 12 and sum(n >= 1 for n in measured) >= 2, measured
 
     _, children = _runs_of(f"sqlite:///{in_tmp}/runs/mlflow.db", "w3")
     roles = [c.data.tags["autoprec.role"] for c in children]
