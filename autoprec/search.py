@@ -268,7 +268,7 @@ def search(
         "storage": storage,
     }
     needs_profile = sampler == "guided" or unfitted.auto is not None
-    parent_id, baseline, profile = _set_up(
+    parent_id, baseline, profile, space = _set_up(
         optuna_study,
         tracker,
         parent_params,
@@ -280,7 +280,6 @@ def search(
         notify,
         runs_dir / study_name,
     )
-    space = _Fitting(unfitted, model, supported, needs_profile).space(profile)
     phases_s["baseline"] = time.perf_counter() - started_s - phases_s["setup"]
     limit_s = (
         max(TRIAL_TIMEOUT_MIN_S, TRIAL_TIMEOUT_FACTOR * baseline.result.run_time_s)
@@ -584,9 +583,10 @@ def _set_up(
     warm: _WarmUp,
     notify: ProgressCallback,
     out_dir: Path,
-) -> tuple[str, TrialRecord, Profile | None]:
+) -> tuple[str, TrialRecord, Profile | None, SearchSpace]:
     """The study's parent run, profile, baseline and anchors, made once: by whoever
-    holds the set-up lease; a process that finds it held waits for the holder."""
+    holds the set-up lease; a process that finds it held waits for the holder. Also
+    returns the space fitted to the model and the profile, for the trials."""
     lease = Lease(study, "setup", worker_id())
     waiting = False
     while True:
@@ -600,7 +600,7 @@ def _set_up(
             profile = _stored_profile(study)
             space = fitting.space(profile)
             baseline = _baseline(study, task, space, backend, budget, tracker, parent_id)
-            return parent_id, baseline, profile
+            return parent_id, baseline, profile, space
         if lease.acquire():
             break
         if not waiting:
@@ -636,7 +636,7 @@ def _set_up(
         raise
     finally:
         lease.release()
-    return parent_id, baseline, profile
+    return parent_id, baseline, profile, space
 
 
 def _stored_profile(study: optuna.Study) -> Profile | None:
