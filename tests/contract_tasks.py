@@ -100,7 +100,7 @@ def slow_tiny() -> autoprec.Task:
 
     def model() -> nn.Module:
         net = build()
-        net.add_module("pause", Pause(0.02))
+        net.add_module("pause", Pause(0.05))
         return net
 
     task.model = model

@@ -3,6 +3,7 @@ runs out of memory or hangs; a search killed with SIGKILL and resumed."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -175,8 +176,14 @@ def test_sigkill_mid_trial_then_resume_keeps_every_finished_trial(in_tmp):
         study = _peek(in_tmp, "kill")
         if study is None:
             continue
+        # A trial that started under half a second ago: it is still running at the kill.
+        now = datetime.datetime.now()
         running = [
-            t for t in study.trials if t.state == TrialState.RUNNING and RUN_ATTR in t.user_attrs
+            t
+            for t in study.trials
+            if t.state == TrialState.RUNNING
+            and RUN_ATTR in t.user_attrs
+            and (now - t.datetime_start).total_seconds() < 0.5
         ]
         if len(_recorded(study)) >= 2 and running:
             os.kill(process.pid, signal.SIGKILL)
