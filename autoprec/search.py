@@ -30,7 +30,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -721,7 +721,6 @@ def _run_trials(
         return keys[t.number]
 
     baseline_key = _measured_as(ctx.baseline.policy, ctx.model)
-    owner = worker_id()
     measured_here = 0
     duplicates_in_a_row = 0
     while True:
@@ -734,14 +733,14 @@ def _run_trials(
             continue
         if ctx.guide is not None:
             _guide(study, ctx, ledger)
-        trial = study.ask()
+        trial = None
         try:
+            with _interrupts_held():  # a trial asked for is never lost to a Ctrl-C
+                trial = study.ask()
             with heartbeat(study, trial):
                 policy = ctx.space.suggest(trial)
                 key = _measured_as(policy, ctx.model)
-                verdict = claim(study, trial, key, trials, measured, baseline_key, owner)
-                if verdict.shared:  # another worker was handed this queued trial too
-                    continue  # left to it (or, if both let go, failed as stale and requeued)
+                verdict = claim(study, trial, key, trials, measured, baseline_key)
                 if verdict.step_back:  # the last slots, or this policy, are taken
                     _step_back(study, trial, verdict.step_back)
                     continue
@@ -756,7 +755,8 @@ def _run_trials(
                 duplicates_in_a_row = 0
                 record = _measure(study, trial, policy, ctx, notify)
         except BaseException as error:  # Ctrl-C, or a bug: the trial is not left running
-            _abandon(study, trial, error, ctx.tracker)
+            if trial is not None:
+                _abandon(study, trial, error, ctx.tracker)
             raise
         measured_here += 1
         records = [_record(t, ctx.tolerance) for t in _finished(study)]
@@ -858,6 +858,23 @@ def _requeue_anchor(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> N
     anchor = trial.user_attrs.get("anchor")
     if anchor:
         study.enqueue_trial(trial.params, user_attrs={"anchor": anchor})
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """A Ctrl-C during the block takes effect when the block ends (in the main thread;
+    elsewhere Ctrl-C does not arrive)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
 
 
 def _run_with_time_limit(

@@ -3,6 +3,8 @@
 Optuna's relational storage already coordinates workers; this module only adds what a
 precision search needs on top, all through that one storage:
 
+- on sqlite, taking a queued trial is one process at a time (sqlite reads the queue
+  outside the write's transaction, so two processes could take the same trial);
 - every trial's process records a heartbeat; a trial whose process died (SIGKILL, a lost
   host) goes stale and is failed by the next worker that looks (`fail_stale`);
 - a trial *claims* a slot of the study's budget and the policy it measures, then reads
@@ -16,6 +18,7 @@ precision search needs on top, all through that one storage:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import random
@@ -24,8 +27,9 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -35,7 +39,6 @@ from optuna.trial import FrozenTrial, TrialState
 RECORD_ATTR = "autoprec"  # user attribute: the trial's policy and result, once measured
 CLAIM_ATTR = "autoprec.claim"  # user attribute: the key of the policy the trial measures
 STEPPED_BACK_ATTR = "stepped_back"  # user attribute: why a trial gave way untrained
-TAKEN_ATTR = "autoprec.taken_by"  # user attributes: the workers that were handed a trial
 RUN_ATTR = "mlflow_run_id"  # user attribute: the trial's MLflow child run, from its start
 HEARTBEAT_INTERVAL_S = 10  # the grace before a silent trial is failed: 3 intervals
 LEASE_TTL_S = 60.0
@@ -48,12 +51,38 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
+class _Storage(optuna.storages.RDBStorage):
+    """Optuna's relational storage; on sqlite, a queued trial is taken by one process.
+
+    Optuna takes a queued trial by reading its state and writing RUNNING if it was
+    WAITING. On sqlite the read runs outside the write's transaction, so two processes
+    can both read WAITING and both take the trial (PostgreSQL and MySQL lock the row).
+    Here the read and write hold a lock file beside the database, one process at a time.
+    """
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        database = sqlalchemy.engine.make_url(url).database
+        sqlite = url.startswith("sqlite") and database not in (None, "", ":memory:")
+        self._queue_lock = Path(f"{database}.queue.lock") if sqlite else None
+
+    def set_trial_state_values(
+        self, trial_id: int, state: TrialState, values: Sequence[float] | None = None
+    ) -> bool:
+        if self._queue_lock is None or state != TrialState.RUNNING:
+            return super().set_trial_state_values(trial_id, state, values)
+        with self._queue_lock.open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+            return super().set_trial_state_values(trial_id, state, values)
+
+
 def open_storage(
     url: str,
     heartbeat_s: int = HEARTBEAT_INTERVAL_S,
     on_stale: Callable[[optuna.Study, FrozenTrial], None] | None = None,
 ) -> optuna.storages.RDBStorage:
-    """A relational Optuna storage with heartbeats (grace: 3 intervals, at least 3 s)."""
+    """A relational Optuna storage with heartbeats (grace: 3 intervals, at least 3 s);
+    on sqlite, a queued trial is handed to one process only."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     # Heartbeats serve ask/tell here as they serve study.optimize (see `heartbeat`).
@@ -67,7 +96,7 @@ def open_storage(
         engine_kwargs["pool_pre_ping"] = True
     for attempt in range(_CREATE_ATTEMPTS):
         try:
-            return optuna.storages.RDBStorage(
+            return _Storage(
                 url,
                 engine_kwargs=engine_kwargs,
                 heartbeat_interval=heartbeat_s,
@@ -127,7 +156,6 @@ class Claim:
 
     duplicate_of: int | str | None = None  # a trial that measured the same policy
     step_back: str | None = None  # why this trial gives way: "budget" or "policy running"
-    shared: bool = False  # another worker was handed the same queued trial
 
 
 def claim(
@@ -137,7 +165,6 @@ def claim(
     budget: int,
     measured: Callable[[FrozenTrial], str],
     baseline_key: str,
-    owner: str,
 ) -> Claim:
     """Claim a slot of the budget and the policy ``key`` for ``trial``.
 
@@ -147,16 +174,8 @@ def claim(
     allows, and no policy is trained twice (at worst, all of them step back and ask
     again). A policy counts as a duplicate only once it was measured.
     """
-    taken = f"{TAKEN_ATTR}.{owner}"
-    trial.set_user_attr(taken, True)
     trial.set_user_attr(CLAIM_ATTR, key)
     ledger = Ledger.read(study)
-    attrs = ledger.trials[trial.number].user_attrs
-    if any(k.startswith(TAKEN_ATTR + ".") and k != taken for k in attrs):
-        # On sqlite, two workers can pop the same queued trial at once. The one that
-        # sees the other lets go without telling; if both see each other, the trial
-        # goes stale and is failed (and an anchor queued again) after the grace.
-        return Claim(shared=True)
     if key == baseline_key:
         return Claim(duplicate_of="baseline")
     for number, t in sorted(ledger.recorded.items()):
