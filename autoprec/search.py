@@ -20,17 +20,12 @@ that were measured to an end.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import math
 import os
-import random
 import re
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,23 +35,29 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autoprec.devices import DTYPES, Backend, get_backend
 from autoprec.errors import AutoprecError, StoreError
-from autoprec.guided import GuidedStrategy, Observation
+from autoprec.guided import GuidedStrategy
+from autoprec.loop import (
+    POLL_S,
+    ProgressCallback,
+    TrialContext,
+    TrialRecord,
+    WarmUp,
+    finished,
+    record_of,
+    requeue_anchor,
+    run_trials,
+)
 from autoprec.policy import Policy
 from autoprec.profile import Profile, profile_task
-from autoprec.report import policy_label
 from autoprec.selection import PREFERENCES, Candidate, pareto_front, select_best
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
 from autoprec.studies import (
-    CLAIM_ATTR,
     HEARTBEAT_INTERVAL_S,
     RECORD_ATTR,
     RUN_ATTR,
-    STEPPED_BACK_ATTR,
     Lease,
     Ledger,
-    claim,
     fail_stale,
-    heartbeat,
     open_storage,
     worker_id,
 )
@@ -83,17 +84,12 @@ SAMPLERS = ("guided", "tpe", "nsga2", "random")
 PROFILE_ATTR = "profile"  # study attribute: the ranking the groups and guidance use
 OBJECTIVES = ("accuracy", "peak_memory_mb", "step_time_ms")
 DIRECTIONS = ("maximize", "minimize", "minimize")
-# Sampled policies identical to one already measured are not trained again; after this
-# many in a row the space is taken as exhausted.
-MAX_DUPLICATES_IN_A_ROW = 25
 CONFIRMED_ATTR = "confirmed_step_time_ms"  # study attribute: side-by-side re-timings
 # Default per-trial time limit: this many times the fp32 baseline's trial, at least
 # TRIAL_TIMEOUT_MIN_S (fp16 can be 20x slower than fp32 where it has no native kernels).
 TRIAL_TIMEOUT_FACTOR = 25
 TRIAL_TIMEOUT_MIN_S = 300.0
-POLL_S = 1.0  # how often a waiting worker reads the study again
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-_STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "failed": TrialState.FAIL}
 
 
 @dataclass
@@ -103,21 +99,6 @@ class SearchResult:
     summary: dict[str, Any]
     best_policy_path: Path
     summary_path: Path
-
-
-@dataclass(frozen=True)
-class TrialRecord:
-    """One measured policy, as the progress display and the summary see it."""
-
-    number: int | str
-    policy: Policy
-    result: TrialResult
-    accuracy_drop: float | None
-    feasible: bool
-    mlflow_run_id: str | None
-
-
-ProgressCallback = Callable[[str, dict[str, Any]], None]
 
 
 def default_space_for(task_name: str) -> str:
@@ -252,7 +233,7 @@ def search(
 
     # 3. Set-up, once per study; then 4. the trials.
     # Until the baseline sets the default, an explicit limit or the minimum applies.
-    warm = _WarmUp(
+    warm = WarmUp(
         task,
         space,
         backend,
@@ -290,7 +271,7 @@ def search(
     interrupted = False
     try:
         stopper = EarlyStopping.from_baseline(baseline.result) if early_stopping else None
-        context = _Context(
+        context = TrialContext(
             task,
             space,
             backend,
@@ -308,7 +289,7 @@ def search(
             if workers == 1:
                 if len(Ledger.read(optuna_study).recorded) < trials:
                     warm.ensure()
-                _run_trials(optuna_study, context, trials, prefer, notify)
+                run_trials(optuna_study, context, trials, prefer, notify)
             else:
                 spec = dict(
                     task=task_spec,
@@ -410,26 +391,6 @@ class SearchInterrupted(KeyboardInterrupt):
         self.result = result
 
 
-class TrialTimeout(Exception):
-    """Raised inside a trial that ran past its time limit (the trial then fails)."""
-
-
-@dataclass(frozen=True)
-class _Context:
-    task: Task
-    space: SearchSpace
-    backend: Backend
-    budget: Budget
-    tracker: Tracker
-    parent_id: str
-    baseline: TrialRecord
-    tolerance: float
-    early_stopping: EarlyStopping | None
-    model: Any  # the task's model, for resolving policies (never trained)
-    trial_timeout_s: float = 0.0  # 0: no limit
-    guide: GuidedStrategy | None = None  # proposes trials before the sampler does
-
-
 @dataclass(frozen=True)
 class _Fitting:
     """How the space meets the model: fitted to the profile where one is used (its
@@ -451,27 +412,6 @@ def _guidance(
         return None
     order = [name for name, _ in profile.group_risk(space, model)]
     return GuidedStrategy(space, order, prefer)
-
-
-class _WarmUp:
-    """A short untimed run of every dtype the space uses, once per process, so that no
-    trial pays the process's one-time costs (lazy imports, thread pools, allocator
-    growth) in its timings; its results are discarded."""
-
-    def __init__(
-        self, task: Task, space: SearchSpace, backend: Backend, budget: Budget, limit_s: float
-    ) -> None:
-        self.args = (task, space, backend, budget, limit_s)
-        self.done = False
-
-    def ensure(self) -> None:
-        if self.done:
-            return
-        task, space, backend, budget, limit_s = self.args
-        short = Budget(steps=min(budget.steps, 2 * budget.untimed_steps + 2), seed=budget.seed)
-        for dtype in sorted({d for g in space.groups for d in g.dtypes}):
-            _run_with_time_limit(task, Policy.uniform(dtype), backend, short, None, limit_s)
-        self.done = True
 
 
 def _check_storage_url(url: str) -> None:
@@ -558,7 +498,7 @@ def _on_stale(tracker: Tracker) -> Callable[[optuna.Study, FrozenTrial], None]:
         run_id = trial.user_attrs.get(RUN_ATTR)
         if run_id:
             tracker.close_killed(run_id, "its worker stopped sending heartbeats (killed?)")
-        _requeue_anchor(study, trial)
+        requeue_anchor(study, trial)
 
     return on_stale
 
@@ -580,7 +520,7 @@ def _set_up(
     fitting: _Fitting,
     backend: Backend,
     budget: Budget,
-    warm: _WarmUp,
+    warm: WarmUp,
     notify: ProgressCallback,
     out_dir: Path,
 ) -> tuple[str, TrialRecord, Profile | None, SearchSpace]:
@@ -694,227 +634,9 @@ def _baseline(
     return TrialRecord("baseline", policy, result, 0.0, True, run_id)
 
 
-def _finished(study: optuna.Study) -> list[FrozenTrial]:
-    """Trials that were measured to an end and recorded, by number. Duplicates of
-    measured policies, trials over the budget, and trials cut off by an interrupt or a
-    crash are not counted."""
-    return [t for _, t in sorted(Ledger.read(study).recorded.items())]
-
-
-def _run_trials(
-    study: optuna.Study, ctx: _Context, trials: int, prefer: str, notify: ProgressCallback
-) -> int:
-    """Ask, claim, train, tell and log until the study holds ``trials`` measured trials
-    (whoever measured them); the number measured here."""
-    records = [_record(t, ctx.tolerance) for t in _finished(study)]
-    notify(
-        "start",
-        {"total": trials, "done": len(records), "records": records, "baseline": ctx.baseline},
-    )
-    keys: dict[int, str] = {}
-
-    def measured(t: FrozenTrial) -> str:
-        if t.number not in keys:
-            keys[t.number] = t.user_attrs.get(CLAIM_ATTR) or _measured_as(
-                Policy.from_dict(t.user_attrs[RECORD_ATTR]["policy"]), ctx.model
-            )
-        return keys[t.number]
-
-    baseline_key = _measured_as(ctx.baseline.policy, ctx.model)
-    measured_here = 0
-    duplicates_in_a_row = 0
-    while True:
-        fail_stale(study)
-        ledger = Ledger.read(study)
-        if len(ledger.recorded) >= trials:
-            return measured_here
-        if len(ledger.recorded) + len(ledger.running) >= trials:
-            time.sleep(POLL_S)  # the last trials run elsewhere: wait, in case one dies
-            continue
-        if ctx.guide is not None:
-            _guide(study, ctx, ledger)
-        trial = None
-        try:
-            with _interrupts_held():  # a trial asked for is never lost to a Ctrl-C
-                trial = study.ask()
-            with heartbeat(study, trial):
-                policy = ctx.space.suggest(trial)
-                key = _measured_as(policy, ctx.model)
-                verdict = claim(study, trial, key, trials, measured, baseline_key)
-                if verdict.step_back:  # the last slots, or this policy, are taken
-                    _step_back(study, trial, verdict.step_back)
-                    continue
-                if verdict.duplicate_of is not None:
-                    trial.set_user_attr("duplicate_of", verdict.duplicate_of)
-                    study.tell(trial, state=TrialState.PRUNED)
-                    duplicates_in_a_row += 1
-                    if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
-                        notify("exhausted", {"done": len(ledger.recorded)})
-                        return measured_here
-                    continue
-                duplicates_in_a_row = 0
-                record = _measure(study, trial, policy, ctx, notify)
-        except BaseException as error:  # Ctrl-C, or a bug: the trial is not left running
-            if trial is not None:
-                _abandon(study, trial, error, ctx.tracker)
-            raise
-        measured_here += 1
-        records = [_record(t, ctx.tolerance) for t in _finished(study)]
-        notify(
-            "trial_end",
-            {
-                "record": record,
-                "done": len(records),
-                "total": trials,
-                "records": records,
-                "baseline": ctx.baseline,
-                "prefer": prefer,
-            },
-        )
-
-
-def _guide(study: optuna.Study, ctx: _Context, ledger: Ledger) -> None:
-    """Queue the guided strategy's next proposal once the queue is empty (anchors and
-    earlier proposals first, so that each proposal knows what came before it)."""
-    assert ctx.guide is not None
-    if any(t.state == TrialState.WAITING for t in ledger.trials.values()):
-        return
-    history = [Observation(ctx.space.uniform_params("fp32"), "complete", True)]
-    for t in ledger.recorded.values():
-        record = _record(t, ctx.tolerance)
-        history.append(
-            Observation(t.params, record.result.state, record.feasible, record.result.metrics())
-        )
-    pending = [
-        t.params or t.system_attrs.get("fixed_params", {})
-        for t in ledger.trials.values()
-        if t.state in (TrialState.WAITING, TrialState.RUNNING)
-    ]
-    proposal = ctx.guide.propose(history, pending)
-    if proposal is not None:
-        params, phase = proposal
-        study.enqueue_trial(params, user_attrs={"guided": phase})
-
-
-def _measure(
-    study: optuna.Study,
-    trial: optuna.Trial,
-    policy: Policy,
-    ctx: _Context,
-    notify: ProgressCallback,
-) -> TrialRecord:
-    """Train one claimed trial; its MLflow child run is open while it runs."""
-    anchor = trial.user_attrs.get("anchor")
-    notify("trial_start", {"number": trial.number, "policy": policy})
-    tags = {"autoprec.role": "trial", "trial_number": str(trial.number)}
-    if anchor:
-        tags["anchor"] = anchor
-    run_id = ctx.tracker.start_child(
-        ctx.parent_id,
-        f"t{trial.number:03d} " + (anchor or policy_label(ctx.space.flat_params(policy))),
-        tags,
-    )
-    trial.set_user_attr(RUN_ATTR, run_id)
-    result = _run_with_time_limit(
-        ctx.task, policy, ctx.backend, ctx.budget, ctx.early_stopping, ctx.trial_timeout_s
-    )
-    return _tell_and_log(study, trial, policy, result, ctx, run_id)
-
-
-def _step_back(study: optuna.Study, trial: optuna.Trial, why: str) -> None:
-    """Give up a trial without training it: the budget's last slots are claimed, or
-    another worker is measuring the same policy."""
-    try:
-        trial.set_user_attr(STEPPED_BACK_ATTR, why)
-        study.tell(trial, state=TrialState.FAIL)
-    except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
-        return
-    _requeue_anchor(study, trial)
-    time.sleep(random.uniform(0, POLL_S))  # two that stepped back ask apart
-
-
-def _abandon(
-    study: optuna.Study, trial: optuna.Trial, error: BaseException, tracker: Tracker
-) -> None:
-    """A trial cut off by Ctrl-C or an error: failed in Optuna (not counted), marked
-    interrupted, its MLflow run closed as KILLED, and an anchor queued again."""
-    interrupted = isinstance(error, KeyboardInterrupt)
-    try:
-        if interrupted:
-            trial.set_user_attr("interrupted", True)
-        study.tell(trial, state=TrialState.FAIL)
-    except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
-        return  # already told
-    run_id = trial.user_attrs.get(RUN_ATTR)
-    if run_id:
-        reason = "interrupted (Ctrl-C)" if interrupted else f"{type(error).__name__}: {error}"
-        with contextlib.suppress(Exception):  # the store may be what failed
-            tracker.close_killed(run_id, reason)
-    _requeue_anchor(study, trial)
-
-
-def _requeue_anchor(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> None:
-    """An anchor that was not measured is measured later (or when the study continues)."""
-    anchor = trial.user_attrs.get("anchor")
-    if anchor:
-        study.enqueue_trial(trial.params, user_attrs={"anchor": anchor})
-
-
-@contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """A Ctrl-C during the block takes effect when the block ends (in the main thread;
-    elsewhere Ctrl-C does not arrive)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught and callable(previous):
-        previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
-
-
-def _run_with_time_limit(
-    task: Task,
-    policy: Policy,
-    backend: Backend,
-    budget: Budget,
-    early_stopping: EarlyStopping | None,
-    limit_s: float,
-) -> TrialResult:
-    """run_trial, failed with a reason when it runs past ``limit_s`` (0: no limit).
-
-    The limit is a SIGALRM timer, so it needs the main thread (elsewhere there is no
-    limit), and it strikes between Python calls: a hang inside one native call is only
-    cut short when that call returns.
-    """
-    args = (task, policy, backend, budget, early_stopping)
-    if not limit_s or threading.current_thread() is not threading.main_thread():
-        return run_trial(*args)
-
-    def on_alarm(signum: int, frame: Any) -> None:
-        raise TrialTimeout(f"no result after {limit_s:.0f} s (the per-trial time limit)")
-
-    started_s = time.perf_counter()
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, limit_s)
-    try:
-        result = run_trial(*args)
-    except TrialTimeout as error:  # struck outside run_trial's own handling
-        result = TrialResult("failed", f"TrialTimeout: {error}")
-        result.run_time_s = time.perf_counter() - started_s
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    return result
-
-
 def _run_workers(
     study: optuna.Study,
-    ctx: _Context,
+    ctx: TrialContext,
     spec: dict[str, Any],
     workers: int,
     devices: list[str],
@@ -940,7 +662,7 @@ def _run_workers(
             "kind": ctx.backend.kind,
         },
     )
-    records = [_record(t, ctx.tolerance) for t in _finished(study)]
+    records = [record_of(t, ctx.tolerance) for t in finished(study)]
     seen = {r.number for r in records}
     notify(
         "start",
@@ -953,7 +675,7 @@ def _run_workers(
     )
 
     def poll() -> None:
-        records = [_record(t, ctx.tolerance) for t in _finished(study)]
+        records = [record_of(t, ctx.tolerance) for t in finished(study)]
         for record in records:
             if record.number not in seen:
                 seen.add(record.number)
@@ -973,7 +695,7 @@ def _run_workers(
     processes = start_workers(specs, pinned, log_dir)
     codes = wait_for_workers(processes, poll)
     failed = [i for i, code in enumerate(codes) if code != 0]
-    if failed and len(_finished(study)) < spec["trials"]:
+    if failed and len(finished(study)) < spec["trials"]:
         raise AutoprecError(
             f"worker {failed[0]} stopped with status {codes[failed[0]]} before the budget "
             f"was met; see {log_dir / f'worker-{failed[0]}.log'}"
@@ -1003,7 +725,7 @@ def run_worker(spec: WorkerSpec) -> int:
     parent_id = study.user_attrs["mlflow_parent_run_id"]
     baseline = _baseline(study, task, space, backend, budget, tracker, parent_id)
     stopper = EarlyStopping.from_baseline(baseline.result) if spec.early_stopping else None
-    ctx = _Context(
+    ctx = TrialContext(
         task,
         space,
         backend,
@@ -1017,82 +739,15 @@ def run_worker(spec: WorkerSpec) -> int:
         spec.trial_timeout_s,
         _guidance(spec.sampler, space, model, profile, spec.prefer),
     )
-    if len(_finished(study)) < spec.trials:
-        _WarmUp(task, space, backend, budget, spec.trial_timeout_s).ensure()
+    if len(finished(study)) < spec.trials:
+        WarmUp(task, space, backend, budget, spec.trial_timeout_s).ensure()
 
     def log(event: str, data: dict[str, Any]) -> None:
         if event == "trial_end":
             r = data["record"]
             print(f"trial {r.number}: {r.result.state} {r.result.reason or ''}", flush=True)
 
-    return _run_trials(study, ctx, spec.trials, spec.prefer, log)
-
-
-def _measured_as(policy: Policy, model: Any) -> str:
-    """What a trial of this policy would measure: the dtype each layer runs in, and the
-    loss scaling if any layer runs in fp16. Policies alike in this are trained once.
-    A short hash, so that it can be kept with every trial."""
-    dtypes = policy.resolve(model)
-    scaling = policy.loss_scale.to_dict() if "fp16" in dtypes.values() else {"mode": "none"}
-    text = json.dumps([dtypes, scaling, policy.tf32, policy.hf32], sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _tell_and_log(
-    study: optuna.Study,
-    trial: optuna.Trial,
-    policy: Policy,
-    result: TrialResult,
-    ctx: _Context,
-    run_id: str,
-) -> TrialRecord:
-    drop = None
-    feasible = False
-    if result.state == "complete" and result.accuracy is not None:
-        drop = ctx.baseline.result.accuracy - result.accuracy
-        feasible = drop <= ctx.tolerance + 1e-12
-        trial.set_constraint("accuracy_drop", drop - ctx.tolerance)
-    tags = {"state": result.state, "feasible": str(feasible).lower()}
-    if result.reason:
-        tags["reason"] = result.reason[:4000]
-    ctx.tracker.log_trial(
-        run_id,
-        ctx.space.flat_params(policy),
-        result,
-        {} if drop is None else {"accuracy_drop": drop},
-        tags,
-        policy,
-    )
-    # One storage write for everything autoprec keeps about the trial.
-    trial.set_user_attr(
-        RECORD_ATTR,
-        {
-            "policy": policy.to_dict(),
-            "result": result.to_dict(),
-            "accuracy_drop": drop,
-            "feasible": feasible,
-            "mlflow_run_id": run_id,
-        },
-    )
-    if result.state == "complete":
-        study.tell(trial, [result.accuracy, result.peak_memory_mb, result.step_time_ms])
-    else:
-        study.tell(trial, state=_STATES[result.state])
-    return TrialRecord(trial.number, policy, result, drop, feasible, run_id)
-
-
-def _record(trial: optuna.trial.FrozenTrial, tolerance: float) -> TrialRecord:
-    """A stored trial; feasibility follows the tolerance in force now."""
-    attrs = trial.user_attrs[RECORD_ATTR]
-    drop = attrs.get("accuracy_drop")
-    return TrialRecord(
-        trial.number,
-        Policy.from_dict(attrs["policy"]),
-        TrialResult.from_dict(attrs["result"]),
-        drop,
-        drop is not None and drop <= tolerance + 1e-12,
-        attrs.get("mlflow_run_id"),
-    )
+    return run_trials(study, ctx, spec.trials, spec.prefer, log)
 
 
 def candidates(
@@ -1137,11 +792,11 @@ def best_record(
 
 def _confirm_step_times(
     study: optuna.Study,
-    ctx: _Context,
+    ctx: TrialContext,
     prefer: str,
     top: int,
     notify: ProgressCallback,
-    warm: _WarmUp | None = None,
+    warm: WarmUp | None = None,
 ) -> dict[str, float]:
     """Re-time the ``top`` best feasible policies (by step time, or by the balanced score)
     and the baseline side by side.
@@ -1150,7 +805,7 @@ def _confirm_step_times(
     """
     if prefer == "memory" or top <= 0:
         return {}
-    records = [_record(t, ctx.tolerance) for t in _finished(study)]
+    records = [record_of(t, ctx.tolerance) for t in finished(study)]
     base = candidates([ctx.baseline])[0]
 
     def rank(c: Candidate) -> float:  # the preference decides which few are re-timed
@@ -1189,8 +844,8 @@ def summarize(
     Where step times were confirmed side by side, the front and the choice use them.
     """
     confirmed = confirmed or {}
-    finished = {t.number: t for t in _finished(study)}
-    records = [_record(t, tolerance) for t in finished.values()]
+    trials = {t.number: t for t in finished(study)}
+    records = [record_of(t, tolerance) for t in trials.values()]
     front_keys = {c.key for c in pareto_front(candidates([baseline, *records], confirmed))}
     best = best_record(records, baseline, prefer, confirmed)
 
@@ -1202,8 +857,8 @@ def summarize(
             "number": r.number,
             "state": r.result.state,
             "reason": r.result.reason,
-            "anchor": finished[r.number].user_attrs.get("anchor") if r.number in finished else None,
-            "guided": finished[r.number].user_attrs.get("guided") if r.number in finished else None,
+            "anchor": trials[r.number].user_attrs.get("anchor") if r.number in trials else None,
+            "guided": trials[r.number].user_attrs.get("guided") if r.number in trials else None,
             "params": space.flat_params(r.policy),
             "policy": r.policy.to_dict(),
             "metrics": {

@@ -14,7 +14,7 @@ fastest dtype, so step time would be a trivial target, and peak memory is a
 deterministic estimate there.
 
 Each strategy runs as ``autoprec search --sampler X`` would: the space's anchors first,
-then the sampler (search.py's samplers, objectives and accuracy constraint, on an
+then the sampler (the search's samplers, objectives and accuracy constraint, on an
 in-memory study); a proposal that would measure the same as a policy already measured
 (the fp32 baseline included) is not trained and not counted, and 25 in a row end the
 search. ``guided`` is the anchors, then `GuidedStrategy` (risk order from
@@ -40,8 +40,9 @@ from optuna.trial import TrialState
 
 from autoprec.devices import get_backend
 from autoprec.guided import FallbackStrategy, GuidedStrategy, Observation
+from autoprec.loop import MAX_DUPLICATES_IN_A_ROW, measured_as
 from autoprec.policy import Policy
-from autoprec.search import DIRECTIONS, MAX_DUPLICATES_IN_A_ROW, _make_sampler, _measured_as
+from autoprec.search import DIRECTIONS, _make_sampler
 from autoprec.space import SearchSpace
 from autoprec.tasks import Task
 from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial
@@ -94,7 +95,7 @@ def build_table(name: str, steps: int, rebuild: bool) -> dict[str, Any]:
     missing = [
         p
         for p in every
-        if _measured_as(space.policy(p), model) not in table["policies"] and p != fp32
+        if measured_as(space.policy(p), model) not in table["policies"] and p != fp32
     ]
     if not missing and table["baseline"] is not None:
         return table
@@ -106,7 +107,7 @@ def build_table(name: str, steps: int, rebuild: bool) -> dict[str, Any]:
     if table["baseline"] is None:
         baseline = run_trial(task, space.policy(space.uniform_params("fp32")), backend, budget)
         table["baseline"] = _entry(space.uniform_params("fp32"), baseline, baseline, space)
-        fp32_key = _measured_as(space.policy(space.uniform_params("fp32")), model)
+        fp32_key = measured_as(space.policy(space.uniform_params("fp32")), model)
         table["policies"][fp32_key] = table["baseline"]  # the same training, not run twice
     baseline = TrialResult.from_dict(table["baseline"]["result"])
     stopper = EarlyStopping.from_baseline(baseline)
@@ -114,7 +115,7 @@ def build_table(name: str, steps: int, rebuild: bool) -> dict[str, Any]:
     for i, params in enumerate(missing, 1):
         result = run_trial(task, space.policy(params), backend, budget, stopper)
         entry = _entry(params, result, baseline, space)
-        table["policies"][_measured_as(space.policy(params), model)] = entry
+        table["policies"][measured_as(space.policy(params), model)] = entry
         if i % 8 == 0 or i == len(missing):
             table["enumeration_s"] += time.perf_counter() - started
             started = time.perf_counter()
@@ -152,10 +153,10 @@ class Lookup:
         self.tolerance = table["accuracy_tolerance"]
         feasible = [e for e in table["policies"].values() if e["feasible"]]
         self.best_memory_mb = min(e["result"]["peak_memory_mb"] for e in feasible)
-        self.baseline_key = _measured_as(space.policy(space.uniform_params("fp32")), model)
+        self.baseline_key = measured_as(space.policy(space.uniform_params("fp32")), model)
 
     def key(self, params: dict[str, Any]) -> str:
-        return _measured_as(self.space.policy(params), self.model)
+        return measured_as(self.space.policy(params), self.model)
 
     def on_target(self, entry: dict[str, Any]) -> bool:
         memory = entry["result"]["peak_memory_mb"]

@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 
 import autoprec
 from autoprec.errors import DeviceError
-from autoprec.search import _interrupts_held
+from autoprec.loop import interrupts_held
 from autoprec.studies import CLAIM_ATTR, RECORD_ATTR, RUN_ATTR
 from autoprec.tracking import _client
 from autoprec.workers import parse_devices, pinned_env
@@ -249,7 +249,7 @@ def test_ctrl_c_stops_the_workers_and_writes_what_was_measured(in_tmp):
 def test_a_ctrl_c_while_a_trial_is_asked_for_strikes_once_the_trial_is_in_hand():
     # Otherwise a Ctrl-C inside study.ask() would leave its new trial RUNNING for good.
     handed = None
-    with pytest.raises(KeyboardInterrupt), _interrupts_held():
+    with pytest.raises(KeyboardInterrupt), interrupts_held():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.1)  # the signal arrives here, and is held
         handed = "trial"

@@ -1,0 +1,393 @@
+"""The trial loop of a search: ask a trial, claim it, train it, tell and log it, until
+the study holds its budget of measured trials; in the search's own process or in each
+worker process.
+
+A trial is never left running by this process: one cut off by Ctrl-C or an error is
+failed in Optuna (not counted), its MLflow run closed as KILLED, and an anchor it
+carried queued again. A trial whose process dies is failed by heartbeat (see
+`autoprec.studies`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autoprec.devices import Backend
+from autoprec.guided import GuidedStrategy, Observation
+from autoprec.policy import Policy
+from autoprec.report import policy_label
+from autoprec.space import SearchSpace
+from autoprec.studies import (
+    CLAIM_ATTR,
+    RECORD_ATTR,
+    RUN_ATTR,
+    STEPPED_BACK_ATTR,
+    Ledger,
+    claim,
+    fail_stale,
+    heartbeat,
+)
+from autoprec.tasks import Task
+from autoprec.tracking import Tracker
+from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial
+
+POLL_S = 1.0  # how often a waiting worker reads the study again
+# Sampled policies identical to one already measured are not trained again; after this
+# many in a row the space is taken as exhausted.
+MAX_DUPLICATES_IN_A_ROW = 25
+_STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "failed": TrialState.FAIL}
+
+ProgressCallback = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One measured policy, as the progress display and the summary see it."""
+
+    number: int | str
+    policy: Policy
+    result: TrialResult
+    accuracy_drop: float | None
+    feasible: bool
+    mlflow_run_id: str | None
+
+
+class TrialTimeout(Exception):
+    """Raised inside a trial that ran past its time limit (the trial then fails)."""
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """What every trial of a study shares: the task, the fitted space, the device, the
+    budget, where results go, and the fp32 baseline they are judged against."""
+
+    task: Task
+    space: SearchSpace
+    backend: Backend
+    budget: Budget
+    tracker: Tracker
+    parent_id: str
+    baseline: TrialRecord
+    tolerance: float
+    early_stopping: EarlyStopping | None
+    model: Any  # the task's model, for resolving policies (never trained)
+    trial_timeout_s: float = 0.0  # 0: no limit
+    guide: GuidedStrategy | None = None  # proposes trials before the sampler does
+
+
+class WarmUp:
+    """A short untimed run of every dtype the space uses, once per process, so that no
+    trial pays the process's one-time costs (lazy imports, thread pools, allocator
+    growth) in its timings; its results are discarded."""
+
+    def __init__(
+        self, task: Task, space: SearchSpace, backend: Backend, budget: Budget, limit_s: float
+    ) -> None:
+        self.args = (task, space, backend, budget, limit_s)
+        self.done = False
+
+    def ensure(self) -> None:
+        if self.done:
+            return
+        task, space, backend, budget, limit_s = self.args
+        short = Budget(steps=min(budget.steps, 2 * budget.untimed_steps + 2), seed=budget.seed)
+        for dtype in sorted({d for g in space.groups for d in g.dtypes}):
+            run_with_time_limit(task, Policy.uniform(dtype), backend, short, None, limit_s)
+        self.done = True
+
+
+def finished(study: optuna.Study) -> list[FrozenTrial]:
+    """Trials that were measured to an end and recorded, by number. Duplicates of
+    measured policies, trials over the budget, and trials cut off by an interrupt or a
+    crash are not counted."""
+    return [t for _, t in sorted(Ledger.read(study).recorded.items())]
+
+
+def run_trials(
+    study: optuna.Study, ctx: TrialContext, trials: int, prefer: str, notify: ProgressCallback
+) -> int:
+    """Ask, claim, train, tell and log until the study holds ``trials`` measured trials
+    (whoever measured them); the number measured here."""
+    records = [record_of(t, ctx.tolerance) for t in finished(study)]
+    notify(
+        "start",
+        {"total": trials, "done": len(records), "records": records, "baseline": ctx.baseline},
+    )
+    keys: dict[int, str] = {}
+
+    def measured(t: FrozenTrial) -> str:
+        if t.number not in keys:
+            keys[t.number] = t.user_attrs.get(CLAIM_ATTR) or measured_as(
+                Policy.from_dict(t.user_attrs[RECORD_ATTR]["policy"]), ctx.model
+            )
+        return keys[t.number]
+
+    baseline_key = measured_as(ctx.baseline.policy, ctx.model)
+    measured_here = 0
+    duplicates_in_a_row = 0
+    while True:
+        fail_stale(study)
+        ledger = Ledger.read(study)
+        if len(ledger.recorded) >= trials:
+            return measured_here
+        if len(ledger.recorded) + len(ledger.running) >= trials:
+            time.sleep(POLL_S)  # the last trials run elsewhere: wait, in case one dies
+            continue
+        if ctx.guide is not None:
+            _guide(study, ctx, ledger)
+        trial = None
+        try:
+            with interrupts_held():  # a trial asked for is never lost to a Ctrl-C
+                trial = study.ask()
+            with heartbeat(study, trial):
+                policy = ctx.space.suggest(trial)
+                key = measured_as(policy, ctx.model)
+                verdict = claim(study, trial, key, trials, measured, baseline_key)
+                if verdict.step_back:  # the last slots, or this policy, are taken
+                    _step_back(study, trial, verdict.step_back)
+                    continue
+                if verdict.duplicate_of is not None:
+                    trial.set_user_attr("duplicate_of", verdict.duplicate_of)
+                    study.tell(trial, state=TrialState.PRUNED)
+                    duplicates_in_a_row += 1
+                    if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
+                        notify("exhausted", {"done": len(ledger.recorded)})
+                        return measured_here
+                    continue
+                duplicates_in_a_row = 0
+                record = _measure(study, trial, policy, ctx, notify)
+        except BaseException as error:  # Ctrl-C, or a bug: the trial is not left running
+            if trial is not None:
+                _abandon(study, trial, error, ctx.tracker)
+            raise
+        measured_here += 1
+        records = [record_of(t, ctx.tolerance) for t in finished(study)]
+        notify(
+            "trial_end",
+            {
+                "record": record,
+                "done": len(records),
+                "total": trials,
+                "records": records,
+                "baseline": ctx.baseline,
+                "prefer": prefer,
+            },
+        )
+
+
+def _guide(study: optuna.Study, ctx: TrialContext, ledger: Ledger) -> None:
+    """Queue the guided strategy's next proposal once the queue is empty (anchors and
+    earlier proposals first, so that each proposal knows what came before it)."""
+    assert ctx.guide is not None
+    if any(t.state == TrialState.WAITING for t in ledger.trials.values()):
+        return
+    history = [Observation(ctx.space.uniform_params("fp32"), "complete", True)]
+    for t in ledger.recorded.values():
+        record = record_of(t, ctx.tolerance)
+        history.append(
+            Observation(t.params, record.result.state, record.feasible, record.result.metrics())
+        )
+    pending = [
+        t.params or t.system_attrs.get("fixed_params", {})
+        for t in ledger.trials.values()
+        if t.state in (TrialState.WAITING, TrialState.RUNNING)
+    ]
+    proposal = ctx.guide.propose(history, pending)
+    if proposal is not None:
+        params, phase = proposal
+        study.enqueue_trial(params, user_attrs={"guided": phase})
+
+
+def _measure(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    policy: Policy,
+    ctx: TrialContext,
+    notify: ProgressCallback,
+) -> TrialRecord:
+    """Train one claimed trial; its MLflow child run is open while it runs."""
+    anchor = trial.user_attrs.get("anchor")
+    notify("trial_start", {"number": trial.number, "policy": policy})
+    tags = {"autoprec.role": "trial", "trial_number": str(trial.number)}
+    if anchor:
+        tags["anchor"] = anchor
+    run_id = ctx.tracker.start_child(
+        ctx.parent_id,
+        f"t{trial.number:03d} " + (anchor or policy_label(ctx.space.flat_params(policy))),
+        tags,
+    )
+    trial.set_user_attr(RUN_ATTR, run_id)
+    result = run_with_time_limit(
+        ctx.task, policy, ctx.backend, ctx.budget, ctx.early_stopping, ctx.trial_timeout_s
+    )
+    return _tell_and_log(study, trial, policy, result, ctx, run_id)
+
+
+def _tell_and_log(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    policy: Policy,
+    result: TrialResult,
+    ctx: TrialContext,
+    run_id: str,
+) -> TrialRecord:
+    drop = None
+    feasible = False
+    if result.state == "complete" and result.accuracy is not None:
+        drop = ctx.baseline.result.accuracy - result.accuracy
+        feasible = drop <= ctx.tolerance + 1e-12
+        trial.set_constraint("accuracy_drop", drop - ctx.tolerance)
+    tags = {"state": result.state, "feasible": str(feasible).lower()}
+    if result.reason:
+        tags["reason"] = result.reason[:4000]
+    ctx.tracker.log_trial(
+        run_id,
+        ctx.space.flat_params(policy),
+        result,
+        {} if drop is None else {"accuracy_drop": drop},
+        tags,
+        policy,
+    )
+    # One storage write for everything autoprec keeps about the trial.
+    trial.set_user_attr(
+        RECORD_ATTR,
+        {
+            "policy": policy.to_dict(),
+            "result": result.to_dict(),
+            "accuracy_drop": drop,
+            "feasible": feasible,
+            "mlflow_run_id": run_id,
+        },
+    )
+    if result.state == "complete":
+        study.tell(trial, [result.accuracy, result.peak_memory_mb, result.step_time_ms])
+    else:
+        study.tell(trial, state=_STATES[result.state])
+    return TrialRecord(trial.number, policy, result, drop, feasible, run_id)
+
+
+def _step_back(study: optuna.Study, trial: optuna.Trial, why: str) -> None:
+    """Give up a trial without training it: the budget's last slots are claimed, or
+    another worker is measuring the same policy."""
+    try:
+        trial.set_user_attr(STEPPED_BACK_ATTR, why)
+        study.tell(trial, state=TrialState.FAIL)
+    except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
+        return
+    requeue_anchor(study, trial)
+    time.sleep(random.uniform(0, POLL_S))  # two that stepped back ask apart
+
+
+def _abandon(
+    study: optuna.Study, trial: optuna.Trial, error: BaseException, tracker: Tracker
+) -> None:
+    """A trial cut off by Ctrl-C or an error: failed in Optuna (not counted), marked
+    interrupted, its MLflow run closed as KILLED, and an anchor queued again."""
+    interrupted = isinstance(error, KeyboardInterrupt)
+    try:
+        if interrupted:
+            trial.set_user_attr("interrupted", True)
+        study.tell(trial, state=TrialState.FAIL)
+    except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
+        return  # already told
+    run_id = trial.user_attrs.get(RUN_ATTR)
+    if run_id:
+        reason = "interrupted (Ctrl-C)" if interrupted else f"{type(error).__name__}: {error}"
+        with contextlib.suppress(Exception):  # the store may be what failed
+            tracker.close_killed(run_id, reason)
+    requeue_anchor(study, trial)
+
+
+def requeue_anchor(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> None:
+    """An anchor that was not measured is measured later (or when the study continues)."""
+    anchor = trial.user_attrs.get("anchor")
+    if anchor:
+        study.enqueue_trial(trial.params, user_attrs={"anchor": anchor})
+
+
+def measured_as(policy: Policy, model: Any) -> str:
+    """What a trial of this policy would measure: the dtype each layer runs in, and the
+    loss scaling if any layer runs in fp16. Policies alike in this are trained once.
+    A short hash, so that it can be kept with every trial."""
+    dtypes = policy.resolve(model)
+    scaling = policy.loss_scale.to_dict() if "fp16" in dtypes.values() else {"mode": "none"}
+    text = json.dumps([dtypes, scaling, policy.tf32, policy.hf32], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def record_of(trial: optuna.trial.FrozenTrial, tolerance: float) -> TrialRecord:
+    """A stored trial; feasibility follows the tolerance in force now."""
+    attrs = trial.user_attrs[RECORD_ATTR]
+    drop = attrs.get("accuracy_drop")
+    return TrialRecord(
+        trial.number,
+        Policy.from_dict(attrs["policy"]),
+        TrialResult.from_dict(attrs["result"]),
+        drop,
+        drop is not None and drop <= tolerance + 1e-12,
+        attrs.get("mlflow_run_id"),
+    )
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """A Ctrl-C during the block takes effect when the block ends (in the main thread;
+    elsewhere Ctrl-C does not arrive)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
+
+
+def run_with_time_limit(
+    task: Task,
+    policy: Policy,
+    backend: Backend,
+    budget: Budget,
+    early_stopping: EarlyStopping | None,
+    limit_s: float,
+) -> TrialResult:
+    """run_trial, failed with a reason when it runs past ``limit_s`` (0: no limit).
+
+    The limit is a SIGALRM timer, so it needs the main thread (elsewhere there is no
+    limit), and it strikes between Python calls: a hang inside one native call is only
+    cut short when that call returns.
+    """
+    args = (task, policy, backend, budget, early_stopping)
+    if not limit_s or threading.current_thread() is not threading.main_thread():
+        return run_trial(*args)
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise TrialTimeout(f"no result after {limit_s:.0f} s (the per-trial time limit)")
+
+    started_s = time.perf_counter()
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, limit_s)
+    try:
+        result = run_trial(*args)
+    except TrialTimeout as error:  # struck outside run_trial's own handling
+        result = TrialResult("failed", f"TrialTimeout: {error}")
+        result.run_time_s = time.perf_counter() - started_s
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return result
