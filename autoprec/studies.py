@@ -5,8 +5,9 @@ precision search needs on top, all through that one storage:
 
 - on sqlite, taking a queued trial is one process at a time (sqlite reads the queue
   outside the write's transaction, so two processes could take the same trial);
-- every trial's process records a heartbeat; a trial whose process died (SIGKILL, a lost
-  host) goes stale and is failed by the next worker that looks (`fail_stale`);
+- every running trial has a heartbeat, from the moment it is taken; a trial whose
+  process died (SIGKILL, a lost host) goes stale and is failed by the next worker that
+  looks (`fail_stale`);
 - a trial *claims* a slot of the study's budget and the policy it measures, then reads
   the study back and steps back if the other claims leave no room, so that the budget
   is exact and no policy is trained twice, however many workers ask at once (`claim`);
@@ -52,12 +53,17 @@ def worker_id() -> str:
 
 
 class _Storage(optuna.storages.RDBStorage):
-    """Optuna's relational storage; on sqlite, a queued trial is taken by one process.
+    """Optuna's relational storage, where a queued trial is taken by one process (on
+    sqlite too) and a running trial has a heartbeat from its start.
 
     Optuna takes a queued trial by reading its state and writing RUNNING if it was
     WAITING. On sqlite the read runs outside the write's transaction, so two processes
     can both read WAITING and both take the trial (PostgreSQL and MySQL lock the row).
     Here the read and write hold a lock file beside the database, one process at a time.
+
+    A trial taken or created running gets its first heartbeat at once: Optuna's stale
+    check passes over a running trial with none, so a process killed before its
+    heartbeat thread started would leave its trial running for good.
     """
 
     def __init__(self, url: str, **kwargs: Any) -> None:
@@ -69,11 +75,30 @@ class _Storage(optuna.storages.RDBStorage):
     def set_trial_state_values(
         self, trial_id: int, state: TrialState, values: Sequence[float] | None = None
     ) -> bool:
-        if self._queue_lock is None or state != TrialState.RUNNING:
+        if state != TrialState.RUNNING:
             return super().set_trial_state_values(trial_id, state, values)
-        with self._queue_lock.open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
-            return super().set_trial_state_values(trial_id, state, values)
+        with contextlib.ExitStack() as held:
+            if self._queue_lock is not None:
+                lock = held.enter_context(self._queue_lock.open("a"))
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+            taken = super().set_trial_state_values(trial_id, state, values)
+        if taken:
+            self._first_heartbeat(trial_id)
+        return taken
+
+    def _create_new_trial(
+        self, study_id: int, template_trial: FrozenTrial | None = None
+    ) -> FrozenTrial:
+        # Optuna's cached storage (around this one in every study) calls this, not
+        # create_new_trial.
+        trial = super()._create_new_trial(study_id, template_trial)
+        if trial.state == TrialState.RUNNING:
+            self._first_heartbeat(trial._trial_id)
+        return trial
+
+    def _first_heartbeat(self, trial_id: int) -> None:
+        if self.heartbeat_interval is not None:
+            self.record_heartbeat(trial_id)
 
 
 def open_storage(

@@ -6,15 +6,18 @@ import sys
 import time
 
 import optuna
+from optuna.trial import TrialState
 
-from autoprec.studies import open_storage
+from autoprec.studies import fail_stale, open_storage
 
 # Each process waits for the same moment, then takes queued trials until none is left,
 # and prints the numbers it was handed.
 _TAKE = """
 import json, sys, time
 import optuna
-from autoprec.studies import open_storage
+from optuna.trial import TrialState
+
+from autoprec.studies import fail_stale, open_storage
 url, start = sys.argv[1], float(sys.argv[2])
 study = optuna.load_study(study_name="queue", storage=open_storage(url))
 time.sleep(max(0.0, start - time.time()))
@@ -48,3 +51,17 @@ def test_four_processes_taking_from_one_sqlite_queue_never_take_the_same_trial(t
         assert p.returncode == 0
         taken.extend(json.loads(out))
     assert sorted(taken) == list(range(40))
+
+
+def test_a_trial_whose_process_stops_before_its_first_heartbeat_is_failed_too(tmp_path):
+    # Optuna's stale check passes over running trials that never sent a heartbeat; a
+    # worker killed between asking and starting its heartbeat thread left one for good.
+    study = optuna.create_study(
+        study_name="s", storage=open_storage(f"sqlite:///{tmp_path}/optuna.db", heartbeat_s=1)
+    )
+    study.enqueue_trial({}, user_attrs={"slot": 0})
+    queued, fresh = study.ask(), study.ask()  # and then nothing: no heartbeat thread
+    time.sleep(4.5)  # the grace is 3 heartbeats of 1 s
+    fail_stale(study)
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states == {queued.number: TrialState.FAIL, fresh.number: TrialState.FAIL}
