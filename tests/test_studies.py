@@ -1,4 +1,5 @@
-"""The study storage that workers share: a queued trial is handed to one process only."""
+"""The study storage that workers share: a queued trial is handed to one process only,
+and a running trial has a heartbeat from the moment it is handed over."""
 
 import json
 import subprocess
@@ -15,9 +16,7 @@ from autoprec.studies import fail_stale, open_storage
 _TAKE = """
 import json, sys, time
 import optuna
-from optuna.trial import TrialState
-
-from autoprec.studies import fail_stale, open_storage
+from autoprec.studies import open_storage
 url, start = sys.argv[1], float(sys.argv[2])
 study = optuna.load_study(study_name="queue", storage=open_storage(url))
 time.sleep(max(0.0, start - time.time()))
