@@ -2,10 +2,10 @@
 the study holds its budget of measured trials; in the search's own process or in each
 worker process.
 
-A trial is never left running by this process: one cut off by Ctrl-C or an error is
+A trial this process holds is not left running: one cut off by Ctrl-C or an error is
 failed in Optuna (not counted), its MLflow run closed as KILLED, and an anchor it
-carried queued again. A trial whose process dies is failed by heartbeat (see
-`autoprec.studies`).
+carried queued again. A trial whose process dies, or that another worker failed first
+(its heartbeat went stale), is failed by heartbeat (see `autoprec.studies`).
 """
 
 from __future__ import annotations
@@ -168,6 +168,11 @@ def run_trials(
                     continue
                 duplicates_in_a_row = 0
                 record = _measure(study, trial, policy, ctx, notify)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # Failed by another worker while this one held it (no heartbeat for the
+            # grace, e.g. a long wait for the sqlite lock): that worker closed its run
+            # and queued its anchor again. Ask again.
+            continue
         except BaseException as error:  # Ctrl-C, or a bug: the trial is not left running
             if trial is not None:
                 _abandon(study, trial, error, ctx.tracker)
@@ -228,7 +233,11 @@ def _measure(
         f"t{trial.number:03d} " + (anchor or policy_label(ctx.space.flat_params(policy))),
         tags,
     )
-    trial.set_user_attr(RUN_ATTR, run_id)
+    try:
+        trial.set_user_attr(RUN_ATTR, run_id)
+    except optuna.exceptions.UpdateFinishedTrialError:  # see run_trials
+        ctx.tracker.close_killed(run_id, "its trial was failed by another worker first")
+        raise
     result = run_with_time_limit(
         ctx.task, policy, ctx.backend, ctx.budget, ctx.early_stopping, ctx.trial_timeout_s
     )
@@ -343,19 +352,27 @@ def record_of(trial: optuna.trial.FrozenTrial, tolerance: float) -> TrialRecord:
 
 @contextlib.contextmanager
 def interrupts_held() -> Iterator[None]:
-    """A Ctrl-C during the block takes effect when the block ends (in the main thread;
-    elsewhere Ctrl-C does not arrive)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    """A Ctrl-C during the block takes effect when the block ends; a second one at once
+    (in the main thread; elsewhere Ctrl-C does not arrive)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield  # None: a handler installed from C, which cannot be put back
         return
     caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+
+    def hold(signum: int, frame: Any) -> None:
+        if caught:  # asked twice: stop waiting
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        caught.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if caught and callable(previous):
-        previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
+    if caught:
+        signal.raise_signal(signal.SIGINT)  # to the handler in force: Python's raises
 
 
 def run_with_time_limit(

@@ -19,7 +19,6 @@ precision search needs on top, all through that one storage:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import random
@@ -35,6 +34,11 @@ from typing import Any
 
 import optuna
 import sqlalchemy.exc
+
+try:
+    import fcntl
+except ImportError:  # Windows: no lock file (one process per sqlite study there)
+    fcntl = None  # type: ignore[assignment]
 from optuna.trial import FrozenTrial, TrialState
 
 RECORD_ATTR = "autoprec"  # user attribute: the trial's policy and result, once measured
@@ -69,8 +73,10 @@ class _Storage(optuna.storages.RDBStorage):
     def __init__(self, url: str, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
         database = sqlalchemy.engine.make_url(url).database
-        sqlite = url.startswith("sqlite") and database not in (None, "", ":memory:")
-        self._queue_lock = Path(f"{database}.queue.lock") if sqlite else None
+        on_file = url.startswith("sqlite") and database not in (None, "", ":memory:")
+        self._queue_lock = (
+            Path(f"{Path(database).resolve()}.queue.lock") if on_file and fcntl else None
+        )
 
     def set_trial_state_values(
         self, trial_id: int, state: TrialState, values: Sequence[float] | None = None
@@ -82,8 +88,8 @@ class _Storage(optuna.storages.RDBStorage):
                 lock = held.enter_context(self._queue_lock.open("a"))
                 fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
             taken = super().set_trial_state_values(trial_id, state, values)
-        if taken:
-            self._first_heartbeat(trial_id)
+            if taken:
+                self._first_heartbeat(trial_id)
         return taken
 
     def _create_new_trial(

@@ -148,7 +148,8 @@ def main() -> None:
         f"best: {len(kept)} of {len(layers)} layers with parameters kept in fp32"
         + (f" ({', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''})" if kept else "")
     )
-    print(f"total: {(profile_s + search_s) / 60:.1f} min for profile and search")
+    # The search profiles the model again for its own study (it keeps the profile there).
+    print(f"total: {(profile_s + search_s) / 60:.1f} min for the profile and the search")
 
 
 if __name__ == "__main__":

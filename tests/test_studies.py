@@ -11,15 +11,18 @@ from optuna.trial import TrialState
 
 from autoprec.studies import fail_stale, open_storage
 
-# Each process waits for the same moment, then takes queued trials until none is left,
-# and prints the numbers it was handed.
+# Each process says it is ready and waits for all four, then takes queued trials until
+# none is left, and prints the numbers it was handed.
 _TAKE = """
-import json, sys, time
+import json, os, pathlib, sys, time
 import optuna
 from autoprec.studies import open_storage
-url, start = sys.argv[1], float(sys.argv[2])
+url, ready = sys.argv[1], pathlib.Path(sys.argv[2])
 study = optuna.load_study(study_name="queue", storage=open_storage(url))
-time.sleep(max(0.0, start - time.time()))
+(ready / str(os.getpid())).touch()
+deadline = time.monotonic() + 120
+while len(list(ready.iterdir())) < 4 and time.monotonic() < deadline:
+    time.sleep(0.005)
 taken = []
 while True:
     trial = study.ask()
@@ -37,10 +40,11 @@ def test_four_processes_taking_from_one_sqlite_queue_never_take_the_same_trial(t
     study = optuna.create_study(study_name="queue", storage=open_storage(url))
     for slot in range(40):
         study.enqueue_trial({}, user_attrs={"slot": slot})
-    start = time.time() + 5.0  # after every process has imported optuna
+    ready = tmp_path / "ready"
+    ready.mkdir()
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", _TAKE, url, str(start)], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", _TAKE, url, str(ready)], stdout=subprocess.PIPE, text=True
         )
         for _ in range(4)
     ]

@@ -255,6 +255,15 @@ def test_a_ctrl_c_while_a_trial_is_asked_for_strikes_once_the_trial_is_in_hand()
         handed = "trial"
     assert handed == "trial"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Asked twice, it stops waiting.
+    with pytest.raises(KeyboardInterrupt), interrupts_held():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        handed = "never"
+    assert handed == "trial"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_devices_are_parsed_and_pinned(monkeypatch):
