@@ -210,6 +210,12 @@ class Profile:
         )
         return "\n".join([title, *lines])
 
+    def first_missing(self, model: nn.Module) -> str | None:
+        """The first profiled module that ``model`` does not have, if any (a profile of
+        another model)."""
+        names = {name for name, _ in model.named_modules()}
+        return next((m.name for m in self.modules if m.name not in names), None)
+
     def group_risk(self, space: SearchSpace, model: nn.Module) -> list[tuple[str, float]]:
         """The (fitted) space's group names with their risk, riskiest first.
 
@@ -220,11 +226,10 @@ class Profile:
         """
         if not space.groups:
             raise SpaceError(f"{space.source}: fit the space to the model before group_risk")
-        names = {name for name, _ in model.named_modules()}
-        missing = [m.name for m in self.modules if m.name not in names]
-        if missing:
+        missing = self.first_missing(model)
+        if missing is not None:
             raise SpaceError(
-                f"profile of {self.task!r}: module {missing[0]!r} is not in "
+                f"profile of {self.task!r}: module {missing!r} is not in "
                 f"{type(model).__name__}; profile the same model"
             )
         group_of = space.assignment(model)

@@ -492,11 +492,10 @@ def _own_groups(
     own: dict[str, list[str]] = {}
     if profile is None or count == 0:
         return own
-    names = {name for name, _ in model.named_modules()}
-    missing = [m.name for m in profile.modules if m.name not in names]
-    if missing:
+    missing = profile.first_missing(model)
+    if missing is not None:
         raise SpaceError(
-            f"{source}: the profile of {profile.task!r} names module {missing[0]!r}, "
+            f"{source}: the profile of {profile.task!r} names module {missing!r}, "
             f"which {type(model).__name__} does not have"
         )
     for module in profile.modules:
