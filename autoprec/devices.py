@@ -32,6 +32,56 @@ DTYPES: dict[str, torch.dtype] = {
 _MB = 2.0**20
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|npu)(?::(\d+))?$")
 
+# What autocast does to a module with parameters, by device kind, from torch's per-device
+# op lists (aten/src/ATen/autocast_mode.cpp; torch_npu's follow CUDA's, see NPU.md) and,
+# for the CPU, checked by running it (tests/test_dtype_truth.py):
+# - FIXED_FP32: computes in fp32 whatever the region's dtype (the op is on autocast's
+#   fp32 list, or the module returns its fp32 weights' dtype, as an embedding lookup does);
+# - FOLLOWS_INPUT: on no list, so it computes in the dtype of its input (BatchNorm on every
+#   device; LayerNorm and GroupNorm too on the CPU, where they are on no list);
+# - every other module with parameters runs matmuls or convolutions, which autocast casts
+#   to the region's dtype.
+# Names are matched against every class in the module's MRO.
+FIXED_FP32: dict[str, frozenset[str]] = {
+    "cpu": frozenset({"Embedding", "EmbeddingBag"}),
+    "cuda": frozenset({"Embedding", "EmbeddingBag", "LayerNorm", "GroupNorm"}),
+    "npu": frozenset({"Embedding", "EmbeddingBag", "LayerNorm", "GroupNorm"}),
+}
+FOLLOWS_INPUT: dict[str, frozenset[str]] = {
+    "cpu": frozenset({"_NormBase", "LayerNorm", "GroupNorm", "RMSNorm", "LocalResponseNorm"}),
+    "cuda": frozenset({"_NormBase", "RMSNorm", "LocalResponseNorm"}),
+    "npu": frozenset({"_NormBase", "RMSNorm", "LocalResponseNorm"}),
+}
+DEVICE_KINDS = ("cpu", "cuda", "npu")
+
+
+def device_kind(
+    device: str | torch.device | Backend | None, model: torch.nn.Module | None = None
+) -> str:
+    """``cpu``, ``cuda`` or ``npu`` for a device, a device string or a backend (None: where
+    ``model``'s parameters are, else the CPU); no availability check, so that the tables
+    of another device can be read anywhere."""
+    if isinstance(device, Backend):
+        return device.kind
+    if device is None and model is not None:
+        device = next((p.device for p in model.parameters()), None)
+    # Parsed by hand: torch without torch_npu does not know the "npu" device type.
+    kind = str("cpu" if device is None else getattr(device, "type", device)).split(":")[0]
+    if kind not in DEVICE_KINDS:
+        raise DeviceError(f"device {str(device)!r}: expected cpu, cuda or npu")
+    return kind
+
+
+def autocast_behaviour(kind: str, module: torch.nn.Module) -> str:
+    """``"fp32"``, ``"input"`` or ``"region"``: whether autocast on this device kind runs
+    the module in fp32 whatever the region, in its input's dtype, or in the region's."""
+    names = {cls.__name__ for cls in type(module).__mro__}
+    if names & FIXED_FP32[kind]:
+        return "fp32"
+    if names & FOLLOWS_INPUT[kind]:
+        return "input"
+    return "region"
+
 
 def npu_available() -> bool:
     """True when torch_npu imports and sees an NPU; never raises (see NPU.md, Detection)."""
@@ -67,6 +117,15 @@ class Backend:
 
     def supports(self, dtype: str) -> bool:
         return dtype in DTYPES
+
+    def selected(self) -> contextlib.AbstractContextManager[Any]:
+        """This device as the current one while the block runs (``cuda:1`` or ``npu:3``
+        in a single process), so that synchronisation, memory statistics, capability
+        checks and cache emptying all act on it; the previous one is put back."""
+        return contextlib.nullcontext()
+
+    def empty_cache(self) -> None:
+        """Give cached device memory back between trials."""
 
     def synchronize(self) -> None:
         """Wait for queued device work, so that host timers measure it."""
@@ -115,8 +174,16 @@ class CUDABackend(Backend):
 
     def supports(self, dtype: str) -> bool:
         if dtype == "bf16":
-            return bool(torch.cuda.is_bf16_supported())
+            with self.selected():
+                return bool(torch.cuda.is_bf16_supported())
         return dtype in DTYPES
+
+    def selected(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(self.device)
+
+    def empty_cache(self) -> None:
+        with self.selected():
+            torch.cuda.empty_cache()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -163,11 +230,26 @@ class NPUBackend(Backend):
 
     def supports(self, dtype: str) -> bool:
         if dtype == "bf16":  # 910B and later; not 910A or 310P
-            return bool(self._npu().is_bf16_supported())
+            with self.selected():
+                return bool(self._npu().is_bf16_supported())
         return dtype in DTYPES
 
+    @contextlib.contextmanager
+    def selected(self) -> Iterator[None]:
+        npu = self._npu()
+        previous = npu.current_device()
+        npu.set_device(self.device)
+        try:
+            yield
+        finally:
+            npu.set_device(previous)
+
+    def empty_cache(self) -> None:
+        with self.selected():
+            self._npu().empty_cache()
+
     def synchronize(self) -> None:
-        self._npu().synchronize()
+        self._npu().synchronize(self.device)
 
     def switches(self) -> dict[str, bool]:
         npu = self._npu()

@@ -29,3 +29,9 @@ class DeviceError(AutoprecError):
 
 class StoreError(AutoprecError):
     """An Optuna or MLflow store cannot be used, or does not hold what was asked for."""
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """An error's message cut to its first line (tracebacks of other libraries can run to
+    pages), at most ``limit`` characters."""
+    return (str(error).splitlines() or [""])[0][:limit]

@@ -130,11 +130,11 @@ def run_trials(
     def measured(t: FrozenTrial) -> str:
         if t.number not in keys:
             keys[t.number] = t.user_attrs.get(CLAIM_ATTR) or measured_as(
-                Policy.from_dict(t.user_attrs[RECORD_ATTR]["policy"]), ctx.model
+                Policy.from_dict(t.user_attrs[RECORD_ATTR]["policy"]), ctx.model, ctx.backend
             )
         return keys[t.number]
 
-    baseline_key = measured_as(ctx.baseline.policy, ctx.model)
+    baseline_key = measured_as(ctx.baseline.policy, ctx.model, ctx.backend)
     measured_here = 0
     duplicates_in_a_row = 0
     while True:
@@ -153,7 +153,7 @@ def run_trials(
                 trial = study.ask()
             with heartbeat(study, trial):
                 policy = ctx.space.suggest(trial)
-                key = measured_as(policy, ctx.model)
+                key = measured_as(policy, ctx.model, ctx.backend)
                 verdict = claim(study, trial, key, trials, measured, baseline_key)
                 if verdict.step_back:  # the last slots, or this policy, are taken
                     _step_back(study, trial, verdict.step_back)
@@ -326,11 +326,11 @@ def requeue_anchor(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> No
         study.enqueue_trial(trial.params, user_attrs={"anchor": anchor})
 
 
-def measured_as(policy: Policy, model: Any) -> str:
-    """What a trial of this policy would measure: the dtype each layer runs in, and the
-    loss scaling if any layer runs in fp16. Policies alike in this are trained once.
-    A short hash, so that it can be kept with every trial."""
-    dtypes = policy.resolve(model)
+def measured_as(policy: Policy, model: Any, backend: Backend) -> str:
+    """What a trial of this policy would measure: the dtype each layer runs in on the
+    backend, and the loss scaling if any layer runs in fp16. Policies alike in this are
+    trained once. A short hash, so that it can be kept with every trial."""
+    dtypes = policy.resolve(model, backend)
     scaling = policy.loss_scale.to_dict() if "fp16" in dtypes.values() else {"mode": "none"}
     text = json.dumps([dtypes, scaling, policy.tf32, policy.hf32], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -11,9 +11,14 @@ that matches a module matches every module below it, so ``encoder`` covers
 ``_BatchNorm`` covers ``BatchNorm2d``). With both, a module must match both. The
 first matching rule wins; leaves that match no rule get the default. Rules assign
 leaves that hold parameters; parameter-free leaves (ReLU, Dropout, pooling) run in
-the region around them, so they never split a region in two. LayerNorm, GroupNorm and
-embeddings compute in fp32 under autocast whatever a rule says: they resolve to fp32
-and never get a region of their own.
+the region around them, so they never split a region in two.
+
+What a leaf really runs in depends on the device's autocast lists (see
+`autoprec.devices.autocast_behaviour`): embeddings everywhere, and LayerNorm and
+GroupNorm on CUDA and Ascend, compute in fp32 whatever a rule says, so they resolve to
+fp32 and get no region; BatchNorm everywhere, and LayerNorm and GroupNorm on the CPU,
+run in their input's dtype, so in low precision they get a region that casts their
+inputs, and in fp32 a region wherever the surroundings are not fp32.
 """
 
 from __future__ import annotations
@@ -29,12 +34,11 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec.devices import DTYPES
+from autoprec.devices import DTYPES, Backend, autocast_behaviour, device_kind, get_backend
 from autoprec.errors import PolicyError
 from autoprec.scaling import LossScale
 
 if TYPE_CHECKING:
-    from autoprec.devices import Backend
     from autoprec.precision import Precision
 
 LOW_PRECISION = ("fp16", "bf16")
@@ -130,14 +134,28 @@ def _name_and_ancestors(name: str) -> Iterable[str]:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """How a policy lands on one model: the dtype of the outer region entered by
-    ``Precision.autocast()``, the modules that get a region of their own (as few as
-    possible: whole same-dtype subtrees, none at all for a uniform policy), and the
-    dtype each leaf runs in."""
+class RegionSpec:
+    """A module that runs in ``dtype`` inside surroundings of dtype ``around``; with
+    ``cast_inputs``, its floating inputs are cast to ``dtype`` first (a module that runs
+    in its input's dtype)."""
 
+    name: str
+    dtype: str
+    around: str
+    cast_inputs: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a policy lands on one model on one device kind: the dtype of the outer region
+    entered by ``Precision.autocast()``, the modules that get a region of their own (as
+    few as possible: whole same-dtype subtrees; a uniform policy needs none but for
+    modules that run in their input's dtype), and the dtype each parameterised leaf
+    really runs in there."""
+
+    device_kind: str
     outer_dtype: str
-    regions: tuple[tuple[str, str], ...]
+    regions: tuple[RegionSpec, ...]
     leaf_dtypes: dict[str, str]
 
 
@@ -231,24 +249,28 @@ class Policy:
 
     # -- landing on a model --------------------------------------------------------------
 
-    def plan(self, model: nn.Module) -> Plan:
-        """Where the regions go on this model; raises PolicyError for a rule that matches
-        no leaf module."""
+    def plan(self, model: nn.Module, device: str | torch.device | Backend | None = None) -> Plan:
+        """Where the regions go on this model, for the device kind of ``device`` (default:
+        where the model's parameters are); raises PolicyError for a rule that matches no
+        module with parameters."""
+        kind = device_kind(device, model)
         chosen: dict[str, str] = {}
+        follows_input: set[str] = set()
         weight: Counter[str] = Counter()
         used = [False] * len(self.rules)
-        always_fp32 = []
         for name, module in parameterised_leaves(model):
             dtype = None
             for i, rule in enumerate(self.rules):
                 if rule.matches(name, module):
                     used[i] = True
                     dtype = dtype or rule.dtype
-            if runs_fp32_under_autocast(module):
-                always_fp32.append(name)  # no region: autocast keeps it in fp32 anyway
-                continue
+            behaviour = autocast_behaviour(kind, module)
+            if behaviour == "fp32":
+                continue  # no region: autocast keeps it in fp32 anyway
             dtype = dtype or self.default
             chosen[name] = dtype
+            if behaviour == "input" and dtype != "fp32":
+                follows_input.add(name)
             weight[dtype] += sum(p.numel() for p in module.parameters(recurse=False))
         for i, rule in enumerate(self.rules):
             if not used[i]:
@@ -269,15 +291,10 @@ class Policy:
             outer = max(sorted(weight), key=lambda d: (weight[d], d == "fp32"))
         else:
             outer = self.default
-        regions: list[tuple[str, str]] = []
-        leaf_dtypes: dict[str, str] = {}
+        regions: dict[str, RegionSpec] = {}
 
         def descend(prefix: str, module: nn.Module, around: str) -> None:
-            children = list(module.named_children())
-            if not children:
-                leaf_dtypes[prefix] = around
-                return
-            for child_name, child in children:
+            for child_name, child in module.named_children():
                 full = f"{prefix}.{child_name}" if prefix else child_name
                 dtypes = below.get(full, set())
                 if len(dtypes) > 1:
@@ -285,40 +302,56 @@ class Policy:
                     continue
                 dtype = next(iter(dtypes)) if dtypes else around
                 if dtype != around:
-                    regions.append((full, dtype))
-                _mark_leaves(full, child, dtype, leaf_dtypes)
+                    regions[full] = RegionSpec(full, dtype, around)
+                _mark_inputs(full, child, dtype)
+
+        def _mark_inputs(prefix: str, module: nn.Module, around: str) -> None:
+            # A module that runs in its input's dtype gets its input cast, wherever it is.
+            for name, _ in module.named_modules(prefix=prefix):
+                if name in follows_input:
+                    outside = regions[name].around if name in regions else around
+                    regions[name] = RegionSpec(name, chosen[name], outside, cast_inputs=True)
 
         if len(below[""]) <= 1:
-            _mark_leaves("", model, outer, leaf_dtypes)
+            _mark_inputs("", model, outer)
         else:
             descend("", model, outer)
-        leaf_dtypes.update(dict.fromkeys(always_fp32, "fp32"))
-        return Plan(outer, tuple(regions), leaf_dtypes)
+        leaf_dtypes = {name: chosen.get(name, "fp32") for name, _ in parameterised_leaves(model)}
+        return Plan(kind, outer, tuple(regions.values()), leaf_dtypes)
 
-    def resolve(self, model: nn.Module) -> dict[str, str]:
-        """Every leaf module's name mapped to the dtype it runs in."""
-        return self.plan(model).leaf_dtypes
+    def resolve(
+        self, model: nn.Module, device: str | torch.device | Backend | None = None
+    ) -> dict[str, str]:
+        """Every leaf module with parameters mapped to the dtype it really runs in on the
+        device kind of ``device`` (default: where the model's parameters are). Leaves
+        without parameters (ReLU, dropout, pooling) run in their input's dtype, which the
+        data decides, and are not listed."""
+        return self.plan(model, device).leaf_dtypes
 
-    def layer_table(self, model: nn.Module) -> list[dict[str, Any]]:
-        """Each leaf module: name, type, parameter count and the dtype it runs in."""
+    def layer_table(
+        self, model: nn.Module, device: str | torch.device | Backend | None = None
+    ) -> list[dict[str, Any]]:
+        """Each leaf module with parameters: name, type, parameter count and the dtype it
+        runs in."""
         modules = dict(model.named_modules())
         return [
             {
                 "name": name or "(model)",
                 "type": type(modules[name]).__name__,
-                "params": sum(p.numel() for p in modules[name].parameters(recurse=False)),
+                "params": _own_parameters(modules[name]),
                 "dtype": dtype,
             }
-            for name, dtype in self.resolve(model).items()
+            for name, dtype in self.resolve(model, device).items()
         ]
 
-    def low_precision_share(self, model: nn.Module) -> float:
+    def low_precision_share(
+        self, model: nn.Module, device: str | torch.device | Backend | None = None
+    ) -> float:
         """Share of the model's parameters that run in fp16 or bf16."""
-        dtypes = self.resolve(model)
         modules = dict(model.named_modules())
         total = low = 0
-        for name, dtype in dtypes.items():
-            count = sum(p.numel() for p in modules[name].parameters(recurse=False))
+        for name, dtype in self.resolve(model, device).items():
+            count = _own_parameters(modules[name])
             total += count
             low += count if dtype in LOW_PRECISION else 0
         return low / total if total else 0.0
@@ -330,28 +363,21 @@ class Policy:
 
         ``device`` defaults to the device the model's parameters are on.
         """
-        from autoprec.devices import get_backend
         from autoprec.precision import Precision
 
         if device is None:
             first = next(model.parameters(), None)
             device = first.device if first is not None else "cpu"
         backend = get_backend(device)
-        plan = self.plan(model)
+        plan = self.plan(model, backend)
         unsupported = sorted(d for d in set(plan.leaf_dtypes.values()) if not backend.supports(d))
         if unsupported:
             raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
         return Precision(model, self, backend, plan)
 
 
-# Modules that autocast runs in fp32 whatever the surrounding region's dtype, on CUDA, NPU
-# and CPU alike: layer_norm and group_norm are on autocast's fp32 list, and embedding
-# lookups keep their fp32 weights' dtype.
-AUTOCAST_FP32_TYPES = ("LayerNorm", "GroupNorm", "Embedding", "EmbeddingBag")
-
-
-def runs_fp32_under_autocast(module: nn.Module) -> bool:
-    return any(cls.__name__ in AUTOCAST_FP32_TYPES for cls in type(module).__mro__)
+def _own_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters(recurse=False))
 
 
 def parameterised_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -362,12 +388,6 @@ def parameterised_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if next(module.children(), None) is None
         and next(module.parameters(recurse=False), None) is not None
     ]
-
-
-def _mark_leaves(prefix: str, module: nn.Module, dtype: str, into: dict[str, str]) -> None:
-    for name, sub in module.named_modules(prefix=prefix):
-        if next(sub.children(), None) is None:
-            into[name] = dtype
 
 
 def load_policy(path: str | Path) -> Policy:

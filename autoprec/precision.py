@@ -13,8 +13,12 @@ Master weights stay fp32: nothing converts the model; autocast casts on the fly.
 outer region is one ``torch.autocast`` over the whole forward; modules whose dtype
 differs get a region of their own, installed by replacing their ``forward`` with a
 thin wrapper. An fp32 region casts its floating-point inputs up and disables autocast,
-so an fp32 layer really runs in fp32 inside an fp16 or bf16 region. A uniform policy
-installs no wrapper at all and costs what plain ``torch.autocast`` costs.
+so an fp32 layer really runs in fp32 inside an fp16 or bf16 region. A module that
+autocast does not cover (BatchNorm; LayerNorm and GroupNorm on the CPU) runs in the
+dtype of its input, so in low precision it gets a region that casts its inputs down.
+Casts map over nested inputs and outputs (tuples, dicts, ``ModelOutput``) and keep
+their container types. A uniform policy on a model without such modules installs no
+wrapper at all and costs what plain ``torch.autocast`` costs.
 """
 
 from __future__ import annotations
@@ -27,45 +31,75 @@ from torch import nn
 
 from autoprec.devices import DTYPES, Backend
 from autoprec.scaling import LossScaler
+from autoprec.structures import cast_floats
 
 if TYPE_CHECKING:
     from autoprec.policy import Plan, Policy
 
 
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, tuple | list):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
-
-
-class _Region:
+class Region:
     """A module's forward run in its own dtype, whatever region surrounds it.
 
-    An fp32 region casts its inputs up. A low-precision region inside fp32 surroundings
-    casts its outputs up, since the fp32 layers after it run without autocast."""
+    An fp32 region casts its floating inputs up and disables autocast. A low-precision
+    region enters autocast in its dtype, and with ``cast_inputs`` casts its floating
+    inputs down first (for modules that run in their input's dtype). Where a
+    low-precision region sits inside fp32 surroundings, `Precision` casts its outputs
+    back up with a forward hook, so that hooks on the module itself see what it computed.
+    """
 
-    def __init__(self, forward: Any, device_type: str, dtype: str, around: str) -> None:
+    def __init__(self, forward: Any, device_type: str, dtype: str, cast_inputs: bool) -> None:
         self.forward = forward
         self.device_type = device_type
         self.dtype = dtype
-        self.upcast_outputs = dtype != "fp32" and around == "fp32"
+        self.cast_inputs = cast_inputs or dtype == "fp32"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.cast_inputs:
+            args, kwargs = cast_floats((args, kwargs), DTYPES[self.dtype])
         if self.dtype == "fp32":
-            args, kwargs = _cast_floats((args, kwargs), torch.float32)
             with torch.autocast(self.device_type, enabled=False):
                 return self.forward(*args, **kwargs)
         with torch.autocast(self.device_type, dtype=DTYPES[self.dtype]):
-            outputs = self.forward(*args, **kwargs)
-        return _cast_floats(outputs, torch.float32) if self.upcast_outputs else outputs
+            return self.forward(*args, **kwargs)
+
+
+def _upcast_outputs(module: nn.Module, args: Any, outputs: Any) -> Any:
+    return cast_floats(outputs, torch.float32)
+
+
+class Installed:
+    """Regions installed on a model's modules, removable in one call."""
+
+    def __init__(self, model: nn.Module, plan: Plan, device_type: str) -> None:
+        modules = dict(model.named_modules())
+        self._forwards: list[tuple[nn.Module, Any]] = []
+        self._hooks: list[Any] = []
+        for spec in plan.regions:
+            module = modules[spec.name]
+            previous = module.__dict__.get("forward")
+            module.forward = Region(module.forward, device_type, spec.dtype, spec.cast_inputs)
+            self._forwards.append((module, previous))
+            if spec.dtype != "fp32" and spec.around == "fp32":
+                self._hooks.append(module.register_forward_hook(_upcast_outputs))
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        for module, previous in reversed(self._forwards):
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+        self._hooks.clear()
+        self._forwards.clear()
 
 
 class Precision:
-    """Forward context, backward, optimizer step and checkpoint state for one policy."""
+    """Forward context, backward, optimizer step and checkpoint state for one policy.
+
+    With several optimizers, call ``step`` for each: the loss scale is updated once per
+    iteration, when the next ``backward`` begins (or on ``update()``, ``state_dict()`` or
+    reading ``loss_scale``), as torch's GradScaler updates once after all of them."""
 
     def __init__(self, model: nn.Module, policy: Policy, backend: Backend, plan: Plan) -> None:
         self.model = model
@@ -75,17 +109,13 @@ class Precision:
         self.scaler = LossScaler(policy.loss_scale)
         self._previous_switches = backend.set_switches(policy.tf32, policy.hf32)
         self.switches = backend.switches()
-        modules = dict(model.named_modules())
-        self._installed: list[tuple[nn.Module, Any]] = []
-        for name, dtype in plan.regions:
-            module = modules[name]
-            previous = module.__dict__.get("forward")
-            module.forward = _Region(module.forward, backend.kind, dtype, plan.outer_dtype)
-            self._installed.append((module, previous))
+        self._installed = Installed(model, plan, backend.kind)
+        self._update_pending = False
 
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without scaling)."""
+        self.update()
         return self.scaler.scale
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -95,6 +125,7 @@ class Precision:
         return self.backend.autocast(self.plan.outer_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
+        self.update()
         self.scaler.scale_loss(loss.float()).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -102,24 +133,28 @@ class Precision:
         return self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale, step unless gradients overflowed, update the scale. Returns whether it
-        stepped."""
+        """Unscale, and step unless gradients overflowed; returns whether it stepped. The
+        scale is updated once all of this iteration's optimizers have stepped."""
         stepped = self.scaler.step(optimizer)
-        self.scaler.update()
+        self._update_pending = True
         return stepped
 
+    def update(self) -> None:
+        """Finish the iteration: adjust the loss scale after this iteration's steps (a
+        no-op when no optimizer stepped since the last update)."""
+        if self._update_pending:
+            self._update_pending = False
+            self.scaler.update()
+
     def state_dict(self) -> dict[str, Any]:
+        self.update()
         return {"loss_scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._update_pending = False
         self.scaler.load_state_dict(state["loss_scaler"])
 
     def remove(self) -> None:
         """Take the regions off the model and restore the device switches."""
-        for module, previous in self._installed:
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
-        self._installed.clear()
+        self._installed.remove()
         self.backend.restore_switches(self._previous_switches)

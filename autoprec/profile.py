@@ -24,8 +24,8 @@ what fp16 loses without loss scaling.
 
 The risk of a module in dtype ``d``, where every share is measured against d's limits::
 
-    inf                      the output or loss comes out non-finite (or the forward
-                             fails) with the module alone in d
+    inf                      the output or loss comes out non-finite with the module
+                             alone in d
     1 + overflow             else, when overflow > 0: the largest share of outputs,
                              output gradients or parameter gradients above d's maximum
     x / (1 + x)              otherwise, in [0, 1), with
@@ -38,6 +38,11 @@ over the dtypes. So non-finite results rank first, then overflow, then deviation
 underflow. Among equal risks, a module whose inputs were already out of the dtype's
 range ranks after those whose were not (it only passes the problem on), and a parent
 ranks after its riskiest descendant when that one is as risky (it only contains it).
+
+A forward that fails with a module alone in a dtype (an op without a kernel for it, a
+model that cannot take its own outputs back) is the profile's failure, not a numerical
+risk: it is recorded as the module's ``error``, left out of its risk (shown as "error"
+in the table when no dtype could be measured), and never shapes a search.
 """
 
 from __future__ import annotations
@@ -54,12 +59,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autoprec.devices import DTYPES, Backend, get_backend
-from autoprec.errors import AutoprecError, DeviceError, SpaceError, TaskError
-from autoprec.policy import LOW_PRECISION, parameterised_leaves
-from autoprec.precision import _cast_floats, _Region
+from autoprec.devices import DTYPES, Backend, device_kind, get_backend
+from autoprec.errors import AutoprecError, DeviceError, SpaceError, TaskError, first_line
+from autoprec.policy import LOW_PRECISION, Plan, RegionSpec, parameterised_leaves
+from autoprec.precision import Installed
+from autoprec.structures import tensors
 from autoprec.tasks import Task, check_task, load_task
-from autoprec.telemetry import _tensors
+from autoprec.tasks.base import Batch, logits_of
 
 if TYPE_CHECKING:
     from autoprec.space import SearchSpace
@@ -97,6 +103,7 @@ class ModuleRisk:
     risk: float = 0.0
     rank: int = 0
     reason: str = ""
+    error: str = ""  # the profile could not run the module in some dtype (not a risk)
 
 
 @dataclass
@@ -132,6 +139,7 @@ class Profile:
                     risk=_decode(item["risk"]),
                     rank=int(item["rank"]),
                     reason=str(item["reason"]),
+                    error=str(item.get("error", "")),
                 )
                 for item in data["modules"]
             ]
@@ -188,7 +196,7 @@ class Profile:
                 m.name,
                 m.type,
                 str(m.parameters),
-                _number(m.risk),
+                "error" if m.error and not m.risk else _number(m.risk),
                 _number(m.max_abs.get("act", 0.0)),
                 _number(m.max_abs.get("grad", 0.0)),
                 m.reason,
@@ -222,7 +230,9 @@ class Profile:
         A group's risk is the largest risk of the modules it assigns (first match wins,
         as in the space's policy): a module counts for every group its parameterised
         leaves belong to, so a block whose leaves all belong to one group counts for that
-        group, and one whose leaves span several counts for each.
+        group, and one whose leaves span several counts for each. Among groups of equal
+        risk, the one whose riskiest module ranks first comes first (a module that only
+        passes on what another put out of range ranks after it).
         """
         if not space.groups:
             raise SpaceError(f"{space.source}: fit the space to the model before group_risk")
@@ -232,13 +242,16 @@ class Profile:
                 f"profile of {self.task!r}: module {missing!r} is not in "
                 f"{type(model).__name__}; profile the same model"
             )
-        group_of = space.assignment(model)
+        group_of = space.assignment(model, device_kind(self.device))
         risks = {group.name: 0.0 for group in space.groups}
-        for module in self.modules:
+        first_rank = {group.name: len(self.modules) + 1 for group in space.groups}
+        for module in self.modules:  # riskiest first: the first to set a risk ranks best
             for leaf, group in group_of.items():
-                if leaf == module.name or leaf.startswith(f"{module.name}."):
-                    risks[group] = max(risks[group], module.risk)
-        return sorted(risks.items(), key=lambda item: -item[1])
+                covers = leaf == module.name or leaf.startswith(f"{module.name}.")
+                if covers and module.risk > risks[group]:
+                    risks[group], first_rank[group] = module.risk, module.rank
+        order = sorted(risks, key=lambda name: (-risks[name], first_rank[name]))
+        return [(name, risks[name]) for name in order]
 
 
 def profile_task(
@@ -272,42 +285,42 @@ def profile_task(
     torch.manual_seed(seed)
     model = check_task(task).to(backend.device).train()
     watcher = _Watcher(model, limits)
-    with _task_errors(task):
+    with _task_errors(task), backend.selected():
         optimizer = task.make_optimizer(model.parameters())
         batches = iter(task.train_data(seed))
         first_batch = None
         for step in range(steps):
-            batch = next(batches, None)
-            if batch is None:
+            raw = next(batches, None)
+            if raw is None:
                 raise TaskError(
                     f"task {task.name!r}: train_data ran out after {step} batches "
                     f"(the profile needs {steps})"
                 )
-            inputs, targets = (t.to(backend.device) for t in batch)
-            first_batch = first_batch or (inputs, targets)
+            batch = task.batch(raw).to(backend.device)
+            first_batch = first_batch or batch
             optimizer.zero_grad(set_to_none=True)
             with watcher.outputs(gradients=True):
-                loss = task.loss(model(inputs).float(), targets)
+                loss = task.compute_loss(batch.run(model), batch.targets)
                 loss.backward()
             watcher.parameter_gradients()
             optimizer.step()
         assert first_batch is not None
-        inputs, targets = _deviation_slice(*first_batch)
+        batch = first_batch.head(DEVIATION_SAMPLES)
         with watcher.inputs():
-            reference = _forward(task, model, inputs, targets, seed)
+            reference = _forward(task, model, batch, seed)
     if not math.isfinite(reference[1]):
         raise TaskError(
             f"task {task.name!r}: the fp32 loss is {reference[1]} after {steps} steps; "
             "nothing to compare low precision with"
         )
-    deviations = {
-        name: {
-            d: _deviation(task, model, module, backend, d, inputs, targets, seed, reference)
-            for d in tested
+    with backend.selected():
+        deviations = {
+            name: {
+                d: _deviation(task, model, name, backend, d, batch, seed, reference) for d in tested
+            }
+            for name, _ in watcher.modules
+            if name in watcher.ran
         }
-        for name, module in watcher.modules
-        if name in watcher.ran
-    }
     modules = _rank(watcher, tested, deviations)
     return Profile(
         task=task.name,
@@ -328,9 +341,9 @@ def _task_errors(task: Task) -> Iterator[None]:
     except AutoprecError:
         raise
     except Exception as error:
-        first_line = (str(error).splitlines() or [""])[0]
         raise TaskError(
-            f"task {task.name!r}: the fp32 pass failed ({type(error).__name__}: {first_line})"
+            f"task {task.name!r}: the fp32 pass failed ({type(error).__name__}: "
+            f"{first_line(error)})"
         ) from None
 
 
@@ -427,7 +440,7 @@ class _Watcher:
         def make_hook(name: str) -> Any:
             def hook(module: nn.Module, args: Any, output: Any) -> None:
                 self.ran.add(name)
-                for tensor in _tensors(output):
+                for tensor in tensors(output):
                     self._add(name, "act", tensor)
                     if gradients and tensor.requires_grad:
                         tensor.register_hook(lambda grad, name=name: self._add(name, "grad", grad))
@@ -441,7 +454,7 @@ class _Watcher:
 
         def make_hook(name: str) -> Any:
             def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-                for tensor in _tensors((args, kwargs)):
+                for tensor in tensors((args, kwargs)):
                     self._add(name, "input", tensor)
 
             return hook
@@ -482,60 +495,40 @@ class _Watcher:
 # -- the deviation test --------------------------------------------------------------------
 
 
-def _deviation_slice(
-    inputs: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first DEVIATION_SAMPLES samples, where inputs and targets are batch-first."""
-    if (
-        isinstance(inputs, torch.Tensor)
-        and isinstance(targets, torch.Tensor)
-        and inputs.dim() > 0
-        and targets.dim() > 0
-        and len(inputs) == len(targets) > DEVIATION_SAMPLES
-    ):
-        return inputs[:DEVIATION_SAMPLES], targets[:DEVIATION_SAMPLES]
-    return inputs, targets
-
-
-def _forward(
-    task: Task, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, seed: int
-) -> tuple[torch.Tensor, float]:
-    """The model's output (fp32) and loss, with the same random draws (dropout) each time."""
+def _forward(task: Task, model: nn.Module, batch: Batch, seed: int) -> tuple[torch.Tensor, float]:
+    """The model's output (its logits, in fp32) and loss, with the same random draws
+    (dropout) each time."""
     torch.manual_seed(seed)
     with torch.no_grad():
-        outputs = model(inputs).float()
-        loss = float(task.loss(outputs, targets))
-    return outputs, loss
+        outputs = batch.run(model)
+        loss = float(task.compute_loss(outputs, batch.targets))
+    logits = logits_of(outputs)
+    if logits is None:
+        raise TaskError(f"task {task.name!r}: the model's outputs hold no tensor to compare")
+    return logits.float(), loss
 
 
 def _deviation(
     task: Task,
     model: nn.Module,
-    module: nn.Module,
+    name: str,
     backend: Backend,
     dtype: str,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
+    batch: Batch,
     seed: int,
     reference: tuple[torch.Tensor, float],
 ) -> dict[str, Any]:
-    """Loss and output deviation from fp32 with ``module`` alone in ``dtype``."""
-    region = _Region(module.forward, backend.kind, dtype, "fp32")
-    low = DTYPES[dtype]
-    previous = module.__dict__.get("forward")
-    module.forward = lambda *args, **kwargs: region(
-        *_cast_floats(args, low), **_cast_floats(kwargs, low)
-    )
+    """Loss and output deviation from fp32 with module ``name`` alone in ``dtype``: its
+    inputs cast to the dtype and its outputs cast back, through the same regions a policy
+    installs."""
+    region = RegionSpec(name, dtype, around="fp32", cast_inputs=True)
+    installed = Installed(model, Plan(backend.kind, "fp32", (region,), {}), backend.kind)
     try:
-        outputs, loss = _forward(task, model, inputs, targets, seed)
+        outputs, loss = _forward(task, model, batch, seed)
     except Exception as error:  # an op without a kernel for this dtype, say
-        first_line = (str(error).splitlines() or [""])[0]
-        return {"error": f"{type(error).__name__}: {first_line}"[:200]}
+        return {"error": f"{type(error).__name__}: {first_line(error, 200)}"}
     finally:
-        if previous is None:
-            del module.forward
-        else:
-            module.forward = previous
+        installed.remove()
     reference_outputs, reference_loss = reference
     output_finite = bool(torch.isfinite(outputs).all())
     if not output_finite or not math.isfinite(loss):
@@ -592,8 +585,16 @@ def _module_risk(
         stats[dtype], reasons[dtype] = _dtype_risk(dtype, shares, deviations.get(dtype, {}))
         if input_max_abs > dtype_limits(dtype)[0]:
             reasons[dtype] += f"; inputs already reach {_number(input_max_abs)}"
-    worst = max(dtypes, key=lambda d: stats[d]["risk"])  # the first on ties
+    errors = [reasons[d] for d in dtypes if "error" in deviations.get(d, {})]
+    # A dtype the profile could not run the module in says nothing of its numerics.
+    measured = [d for d in dtypes if "error" not in deviations.get(d, {})] or list(dtypes)
+    worst = max(measured, key=lambda d: stats[d]["risk"])  # the first on ties
     risk = stats[worst]["risk"]
+    reason = reasons[worst]
+    if errors and len(errors) == len(dtypes):
+        reason = "; ".join(errors)
+    elif errors:
+        reason += "; " + "; ".join(errors)
     entry = ModuleRisk(
         name=name,
         type=type(module).__name__,
@@ -602,7 +603,8 @@ def _module_risk(
         stats=stats,
         max_abs={kind: watcher.max_abs(name, kind) for kind in ("input", *KINDS)},
         risk=risk,
-        reason=reasons[worst] if name in watcher.ran else "not run in the forward",
+        reason=reason if name in watcher.ran else "not run in the forward",
+        error="; ".join(errors),
     )
     return entry, risk > 0 and input_max_abs > dtype_limits(worst)[0]
 
@@ -615,12 +617,13 @@ def _dtype_risk(
     stats = dict(shares)
     stats["loss_deviation"] = result.get("loss_deviation", 0.0)
     stats["output_deviation"] = result.get("output_deviation", 0.0)
-    failed = "error" in result or "nonfinite" in result
+    if "error" in result:  # the profile's failure, not the module's numerics
+        stats.update(nonfinite=0.0, risk=0.0)
+        return stats, f"{dtype}: profile error, the forward failed ({result['error']})"
+    failed = "nonfinite" in result
     stats["nonfinite"] = 1.0 if failed else 0.0
     parts = []
-    if "error" in result:
-        parts.append(f"forward fails ({result['error']})")
-    elif "nonfinite" in result:
+    if failed:
         parts.append(f"{result['nonfinite']} non-finite")
     overflow = 0.0
     for kind, label in KINDS.items():

@@ -171,7 +171,7 @@ def search(
         device_list = [str(backend.device)] if backend.kind != "cpu" else ["cpu"]
     supported = {d for d in DTYPES if backend.supports(d)}
     unfitted = space
-    space = unfitted.fit(model).restrict(supported)  # checked now; fitted to a profile later
+    space = unfitted.fit(model, device=backend).restrict(supported)  # fitted to a profile later
     if not isinstance(confirm_top, int) or confirm_top < 0:
         raise AutoprecError(f"--confirm-top: expected an integer >= 0, got {confirm_top!r}")
     if not isinstance(trials, int) or trials < 1:
@@ -254,7 +254,7 @@ def search(
         tracker,
         parent_params,
         task,
-        _Fitting(unfitted, model, supported, needs_profile),
+        _Fitting(unfitted, model, backend, needs_profile),
         backend,
         budget,
         warm,
@@ -352,7 +352,7 @@ def search(
         ]
     )
     best_policy = Policy.from_dict(summary["best"]["policy"])
-    summary["best"]["layers"] = best_policy.layer_table(model)
+    summary["best"]["layers"] = best_policy.layer_table(model, backend)
     out_dir = runs_dir / study_name
     out_dir.mkdir(parents=True, exist_ok=True)
     best_policy_path = best_policy.save(out_dir / "best_policy.yaml")
@@ -398,11 +398,12 @@ class _Fitting:
 
     unfitted: SearchSpace
     model: Any
-    supported: set[str]
+    backend: Backend
     needs_profile: bool
 
     def space(self, profile: Profile | None) -> SearchSpace:
-        return self.unfitted.fit(self.model, profile).restrict(self.supported)
+        supported = {d for d in DTYPES if self.backend.supports(d)}
+        return self.unfitted.fit(self.model, profile, self.backend).restrict(supported)
 
 
 def _guidance(
@@ -717,11 +718,11 @@ def run_worker(spec: WorkerSpec) -> int:
         storage=open_storage(spec.storage, spec.heartbeat_s, _on_stale(tracker)),
         sampler=_make_sampler(spec.sampler, spec.seed, spec.trials, spec.index + 1),
     )
-    fingerprint = unfitted.fit(model).restrict(supported).fingerprint()
+    fingerprint = unfitted.fit(model, device=backend).restrict(supported).fingerprint()
     if study.user_attrs.get("space_fingerprint") != fingerprint:
         raise AutoprecError(f"study {spec.study!r}: this worker's space differs from the study's")
     profile = _stored_profile(study)
-    space = _Fitting(unfitted, model, supported, profile is not None).space(profile)
+    space = _Fitting(unfitted, model, backend, profile is not None).space(profile)
     parent_id = study.user_attrs["mlflow_parent_run_id"]
     baseline = _baseline(study, task, space, backend, budget, tracker, parent_id)
     stopper = EarlyStopping.from_baseline(baseline.result) if spec.early_stopping else None

@@ -22,10 +22,11 @@ Layers with parameters that no group takes stay in fp32 (add a catch-all group s
 ``{name: rest, patterns: ["*"], optional: true}`` to search them too).
 
 ``groups: auto`` (with ``auto_groups: {max_groups: 12, own_groups: 3}``, the defaults)
-builds the groups when the space is fitted to a model: by type family and position
-(``convs.layer1``, ``norms.layer2-layer3``, ``linears.fc``), with the riskiest modules
-of a sensitivity profile first as groups of their own (``risk.features``); see
-`AutoGroups`. The fitted space holds the concrete groups, and its fingerprint says so.
+builds the groups when the space is fitted to a model: following its structure
+(``h.0-1.attn``, ``h.2-3.mlp``, ``norms.ln_f``, ``head``), with the riskiest modules of a
+sensitivity profile first as groups of their own (``risk.features``); see
+`autoprec.autogroups`. The fitted space holds the concrete groups, and its fingerprint
+says so.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 import yaml
 from torch import nn
 
-from autoprec.devices import DTYPES
+from autoprec.autogroups import build_groups
+from autoprec.devices import DTYPES, Backend, autocast_behaviour, device_kind
 from autoprec.errors import PolicyError, SpaceError
-from autoprec.policy import Policy, Rule, parameterised_leaves, runs_fp32_under_autocast
+from autoprec.policy import Policy, Rule, parameterised_leaves
 from autoprec.scaling import MODES, LossScale
 
 if TYPE_CHECKING:
@@ -52,7 +55,6 @@ if TYPE_CHECKING:
 
 DEFAULT_SPACE = "default"
 _GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 _SPACE_FIELDS = (
     "name",
     "description",
@@ -63,13 +65,6 @@ _SPACE_FIELDS = (
     "loss_scale",
 )
 _AUTO_FIELDS = ("max_groups", "own_groups")
-# Type families of automatic groups, in group order; "other" takes what the others leave.
-_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("convs", ("_ConvNd",)),
-    ("norms", ("_NormBase", "RMSNorm")),
-    ("linears", ("Linear", "Bilinear")),
-    ("other", ()),
-)
 _GROUP_FIELDS = ("name", "patterns", "types", "dtypes", "optional")
 _RANGE_FIELDS = {
     "static_scale_log2": (0, 24),
@@ -115,14 +110,11 @@ class Group:
 
 @dataclass(frozen=True)
 class AutoGroups:
-    """``groups: auto``: groups built from the model when the space is fitted.
-
-    Parameterised leaves are grouped by type family (convs, norms, linears, other) and
-    by position: the top-level child of the root they sit under (or of the first module
-    below the root with more than one child), with neighbouring positions of a family
-    merged until there are at most ``max_groups`` groups. Given a profile, the
-    ``own_groups`` riskiest modules come first as groups of their own (``risk.<name>``).
-    """
+    """``groups: auto``: groups built from the model's structure when the space is fitted
+    (repeated blocks by block range and role, the rest by type family and position, the
+    head on its own; see `autoprec.autogroups`), at most ``max_groups`` of them. Given a
+    profile, the ``own_groups`` riskiest modules come first as groups of their own
+    (``risk.<name>``)."""
 
     max_groups: int = 12
     own_groups: int = 3
@@ -236,19 +228,37 @@ class SearchSpace:
 
     # -- fitting a model and a device ----------------------------------------------------
 
-    def fit(self, model: nn.Module, profile: Profile | None = None) -> SearchSpace:
-        """The space for this model. Each group must take (first match wins) at least one
-        leaf module with parameters that autocast does not keep in fp32 anyway (LayerNorm,
-        GroupNorm, embeddings); an optional group that takes none is dropped.
+    def fit(
+        self,
+        model: nn.Module,
+        profile: Profile | None = None,
+        device: str | torch.device | Backend | None = None,
+    ) -> SearchSpace:
+        """The space for this model on the device kind of ``device`` (default: where the
+        model's parameters are). Each group must take (first match wins) at least one
+        leaf module with parameters whose dtype a policy can change there (embeddings,
+        and on CUDA and Ascend LayerNorm and GroupNorm, compute in fp32 whatever it says);
+        an optional group that takes none is dropped.
 
         A ``groups: auto`` space builds its groups here (see `AutoGroups`), with the
         riskiest modules of ``profile`` as groups of their own; a space with groups
         written by hand ignores the profile."""
+        kind = device_kind(device, model)
         space = self
         if self.auto is not None:
-            groups = _auto_groups(model, self.auto, profile, self.dtypes, self.source)
+            specs = build_groups(
+                model,
+                searched_leaves(model, kind),
+                self.auto.max_groups,
+                self.auto.own_groups,
+                profile,
+                self.source,
+            )
+            groups = tuple(
+                Group(g.name, Rule("fp32", g.patterns, g.types, g.name), self.dtypes) for g in specs
+            )
             space = replace(self, groups=groups, auto=None)
-        taken = set(space.assignment(model).values())
+        taken = set(space.assignment(model, kind).values())
         kept = []
         for i, group in enumerate(space.groups):
             if group.name in taken:
@@ -257,7 +267,7 @@ class SearchSpace:
                 raise SpaceError(
                     f"{self.source}: groups[{i}] ({group.name}, {group.rule.describe()}): "
                     f"matches no module with parameters in {type(model).__name__} "
-                    "that an earlier group has not taken"
+                    f"that an earlier group has not taken and whose dtype can change on {kind}"
                 )
         if not kept:
             raise SpaceError(
@@ -265,12 +275,14 @@ class SearchSpace:
             )
         return replace(space, groups=tuple(kept))
 
-    def assignment(self, model: nn.Module) -> dict[str, str]:
-        """Each searched leaf (a leaf with parameters that autocast does not keep in fp32
-        anyway) mapped to the group that takes it, first match wins; leaves that no group
-        takes are left out (they stay fp32)."""
+    def assignment(
+        self, model: nn.Module, device: str | torch.device | Backend | None = None
+    ) -> dict[str, str]:
+        """Each searched leaf (a leaf with parameters whose dtype a policy can change on
+        the device kind) mapped to the group that takes it, first match wins; leaves that
+        no group takes are left out (they stay fp32)."""
         assigned = {}
-        for name, module in searched_leaves(model):
+        for name, module in searched_leaves(model, device_kind(device, model)):
             for group in self.groups:
                 if group.rule.matches(name, module):
                     assigned[name] = group.name
@@ -412,143 +424,11 @@ class SearchSpace:
         return flat
 
 
-def searched_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Leaves with parameters that a space searches: all but those autocast keeps in fp32
-    anyway (LayerNorm, GroupNorm, embeddings), which have nothing to search."""
-    return [(n, m) for n, m in parameterised_leaves(model) if not runs_fp32_under_autocast(m)]
-
-
-@dataclass
-class _Segment:
-    """Neighbouring positions of one type family: one automatic group."""
-
-    positions: list[str]  # module names, each covering everything below it
-    labels: list[str]  # the same, relative to the level positions are taken at
-    parameters: int = 0
-
-
-def _auto_groups(
-    model: nn.Module,
-    settings: AutoGroups,
-    profile: Profile | None,
-    dtypes: tuple[str, ...],
-    source: str,
-) -> tuple[Group, ...]:
-    """The groups of ``groups: auto`` for this model (see `AutoGroups`)."""
-    leaves = searched_leaves(model)
-    if not leaves:
-        raise SpaceError(f"{source}: {type(model).__name__} has no module to search")
-    own = _own_groups(model, leaves, settings.own_groups, profile, source)
-    taken = {leaf for covered in own.values() for leaf in covered}
-    level = _position_level(model)
-    by_family: dict[str, dict[str, _Segment]] = {}
-    for name, module in leaves:
-        if name not in taken:
-            position, label = _position(name, level)
-            segment = by_family.setdefault(_family(module), {}).setdefault(
-                position, _Segment([position], [label])
-            )
-            segment.parameters += sum(p.numel() for p in module.parameters(recurse=False))
-    segments = {family: list(positions.values()) for family, positions in by_family.items()}
-
-    names: list[str] = []
-
-    def group(name: str, patterns: tuple[str, ...], types: tuple[str, ...] = ()) -> Group:
-        names.append(_unique(name, names))
-        return Group(names[-1], Rule("fp32", patterns, types, names[-1]), dtypes)
-
-    groups = [group(f"risk.{name}", (name,)) for name in own]
-    budget = settings.max_groups - len(own)
-    if len(segments) > budget:  # fewer groups allowed than type families: one for the rest
-        return (*groups, group("rest", ("*",)))
-    while sum(len(v) for v in segments.values()) > budget:
-        # Merge, in the family with the most groups, the neighbours with fewest parameters.
-        family = max(segments, key=lambda f: len(segments[f]))
-        row = segments[family]
-        i = min(range(len(row) - 1), key=lambda j: row[j].parameters + row[j + 1].parameters)
-        second = row.pop(i + 1)
-        row[i].positions += second.positions
-        row[i].labels += second.labels
-        row[i].parameters += second.parameters
-    for family, types in _FAMILIES:  # "other" last: it has no types and takes what is left
-        for segment in segments.get(family, []):
-            label = segment.labels[0]
-            if len(segment.labels) > 1:
-                label += f"-{segment.labels[-1]}"
-            groups.append(group(f"{family}.{label}", tuple(segment.positions), types))
-    return tuple(groups)
-
-
-def _own_groups(
-    model: nn.Module,
-    leaves: list[tuple[str, nn.Module]],
-    count: int,
-    profile: Profile | None,
-    source: str,
-) -> dict[str, list[str]]:
-    """The ``count`` riskiest modules of the profile (with risk above 0) that cover some
-    searched leaf, but not every one, and are neither inside nor around one chosen
-    before: module name -> the leaves it covers."""
-    own: dict[str, list[str]] = {}
-    if profile is None or count == 0:
-        return own
-    missing = profile.first_missing(model)
-    if missing is not None:
-        raise SpaceError(
-            f"{source}: the profile of {profile.task!r} names module {missing!r}, "
-            f"which {type(model).__name__} does not have"
-        )
-    for module in profile.modules:
-        if len(own) == count or not module.risk > 0:
-            break
-        if any(_related(module.name, chosen) for chosen in own):
-            continue
-        covered = [n for n, _ in leaves if n == module.name or n.startswith(f"{module.name}.")]
-        if covered and len(covered) < len(leaves):
-            own[module.name] = covered
-    return own
-
-
-def _related(a: str, b: str) -> bool:
-    return a == b or a.startswith(f"{b}.") or b.startswith(f"{a}.")
-
-
-def _family(module: nn.Module) -> str:
-    class_names = {cls.__name__ for cls in type(module).__mro__}
-    for family, types in _FAMILIES:
-        if not types or class_names.intersection(types):
-            return family
-    raise AssertionError("the last family takes every module")
-
-
-def _position_level(model: nn.Module) -> str:
-    """The module whose children are the positions: the root, or the first module below
-    it with more than one child (a model that wraps its backbone in one child)."""
-    prefix, module = "", model
-    while True:
-        children = list(module.named_children())
-        if len(children) != 1:
-            return prefix
-        name, module = children[0]
-        prefix = f"{prefix}.{name}" if prefix else name
-
-
-def _position(leaf: str, level: str) -> tuple[str, str]:
-    """(pattern, readable label) of the position a leaf sits at."""
-    if leaf == level:  # the chain of single children ends in this leaf
-        return (leaf or "*"), (leaf.rsplit(".", 1)[-1] or "model")
-    rest = leaf[len(level) + 1 :] if level else leaf
-    child = rest.split(".", 1)[0]
-    return (f"{level}.{child}" if level else child), child
-
-
-def _unique(name: str, taken: list[str]) -> str:
-    """A valid group name, not yet taken."""
-    name = _NOT_IN_NAME.sub("_", name)
-    candidate, n = name, 2
-    while candidate in taken:
-        candidate, n = f"{name}_{n}", n + 1
-    return candidate
+def searched_leaves(model: nn.Module, kind: str = "cpu") -> list[tuple[str, nn.Module]]:
+    """Leaves with parameters that a space searches on a device kind: all but those that
+    autocast runs in fp32 there whatever a policy says (embeddings everywhere, LayerNorm
+    and GroupNorm on CUDA and Ascend), which have nothing to search."""
+    return [(n, m) for n, m in parameterised_leaves(model) if autocast_behaviour(kind, m) != "fp32"]
 
 
 def _mode_fields(mode: str) -> tuple[str, ...]:

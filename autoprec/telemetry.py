@@ -33,7 +33,7 @@ Activations are watched on every module (a parent's own arithmetic can overflow,
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from autoprec.policy import parameterised_leaves
+from autoprec.structures import tensors
 
 FP16_MAX = 65504.0
 UNDERFLOW_WARNING = 0.01  # warn when more than 1% of nonzero gradients would flush
@@ -121,12 +122,12 @@ class GradientMonitor:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             with torch.no_grad():
                 clean = torch.tensor(True)
-                for tensor in _tensors(args):
+                for tensor in tensors(args):
                     if tensor.is_floating_point() and tensor.numel():
                         in_range = torch.isfinite(tensor) & (tensor.detach().abs() < FP16_MAX)
                         clean = clean & in_range.all().cpu()
                 broken = torch.tensor(False)
-                for tensor in _tensors(output):
+                for tensor in tensors(output):
                     if not tensor.is_floating_point() or tensor.numel() == 0:
                         continue
                     values = tensor.detach()
@@ -224,17 +225,6 @@ class GradientMonitor:
         }
 
 
-def _tensors(value: Any) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, tuple | list):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
 def first_nonfinite_layer(model: nn.Module, run_forward: Any) -> str | None:
     """The first module, in order of completion, whose output is not finite in one
     forward: the leaf that overflowed, or the parent whose own arithmetic did."""
@@ -246,8 +236,7 @@ def first_nonfinite_layer(model: nn.Module, run_forward: Any) -> str | None:
 
         def hook(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
             if not found and any(
-                t.is_floating_point() and not bool(torch.isfinite(t).all())
-                for t in _tensors(output)
+                t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors(output)
             ):
                 found.append(name)
 

@@ -13,6 +13,7 @@ import contextlib
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
@@ -20,10 +21,12 @@ from typing import Any
 import torch
 
 from autoprec.devices import Backend
-from autoprec.errors import AutoprecError, TaskError
+from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.policy import Policy
 from autoprec.precision import Precision
+from autoprec.structures import cast_floats
 from autoprec.tasks import Task
+from autoprec.tasks.base import Batch
 from autoprec.telemetry import GradientMonitor, first_nonfinite_layer
 
 # With loss scaling, a few non-finite losses in a row are survivable: the scaler skips
@@ -177,13 +180,11 @@ def run_trial(
     except AutoprecError:
         raise
     except torch.OutOfMemoryError as error:
-        result = TrialResult("failed", f"out of memory: {str(error).splitlines()[0]}")
+        result = TrialResult("failed", f"out of memory: {first_line(error)}")
     except Exception as error:
-        first_line = (str(error).splitlines() or [""])[0]
-        result = TrialResult("failed", f"{type(error).__name__}: {first_line}"[:500])
+        result = TrialResult("failed", f"{type(error).__name__}: {first_line(error, 500)}"[:500])
     finally:
-        if backend.kind != "cpu":
-            getattr(torch, backend.kind).empty_cache()
+        backend.empty_cache()
     result.run_time_s = time.perf_counter() - started
     return result
 
@@ -195,17 +196,29 @@ def _train_and_evaluate(
     budget: Budget,
     early_stopping: EarlyStopping | None,
 ) -> TrialResult:
+    with backend.selected():
+        return _train_and_evaluate_here(task, policy, backend, budget, early_stopping)
+
+
+def _train_and_evaluate_here(
+    task: Task,
+    policy: Policy,
+    backend: Backend,
+    budget: Budget,
+    early_stopping: EarlyStopping | None,
+) -> TrialResult:
     torch.manual_seed(budget.seed)
     model = task.model().to(backend.device)
     model.train()
     optimizer = task.make_optimizer(model.parameters())
+    scheduler = task.make_scheduler(optimizer)
     prec = policy.apply(model, backend)
     layer_dtypes = prec.plan.leaf_dtypes
     meter = backend.memory_meter()
     result = TrialResult(
         "complete",
         peak_memory_is_estimate=meter.is_estimate,
-        low_precision_share=policy.low_precision_share(model),
+        low_precision_share=policy.low_precision_share(model, backend),
         switches=dict(prec.switches),
     )
     meter.start(model)
@@ -217,14 +230,7 @@ def _train_and_evaluate(
     nonfinite_in_a_row = 0
     try:
         for step in range(budget.steps):
-            try:
-                inputs, targets = next(batches)
-            except StopIteration:
-                raise TaskError(
-                    f"task {task.name!r}: train_data ran out after {step} batches "
-                    f"(the budget needs {budget.steps})"
-                ) from None
-            inputs, targets = inputs.to(backend.device), targets.to(backend.device)
+            step_batches = _draw(task, batches, step, budget.steps, backend)
             # Telemetry is taken on every TELEMETRY_EVERY-th step, which is not timed.
             # Memory is measured on the untimed steps after step 0, which is observed, so
             # that telemetry's scratch tensors stay out of the peak.
@@ -237,7 +243,9 @@ def _train_and_evaluate(
                 monitor.activations() if observed else contextlib.nullcontext(),
             ):
                 started_s = backend.now_s() if timed else 0.0
-                loss_value, stepped = _train_step(task, model, optimizer, prec, inputs, targets)
+                loss_value, stepped = _train_step(
+                    task, model, optimizer, prec, step_batches, scheduler
+                )
                 if timed:
                     step_times_s.append(backend.now_s() - started_s)
             if observed and stepped:  # skipped steps hold overflowed, not lost, gradients
@@ -256,7 +264,9 @@ def _train_and_evaluate(
                     early_stopping is not None and nonfinite_in_a_row >= NONFINITE_PATIENCE
                 )
                 if stop:
-                    layer = first_nonfinite_layer(model, partial(_forward, model, prec, inputs))
+                    layer = first_nonfinite_layer(
+                        model, partial(_forward, model, prec, step_batches[-1])
+                    )
                     where = f"; first non-finite output: {layer} ({_dtype_of(layer, layer_dtypes)})"
                     result.state = "pruned"
                     result.reason = (
@@ -371,9 +381,26 @@ def _dtype_of(name: str | None, layer_dtypes: dict[str, str]) -> str:
     return below.pop() if len(below) == 1 else "mixed"
 
 
-def _forward(model: torch.nn.Module, prec: Precision, inputs: torch.Tensor) -> None:
+def _forward(model: torch.nn.Module, prec: Precision, batch: Batch) -> None:
     with prec.autocast():
-        model(inputs)
+        batch.run(model)
+
+
+def _draw(
+    task: Task, batches: Iterator[Any], step: int, steps: int, backend: Backend
+) -> list[Batch]:
+    """The ``task.accumulate`` batches of one optimizer step, on the device."""
+    drawn = []
+    for _ in range(task.accumulate):
+        raw = next(batches, None)
+        if raw is None:
+            used = step * task.accumulate + len(drawn)
+            raise TaskError(
+                f"task {task.name!r}: train_data ran out after {used} batches "
+                f"(the budget needs {steps * task.accumulate})"
+            )
+        drawn.append(task.batch(raw).to(backend.device))
+    return drawn
 
 
 def _train_step(
@@ -381,21 +408,31 @@ def _train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     prec: Precision,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
+    batches: list[Batch],
+    scheduler: Any = None,
 ) -> tuple[float, bool | None]:
-    """One training step, as a user's loop runs it under the policy. Returns the loss and
-    whether the optimizer stepped; None when a non-finite loss without loss scaling
-    ended the step before backward (stepping would corrupt the weights)."""
+    """One optimizer step, as a user's loop runs it under the policy: a forward and
+    backward per accumulated batch, gradient clipping on unscaled gradients, the step,
+    and the scheduler after a step that was taken. Returns the mean loss and whether the
+    optimizer stepped; None when a non-finite loss without loss scaling ended the step
+    before backward (stepping would corrupt the weights)."""
     optimizer.zero_grad(set_to_none=True)
-    with prec.autocast():
-        outputs = model(inputs)
-    loss = task.loss(outputs.float(), targets)
-    loss_value = float(loss.detach())
-    if not math.isfinite(loss_value) and not prec.policy.loss_scale.enabled:
-        return loss_value, None
-    prec.backward(loss)
-    return loss_value, prec.step(optimizer)
+    loss_value = 0.0
+    for batch in batches:
+        with prec.autocast():
+            outputs = batch.run(model)
+        loss = task.compute_loss(outputs, batch.targets) / len(batches)
+        part = float(loss.detach())
+        loss_value += part
+        if not math.isfinite(part) and not prec.policy.loss_scale.enabled:
+            return loss_value, None
+        prec.backward(loss)
+    if task.clip_grad_norm is not None and not prec.unscale_(optimizer):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), task.clip_grad_norm)
+    stepped = prec.step(optimizer)
+    if stepped and scheduler is not None:
+        scheduler.step()
+    return loss_value, stepped
 
 
 def time_side_by_side(
@@ -407,6 +444,13 @@ def time_side_by_side(
     the candidates in turn, round after round, exposes them to the same conditions.
     Each policy trains its own copy of the model from the same initial weights.
     """
+    with backend.selected():
+        return _time_side_by_side_here(task, policies, backend, budget, rounds)
+
+
+def _time_side_by_side_here(
+    task: Task, policies: list[Policy], backend: Backend, budget: Budget, rounds: int
+) -> list[float]:
     runs = []
     for policy in policies:
         torch.manual_seed(budget.seed)
@@ -415,21 +459,20 @@ def time_side_by_side(
         runs.append((policy, model, optimizer, policy.apply(model, backend)))
     block = max(1, min(SIDE_BY_SIDE_BLOCK, (budget.steps - budget.untimed_steps) // rounds))
     data = iter(task.train_data(budget.seed))
-    batches = [
-        tuple(t.to(backend.device) for t in next(data)) for _ in range(budget.untimed_steps + block)
-    ]
+    steps = budget.untimed_steps + block
+    batches = [_draw(task, data, step, steps, backend) for step in range(steps)]
     times_s: list[list[float]] = [[] for _ in runs]
     try:
         for round_index in range(rounds + 1):  # round 0 warms up, untimed
             for times, (policy, model, optimizer, prec) in zip(times_s, runs, strict=True):
                 previous = backend.set_switches(policy.tf32, policy.hf32)
-                for i, (inputs, targets) in enumerate(batches):
+                for i, step_batches in enumerate(batches):
                     if round_index == 0 and i >= budget.untimed_steps:
                         break
                     if round_index > 0 and i < budget.untimed_steps:
                         continue
                     started_s = backend.now_s()
-                    _train_step(task, model, optimizer, prec, inputs, targets)
+                    _train_step(task, model, optimizer, prec, step_batches)
                     if round_index > 0:
                         times.append(backend.now_s() - started_s)
                 backend.restore_switches(previous)
@@ -440,15 +483,17 @@ def time_side_by_side(
 
 
 def _evaluate(task: Task, model: torch.nn.Module, prec: Any, backend: Backend) -> float:
+    """The task's metric over the validation data, weighted by batch size."""
     model.eval()
     total = 0.0
     count = 0
-    with torch.no_grad(), prec.autocast():
-        for inputs, targets in task.val_data():
-            outputs = model(inputs.to(backend.device)).float()
-            n = len(targets)
-            total += task.score(outputs, targets.to(backend.device)) * n
-            count += n
+    with torch.no_grad():
+        for raw in task.val_data():
+            batch = task.batch(raw).to(backend.device)
+            with prec.autocast():
+                outputs = batch.run(model)
+            total += task.score(cast_floats(outputs, torch.float32), batch.targets) * batch.size
+            count += batch.size
     if count == 0:
         raise TaskError(f"task {task.name!r}: val_data yielded no batches")
     return total / count

@@ -47,6 +47,8 @@ from autoprec.space import SearchSpace
 from autoprec.tasks import Task
 from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial
 
+CPU = get_backend("cpu")
+
 TABLE_DIR = Path("runs/bench")
 TABLE_VERSION = 1
 TARGET = 1.05  # within 5% of the oracle's best peak memory
@@ -95,7 +97,7 @@ def build_table(name: str, steps: int, rebuild: bool) -> dict[str, Any]:
     missing = [
         p
         for p in every
-        if measured_as(space.policy(p), model) not in table["policies"] and p != fp32
+        if measured_as(space.policy(p), model, CPU) not in table["policies"] and p != fp32
     ]
     if not missing and table["baseline"] is not None:
         return table
@@ -107,7 +109,7 @@ def build_table(name: str, steps: int, rebuild: bool) -> dict[str, Any]:
     if table["baseline"] is None:
         baseline = run_trial(task, space.policy(space.uniform_params("fp32")), backend, budget)
         table["baseline"] = _entry(space.uniform_params("fp32"), baseline, baseline, space)
-        fp32_key = measured_as(space.policy(space.uniform_params("fp32")), model)
+        fp32_key = measured_as(space.policy(space.uniform_params("fp32")), model, CPU)
         table["policies"][fp32_key] = table["baseline"]  # the same training, not run twice
     baseline = TrialResult.from_dict(table["baseline"]["result"])
     stopper = EarlyStopping.from_baseline(baseline)
@@ -115,7 +117,7 @@ def build_table(name: str, steps: int, rebuild: bool) -> dict[str, Any]:
     for i, params in enumerate(missing, 1):
         result = run_trial(task, space.policy(params), backend, budget, stopper)
         entry = _entry(params, result, baseline, space)
-        table["policies"][measured_as(space.policy(params), model)] = entry
+        table["policies"][measured_as(space.policy(params), model, CPU)] = entry
         if i % 8 == 0 or i == len(missing):
             table["enumeration_s"] += time.perf_counter() - started
             started = time.perf_counter()
@@ -153,10 +155,10 @@ class Lookup:
         self.tolerance = table["accuracy_tolerance"]
         feasible = [e for e in table["policies"].values() if e["feasible"]]
         self.best_memory_mb = min(e["result"]["peak_memory_mb"] for e in feasible)
-        self.baseline_key = measured_as(space.policy(space.uniform_params("fp32")), model)
+        self.baseline_key = measured_as(space.policy(space.uniform_params("fp32")), model, CPU)
 
     def key(self, params: dict[str, Any]) -> str:
-        return measured_as(self.space.policy(params), self.model)
+        return measured_as(self.space.policy(params), self.model, CPU)
 
     def on_target(self, entry: dict[str, Any]) -> bool:
         memory = entry["result"]["peak_memory_mb"]

@@ -92,15 +92,29 @@ def test_rule_that_matches_no_module_is_an_error():
         policy.resolve(mlp())
 
 
-def test_resolve_maps_every_leaf():
+def test_resolve_maps_every_leaf_with_parameters():
     model = mlp()
-    leaves = {n for n, m in model.named_modules() if not list(m.children())}
+    leaves = {n for n, m in model.named_modules() if list(m.parameters(recurse=False))}
     resolved = MIXED.resolve(model)
-    assert set(resolved) == leaves
+    assert set(resolved) == leaves  # ReLUs run in their input's dtype: not listed
     assert resolved["fc1"] == "fp16"
     assert resolved["norm"] == "fp32"
     assert resolved["block.fc"] == "bf16"
     assert resolved["head"] == "fp32"
+
+
+def test_an_explicit_fp32_rule_for_a_norm_is_honoured_on_every_device():
+    # On the CPU, autocast runs LayerNorm in its input's dtype: the rule needs a region.
+    # On CUDA and Ascend, autocast keeps LayerNorm in fp32 anyway: no region.
+    model = mlp()
+    cpu = MIXED.plan(model, "cpu")
+    assert {r.name: r.dtype for r in cpu.regions}["norm"] == "fp32"
+    for kind in ("cuda", "npu"):
+        plan = MIXED.plan(model, kind)
+        assert "norm" not in {r.name for r in plan.regions}
+        assert plan.leaf_dtypes["norm"] == "fp32"
+    assert Policy.uniform("bf16").resolve(model, "cuda")["norm"] == "fp32"
+    assert Policy.uniform("bf16").resolve(model, "cpu")["norm"] == "bf16"
 
 
 def test_patterns_cover_descendants_and_types_cover_subclasses():
@@ -111,13 +125,17 @@ def test_patterns_cover_descendants_and_types_cover_subclasses():
     assert resolved["0"] == "bf16"
 
 
-def test_uniform_policy_installs_no_region():
-    model = mlp()
-    plan = Policy.uniform("bf16").plan(model)
-    assert plan.regions == ()
+def test_uniform_policy_installs_no_region_but_input_casts():
+    model = _blocky()  # linears only
+    assert Policy.uniform("bf16").plan(model).regions == ()
     prec = Policy.uniform("bf16").apply(model, "cpu")
     assert not any("forward" in m.__dict__ for m in model.modules())
     prec.remove()
+    # On the CPU, LayerNorm runs in its input's dtype: its input is cast, so that it runs
+    # in bf16 even where its input arrives in fp32. CUDA keeps it in fp32: nothing to do.
+    plan = Policy.uniform("bf16").plan(mlp(), "cpu")
+    assert [(r.name, r.dtype, r.cast_inputs) for r in plan.regions] == [("norm", "bf16", True)]
+    assert Policy.uniform("bf16").plan(mlp(), "cuda").regions == ()
 
 
 def _blocky() -> nn.Module:
@@ -130,11 +148,11 @@ def test_same_dtype_neighbours_share_one_region():
     # subtree gets one region, never one per leaf.
     plan = Policy(rules=(Rule("fp16", patterns=("fc1",)),)).plan(_blocky())
     assert plan.outer_dtype == "fp32"
-    assert plan.regions == (("fc1", "fp16"),)
+    assert [(r.name, r.dtype) for r in plan.regions] == [("fc1", "fp16")]
     plan = Policy(rules=(Rule("fp16", patterns=("block",)),)).plan(_blocky())
     assert plan.outer_dtype == "fp16"
-    assert dict(plan.regions) == {"fc1": "fp32", "head": "fp32"}
-    assert plan.leaf_dtypes["block.act"] == "fp16"
+    assert {r.name: r.dtype for r in plan.regions} == {"fc1": "fp32", "head": "fp32"}
+    assert plan.leaf_dtypes["block.a"] == "fp16"
 
 
 def _run_dtypes(policy: Policy, model: nn.Module) -> dict[str, torch.dtype]:
@@ -194,10 +212,9 @@ def test_low_precision_regions_inside_fp32_hand_fp32_to_the_next_layer(low):
     outputs = {}
     model.fc1.register_forward_hook(lambda m, a, out: outputs.__setitem__("fc1", out))
     dtypes = _run_dtypes(policy, model)
-    # fc1 computed in low precision (its values are exactly representable there), then
-    # handed on in fp32.
+    # fc1 computed in low precision (hooks on it see what it computed), then handed on in
+    # fp32 to the layers after it.
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[low]
-    assert dtypes["fc1"] == torch.float32
-    assert torch.equal(outputs["fc1"], outputs["fc1"].to(dtype).float())
+    assert dtypes["fc1"] == dtype and outputs["fc1"].dtype == dtype
     assert dtypes["block.fc"] == torch.float32
     assert dtypes["head"] == torch.float32

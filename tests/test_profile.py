@@ -168,8 +168,11 @@ def test_group_risk_on_fitted_spaces(overflow_profile):
     space = load_space("default").fit(model)
     risks = overflow_profile.group_risk(space, model)
     assert risks[0] == ("linears.features", math.inf)
+    # On the CPU the LayerNorm after it is searched too, and in fp16 it overflows on the
+    # features' fp32 output; it only passes the problem on, so it ranks second.
+    assert risks[1] == ("norms.norm_in", math.inf)
     assert {name for name, _ in risks} == {g.name for g in space.groups}
-    assert all(math.isfinite(risk) for _, risk in risks[1:])
+    assert all(math.isfinite(risk) for _, risk in risks[2:])
     # Fitted with the profile, the culprit is a group of its own, first.
     guided = load_space("default").fit(model, overflow_profile)
     assert guided.groups[0].name == "risk.features"

@@ -26,14 +26,17 @@ def test_shipped_spaces_load_and_fit_their_tasks():
         load_space("default").fit(model)
 
 
-def test_default_space_drops_optional_groups_the_model_lacks(tiny_task):
-    fitted = load_space("default").fit(tiny_task.model())
-    # The tiny task's LayerNorm runs in fp32 under autocast anyway: nothing to search.
-    assert [g.name for g in fitted.groups] == ["linears.fc1", "linears.head"]
+def test_default_space_searches_what_the_device_lets_a_policy_change(tiny_task):
+    # On CUDA (and Ascend) autocast keeps LayerNorm in fp32: nothing to search. On the CPU
+    # it runs in its input's dtype, so a policy decides it.
+    cuda = load_space("default").fit(tiny_task.model(), device="cuda")
+    assert [g.name for g in cuda.groups] == ["linears.fc1", "linears.head"]
+    cpu = load_space("default").fit(tiny_task.model())
+    assert [g.name for g in cpu.groups] == ["norms.norm", "linears.fc1", "linears.head"]
 
 
 def test_suggest_searches_loss_scaling_only_with_fp16(tiny_task):
-    space = load_space("default").fit(tiny_task.model())
+    space = load_space("default").fit(tiny_task.model(), device="cuda")
     bf16 = space.suggest(
         optuna.trial.FixedTrial({"dtype.linears.fc1": "bf16", "dtype.linears.head": "bf16"})
     )
@@ -54,12 +57,13 @@ def test_suggest_searches_loss_scaling_only_with_fp16(tiny_task):
 
 
 def test_uniform_params_are_the_anchors(tiny_task):
-    space = load_space("default").fit(tiny_task.model())
-    policy = space.policy(space.uniform_params("fp16"))
-    resolved = policy.resolve(tiny_task.model())
-    assert resolved["norm"] == "fp32"  # autocast keeps LayerNorm in fp32
-    assert {d for name, d in resolved.items() if name != "norm"} == {"fp16"}
-    assert policy.loss_scale.mode == "dynamic" and policy.loss_scale.init_scale == 2.0**16
+    for kind in ("cpu", "cuda"):
+        space = load_space("default").fit(tiny_task.model(), device=kind)
+        policy = space.policy(space.uniform_params("fp16"))
+        resolved = policy.resolve(tiny_task.model(), kind)
+        assert resolved["norm"] == ("fp16" if kind == "cpu" else "fp32")  # CUDA keeps it
+        assert {d for name, d in resolved.items() if name != "norm"} == {"fp16"}
+        assert policy.loss_scale.mode == "dynamic" and policy.loss_scale.init_scale == 2.0**16
 
 
 def test_restrict_removes_unsupported_dtypes(tiny_task):
@@ -142,11 +146,11 @@ def _fake_profile(model, risky):
     return Profile("fake", "cpu", 1, 0, ("fp16",), modules, 0.0)
 
 
-def _check_fitted(space, model, max_groups):
+def _check_fitted(space, model, max_groups, kind="cpu"):
     """At most max_groups groups, and every searched leaf taken by one of them."""
     assert len(space.groups) <= max_groups
-    assigned = space.assignment(model)
-    assert set(assigned) == {name for name, _ in searched_leaves(model)}
+    assigned = space.assignment(model, kind)
+    assert set(assigned) == {name for name, _ in searched_leaves(model, kind)}
     assert set(assigned.values()) == {g.name for g in space.groups}
     for group in space.groups:
         assert re.fullmatch(r"[A-Za-z0-9_.-]+", group.name)
@@ -154,21 +158,25 @@ def _check_fitted(space, model, max_groups):
             assert pattern == "*" or pattern in dict(model.named_modules())
 
 
-def test_default_space_groups_a_resnet_by_type_and_stage():
+def test_default_space_groups_a_resnet_by_block_range_and_role():
     model = load_task("digits-resnet").model()
     space = load_space("default")
     assert space.auto is not None and not space.groups
     fitted = space.fit(model)
     assert fitted.auto is None
     _check_fitted(fitted, model, 12)
-    assert [g.name for g in fitted.groups] == [
-        *(f"convs.{p}" for p in ("conv1", "layer1", "layer2", "layer3", "layer4")),
-        *(f"norms.{p}" for p in ("bn1", "layer1", "layer2", "layer3", "layer4")),
-        "linears.fc",
-    ]
+    names = [g.name for g in fitted.groups]
+    # The four stages are one run of bottleneck blocks: ranges of blocks by role (the
+    # downsample branch, the block's own convs and norms), then the stem and the head.
+    assert names[-3:] == ["convs.conv1", "norms.bn1", "head"]
+    roles = [name.rsplit(".", 1)[-1] for name in names[:-3]]
+    assert set(roles) == {"downsample", "convs", "norms"}
+    assert roles == sorted(roles, key=["downsample", "convs", "norms"].index)
+    # Ranges merge where parameters are few: the wide last stage keeps the finest ranges.
+    assert "layer4.2.convs" in names and "layer1.0-layer3.5.convs" in names
+    convs = next(g.rule for g in fitted.groups if g.name == "layer4.0-1.convs")
+    assert convs.patterns == ("layer4.0", "layer4.1") and convs.types == ("_ConvNd",)
     assert not any(g.name.startswith("risk.") for g in fitted.groups)  # no profile
-    layer3 = fitted.groups[3].rule
-    assert layer3.patterns == ("layer3",) and layer3.types == ("_ConvNd",)
     policy = fitted.policy(fitted.uniform_params("bf16"))
     assert set(policy.resolve(model).values()) == {"bf16"}
 
@@ -187,14 +195,54 @@ def test_risky_modules_get_groups_of_their_own_first(tmp_path):
     assert {assignment[f"layer3.2.{leaf}"] for leaf in ("conv1", "bn2", "conv3")} == {
         "risk.layer3.2"
     }
-    assert assignment["layer3.1.conv1"] == "convs.layer3"  # the rest of the stage as before
-    # 3 own groups + 10 would make 13: the conv stem merges with its neighbour stage.
-    assert len(names) == 12 and "convs.conv1-layer1" in names and "norms.bn1" in names
-    assert "linears.fc" not in names  # fc is its own group; nothing left for linears
-    for max_groups in (2, 4, 6):  # fewer groups: neighbouring stages merge further
+    assert assignment["layer3.1.conv1"].endswith(".convs")  # the rest of the stage as before
+    assert assignment["layer4.0.conv2"] == "layer4.0-2.convs"
+    assert len(names) == 12 and "head" not in names  # fc is its own group already
+    for max_groups in (2, 4, 6):  # fewer groups: neighbouring ranges merge further
         small = _auto_space(tmp_path, max_groups, 1).fit(model, profile)
         _check_fitted(small, model, max_groups)
         assert small.groups[0].name == "risk.layer3.2"
+
+
+def test_a_gpt2_gets_groups_by_block_range_and_role():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=4, n_head=2, use_cache=False
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    for kind, norms in (("cpu", True), ("cuda", False)):
+        fitted = load_space("default").fit(model, device=kind)
+        names = [g.name for g in fitted.groups]
+        assert len(names) >= 6 and len(names) <= 12
+        assert "head" in names and fitted.assignment(model, kind)["lm_head"] == "head"
+        assert any(re.fullmatch(r"h\.0(-\d)?\.attn", n) for n in names)
+        assert any(re.fullmatch(r"h\.\d(-\d)?\.mlp", n) for n in names)
+        # LayerNorm is searched on the CPU only: CUDA autocast keeps it in fp32.
+        assert any(n.endswith(".norms") for n in names) == norms
+        assert ("norms.ln_f" in names) == norms
+        assignment = fitted.assignment(model, kind)
+        assert assignment["transformer.h.3.attn.c_attn"].endswith(".attn")
+        assert "transformer.wte" not in assignment  # embeddings compute in fp32 anyway
+
+
+def test_a_bert_gets_groups_by_block_range_and_role():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=2,
+    )
+    model = transformers.BertForSequenceClassification(config)
+    fitted = load_space("default").fit(model, device="cuda")
+    names = [g.name for g in fitted.groups]
+    for role in ("attention", "intermediate", "output"):
+        assert any(n.endswith(f".{role}") for n in names), names
+    assert "head" in names and "linears.pooler" in names
+    _check_fitted(fitted, model, 12, "cuda")
 
 
 def test_auto_groups_are_stable_and_fingerprinted(tmp_path):
@@ -227,12 +275,12 @@ def test_auto_groups_look_through_a_wrapper_and_keep_other_layers_last():
         )
     )
     model = nn.Sequential(OrderedDict(backbone=body))
-    fitted = load_space("default").fit(model)
-    _check_fitted(fitted, model, 12)
+    fitted = load_space("default").fit(model, device="cuda")
+    _check_fitted(fitted, model, 12, "cuda")
     assert [g.name for g in fitted.groups] == ["linears.stem", "linears.head", "other.stem"]
     assert fitted.groups[0].rule.patterns == ("backbone.stem",)
-    assert fitted.assignment(model)["backbone.stem.2"] == "other.stem"
-    assert "backbone.stem.1" not in fitted.assignment(model)  # LayerNorm: not searched
+    assert fitted.assignment(model, "cuda")["backbone.stem.2"] == "other.stem"
+    assert "backbone.stem.1" not in fitted.assignment(model, "cuda")  # LayerNorm: fp32 there
 
 
 @pytest.mark.parametrize(

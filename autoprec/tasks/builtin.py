@@ -14,7 +14,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autoprec.tasks.base import Batch, Task
+from autoprec.tasks.base import Task
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 BATCH_SIZE = 64
 VAL_SHARE = 0.2
@@ -271,11 +273,26 @@ def digits_underflow() -> Task:
     )
 
 
+def _tiny_gpt2() -> Task:
+    from autoprec.tasks.hf import tiny_gpt2
+
+    return tiny_gpt2()
+
+
+def _tiny_bert() -> Task:
+    from autoprec.tasks.hf import tiny_bert
+
+    return tiny_bert()
+
+
 BUILTIN_TASKS: dict[str, Callable[[], Task]] = {
     "digits-mlp": digits_mlp,
     "digits-cnn": digits_cnn,
     "digits-resnet": digits_resnet,
     "digits-overflow": digits_overflow,
     "digits-underflow": digits_underflow,
+    # transformers models, behind the optional extra [hf]
+    "tiny-gpt2": _tiny_gpt2,
+    "tiny-bert": _tiny_bert,
 }
 DEFAULT_TASK = "digits-mlp"

@@ -1,0 +1,161 @@
+"""Dtypes that are true on every device: what `Policy.resolve` says a layer runs in is
+what it runs in. On the CPU this is checked by running policies and reading every
+layer's output dtype with forward hooks; the CUDA and Ascend tables, written from
+torch's per-device autocast lists, are checked as tables."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec import Policy, Rule
+from autoprec.devices import DTYPES, FIXED_FP32, FOLLOWS_INPUT, autocast_behaviour
+from autoprec.policy import parameterised_leaves
+from autoprec.space import load_space
+from autoprec.tasks import load_task
+from tests.contract_tasks import make_tiny_task
+
+TASKS = ["digits-mlp", "digits-cnn", "digits-overflow", "digits-resnet", "tiny-gpt2", "tiny-bert"]
+
+
+def _task(name):
+    if name.startswith("tiny-"):
+        pytest.importorskip("transformers")
+    return load_task(name)
+
+
+def _policies(model, low, seed):
+    """Uniform, half-and-half and random per-leaf policies in fp32 and ``low``."""
+    leaves = [name for name, _ in parameterised_leaves(model)]
+    rng = random.Random(seed)
+    yield Policy.uniform(low)
+    yield Policy(rules=(Rule(low, patterns=tuple(leaves[: len(leaves) // 2])),))
+    for _ in range(3):
+        chosen = tuple(n for n in leaves if rng.random() < 0.5)
+        rules = (Rule(low, patterns=chosen),) if chosen else ()
+        yield Policy(rules=rules, default="fp32" if rng.random() < 0.5 else low)
+
+
+def _actual_dtypes(model, policy, batch):
+    """Each leaf with parameters that ran: the dtype of its (first floating) output."""
+    seen = {}
+    handles = []
+    for name, module in parameterised_leaves(model):
+
+        def hook(module, args, output, name=name):
+            tensors = [output] if isinstance(output, torch.Tensor) else list(output)
+            floating = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if floating:
+                seen.setdefault(name, floating[0].dtype)
+
+        handles.append(module.register_forward_hook(hook))
+    prec = policy.apply(model, "cpu")
+    try:
+        with torch.no_grad(), prec.autocast():
+            batch.run(model)
+    finally:
+        prec.remove()
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("low", ["bf16", "fp16"])
+@pytest.mark.parametrize("task_name", TASKS)
+def test_every_leaf_runs_in_the_dtype_resolve_reports_on_the_cpu(task_name, low):
+    task = _task(task_name)
+    torch.manual_seed(0)
+    model = task.model().eval()
+    batch = task.batch(next(iter(task.train_data(0))))
+    for index, policy in enumerate(_policies(model, low, seed=hash(task_name) % 1000)):
+        resolved = policy.resolve(model, "cpu")
+        actual = _actual_dtypes(model, policy, batch)
+        assert actual, "no leaf ran"
+        wrong = {
+            name: (resolved[name], str(dtype))
+            for name, dtype in actual.items()
+            if DTYPES[resolved[name]] != dtype
+        }
+        assert not wrong, f"policy {index}: resolve() disagrees with the run: {wrong}"
+
+
+@pytest.mark.parametrize("low", ["bf16", "fp16"])
+def test_a_fitted_space_offers_only_choices_that_change_something(low):
+    # Every policy a space can suggest runs as resolve() says, and every group holds a
+    # layer whose dtype the policy decides.
+    task = make_tiny_task()
+    model = task.model()
+    space = load_space("default").fit(model)
+    batch = task.batch(next(iter(task.train_data(0))))
+    for dtype in ("fp32", low):
+        for group in space.groups:
+            params = {f"dtype.{g.name}": "fp32" for g in space.groups}
+            params[f"dtype.{group.name}"] = dtype
+            policy = space.policy(params)
+            actual = _actual_dtypes(model, policy, batch)
+            taken = [n for n, g in space.assignment(model).items() if g == group.name]
+            assert taken and all(actual[n] == DTYPES[dtype] for n in taken)
+
+
+def test_batchnorm_marked_low_inside_fp32_neighbours_really_runs_low():
+    model = nn.Sequential(
+        OrderedDict(
+            conv=nn.Conv2d(1, 4, 3), bn=nn.BatchNorm2d(4), flat=nn.Flatten(), fc=nn.Linear(144, 2)
+        )
+    )
+    policy = Policy(rules=(Rule("fp16", types=("BatchNorm2d",)),))
+    assert policy.resolve(model)["bn"] == "fp16"
+    assert policy.low_precision_share(model) == pytest.approx(8 / (40 + 8 + 290))
+
+    class Direct:
+        def run(self, module):
+            return module(torch.randn(2, 1, 8, 8))
+
+    actual = _actual_dtypes(model, policy, Direct())
+    assert actual == {"conv": torch.float32, "bn": torch.float16, "fc": torch.float32}
+
+
+def test_autocast_tables_follow_torch_per_device_lists():
+    # torch's aten/src/ATen/autocast_mode.cpp: CUDA (and torch_npu, which follows it) runs
+    # layer_norm and group_norm in fp32; the CPU list has neither, nor batch_norm anywhere.
+    for kind in ("cuda", "npu"):
+        assert {"LayerNorm", "GroupNorm", "Embedding", "EmbeddingBag"} <= FIXED_FP32[kind]
+        assert autocast_behaviour(kind, nn.LayerNorm(4)) == "fp32"
+        assert autocast_behaviour(kind, nn.GroupNorm(2, 4)) == "fp32"
+        assert autocast_behaviour(kind, nn.BatchNorm1d(4)) == "input"
+        assert autocast_behaviour(kind, nn.InstanceNorm2d(4, affine=True)) == "input"
+    assert FIXED_FP32["cpu"] == {"Embedding", "EmbeddingBag"}
+    for module in (nn.LayerNorm(4), nn.GroupNorm(2, 4), nn.BatchNorm2d(4), nn.RMSNorm(4)):
+        assert autocast_behaviour("cpu", module) == "input"
+    for kind in ("cpu", "cuda", "npu"):
+        assert autocast_behaviour(kind, nn.Embedding(4, 4)) == "fp32"
+        for module in (nn.Linear(4, 4), nn.Conv2d(1, 1, 1), nn.LSTM(4, 4)):
+            assert autocast_behaviour(kind, module) == "region"
+        assert "_NormBase" in FOLLOWS_INPUT[kind]
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_the_cpu_table_is_what_cpu_autocast_does(low):
+    """The CPU rows, checked by running them: a module that follows its input returns the
+    input's dtype under autocast; a fixed-fp32 one returns fp32; the others the region's."""
+    cases = [
+        (nn.LayerNorm(8), torch.randn(4, 8)),
+        (nn.GroupNorm(2, 4), torch.randn(2, 4, 5)),
+        (nn.BatchNorm2d(3), torch.randn(2, 3, 4, 4)),
+        (nn.RMSNorm(8), torch.randn(4, 8)),
+        (nn.Linear(8, 8), torch.randn(4, 8)),
+        (nn.Conv2d(3, 4, 3), torch.randn(2, 3, 8, 8)),
+    ]
+    for module, x in cases:
+        behaviour = autocast_behaviour("cpu", module)
+        for given in (torch.float32, low):
+            with torch.autocast("cpu", dtype=low):
+                out = module(x.to(given))
+            expected = {"input": given, "region": low, "fp32": torch.float32}[behaviour]
+            assert out.dtype == expected, (type(module).__name__, given)
+    with torch.autocast("cpu", dtype=low):
+        assert nn.Embedding(10, 4)(torch.tensor([1, 2])).dtype == torch.float32
