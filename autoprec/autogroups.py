@@ -113,13 +113,11 @@ def build_groups(
     if len(rows) > budget:  # still too few: one group for the rest
         return [*groups, spec("rest", ("*",))]
     while sum(len(row.segments) for row in rows) > budget:
-        # Merge, in the row with the most segments, the neighbours with fewest parameters.
-        row = max(rows, key=lambda r: len(r.segments))
+        # Merge, in the row with the most segments (of those, the one whose neighbours
+        # hold fewest parameters), the neighbours with fewest parameters.
+        row = max(rows, key=lambda r: (len(r.segments), -_cheapest_pair(r)[1]))
         segments = row.segments
-        i = min(
-            range(len(segments) - 1),
-            key=lambda j: segments[j].parameters + segments[j + 1].parameters,
-        )
+        i = _cheapest_pair(row)[0]
         second = segments.pop(i + 1)
         segments[i].places += second.places
         segments[i].labels += second.labels
@@ -141,6 +139,15 @@ def build_groups(
                 types = _FAMILY_TYPES[row.role]
                 groups.append(spec(f"{row.role}.{label}", segment.places, types))
     return groups
+
+
+def _cheapest_pair(row: _Row) -> tuple[int, int]:
+    """(index, parameters) of the neighbouring segments holding fewest parameters."""
+    pairs = [
+        (i, row.segments[i].parameters + row.segments[i + 1].parameters)
+        for i in range(len(row.segments) - 1)
+    ]
+    return min(pairs, key=lambda pair: pair[1], default=(0, 0))
 
 
 def _rows(model: nn.Module, leaves: Sequence[tuple[str, nn.Module]]) -> list[_Row]:

@@ -175,6 +175,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--policy", required=True, help="policy YAML file")
     r.add_argument("--task", default=DEFAULT_TASK, help="task whose model to resolve against")
+    r.add_argument(
+        "--device",
+        default="auto",
+        help="the device whose autocast decides what runs in which dtype: auto, cpu, cuda, "
+        "npu (LayerNorm runs in fp32 on CUDA and Ascend, in its input's dtype on the CPU); "
+        "a device that is not here is read from its table",
+    )
 
     rep = commands.add_parser(
         "report",
@@ -348,6 +355,7 @@ def _best(args: argparse.Namespace) -> int:
 
 
 def _resolve(args: argparse.Namespace) -> int:
+    from autoprec.devices import device_kind, get_backend
     from autoprec.errors import PolicyError
     from autoprec.policy import load_policy
     from autoprec.report import text_table
@@ -355,18 +363,20 @@ def _resolve(args: argparse.Namespace) -> int:
 
     policy = load_policy(args.policy)
     model = check_task(load_task(args.task))
+    kind = get_backend(args.device).kind if args.device == "auto" else device_kind(args.device)
     try:
-        plan = policy.plan(model)
+        plan = policy.plan(model, kind)
     except PolicyError as error:
         raise PolicyError(f"{args.policy}: {error}") from None
     rows = [["module", "type", "params", "dtype"]]
     rows += [
-        [r["name"], r["type"], str(r["params"]), r["dtype"]] for r in policy.layer_table(model)
+        [r["name"], r["type"], str(r["params"]), r["dtype"]]
+        for r in policy.layer_table(model, kind)
     ]
     print(text_table(rows))
     print(
-        f"outer region: {plan.outer_dtype}; own regions: {len(plan.regions)}; "
-        f"low-precision share of parameters: {policy.low_precision_share(model):.0%}"
+        f"on {kind}: outer region {plan.outer_dtype}; own regions: {len(plan.regions)}; "
+        f"low-precision share of parameters: {policy.low_precision_share(model, kind):.0%}"
     )
     print(f"loss scale: {policy.loss_scale.to_dict()}")
     return 0

@@ -376,8 +376,11 @@ def _scale_at_floor(policy: Policy, scale: float) -> bool:
 
 
 def _dtype_of(name: str | None, layer_dtypes: dict[str, str]) -> str:
-    """The dtype a module runs in: its own, or that shared by every leaf below it."""
+    """The dtype a module runs in: its own, or that shared by every leaf below it; a
+    module without parameters runs in its input's."""
     below = {d for leaf, d in layer_dtypes.items() if leaf == name or leaf.startswith(f"{name}.")}
+    if not below:
+        return "its input's dtype"
     return below.pop() if len(below) == 1 else "mixed"
 
 
