@@ -281,6 +281,12 @@ class NPUBackend(Backend):
 _BACKENDS: dict[str, type[Backend]] = {"cpu": CPUBackend, "cuda": CUDABackend, "npu": NPUBackend}
 
 
+def visible_devices_env(kind: str) -> str | None:
+    """The environment variable that restricts a process to some devices of a kind
+    (``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``); None for the CPU."""
+    return _BACKENDS[kind].visible_devices_env
+
+
 def get_backend(device: str | torch.device | Backend | None = "auto") -> Backend:
     """The backend for ``auto``, ``cpu``, ``cuda[:N]`` or ``npu[:N]``.
 

@@ -27,8 +27,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autoprec.devices import Backend
 from autoprec.guided import GuidedStrategy, Observation
 from autoprec.policy import Policy
-from autoprec.report import policy_label
-from autoprec.space import SearchSpace
+from autoprec.space import SearchSpace, policy_label
 from autoprec.studies import (
     CLAIM_ATTR,
     RECORD_ATTR,

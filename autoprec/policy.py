@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import yaml
@@ -36,10 +36,8 @@ from torch import nn
 
 from autoprec.devices import DTYPES, Backend, autocast_behaviour, device_kind, get_backend
 from autoprec.errors import PolicyError
+from autoprec.precision import Plan, Precision, RegionSpec
 from autoprec.scaling import LossScale
-
-if TYPE_CHECKING:
-    from autoprec.precision import Precision
 
 LOW_PRECISION = ("fp16", "bf16")
 _POLICY_FIELDS = ("name", "default", "rules", "loss_scale", "switches")
@@ -131,32 +129,6 @@ class Rule:
 def _name_and_ancestors(name: str) -> Iterable[str]:
     parts = name.split(".")
     return (".".join(parts[: i + 1]) for i in range(len(parts)))
-
-
-@dataclass(frozen=True)
-class RegionSpec:
-    """A module that runs in ``dtype`` inside surroundings of dtype ``around``; with
-    ``cast_inputs``, its floating inputs are cast to ``dtype`` first (a module that runs
-    in its input's dtype)."""
-
-    name: str
-    dtype: str
-    around: str
-    cast_inputs: bool = False
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How a policy lands on one model on one device kind: the dtype of the outer region
-    entered by ``Precision.autocast()``, the modules that get a region of their own (as
-    few as possible: whole same-dtype subtrees; a uniform policy needs none but for
-    modules that run in their input's dtype), and the dtype each parameterised leaf
-    really runs in there."""
-
-    device_kind: str
-    outer_dtype: str
-    regions: tuple[RegionSpec, ...]
-    leaf_dtypes: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -317,7 +289,7 @@ class Policy:
         else:
             descend("", model, outer)
         leaf_dtypes = {name: chosen.get(name, "fp32") for name, _ in parameterised_leaves(model)}
-        return Plan(kind, outer, tuple(regions.values()), leaf_dtypes)
+        return Plan(kind, outer, tuple(regions.values()), leaf_dtypes, self.tf32, self.hf32)
 
     def resolve(
         self, model: nn.Module, device: str | torch.device | Backend | None = None
@@ -363,8 +335,6 @@ class Policy:
 
         ``device`` defaults to the device the model's parameters are on.
         """
-        from autoprec.precision import Precision
-
         if device is None:
             first = next(model.parameters(), None)
             device = first.device if first is not None else "cpu"
@@ -373,7 +343,7 @@ class Policy:
         unsupported = sorted(d for d in set(plan.leaf_dtypes.values()) if not backend.supports(d))
         if unsupported:
             raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
-        return Precision(model, self, backend, plan)
+        return Precision(model, plan, self.loss_scale, backend)
 
 
 def _own_parameters(module: nn.Module) -> int:

@@ -24,17 +24,44 @@ wrapper at all and costs what plain ``torch.autocast`` costs.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from autoprec.devices import DTYPES, Backend
-from autoprec.scaling import LossScaler
+from autoprec.scaling import LossScale, LossScaler
 from autoprec.structures import cast_floats
 
-if TYPE_CHECKING:
-    from autoprec.policy import Plan, Policy
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """A module that runs in ``dtype`` inside surroundings of dtype ``around``; with
+    ``cast_inputs``, its floating inputs are cast to ``dtype`` first (a module that runs
+    in its input's dtype)."""
+
+    name: str
+    dtype: str
+    around: str
+    cast_inputs: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a policy lands on one model on one device kind (``Policy.plan`` makes it): the
+    dtype of the outer region entered by ``Precision.autocast()``, the modules that get a
+    region of their own (as few as possible: whole same-dtype subtrees; a uniform policy
+    needs none but for modules that run in their input's dtype), the dtype each
+    parameterised leaf really runs in there, and the TF32/HF32 switches to set (None:
+    leave the device's)."""
+
+    device_kind: str
+    outer_dtype: str
+    regions: tuple[RegionSpec, ...]
+    leaf_dtypes: dict[str, str]
+    tf32: bool | None = None
+    hf32: bool | None = None
 
 
 class Region:
@@ -101,13 +128,14 @@ class Precision:
     iteration, when the next ``backward`` begins (or on ``update()``, ``state_dict()`` or
     reading ``loss_scale``), as torch's GradScaler updates once after all of them."""
 
-    def __init__(self, model: nn.Module, policy: Policy, backend: Backend, plan: Plan) -> None:
+    def __init__(
+        self, model: nn.Module, plan: Plan, loss_scale: LossScale, backend: Backend
+    ) -> None:
         self.model = model
-        self.policy = policy
         self.backend = backend
         self.plan = plan
-        self.scaler = LossScaler(policy.loss_scale)
-        self._previous_switches = backend.set_switches(policy.tf32, policy.hf32)
+        self.scaler = LossScaler(loss_scale)
+        self._previous_switches = backend.set_switches(plan.tf32, plan.hf32)
         self.switches = backend.switches()
         self._installed = Installed(model, plan, backend.kind)
         self._update_pending = False

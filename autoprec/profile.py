@@ -54,21 +54,18 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from autoprec.devices import DTYPES, Backend, device_kind, get_backend
-from autoprec.errors import AutoprecError, DeviceError, SpaceError, TaskError, first_line
-from autoprec.policy import LOW_PRECISION, Plan, RegionSpec, parameterised_leaves
-from autoprec.precision import Installed
+from autoprec.devices import DTYPES, Backend, get_backend
+from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
+from autoprec.policy import LOW_PRECISION, parameterised_leaves
+from autoprec.precision import Installed, Plan, RegionSpec
 from autoprec.structures import tensors
 from autoprec.tasks import Task, check_task, load_task
 from autoprec.tasks.base import Batch, logits_of
-
-if TYPE_CHECKING:
-    from autoprec.space import SearchSpace
 
 # The deviation test runs at most this many samples of the fixed batch: fp16 convolutions
 # and matmuls are many times slower than fp32 on CPUs without fp16 kernels.
@@ -223,35 +220,6 @@ class Profile:
         another model)."""
         names = {name for name, _ in model.named_modules()}
         return next((m.name for m in self.modules if m.name not in names), None)
-
-    def group_risk(self, space: SearchSpace, model: nn.Module) -> list[tuple[str, float]]:
-        """The (fitted) space's group names with their risk, riskiest first.
-
-        A group's risk is the largest risk of the modules it assigns (first match wins,
-        as in the space's policy): a module counts for every group its parameterised
-        leaves belong to, so a block whose leaves all belong to one group counts for that
-        group, and one whose leaves span several counts for each. Among groups of equal
-        risk, the one whose riskiest module ranks first comes first (a module that only
-        passes on what another put out of range ranks after it).
-        """
-        if not space.groups:
-            raise SpaceError(f"{space.source}: fit the space to the model before group_risk")
-        missing = self.first_missing(model)
-        if missing is not None:
-            raise SpaceError(
-                f"profile of {self.task!r}: module {missing!r} is not in "
-                f"{type(model).__name__}; profile the same model"
-            )
-        group_of = space.assignment(model, device_kind(self.device))
-        risks = {group.name: 0.0 for group in space.groups}
-        first_rank = {group.name: len(self.modules) + 1 for group in space.groups}
-        for module in self.modules:  # riskiest first: the first to set a risk ranks best
-            for leaf, group in group_of.items():
-                covers = leaf == module.name or leaf.startswith(f"{module.name}.")
-                if covers and module.risk > risks[group]:
-                    risks[group], first_rank[group] = module.risk, module.rank
-        order = sorted(risks, key=lambda name: (-risks[name], first_rank[name]))
-        return [(name, risks[name]) for name in order]
 
 
 def profile_task(

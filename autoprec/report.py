@@ -10,16 +10,7 @@ from typing import Any
 
 import yaml
 
-
-def policy_label(params: dict[str, str]) -> str:
-    """A short label of a policy, e.g. ``fc1=fp16 fc2=bf16 head=fp32 scale=dynamic``."""
-    parts = [f"{k.removeprefix('dtype.')}={v}" for k, v in params.items() if k.startswith("dtype.")]
-    mode = params.get("loss_scale.mode", "none")
-    if mode != "none":
-        parts.append(f"scale={mode}:{params.get('loss_scale.init_scale', '-')}")
-    elif "fp16" in params.values():
-        parts.append("scale=none")
-    return " ".join(parts)
+from autoprec.space import policy_label
 
 
 def text_table(rows: list[list[str]]) -> str:

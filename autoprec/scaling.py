@@ -158,6 +158,15 @@ class LossScaler:
             optimizer.step()
         return not overflow
 
+    @property
+    def at_floor(self) -> bool:
+        """Whether a skipping scaler has no lower scale left to try (static scaling, or
+        dynamic at its floor or below 1): its skips are then the policy's failure, not
+        the start-up backoff of a high initial scale."""
+        if self.settings.mode == "static":
+            return True
+        return self.settings.mode == "dynamic" and self.scale <= max(self.settings.min_scale, 1.0)
+
     def update(self) -> bool:
         """Adjust the scale after the optimizers of this iteration stepped; True on overflow."""
         overflow = any(self._found_inf.values())

@@ -34,7 +34,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autoprec.devices import DTYPES, Backend, get_backend
-from autoprec.errors import AutoprecError, StoreError
+from autoprec.errors import AutoprecError, StoreError, first_line
 from autoprec.guided import GuidedStrategy
 from autoprec.loop import (
     POLL_S,
@@ -216,9 +216,7 @@ def search(
     try:
         optuna_storage = open_storage(storage_url, heartbeat_s, _on_stale(tracker))
     except Exception as error:  # unreachable server, missing driver, bad credentials
-        raise StoreError(
-            f"Optuna storage {storage}: {(str(error).splitlines() or [''])[0][:300]}"
-        ) from None
+        raise StoreError(f"Optuna storage {storage}: {first_line(error)}") from None
     optuna_study = _open_study(
         study_name,
         optuna_storage,
@@ -411,7 +409,7 @@ def _guidance(
 ) -> GuidedStrategy | None:
     if sampler != "guided" or profile is None:
         return None
-    order = [name for name, _ in profile.group_risk(space, model)]
+    order = [name for name, _ in space.group_risk(profile, model)]
     return GuidedStrategy(space, order, prefer)
 
 
@@ -480,9 +478,7 @@ def _open_study(
     except StoreError:
         raise
     except Exception as error:
-        raise StoreError(
-            f"Optuna storage {where}: {(str(error).splitlines() or [''])[0]}"
-        ) from None
+        raise StoreError(f"Optuna storage {where}: {first_line(error)}") from None
     if existing is None:
         for key, value in settings.items():
             study.set_user_attr(key, value)

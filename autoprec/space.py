@@ -289,6 +289,35 @@ class SearchSpace:
                     break
         return assigned
 
+    def group_risk(self, profile: Profile, model: nn.Module) -> list[tuple[str, float]]:
+        """This (fitted) space's group names with their risk in ``profile``, riskiest first.
+
+        A group's risk is the largest risk of the modules it assigns (first match wins,
+        as in the space's policy): a module counts for every group its parameterised
+        leaves belong to, so a block whose leaves all belong to one group counts for that
+        group, and one whose leaves span several counts for each. Among groups of equal
+        risk, the one whose riskiest module ranks first comes first (a module that only
+        passes on what another put out of range ranks after it).
+        """
+        if not self.groups:
+            raise SpaceError(f"{self.source}: fit the space to the model before group_risk")
+        missing = profile.first_missing(model)
+        if missing is not None:
+            raise SpaceError(
+                f"profile of {profile.task!r}: module {missing!r} is not in "
+                f"{type(model).__name__}; profile the same model"
+            )
+        group_of = self.assignment(model, device_kind(profile.device))
+        risks = {group.name: 0.0 for group in self.groups}
+        first_rank = {group.name: len(profile.modules) + 1 for group in self.groups}
+        for module in profile.modules:  # riskiest first: the first to set a risk ranks best
+            for leaf, group in group_of.items():
+                covers = leaf == module.name or leaf.startswith(f"{module.name}.")
+                if covers and module.risk > risks[group]:
+                    risks[group], first_rank[group] = module.risk, module.rank
+        order = sorted(risks, key=lambda name: (-risks[name], first_rank[name]))
+        return [(name, risks[name]) for name in order]
+
     def restrict(self, supported: set[str]) -> SearchSpace:
         """The space without the dtypes a device cannot run."""
         groups = []
@@ -422,6 +451,17 @@ class SearchSpace:
         for key in ("growth_factor", "backoff_factor", "min_scale"):
             flat[f"loss_scale.{key}"] = f"{getattr(scale, key):g}" if dynamic else "-"
         return flat
+
+
+def policy_label(params: dict[str, str]) -> str:
+    """A short label of a policy, e.g. ``fc1=fp16 fc2=bf16 head=fp32 scale=dynamic``."""
+    parts = [f"{k.removeprefix('dtype.')}={v}" for k, v in params.items() if k.startswith("dtype.")]
+    mode = params.get("loss_scale.mode", "none")
+    if mode != "none":
+        parts.append(f"scale={mode}:{params.get('loss_scale.init_scale', '-')}")
+    elif "fp16" in params.values():
+        parts.append("scale=none")
+    return " ".join(parts)
 
 
 def searched_leaves(model: nn.Module, kind: str = "cpu") -> list[tuple[str, nn.Module]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from autoprec.errors import StoreError
+from autoprec.errors import StoreError, first_line
 from autoprec.policy import Policy
 from autoprec.trial import TrialResult
 
@@ -338,4 +338,4 @@ def load_best_policy(study: str, tracking_uri: str = DEFAULT_TRACKING_URI) -> Po
 
 
 def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [type(error).__name__])[0][:300]
+    return first_line(error) or type(error).__name__

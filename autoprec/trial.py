@@ -255,7 +255,7 @@ def _train_and_evaluate_here(
             result.loss_scales.append(scale_used)
             skipped.append(not stepped)
             # A skip counts against the policy only once the scale cannot go lower.
-            stuck.append(not stepped and _scale_at_floor(policy, prec.loss_scale))
+            stuck.append(not stepped and prec.scaler.at_floor)
             result.overflow_steps += 0 if stepped else 1
             if not math.isfinite(loss_value):
                 result.nonfinite_steps += 1
@@ -294,7 +294,7 @@ def _train_and_evaluate_here(
             trailing = early_stopping.trailing(result.losses, budget.steps, sum(skipped))
             if trailing is not None:
                 result.state = "pruned"
-                evidence = _underflow_evidence(policy, layer_dtypes, monitor, early_stopping)
+                evidence = _underflow_evidence(prec, monitor, early_stopping)
                 result.reason = _trailing_reason(trailing, step, evidence)
                 break
         if result.state == "complete" and result.overflow_steps == result.steps_run:
@@ -305,7 +305,7 @@ def _train_and_evaluate_here(
             )
         if result.state == "complete" and early_stopping is not None:
             # A trial that ran to the end can still have lost gradients: say so.
-            evidence = _underflow_evidence(policy, layer_dtypes, monitor, early_stopping)
+            evidence = _underflow_evidence(prec, monitor, early_stopping)
             if evidence:
                 result.reason = f"underflow: {evidence}"
         result.telemetry = monitor.report()
@@ -328,12 +328,10 @@ def _train_and_evaluate_here(
 
 
 def _underflow_evidence(
-    policy: Policy,
-    layer_dtypes: dict[str, str],
-    monitor: GradientMonitor,
-    early_stopping: EarlyStopping,
+    prec: Precision, monitor: GradientMonitor, early_stopping: EarlyStopping
 ) -> str | None:
     """fp16 layers with far more zero gradients than the same layers in the fp32 run."""
+    layer_dtypes = prec.plan.leaf_dtypes
     excess = []
     for name, stats in monitor.stats.items():
         reference = early_stopping.reference_zero_share.get(name)
@@ -346,7 +344,7 @@ def _underflow_evidence(
             excess.append(f"{name} {stats.grad_zero_share:.0%} vs {reference:.0%}")
     if not excess:
         return None
-    scaling = policy.loss_scale.mode
+    scaling = prec.scaler.settings.mode
     return (
         "zero gradients in fp16 layers against fp32: "
         + ", ".join(excess[:3])
@@ -365,14 +363,6 @@ def _trailing_reason(
         f"loss trails the fp32 baseline ({trial_loss:.4g} against {base_loss:.4g} by step {step})"
     )
     return f"underflow: {text}; {evidence}" if evidence else text
-
-
-def _scale_at_floor(policy: Policy, scale: float) -> bool:
-    """Whether a skipping scaler has no lower scale left to try."""
-    settings = policy.loss_scale
-    if settings.mode == "static":
-        return True
-    return settings.mode == "dynamic" and scale <= max(settings.min_scale, 1.0)
 
 
 def _dtype_of(name: str | None, layer_dtypes: dict[str, str]) -> str:
@@ -427,7 +417,7 @@ def _train_step(
         loss = task.compute_loss(outputs, batch.targets) / len(batches)
         part = float(loss.detach())
         loss_value += part
-        if not math.isfinite(part) and not prec.policy.loss_scale.enabled:
+        if not math.isfinite(part) and not prec.scaler.settings.enabled:
             return loss_value, None
         prec.backward(loss)
     if task.clip_grad_norm is not None and not prec.unscale_(optimizer):

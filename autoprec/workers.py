@@ -28,7 +28,6 @@ from typing import Any
 from autoprec.errors import AutoprecError, DeviceError
 
 _RANGE = re.compile(r"^(cuda|npu):(\d+)-(\d+)$")
-_VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 _ENTRY = "import sys; from autoprec.workers import main; sys.exit(main(sys.argv[1:]))"
 STOP_GRACE_S = 60.0  # how long workers get to record an interrupted trial after Ctrl-C
 
@@ -63,12 +62,15 @@ def parse_devices(text: str | Sequence[str] | None) -> list[str]:
 def pinned_env(device: str, threads: int) -> dict[str, str]:
     """The environment of a worker pinned to ``device`` with ``threads`` CPU threads."""
     env = dict(os.environ)
+    from autoprec.devices import visible_devices_env  # torch: not before _die_with_parent
+
     kind, _, index = device.partition(":")
-    if kind in _VISIBLE_ENV:
+    variable = visible_devices_env(kind)
+    if variable is not None:
         # Indices are as this process sees the devices: under an existing restriction
         # (a batch scheduler's), device i is the i-th of the visible ones.
-        visible = [v for v in env.get(_VISIBLE_ENV[kind], "").split(",") if v.strip()]
-        env[_VISIBLE_ENV[kind]] = visible[int(index)].strip() if visible else index
+        visible = [v for v in env.get(variable, "").split(",") if v.strip()]
+        env[variable] = visible[int(index)].strip() if visible else index
     env["OMP_NUM_THREADS"] = str(threads)
     return env
 

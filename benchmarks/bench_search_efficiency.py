@@ -276,7 +276,7 @@ def risk_order(
     low = sorted({d for g in space.groups for d in g.dtypes} - {"fp32"})
     started = time.perf_counter()
     profile = profile_task(task, "cpu", seed=seed, dtypes=low)
-    ranked = profile.group_risk(space, task.model())
+    ranked = space.group_risk(profile, task.model())
     return [name for name, _ in ranked], time.perf_counter() - started
 
 

@@ -1,14 +1,10 @@
-"""The Task contract, and loading a task named on the command line."""
+"""The Task contract: a model, its data, its loss and metric, and how batches call it."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -240,72 +236,6 @@ def logits_of(outputs: Any) -> torch.Tensor | None:
     if isinstance(logits, torch.Tensor):
         return logits
     return next((t for t in tensors(outputs) if t.dim() > 0), None)
-
-
-def load_task(spec: str) -> Task:
-    """A task by built-in name, ``package.module:attr`` or ``path/to/file.py:attr``.
-
-    ``attr`` is a Task or a zero-argument callable returning one.
-    """
-    from autoprec.tasks.builtin import BUILTIN_TASKS
-
-    if spec in BUILTIN_TASKS:
-        return BUILTIN_TASKS[spec]()
-    if ":" not in spec:
-        names = ", ".join(sorted(BUILTIN_TASKS))
-        raise TaskError(
-            f"task {spec!r}: expected a built-in name ({names}), "
-            "package.module:attr or path/to/file.py:attr"
-        )
-    target, attr = spec.rsplit(":", 1)
-    module = _import_file(target, spec) if target.endswith(".py") else _import_module(target, spec)
-    if not hasattr(module, attr):
-        raise TaskError(f"task {spec!r}: {target} has no attribute {attr!r}")
-    value = getattr(module, attr)
-    if not isinstance(value, Task) and callable(value):
-        try:
-            value = value()
-        except TaskError:
-            raise
-        except Exception as error:
-            raise TaskError(
-                f"task {spec!r}: {attr}() raised {type(error).__name__}: {error}"
-            ) from None
-    if not isinstance(value, Task):
-        raise TaskError(
-            f"task {spec!r}: {attr} is a {type(value).__name__}, "
-            "expected an autoprec.Task or a callable returning one"
-        )
-    return value
-
-
-def _import_module(name: str, spec: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except Exception as error:
-        raise TaskError(
-            f"task {spec!r}: cannot import {name} ({type(error).__name__}: {error})"
-        ) from None
-
-
-def _import_file(path_text: str, spec: str) -> Any:
-    path = Path(path_text)
-    if not path.is_file():
-        raise TaskError(f"task {spec!r}: no such file {path}")
-    module_name = f"_autoprec_task_{path.stem}_{abs(hash(str(path.resolve())))}"
-    file_spec = importlib.util.spec_from_file_location(module_name, path)
-    if file_spec is None or file_spec.loader is None:
-        raise TaskError(f"task {spec!r}: cannot load {path} as Python")
-    module = importlib.util.module_from_spec(file_spec)
-    sys.modules[module_name] = module
-    try:
-        file_spec.loader.exec_module(module)
-    except Exception as error:
-        del sys.modules[module_name]
-        raise TaskError(
-            f"task {spec!r}: {path} failed to import ({type(error).__name__}: {error})"
-        ) from None
-    return module
 
 
 def check_task_data(task: Task, model: nn.Module, steps: int, seed: int) -> None:
