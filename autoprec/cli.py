@@ -34,18 +34,26 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from autoprec.search import DEFAULT_STORAGE, SAMPLERS
-    from autoprec.selection import PREFERENCES
-    from autoprec.studies import HEARTBEAT_INTERVAL_S
-    from autoprec.tasks import BUILTIN_TASKS, DEFAULT_TASK
-    from autoprec.tracking import DEFAULT_TRACKING_URI
-
     parser = _Parser(
         prog="autoprec",
         description="Find the per-layer precision policy (fp32/fp16/bf16 and loss scaling) "
         "that trains as well as fp32 with the least time or memory.",
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_search(commands)
+    _add_other_commands(commands)
+    return parser
+
+
+def _add_search(commands: Any) -> None:
+    from autoprec.search.config import (
+        DEFAULT_STORAGE,
+        DEFAULT_TRACKING_URI,
+        HEARTBEAT_INTERVAL_S,
+        PREFERENCES,
+        SAMPLERS,
+    )
+    from autoprec.tasks import BUILTIN_TASKS, DEFAULT_TASK
 
     s = commands.add_parser(
         "search",
@@ -148,6 +156,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+def _add_other_commands(commands: Any) -> None:
+    from autoprec.search.config import DEFAULT_TRACKING_URI
+    from autoprec.tasks import DEFAULT_TASK
+
     pr = commands.add_parser(
         "profile",
         help="rank every layer by numerical risk in fp16/bf16 (one cheap pass, no search)",
@@ -208,90 +221,97 @@ def _build_parser() -> argparse.ArgumentParser:
     u.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI)
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=5000)
-    return parser
 
 
-class _Progress:
-    """A tqdm bar: trial n of N, the best so far, and the ETA."""
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar: Any = None
 
-    def __call__(self, event: str, data: dict[str, Any]) -> None:
-        if event == "baseline":
-            print("running the fp32 baseline ...", file=sys.stderr, flush=True)
-        elif event == "profile":
-            print("profiling every layer's numerical risk ...", file=sys.stderr, flush=True)
-        elif event == "profiled":
-            top = ", ".join(f"{m.name} ({m.reason})" for m in data["profile"].modules[:3])
-            print(f"riskiest: {top}; profile in {data['path']}", file=sys.stderr, flush=True)
-        elif event == "waiting":
-            print(
-                f"waiting for {data['holder']} to set the study up (parent run, baseline) ...",
-                file=sys.stderr,
-                flush=True,
-            )
-        elif event == "workers":
+def _progress(enabled: bool) -> Any:
+    """The search's progress on stderr: a tqdm bar with trial n of N, the best so far and
+    the ETA, and one line for each phase around it."""
+    from autoprec.search import Callbacks
+
+    class Progress(Callbacks):
+        def __init__(self) -> None:
+            self.bar: Any = None
+
+        def waiting(self, holder: str | None) -> None:
+            _say(f"waiting for {holder} to set the study up (parent run, baseline) ...")
+
+        def profiling(self) -> None:
+            _say("profiling every layer's numerical risk ...")
+
+        def profiled(self, profile: Any, path: Path) -> None:
+            top = ", ".join(f"{m.name} ({m.reason})" for m in profile.modules[:3])
+            _say(f"riskiest: {top}; profile in {path}")
+
+        def baseline(self) -> None:
+            _say("running the fp32 baseline ...")
+
+        def workers_started(
+            self, workers: int, devices: list[str], cores: int, threads: int, kind: str
+        ) -> None:
             where = (
-                f"sharing {data['cores']} CPU cores ({data['threads']} "
-                f"thread{'s' if data['threads'] > 1 else ''} each; "
-                "expect little gain past one worker per core)"
-                if data["kind"] == "cpu"
-                else "pinned to " + ", ".join(data["devices"])
+                f"sharing {cores} CPU cores ({threads} thread{'s' if threads > 1 else ''} "
+                "each; expect little gain past one worker per core)"
+                if kind == "cpu"
+                else "pinned to " + ", ".join(devices)
             )
-            print(f"{data['workers']} workers, {where}", file=sys.stderr, flush=True)
-        elif event == "start" and self.enabled:
+            _say(f"{workers} workers, {where}")
+
+        def trials_start(self, progress: Any) -> None:
+            if not enabled:
+                return
             from tqdm import tqdm
 
             self.bar = tqdm(
-                total=data["total"],
-                initial=data["done"],
+                total=progress.total,
+                initial=progress.done,
                 unit="trial",
                 desc="search",
                 file=sys.stderr,
                 dynamic_ncols=True,
             )
-            self._show_best(data)
-        elif event == "trial_end" and self.bar is not None:
-            self.bar.update(1)
-            self._show_best(data)
-        elif event == "confirm":
+            self._show_best(progress)
+
+        def trial_end(self, record: Any, progress: Any) -> None:
+            if self.bar is not None:
+                self.bar.update(1)
+                self._show_best(progress)
+
+        def confirming(self, count: int) -> None:
+            self._close()
+            _say(f"timing the {count - 1} fastest policies and the baseline side by side ...")
+
+        def exhausted(self, done: int) -> None:
+            _say("\nthe space seems exhausted: the sampler keeps proposing measured policies")
+
+        def done(self, summary: dict[str, Any]) -> None:
+            self._close()
+
+        def _close(self) -> None:
             if self.bar is not None:
                 self.bar.close()
                 self.bar = None
-            print(
-                f"timing the {data['count'] - 1} fastest policies and the baseline "
-                "side by side ...",
-                file=sys.stderr,
-                flush=True,
-            )
-        elif event == "exhausted":
-            print(
-                "\nthe space seems exhausted: the sampler keeps proposing measured policies",
-                file=sys.stderr,
-            )
-        elif event == "done" and self.bar is not None:
-            self.bar.close()
 
-    def _show_best(self, data: dict[str, Any]) -> None:
-        from autoprec.search import best_record
+        def _show_best(self, progress: Any) -> None:
+            from autoprec.search.summary import best_record
 
-        best = best_record(data["records"], data["baseline"], data.get("prefer", "speed"))
-        self.bar.set_postfix_str(
-            f"best {best.number}: {best.result.step_time_ms:.2f} ms, "
-            f"{best.result.peak_memory_mb:.2f} MB, acc {best.result.accuracy:.3f}"
-        )
+            best = best_record(progress.records, progress.baseline, progress.prefer)
+            self.bar.set_postfix_str(
+                f"best {best.number}: {best.result.step_time_ms:.2f} ms, "
+                f"{best.result.peak_memory_mb:.2f} MB, acc {best.result.accuracy:.3f}"
+            )
+
+    return Progress()
 
 
 def _search(args: argparse.Namespace) -> int:
     from autoprec.report import front_table, gains_line
-    from autoprec.search import search
+    from autoprec.search import SearchConfig, search
 
-    progress = _Progress(enabled=not args.no_progress)
-    result = search(
-        args.task,
-        args.space,
+    config = SearchConfig(
         trials=args.trials,
         steps=args.steps,
         device=args.device,
@@ -308,8 +328,8 @@ def _search(args: argparse.Namespace) -> int:
         devices=args.devices,
         trial_timeout_s=args.trial_timeout,
         heartbeat_s=args.heartbeat,
-        progress=progress,
     )
+    result = search(args.task, args.space, config, _progress(enabled=not args.no_progress))
     summary = result.summary
     print(front_table(summary))
     print(gains_line(summary))
@@ -322,7 +342,7 @@ def _search(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from autoprec.devices import get_backend
     from autoprec.profile import profile_task
-    from autoprec.search import STUDY_NAME
+    from autoprec.search.config import check_study_name
     from autoprec.tasks import load_task
     from autoprec.tracking import Tracker, check_tracking_uri
 
@@ -331,9 +351,7 @@ def _profile(args: argparse.Namespace) -> int:
     check_tracking_uri(args.tracking_uri)
     task = load_task(args.task)
     backend = get_backend(args.device)
-    study = args.study or task.name
-    if not STUDY_NAME.match(study):
-        raise AutoprecError(f"--study {study!r}: use letters, digits, '.', '-' and '_'")
+    study = check_study_name(args.study or task.name)
     tracker = Tracker(args.tracking_uri, study, Path(args.runs_dir))  # reachable first
     profile = profile_task(task, backend, steps=args.steps, seed=args.seed)
     path = profile.save(Path(args.runs_dir) / study / "profile.json")

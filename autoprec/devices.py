@@ -17,7 +17,7 @@ import importlib
 import importlib.util
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _MB = 2.0**20
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|npu)(?::(\d+))?$")
+_RANGE = re.compile(r"^(cuda|npu):(\d+)-(\d+)$")
 
 # What autocast does to a module with parameters, by device kind, from torch's per-device
 # op lists (aten/src/ATen/autocast_mode.cpp; torch_npu's follow CUDA's, see NPU.md) and,
@@ -322,6 +323,33 @@ def get_backend(device: str | torch.device | Backend | None = "auto") -> Backend
     if index is not None and index >= count:
         raise DeviceError(f"device {text!r}: only {count} {kind.upper()} device(s) are visible")
     return _BACKENDS[kind](0 if index is None else index)
+
+
+def parse_devices(text: str | Sequence[str] | None) -> list[str]:
+    """``npu:0-7``, ``cuda:0,cuda:1`` or ``cpu`` as a list of device strings."""
+    if text is None:
+        return []
+    items = text.split(",") if isinstance(text, str) else list(text)
+    devices: list[str] = []
+    for item in (i.strip().lower() for i in items):
+        match = _RANGE.match(item)
+        if match:
+            kind, first, last = match.group(1), int(match.group(2)), int(match.group(3))
+            if last < first:
+                raise DeviceError(f"--devices {text!r}: empty range {item!r}")
+            devices += [f"{kind}:{i}" for i in range(first, last + 1)]
+        elif re.match(r"^(cpu|(cuda|npu):\d+)$", item):
+            devices.append(item)
+        else:
+            raise DeviceError(
+                f"--devices {text!r}: expected e.g. npu:0-7, cuda:0,cuda:1 or cpu, got {item!r}"
+            )
+    kinds = {d.split(":")[0] for d in devices}
+    if len(kinds) > 1:
+        raise DeviceError(f"--devices {text!r}: one kind of device per search")
+    if len(set(devices)) != len(devices):
+        raise DeviceError(f"--devices {text!r}: a device is listed twice")
+    return devices
 
 
 def _device_count(kind: str) -> int:

@@ -35,8 +35,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import nn
+
 from autoprec.errors import AutoprecError, SpaceError
-from autoprec.selection import PREFERENCES
+from autoprec.selection import PREFER_METRICS, PREFERENCES, preference_score
 from autoprec.space import Group, SearchSpace
 
 LOW_DTYPES = ("fp16", "bf16")
@@ -66,10 +68,19 @@ class _Outcome:
 
 
 class _Strategy:
-    """What both strategies share: policies as dtype assignments, and what is known."""
+    """What both strategies share: policies as dtype assignments, and what is known.
 
-    def __init__(self, space: SearchSpace) -> None:
+    Given the model (and the device kind), policies are told apart by what a trial of
+    them measures (`Policy.identity`), so that two that run alike count as one; without
+    it, by each group's dtype."""
+
+    def __init__(
+        self, space: SearchSpace, model: nn.Module | None = None, device: Any = None
+    ) -> None:
         self.space = space
+        self.model = model
+        self.device = device
+        self._keys: dict[str, str | None] = {}
         self.groups: tuple[Group, ...] = space.groups
         scaling = space.uniform_params("fp16")
         self._fp16_scaling = {k: v for k, v in scaling.items() if k.startswith("loss_scale.")}
@@ -115,14 +126,15 @@ class _Strategy:
         }
 
     def _key(self, params: Mapping[str, Any]) -> str | None:
-        """What a trial of these parameters measures: each group's dtype, and the loss
-        scaling where some group runs in fp16. None for parameters of another space."""
-        try:
-            dtypes = [params[f"dtype.{g.name}"] for g in self.groups]
-            scaling = self.space.policy(params).loss_scale.to_dict() if "fp16" in dtypes else None
-        except (KeyError, AutoprecError):
-            return None
-        return json.dumps([dtypes, scaling], sort_keys=True)
+        """What a trial of these parameters measures (`Policy.identity`); None for
+        parameters of another space."""
+        seen = json.dumps(dict(params), sort_keys=True, default=str)
+        if seen not in self._keys:
+            try:
+                self._keys[seen] = self.space.policy(params).identity(self.model, self.device)
+            except (KeyError, AutoprecError):
+                self._keys[seen] = None
+        return self._keys[seen]
 
     def _outcome(self, known: dict[str, _Outcome], dtypes: Mapping[str, str]) -> _Outcome | None:
         return known.get(self._key(self._params(dtypes)) or "")
@@ -142,13 +154,19 @@ class GuidedStrategy(_Strategy):
 
     ``space`` is fitted to the model; ``risk_order`` names its groups riskiest first
     (groups it leaves out are taken as the least risky, in model order); ``prefer``
-    ("speed", "memory" or "balanced") decides which low dtype is searched first.
+    ("speed", "memory" or "balanced") decides which low dtype is searched first; with
+    ``model`` and ``device``, policies that run alike count as one.
     """
 
     def __init__(
-        self, space: SearchSpace, risk_order: Sequence[str], prefer: str = "speed"
+        self,
+        space: SearchSpace,
+        risk_order: Sequence[str],
+        prefer: str = "speed",
+        model: nn.Module | None = None,
+        device: Any = None,
     ) -> None:
-        super().__init__(space)
+        super().__init__(space, model, device)
         if prefer not in PREFERENCES:
             raise AutoprecError(f"prefer: expected one of {', '.join(PREFERENCES)}, got {prefer!r}")
         names = [g.name for g in self.groups]
@@ -176,20 +194,18 @@ class GuidedStrategy(_Strategy):
         """Low dtypes, the one whose seed did better for the preference first (a seed that
         measured nothing comes last)."""
         seeds = {d: self._outcome(known, self._assign(d, set())) for d in self.low_dtypes}
+        wanted = PREFER_METRICS[self.prefer]
         measured = {
             d: o.metrics
             for d, o in seeds.items()
-            if o is not None
-            and all(math.isfinite(o.metrics.get(m, math.nan)) for m in _PREFER_METRICS[self.prefer])
+            if o is not None and all(math.isfinite(o.metrics.get(m, math.nan)) for m in wanted)
         }
+        best = {m: min(v[m] for v in measured.values()) for m in wanted} if measured else {}
 
         def score(dtype: str) -> float:
             if dtype not in measured:
                 return math.inf
-            return sum(
-                measured[dtype][m] / min(v[m] for v in measured.values())
-                for m in _PREFER_METRICS[self.prefer]
-            )
+            return preference_score(measured[dtype], self.prefer, best)
 
         return sorted(self.low_dtypes, key=lambda d: (score(d), self.low_dtypes.index(d)))
 
@@ -266,13 +282,6 @@ class GuidedStrategy(_Strategy):
                 base = dtypes
 
 
-_PREFER_METRICS = {
-    "speed": ("step_time_ms",),
-    "memory": ("peak_memory_mb",),
-    "balanced": ("step_time_ms", "peak_memory_mb"),
-}
-
-
 def _probe(lo: int, hi: int, galloping: bool) -> int:
     """The next prefix length to try strictly between ``lo`` (infeasible, or -1) and
     ``hi`` (feasible): 0, 1, 2, 4, ... while no smaller feasible one is known, then the
@@ -293,8 +302,14 @@ class FallbackStrategy(_Strategy):
     their single trials reached (best first), until the policy is feasible.
     """
 
-    def __init__(self, space: SearchSpace, dtype: str | None = None) -> None:
-        super().__init__(space)
+    def __init__(
+        self,
+        space: SearchSpace,
+        dtype: str | None = None,
+        model: nn.Module | None = None,
+        device: Any = None,
+    ) -> None:
+        super().__init__(space, model, device)
         names = [g.name for g in self.groups]
         if dtype is None:
             dtype = next((d for d in LOW_DTYPES if self._searchable(d, names)), "fp16")

@@ -24,6 +24,8 @@ inputs, and in fp32 a region wherever the surroundings are not fp32.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import json
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -290,6 +292,23 @@ class Policy:
             descend("", model, outer)
         leaf_dtypes = {name: chosen.get(name, "fp32") for name, _ in parameterised_leaves(model)}
         return Plan(kind, outer, tuple(regions.values()), leaf_dtypes, self.tf32, self.hf32)
+
+    def identity(
+        self, model: nn.Module | None = None, device: str | torch.device | Backend | None = None
+    ) -> str:
+        """What a trial of this policy measures, as a short hash: the dtype each layer
+        runs in (given a model, each leaf with parameters on the device kind, as
+        ``resolve`` says; without one, each rule's dtype and the default), the loss
+        scaling where any of them is fp16, and the switches. Policies alike in this are
+        measured once, whichever rules say it."""
+        if model is not None:
+            dtypes = self.resolve(model, device)
+        else:
+            dtypes = {f"rules[{i}]": rule.dtype for i, rule in enumerate(self.rules)}
+            dtypes["default"] = self.default
+        scaling = self.loss_scale.to_dict() if "fp16" in dtypes.values() else {"mode": "none"}
+        text = json.dumps([dtypes, scaling, self.tf32, self.hf32], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def resolve(
         self, model: nn.Module, device: str | torch.device | Backend | None = None

@@ -6,11 +6,17 @@ from summary.json, or in a test.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 PREFERENCES = ("speed", "memory", "balanced")
+# The metrics each preference weighs, every one to be minimised.
+PREFER_METRICS: dict[str, tuple[str, ...]] = {
+    "speed": ("step_time_ms",),
+    "memory": ("peak_memory_mb",),
+    "balanced": ("step_time_ms", "peak_memory_mb"),
+}
 # Step times within this fraction of the fastest count as a tie: timing a shared machine
 # is not finer than that, and a tie goes to less memory, then higher accuracy.
 TIME_TIE = 0.05
@@ -47,6 +53,24 @@ def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:
     return [c for c in candidates if not any(dominates(o, c) for o in candidates)]
 
 
+def preference_score(
+    metrics: Mapping[str, float], prefer: str, reference: Mapping[str, float]
+) -> float:
+    """How good a measured policy is for the preference, lower is better: the sum of its
+    preferred metrics, each relative to ``reference`` (the fp32 baseline, or the best
+    value seen). The one ranking every part of a search uses."""
+    return sum(metrics[m] / reference[m] for m in PREFER_METRICS[prefer])
+
+
+def _metrics(candidate: Candidate) -> dict[str, float]:
+    return {"step_time_ms": candidate.step_time_ms, "peak_memory_mb": candidate.peak_memory_mb}
+
+
+def rank_key(candidate: Candidate, prefer: str, reference: Candidate) -> float:
+    """The preference score of a candidate against the reference (lower is better)."""
+    return preference_score(_metrics(candidate), prefer, _metrics(reference))
+
+
 def select_best(
     candidates: Sequence[Candidate], prefer: str = "speed", reference: Candidate | None = None
 ) -> Candidate | None:
@@ -69,10 +93,9 @@ def select_best(
         fastest = min(c.step_time_ms for c in feasible)
         tied = [c for c in feasible if c.step_time_ms <= fastest * (1 + TIME_TIE)]
         return min(tied, key=lambda c: (c.peak_memory_mb, -c.accuracy, c.step_time_ms))
-    ref = reference or feasible[0]
 
     def score(c: Candidate) -> float:
-        return c.step_time_ms / ref.step_time_ms + c.peak_memory_mb / ref.peak_memory_mb
+        return rank_key(c, "balanced", reference or feasible[0])
 
     lowest = min(score(c) for c in feasible)
     tied = [c for c in feasible if score(c) <= lowest * (1 + TIME_TIE)]

@@ -62,7 +62,9 @@ def absolute_sqlite_uri(uri: str) -> str:
     return uri
 
 
-def _client(uri: str) -> MlflowClient:
+def mlflow_client(uri: str) -> MlflowClient:
+    """An MLflow client for the URI (sqlite paths made absolute), quiet: no telemetry,
+    no progress bars, warnings only."""
     # No usage telemetry and no download progress bars from MLflow.
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("DO_NOT_TRACK", "true")
@@ -91,7 +93,7 @@ class Tracker:
         self.study = study
         self.artifact_root = artifact_root
         try:
-            self.client = _client(tracking_uri)
+            self.client = mlflow_client(tracking_uri)
             self._experiment = self.client.get_experiment_by_name(study)
         except Exception as error:
             raise StoreError(f"MLflow store {tracking_uri}: {_first_line(error)}") from None
@@ -322,7 +324,7 @@ def load_best_policy(study: str, tracking_uri: str = DEFAULT_TRACKING_URI) -> Po
     if local.startswith("sqlite:///") and not Path(local.removeprefix("sqlite:///")).is_file():
         raise StoreError(f"MLflow store {tracking_uri}: no such database file")
     try:
-        client = _client(tracking_uri)
+        client = mlflow_client(tracking_uri)
         parent = find_parent_run(client, study, tracking_uri)
         with tempfile.TemporaryDirectory() as folder:
             path = client.download_artifacts(parent.info.run_id, BEST_POLICY_ARTIFACT, folder)

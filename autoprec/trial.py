@@ -208,123 +208,148 @@ def _train_and_evaluate_here(
     early_stopping: EarlyStopping | None,
 ) -> TrialResult:
     torch.manual_seed(budget.seed)
-    model = task.model().to(backend.device)
-    model.train()
-    optimizer = task.make_optimizer(model.parameters())
-    scheduler = task.make_scheduler(optimizer)
-    prec = policy.apply(model, backend)
-    layer_dtypes = prec.plan.leaf_dtypes
-    meter = backend.memory_meter()
-    result = TrialResult(
-        "complete",
-        peak_memory_is_estimate=meter.is_estimate,
-        low_precision_share=policy.low_precision_share(model, backend),
-        switches=dict(prec.switches),
-    )
-    meter.start(model)
-    monitor = GradientMonitor(model)
-    step_times_s: list[float] = []
-    skipped: list[bool] = []
-    stuck: list[bool] = []
-    batches = iter(task.train_data(budget.seed))
-    nonfinite_in_a_row = 0
+    run = _Run(task, policy, backend, budget, early_stopping)
     try:
+        batches = iter(task.train_data(budget.seed))
         for step in range(budget.steps):
-            step_batches = _draw(task, batches, step, budget.steps, backend)
-            # Telemetry is taken on every TELEMETRY_EVERY-th step, which is not timed.
-            # Memory is measured on the untimed steps after step 0, which is observed, so
-            # that telemetry's scratch tensors stay out of the peak.
-            observed = step % TELEMETRY_EVERY == 0
-            measured = 1 <= step <= max(1, budget.untimed_steps)
-            timed = step > budget.untimed_steps and not observed and not measured
-            scale_used = prec.loss_scale
-            with (
-                meter.step() if measured else contextlib.nullcontext(),
-                monitor.activations() if observed else contextlib.nullcontext(),
-            ):
-                started_s = backend.now_s() if timed else 0.0
-                loss_value, stepped = _train_step(
-                    task, model, optimizer, prec, step_batches, scheduler
-                )
-                if timed:
-                    step_times_s.append(backend.now_s() - started_s)
-            if observed and stepped:  # skipped steps hold overflowed, not lost, gradients
-                monitor.observe_gradients(scale_used)
-            result.steps_run = step + 1
-            result.losses.append(loss_value)
-            result.loss_scales.append(scale_used)
-            skipped.append(not stepped)
-            # A skip counts against the policy only once the scale cannot go lower.
-            stuck.append(not stepped and prec.scaler.at_floor)
-            result.overflow_steps += 0 if stepped else 1
-            if not math.isfinite(loss_value):
-                result.nonfinite_steps += 1
-                nonfinite_in_a_row += 1
-                stop = stepped is None or (
-                    early_stopping is not None and nonfinite_in_a_row >= NONFINITE_PATIENCE
-                )
-                if stop:
-                    layer = first_nonfinite_layer(
-                        model, partial(_forward, model, prec, step_batches[-1])
-                    )
-                    where = f"; first non-finite output: {layer} ({_dtype_of(layer, layer_dtypes)})"
-                    result.state = "pruned"
-                    result.reason = (
-                        f"overflow: non-finite loss ({loss_value}) at step {step}"
-                        + (
-                            ", no loss scaling"
-                            if stepped is None
-                            else f", {nonfinite_in_a_row} steps in a row"
-                        )
-                        + (where if layer else "")
-                    )
-                    break
-                continue
-            nonfinite_in_a_row = 0
-            if early_stopping is None:
-                continue
-            recent = stuck[-early_stopping.skip_window :]
-            if sum(recent) >= early_stopping.max_skipped:
-                result.state = "pruned"
-                result.reason = (
-                    f"overflow: the loss scaler skipped {sum(recent)} of the last {len(recent)} "
-                    f"steps (to step {step}, scale now {prec.loss_scale:g})"
-                )
+            reason = run.step(step, _draw(task, batches, step, budget.steps, backend))
+            if reason is not None:
+                run.result.state, run.result.reason = "pruned", reason
                 break
-            trailing = early_stopping.trailing(result.losses, budget.steps, sum(skipped))
-            if trailing is not None:
-                result.state = "pruned"
-                evidence = _underflow_evidence(prec, monitor, early_stopping)
-                result.reason = _trailing_reason(trailing, step, evidence)
-                break
+        return run.finish()
+    finally:
+        run.prec.remove()
+
+
+class _Run:
+    """One trial's model, optimizer, precision, meters and what it measured so far."""
+
+    def __init__(
+        self,
+        task: Task,
+        policy: Policy,
+        backend: Backend,
+        budget: Budget,
+        early_stopping: EarlyStopping | None,
+    ) -> None:
+        self.task, self.backend, self.budget = task, backend, budget
+        self.early_stopping = early_stopping
+        self.model = task.model().to(backend.device)
+        self.model.train()
+        self.optimizer = task.make_optimizer(self.model.parameters())
+        self.scheduler = task.make_scheduler(self.optimizer)
+        self.prec = policy.apply(self.model, backend)
+        self.meter = backend.memory_meter()
+        self.result = TrialResult(
+            "complete",
+            peak_memory_is_estimate=self.meter.is_estimate,
+            low_precision_share=policy.low_precision_share(self.model, backend),
+            switches=dict(self.prec.switches),
+        )
+        self.meter.start(self.model)
+        self.monitor = GradientMonitor(self.model)
+        self.step_times_s: list[float] = []
+        self.skipped: list[bool] = []
+        self.stuck: list[bool] = []
+        self.nonfinite_in_a_row = 0
+
+    def step(self, step: int, batches: list[Batch]) -> str | None:
+        """Train one step and record it; the reason to stop, if the trial is hopeless."""
+        # Telemetry is taken on every TELEMETRY_EVERY-th step, which is not timed. Memory
+        # is measured on the untimed steps after step 0, which is observed, so that
+        # telemetry's scratch tensors stay out of the peak.
+        budget, backend, prec, result = self.budget, self.backend, self.prec, self.result
+        observed = step % TELEMETRY_EVERY == 0
+        measured = 1 <= step <= max(1, budget.untimed_steps)
+        timed = step > budget.untimed_steps and not observed and not measured
+        scale_used = prec.loss_scale
+        with (
+            self.meter.step() if measured else contextlib.nullcontext(),
+            self.monitor.activations() if observed else contextlib.nullcontext(),
+        ):
+            started_s = backend.now_s() if timed else 0.0
+            loss_value, stepped = _train_step(
+                self.task, self.model, self.optimizer, prec, batches, self.scheduler
+            )
+            if timed:
+                self.step_times_s.append(backend.now_s() - started_s)
+        if observed and stepped:  # skipped steps hold overflowed, not lost, gradients
+            self.monitor.observe_gradients(scale_used)
+        result.steps_run = step + 1
+        result.losses.append(loss_value)
+        result.loss_scales.append(scale_used)
+        self.skipped.append(not stepped)
+        # A skip counts against the policy only once the scale cannot go lower.
+        self.stuck.append(not stepped and prec.scaler.at_floor)
+        result.overflow_steps += 0 if stepped else 1
+        if not math.isfinite(loss_value):
+            return self._nonfinite(step, loss_value, stepped, batches[-1])
+        self.nonfinite_in_a_row = 0
+        return None if self.early_stopping is None else self._hopeless(step)
+
+    def _nonfinite(
+        self, step: int, loss_value: float, stepped: bool | None, batch: Batch
+    ) -> str | None:
+        """Stop on a non-finite loss without scaling, or NONFINITE_PATIENCE in a row."""
+        self.result.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        in_a_row = self.nonfinite_in_a_row
+        stop = stepped is None or (
+            self.early_stopping is not None and in_a_row >= NONFINITE_PATIENCE
+        )
+        if not stop:
+            return None
+        layer = first_nonfinite_layer(self.model, partial(_forward, self.model, self.prec, batch))
+        dtype = _dtype_of(layer, self.prec.plan.leaf_dtypes)
+        where = f"; first non-finite output: {layer} ({dtype})" if layer else ""
+        how = ", no loss scaling" if stepped is None else f", {in_a_row} steps in a row"
+        return f"overflow: non-finite loss ({loss_value}) at step {step}{how}{where}"
+
+    def _hopeless(self, step: int) -> str | None:
+        """Stop when the scaler keeps skipping at its floor, or the loss trails fp32's."""
+        stopping = self.early_stopping
+        assert stopping is not None
+        recent = self.stuck[-stopping.skip_window :]
+        if sum(recent) >= stopping.max_skipped:
+            return (
+                f"overflow: the loss scaler skipped {sum(recent)} of the last {len(recent)} "
+                f"steps (to step {step}, scale now {self.prec.loss_scale:g})"
+            )
+        trailing = stopping.trailing(self.result.losses, self.budget.steps, sum(self.skipped))
+        if trailing is None:
+            return None
+        evidence = _underflow_evidence(self.prec, self.monitor, stopping)
+        return _trailing_reason(trailing, step, evidence)
+
+    def finish(self) -> TrialResult:
+        """The measurements, and the accuracy of a trial that completed."""
+        result, prec = self.result, self.prec
         if result.state == "complete" and result.overflow_steps == result.steps_run:
             result.state = "pruned"
             result.reason = (
                 f"overflow: the loss scaler skipped all {result.steps_run} steps "
                 f"(scale now {prec.loss_scale:g})"
             )
-        if result.state == "complete" and early_stopping is not None:
+        if result.state == "complete" and self.early_stopping is not None:
             # A trial that ran to the end can still have lost gradients: say so.
-            evidence = _underflow_evidence(prec, monitor, early_stopping)
+            evidence = _underflow_evidence(prec, self.monitor, self.early_stopping)
             if evidence:
                 result.reason = f"underflow: {evidence}"
-        result.telemetry = monitor.report()
-        result.grad_underflow_ratio = monitor.grad_underflow_ratio
-        result.peak_memory_mb = meter.peak_mb(model, optimizer)
-        if step_times_s:
-            result.step_time_ms = statistics.median(step_times_s) * 1000.0
+        result.telemetry = self.monitor.report()
+        result.grad_underflow_ratio = self.monitor.grad_underflow_ratio
+        result.peak_memory_mb = self.meter.peak_mb(self.model, self.optimizer)
+        if self.step_times_s:
+            result.step_time_ms = statistics.median(self.step_times_s) * 1000.0
         finite = [v for v in result.losses if math.isfinite(v)]
         if finite:
             result.final_loss = statistics.fmean(finite[-FINAL_LOSS_WINDOW:])
         if result.state == "complete":
-            result.accuracy = _evaluate(task, model, prec, backend)
+            result.accuracy = _evaluate(self.task, self.model, prec, self.backend)
             if not math.isfinite(result.accuracy):
                 result.state = "failed"
                 result.reason = f"the task's metric returned {result.accuracy}"
                 result.accuracy = None
         return result
-    finally:
-        prec.remove()
 
 
 def _underflow_evidence(

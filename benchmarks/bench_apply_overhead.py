@@ -16,7 +16,9 @@ import time
 import torch
 
 import autoprec
+from autoprec.devices import get_backend
 from autoprec.policy import Rule
+from autoprec.tasks import load_task
 
 
 def _batches(task: autoprec.Task, device: torch.device, count: int) -> list:
@@ -36,7 +38,7 @@ def _time_block(step, batches, backend) -> list[float]:
 def compare(
     task_name: str, policy: autoprec.Policy, backend, steps: int, rounds: int
 ) -> tuple[float, float]:
-    task = autoprec.load_task(task_name)
+    task = load_task(task_name)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[policy.default]
 
     torch.manual_seed(0)
@@ -80,7 +82,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="steps per block")
     parser.add_argument("--rounds", type=int, default=10, help="alternating blocks per loop")
     args = parser.parse_args()
-    backend = autoprec.get_backend(args.device)
+    backend = get_backend(args.device)
     dtype = "bf16" if backend.supports("bf16") else "fp16"
     uniform = autoprec.Policy.uniform(dtype, loss_scale=autoprec.LossScale())
     print(f"device {backend.name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")

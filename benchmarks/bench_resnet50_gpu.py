@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from _fresh import fresh_folder
 
 import autoprec
-from autoprec.tasks import Task
+from autoprec.devices import get_backend
+from autoprec.tasks import Task, load_task
 from autoprec.trial import Budget, time_side_by_side
 
 CLASSES = 10
@@ -82,11 +83,11 @@ def main() -> None:
     parser.add_argument("--prefer", default="speed", choices=("speed", "memory", "balanced"))
     args = parser.parse_args()
 
-    backend = autoprec.get_backend(args.device)
+    backend = get_backend(args.device)
     if args.model == "resnet50":
         task = resnet50_task(args.batch, args.image)
     else:
-        task = autoprec.load_task("digits-resnet")
+        task = load_task("digits-resnet")
     modules = len(list(task.model().named_modules()))
     print(f"{task.name}: {modules} modules on {backend.name}, torch {torch.__version__}")
     with fresh_folder():

@@ -16,6 +16,7 @@ import time
 from _fresh import fresh_folder
 
 import autoprec
+from autoprec.tasks import load_task
 
 
 def main() -> None:
@@ -25,7 +26,7 @@ def main() -> None:
     # On this CPU fp32 is the fastest dtype, so --prefer speed honestly returns fp32.
     parser.add_argument("--prefer", default="memory", choices=("speed", "memory", "balanced"))
     args = parser.parse_args()
-    task = autoprec.load_task("digits-resnet")
+    task = load_task("digits-resnet")
     modules = len(list(task.model().named_modules()))
     with fresh_folder():
         started = time.perf_counter()

@@ -40,9 +40,9 @@ from optuna.trial import TrialState
 
 from autoprec.devices import get_backend
 from autoprec.guided import FallbackStrategy, GuidedStrategy, Observation
-from autoprec.loop import MAX_DUPLICATES_IN_A_ROW, measured_as
 from autoprec.policy import Policy
-from autoprec.search import DIRECTIONS, _make_sampler
+from autoprec.search.loop import MAX_DUPLICATES_IN_A_ROW
+from autoprec.search.studies import DIRECTIONS, make_sampler
 from autoprec.space import SearchSpace
 from autoprec.tasks import Task
 from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial
@@ -97,7 +97,7 @@ def build_table(name: str, steps: int, rebuild: bool) -> dict[str, Any]:
     missing = [
         p
         for p in every
-        if measured_as(space.policy(p), model, CPU) not in table["policies"] and p != fp32
+        if space.policy(p).identity(model, CPU) not in table["policies"] and p != fp32
     ]
     if not missing and table["baseline"] is not None:
         return table
@@ -109,7 +109,7 @@ def build_table(name: str, steps: int, rebuild: bool) -> dict[str, Any]:
     if table["baseline"] is None:
         baseline = run_trial(task, space.policy(space.uniform_params("fp32")), backend, budget)
         table["baseline"] = _entry(space.uniform_params("fp32"), baseline, baseline, space)
-        fp32_key = measured_as(space.policy(space.uniform_params("fp32")), model, CPU)
+        fp32_key = space.policy(space.uniform_params("fp32")).identity(model, CPU)
         table["policies"][fp32_key] = table["baseline"]  # the same training, not run twice
     baseline = TrialResult.from_dict(table["baseline"]["result"])
     stopper = EarlyStopping.from_baseline(baseline)
@@ -117,7 +117,7 @@ def build_table(name: str, steps: int, rebuild: bool) -> dict[str, Any]:
     for i, params in enumerate(missing, 1):
         result = run_trial(task, space.policy(params), backend, budget, stopper)
         entry = _entry(params, result, baseline, space)
-        table["policies"][measured_as(space.policy(params), model, CPU)] = entry
+        table["policies"][space.policy(params).identity(model, CPU)] = entry
         if i % 8 == 0 or i == len(missing):
             table["enumeration_s"] += time.perf_counter() - started
             started = time.perf_counter()
@@ -155,10 +155,10 @@ class Lookup:
         self.tolerance = table["accuracy_tolerance"]
         feasible = [e for e in table["policies"].values() if e["feasible"]]
         self.best_memory_mb = min(e["result"]["peak_memory_mb"] for e in feasible)
-        self.baseline_key = measured_as(space.policy(space.uniform_params("fp32")), model, CPU)
+        self.baseline_key = space.policy(space.uniform_params("fp32")).identity(model, CPU)
 
     def key(self, params: dict[str, Any]) -> str:
-        return measured_as(self.space.policy(params), self.model, CPU)
+        return self.space.policy(params).identity(self.model, CPU)
 
     def on_target(self, entry: dict[str, Any]) -> bool:
         memory = entry["result"]["peak_memory_mb"]
@@ -208,7 +208,7 @@ def run_sampler(
     runs them; until the target is reached or 25 duplicates in a row."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
-        directions=list(DIRECTIONS), sampler=_make_sampler(sampler, seed, trials)
+        directions=list(DIRECTIONS), sampler=make_sampler(sampler, seed, trials)
     )
     for name, params in lookup.space.anchors().items():
         study.enqueue_trial(params, user_attrs={"anchor": name})

@@ -7,11 +7,11 @@ import statistics
 import torch
 from torch import nn
 
-import autoprec
+from autoprec.tasks import load_task
 
 
 def test_digits_resnet_has_resnet50_layout_and_trains():
-    task = autoprec.load_task("digits-resnet")
+    task = load_task("digits-resnet")
     torch.manual_seed(0)
     model = task.model()
     assert len(list(model.named_modules())) >= 100

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import autoprec
+from autoprec.tasks import load_task
 
 
 def attention_overflow_task() -> autoprec.Task:
@@ -97,7 +98,7 @@ CASES = [
     ids=["overflow", "underflow", "held-out-attention", "held-out-cnn"],
 )
 def test_search_finds_a_low_precision_policy_where_fp16_fails(in_tmp, task, space, mechanism):
-    task = autoprec.load_task(task) if isinstance(task, str) else task()
+    task = load_task(task) if isinstance(task, str) else task()
     result = autoprec.search(
         task, space, trials=8, steps=40, device="cpu", prefer="memory", study="fragile"
     )

@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import autoprec
-from autoprec.tracking import _client
+from autoprec.tasks import load_task
+from autoprec.tracking import mlflow_client
 
 CLI = "import sys; from autoprec.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -25,7 +26,7 @@ def test_profile_command_ranks_writes_and_logs(in_tmp):
     assert table[2].split()[:2] == ["1", "features"]  # the layer that overflows, first
     data = json.loads((in_tmp / "runs/digits-overflow/profile.json").read_text())
     assert data["modules"][0]["name"] == "features" and data["modules"][0]["risk"] == "inf"
-    client = _client(f"sqlite:///{in_tmp}/runs/mlflow.db")
+    client = mlflow_client(f"sqlite:///{in_tmp}/runs/mlflow.db")
     experiment = client.get_experiment_by_name("digits-overflow")
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.data.tags["autoprec.role"] == "profile"
@@ -70,14 +71,14 @@ def test_guided_search_keeps_the_overflowing_layer_and_lowers_the_rest(in_tmp):
     )
     assert summary["best"]["feasible"] and summary["best"]["metrics"]["low_precision_share"] > 0.9
     # The profile is kept on the search's parent run (children are trials only).
-    client = _client(f"sqlite:///{in_tmp}/runs/mlflow.db")
+    client = mlflow_client(f"sqlite:///{in_tmp}/runs/mlflow.db")
     parent = client.get_run(summary["mlflow_parent_run_id"])
     assert parent.data.tags["risk.1"].startswith("features: ")
     assert "profile.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
 
 
 def test_a_resnet_with_150_modules_gets_a_feasible_guided_policy(in_tmp):
-    task = autoprec.load_task("digits-resnet")
+    task = load_task("digits-resnet")
     assert len(list(task.model().named_modules())) >= 100
     result = autoprec.search(task, trials=8, steps=20, device="cpu", prefer="memory", confirm_top=0)
     summary = result.summary

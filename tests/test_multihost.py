@@ -16,8 +16,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autoprec.studies import CLAIM_ATTR, RECORD_ATTR, RUN_ATTR
-from autoprec.tracking import _client
+from autoprec.search.studies import CLAIM_ATTR, RECORD_ATTR, RUN_ATTR
+from autoprec.tracking import mlflow_client
 from tests.servers import mlflow_server, postgres, postgres_bin
 
 TASKS = Path(__file__).with_name("contract_tasks.py")
@@ -88,7 +88,7 @@ def test_two_hosts_share_one_study_on_postgres_and_an_mlflow_server(tmp_path):
         assert len({t.user_attrs[CLAIM_ATTR] for t in recorded}) == 8  # no policy twice
         assert not [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
 
-        client = _client(tracking_uri)
+        client = mlflow_client(tracking_uri)
         experiment = client.get_experiment_by_name("shared")
         runs = client.search_runs([experiment.experiment_id], max_results=1000)
         parents = [r for r in runs if r.data.tags.get("autoprec.role") == "parent"]

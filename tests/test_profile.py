@@ -17,6 +17,7 @@ from autoprec.devices import CPUBackend
 from autoprec.errors import AutoprecError, DeviceError, SpaceError, TaskError
 from autoprec.profile import Profile
 from autoprec.space import load_space
+from autoprec.tasks import load_task
 from autoprec.tasks.builtin import Bottleneck, ResNet
 from tests.test_fragile_search import attention_overflow_task
 
@@ -69,7 +70,7 @@ def overflow_profile() -> Profile:
 @pytest.mark.parametrize(
     ("make_task", "culprit"),
     [
-        (lambda: autoprec.load_task("digits-overflow"), "features"),
+        (lambda: load_task("digits-overflow"), "features"),
         (attention_overflow_task, "attn"),
         (gain_cnn_task, "blocks.1"),
     ],
@@ -104,7 +105,7 @@ def test_a_150_module_resnet():
         model.layer3[2] = LoudBottleneck(64, 16)
         return model
 
-    task = dataclasses.replace(autoprec.load_task("digits-resnet"), model=loud_resnet)
+    task = dataclasses.replace(load_task("digits-resnet"), model=loud_resnet)
     profile = autoprec.profile_task(task)
     model = loud_resnet()
     assert len(profile.modules) == len(list(model.named_modules())) - 1 >= 149
@@ -164,7 +165,7 @@ def test_json_round_trip_and_table(overflow_profile, tmp_path):
 
 
 def test_group_risk_on_fitted_spaces(overflow_profile):
-    model = autoprec.load_task("digits-overflow").model()
+    model = load_task("digits-overflow").model()
     space = load_space("default").fit(model)
     risks = space.group_risk(overflow_profile, model)
     assert risks[0] == ("linears.features", math.inf)

@@ -21,7 +21,7 @@ from autoprec import LossScale, Policy, Rule
 from autoprec.devices import get_backend
 from autoprec.errors import TaskError
 from autoprec.space import load_space
-from autoprec.tasks import check_task, check_task_data
+from autoprec.tasks import check_task, check_task_data, load_task
 from autoprec.trial import Budget, run_trial
 
 transformers = pytest.importorskip("transformers")
@@ -408,7 +408,7 @@ def test_tiny_transformers_tasks_search_and_the_policy_trains_in_a_plain_loop(tm
     assert any(g.endswith(".attention") for g in groups) and "head" in groups, groups
     policy = autoprec.load_policy(tmp_path / "runs/tiny-bert/best_policy.yaml")
 
-    task = autoprec.load_task("tiny-bert")
+    task = load_task("tiny-bert")
 
     def train(policy):
         torch.manual_seed(0)

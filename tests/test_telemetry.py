@@ -7,9 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec import Budget, LossScale, Policy, get_backend, load_task, run_trial
+from autoprec import LossScale, Policy
+from autoprec.devices import get_backend
+from autoprec.tasks import load_task
 from autoprec.telemetry import GradientMonitor
-from autoprec.trial import EarlyStopping
+from autoprec.trial import Budget, EarlyStopping, run_trial
 
 CPU = get_backend("cpu")
 

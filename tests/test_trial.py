@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import autoprec
-from autoprec import Budget, LossScale, Policy, Rule, get_backend, run_trial
-from autoprec.trial import EarlyStopping, time_side_by_side
+from autoprec import LossScale, Policy, Rule
+from autoprec.devices import get_backend
+from autoprec.trial import Budget, EarlyStopping, run_trial, time_side_by_side
 
 CPU = get_backend("cpu")
 

@@ -17,11 +17,12 @@ import pytest
 from optuna.trial import TrialState
 
 import autoprec
+from autoprec.devices import parse_devices
 from autoprec.errors import DeviceError
-from autoprec.loop import interrupts_held
-from autoprec.studies import CLAIM_ATTR, RECORD_ATTR, RUN_ATTR
-from autoprec.tracking import _client
-from autoprec.workers import parse_devices, pinned_env
+from autoprec.search.loop import interrupts_held
+from autoprec.search.studies import CLAIM_ATTR, RECORD_ATTR, RUN_ATTR
+from autoprec.search.workers import pinned_env
+from autoprec.tracking import mlflow_client
 
 TASKS = Path(__file__).with_name("contract_tasks.py")
 CLI = "import sys; from autoprec.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -58,7 +59,7 @@ def _peek(folder: Path, study: str) -> optuna.Study | None:
 
 def _runs_of(tracking_uri: str, study: str) -> tuple[object, list[object]]:
     """The study's one parent run and the runs under it."""
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     experiment = client.get_experiment_by_name(study)
     runs = client.search_runs([experiment.experiment_id], max_results=1000)
     parents = [r for r in runs if r.data.tags.get("autoprec.role") == "parent"]
@@ -306,7 +307,7 @@ def test_workers_refuse_bad_input_before_any_store(in_tmp):
 
 
 def test_a_failed_trial_whose_run_stayed_open_is_closed_when_the_study_continues(in_tmp):
-    from autoprec.search import _close_cut_off_runs
+    from autoprec.search.session import close_cut_off_runs
     from autoprec.tracking import Tracker
 
     tracker = Tracker(f"sqlite:///{in_tmp}/runs/mlflow.db", "sweep", in_tmp / "runs")
@@ -318,7 +319,7 @@ def test_a_failed_trial_whose_run_stayed_open_is_closed_when_the_study_continues
     study.tell(cut, state=TrialState.FAIL)  # as fail_stale leaves it when MLflow was down
     tracker.client.set_terminated(done.user_attrs[RUN_ATTR], "FINISHED")
     study.tell(done, state=TrialState.FAIL)
-    _close_cut_off_runs(study, tracker)
+    close_cut_off_runs(study, tracker)
     run = tracker.client.get_run(cut.user_attrs[RUN_ATTR])
     assert run.info.status == "KILLED" and run.data.tags["state"] == "killed"
     assert tracker.client.get_run(done.user_attrs[RUN_ATTR]).info.status == "FINISHED"

@@ -12,51 +12,37 @@ share the cores: each gets its share of torch's threads.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from autoprec.errors import AutoprecError, DeviceError
+from autoprec.errors import AutoprecError
+from autoprec.search.config import SearchConfig
+from autoprec.search.events import Callbacks, Progress
+from autoprec.search.loop import run_trials
+from autoprec.search.records import TrialRecord
+from autoprec.search.session import Session, prepare
+from autoprec.search.studies import finished
+from autoprec.tracking import absolute_sqlite_uri
 
-_RANGE = re.compile(r"^(cuda|npu):(\d+)-(\d+)$")
-_ENTRY = "import sys; from autoprec.workers import main; sys.exit(main(sys.argv[1:]))"
+# A worker dies with the search that started it (Linux: PR_SET_PDEATHSIG), set before the
+# heavy imports so that a search killed early leaves no worker behind.
+_ENTRY = """import ctypes, signal, sys
+try:
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+except OSError:
+    pass
+from autoprec.search.workers import main
+sys.exit(main(sys.argv[1:]))
+"""
 STOP_GRACE_S = 60.0  # how long workers get to record an interrupted trial after Ctrl-C
-
-
-def parse_devices(text: str | Sequence[str] | None) -> list[str]:
-    """``npu:0-7``, ``cuda:0,cuda:1`` or ``cpu`` as a list of device strings."""
-    if text is None:
-        return []
-    items = text.split(",") if isinstance(text, str) else list(text)
-    devices: list[str] = []
-    for item in (i.strip().lower() for i in items):
-        match = _RANGE.match(item)
-        if match:
-            kind, first, last = match.group(1), int(match.group(2)), int(match.group(3))
-            if last < first:
-                raise DeviceError(f"--devices {text!r}: empty range {item!r}")
-            devices += [f"{kind}:{i}" for i in range(first, last + 1)]
-        elif re.match(r"^(cpu|(cuda|npu):\d+)$", item):
-            devices.append(item)
-        else:
-            raise DeviceError(
-                f"--devices {text!r}: expected e.g. npu:0-7, cuda:0,cuda:1 or cpu, got {item!r}"
-            )
-    kinds = {d.split(":")[0] for d in devices}
-    if len(kinds) > 1:
-        raise DeviceError(f"--devices {text!r}: one kind of device per search")
-    if len(set(devices)) != len(devices):
-        raise DeviceError(f"--devices {text!r}: a device is listed twice")
-    return devices
 
 
 def pinned_env(device: str, threads: int) -> dict[str, str]:
@@ -83,26 +69,15 @@ def local_device(device: str) -> str:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs to join a study; JSON on its command line."""
+    """Everything a worker needs to join a study; JSON on its command line. ``settings``
+    are the search's `SearchConfig` fields as the worker runs them (its own device, the
+    study's resolved tolerance and time limit, absolute store paths)."""
 
     index: int
     task: str
     space: str | None
-    study: str
-    storage: str
-    tracking_uri: str
-    runs_dir: str
-    trials: int
-    steps: int
-    seed: int
-    device: str
-    prefer: str
-    sampler: str
-    tolerance: float
-    early_stopping: bool
-    trial_timeout_s: float
-    heartbeat_s: int
     threads: int
+    settings: dict[str, Any]
 
 
 def start_workers(specs: list[WorkerSpec], devices: list[str], log_dir: Path) -> list[Any]:
@@ -113,7 +88,7 @@ def start_workers(specs: list[WorkerSpec], devices: list[str], log_dir: Path) ->
         log = (log_dir / f"worker-{spec.index}.log").open("a")
         processes.append(
             subprocess.Popen(
-                [sys.executable, "-c", _ENTRY, json.dumps(asdict(spec))],
+                [sys.executable, "-c", _ENTRY, json.dumps(asdict(spec), default=str)],
                 env=pinned_env(device, spec.threads),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -162,25 +137,87 @@ def stop_workers(processes: list[Any]) -> None:
             p.wait()
 
 
-def _die_with_parent() -> None:
-    """Linux: this worker gets SIGKILL when the search that started it dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+class WorkerLog(Callbacks):
+    """A worker's log: one line per trial it measured."""
+
+    def trial_end(self, record: TrialRecord, progress: Progress) -> None:
+        print(
+            f"trial {record.number}: {record.result.state} {record.result.reason or ''}", flush=True
+        )
+
+
+def run_worker(spec: WorkerSpec) -> int:
+    """A worker process: join the study, run trials until its budget is met; the number
+    of trials measured here."""
+    config = SearchConfig(**spec.settings)
+    prepared = prepare(spec.task, spec.space, config, check_data=False)
+    session = Session.open(prepared, WorkerLog(), worker=spec.index + 1)
+    session.join()
+    if len(finished(session.study)) < config.trials:
+        session.warm.ensure()
+    return run_trials(session.study, session.context(), config.trials, session.callbacks)
+
+
+def run_workers(session: Session, workers: int) -> None:
+    """Start ``workers`` processes on this host, pinned round-robin to the search's
+    devices, and follow the study until they are done."""
+    prepared, config = session.prepared, session.prepared.config
+    pinned = [prepared.devices[i % len(prepared.devices)] for i in range(workers)]
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // workers)  # on the CPU, the workers share its cores
+    settings = {
+        **{f.name: getattr(config, f.name) for f in fields(config)},
+        "storage": absolute_sqlite_uri(config.storage),
+        "tracking_uri": absolute_sqlite_uri(config.tracking_uri),
+        "runs_dir": str(Path(config.runs_dir).resolve()),
+        "study": prepared.study,
+        "accuracy_tolerance": prepared.tolerance,
+        "trial_timeout_s": session.trial_limit_s,
+        "workers": 1,
+        "devices": None,
+    }
+    specs = [
+        WorkerSpec(
+            i,
+            prepared.task_spec or "",
+            prepared.space_spec,
+            threads,
+            {**settings, "device": local_device(d)},
+        )
+        for i, d in enumerate(pinned)
+    ]
+    kind = prepared.backend.kind
+    session.callbacks.workers_started(workers, pinned, cores, threads, kind)
+    ctx = session.context()
+    seen = {r.number for r in session.measured()}
+    session.callbacks.trials_start(ctx.progress(session.study, config.trials))
+
+    def poll() -> None:
+        progress = ctx.progress(session.study, config.trials)
+        for record in progress.records:
+            if record.number not in seen:
+                seen.add(record.number)
+                session.callbacks.trial_end(record, progress)
+
+    log_dir = prepared.out_dir.resolve() / "workers"
+    processes = start_workers(specs, pinned, log_dir)
+    codes = wait_for_workers(processes, poll)
+    failed = [i for i, code in enumerate(codes) if code != 0]
+    if failed and len(finished(session.study)) < config.trials:
+        raise AutoprecError(
+            f"worker {failed[0]} stopped with status {codes[failed[0]]} before the budget "
+            f"was met; see {log_dir / f'worker-{failed[0]}.log'}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     spec = WorkerSpec(**json.loads(args[0]))
-    _die_with_parent()
     import torch
 
     torch.set_num_threads(spec.threads)
-    from autoprec.search import run_worker
-
-    print(f"worker {spec.index}: pid {os.getpid()}, device {spec.device}", flush=True)
+    device = spec.settings["device"]
+    print(f"worker {spec.index}: pid {os.getpid()}, device {device}", flush=True)
     try:
         done = run_worker(spec)
     except KeyboardInterrupt:

@@ -41,12 +41,16 @@ except ImportError:  # Windows: no lock file (one process per sqlite study there
     fcntl = None  # type: ignore[assignment]
 from optuna.trial import FrozenTrial, TrialState
 
+from autoprec.errors import StoreError, first_line
+from autoprec.search.config import HEARTBEAT_INTERVAL_S
+
 RECORD_ATTR = "autoprec"  # user attribute: the trial's policy and result, once measured
 CLAIM_ATTR = "autoprec.claim"  # user attribute: the key of the policy the trial measures
 STEPPED_BACK_ATTR = "stepped_back"  # user attribute: why a trial gave way untrained
 RUN_ATTR = "mlflow_run_id"  # user attribute: the trial's MLflow child run, from its start
-HEARTBEAT_INTERVAL_S = 10  # the grace before a silent trial is failed: 3 intervals
 LEASE_TTL_S = 60.0
+OBJECTIVES = ("accuracy", "peak_memory_mb", "step_time_ms")
+DIRECTIONS = ("maximize", "minimize", "minimize")
 _CREATE_ATTEMPTS = 5
 _SETTLE_S = 1.0  # between writing a lease and reading it back
 
@@ -270,3 +274,63 @@ class Lease:
         while not self._stop.wait(self.ttl_s / 4):
             with contextlib.suppress(Exception):  # a missed renewal only shortens the lease
                 self._write()
+
+
+def finished(study: optuna.Study) -> list[FrozenTrial]:
+    """Trials that were measured to an end and recorded, by number. Duplicates of
+    measured policies, trials over the budget, and trials cut off by an interrupt or a
+    crash are not counted."""
+    return [t for _, t in sorted(Ledger.read(study).recorded.items())]
+
+
+def make_sampler(name: str, seed: int, trials: int, worker: int = 0) -> optuna.samplers.BaseSampler:
+    """The study's sampler; each worker seeds its own (seed + worker index)."""
+    seed += worker
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "nsga2":
+        return optuna.samplers.NSGAIISampler(
+            seed=seed, population_size=max(4, min(20, trials // 2))
+        )
+    # TPE, also after guidance. constant_liar: a running trial counts as a poor result,
+    # so that workers asking at the same time are steered apart.
+    return optuna.samplers.TPESampler(
+        seed=seed, n_startup_trials=max(4, trials // 3), multivariate=True, constant_liar=True
+    )
+
+
+def open_study(
+    name: str,
+    storage: optuna.storages.BaseStorage,
+    sampler: optuna.samplers.BaseSampler,
+    settings: dict[str, Any],
+) -> optuna.Study:
+    """Create the study, or load it when it exists and was run with the same settings
+    (kept as study attributes: task, space, steps, seed, device kind)."""
+    where = getattr(storage, "url", "the Optuna storage")
+    try:
+        existing = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}.get(name)
+        if existing is not None:
+            old = {k: existing.user_attrs.get(k) for k in settings}
+            changed = [k for k in settings if old[k] is not None and old[k] != settings[k]]
+            if changed:
+                key = changed[0]
+                raise StoreError(
+                    f"study {name!r} in {where} was run with {key}={old[key]!r}, not "
+                    f"{settings[key]!r}; use another --study or the same settings"
+                )
+        study = optuna.create_study(
+            storage=storage,
+            study_name=name,
+            sampler=sampler,
+            directions=list(DIRECTIONS),
+            load_if_exists=True,
+        )
+    except StoreError:
+        raise
+    except Exception as error:
+        raise StoreError(f"Optuna storage {where}: {first_line(error)}") from None
+    if existing is None:
+        for key, value in settings.items():
+            study.set_user_attr(key, value)
+    return study

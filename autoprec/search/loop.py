@@ -5,19 +5,17 @@ worker process.
 A trial this process holds is not left running: one cut off by Ctrl-C or an error is
 failed in Optuna (not counted), its MLflow run closed as KILLED, and an anchor it
 carried queued again. A trial whose process dies, or that another worker failed first
-(its heartbeat went stale), is failed by heartbeat (see `autoprec.studies`).
+(its heartbeat went stale), is failed by heartbeat (see `autoprec.search.studies`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +25,9 @@ from optuna.trial import FrozenTrial, TrialState
 from autoprec.devices import Backend
 from autoprec.guided import GuidedStrategy, Observation
 from autoprec.policy import Policy
-from autoprec.space import SearchSpace, policy_label
-from autoprec.studies import (
+from autoprec.search.events import Callbacks, Progress
+from autoprec.search.records import TrialRecord, record_of
+from autoprec.search.studies import (
     CLAIM_ATTR,
     RECORD_ATTR,
     RUN_ATTR,
@@ -36,8 +35,10 @@ from autoprec.studies import (
     Ledger,
     claim,
     fail_stale,
+    finished,
     heartbeat,
 )
+from autoprec.space import SearchSpace, policy_label
 from autoprec.tasks import Task
 from autoprec.tracking import Tracker
 from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial
@@ -47,20 +48,6 @@ POLL_S = 1.0  # how often a waiting worker reads the study again
 # many in a row the space is taken as exhausted.
 MAX_DUPLICATES_IN_A_ROW = 25
 _STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "failed": TrialState.FAIL}
-
-ProgressCallback = Callable[[str, dict[str, Any]], None]
-
-
-@dataclass(frozen=True)
-class TrialRecord:
-    """One measured policy, as the progress display and the summary see it."""
-
-    number: int | str
-    policy: Policy
-    result: TrialResult
-    accuracy_drop: float | None
-    feasible: bool
-    mlflow_run_id: str | None
 
 
 class TrialTimeout(Exception):
@@ -82,8 +69,18 @@ class TrialContext:
     tolerance: float
     early_stopping: EarlyStopping | None
     model: Any  # the task's model, for resolving policies (never trained)
+    prefer: str = "speed"
     trial_timeout_s: float = 0.0  # 0: no limit
     guide: GuidedStrategy | None = None  # proposes trials before the sampler does
+
+    def identity(self, policy: Policy) -> str:
+        """What a trial of the policy measures on this model and device."""
+        return policy.identity(self.model, self.backend)
+
+    def progress(self, study: optuna.Study, total: int) -> Progress:
+        """Where the study stands now."""
+        records = [record_of(t, self.tolerance) for t in finished(study)]
+        return Progress(len(records), total, records, self.baseline, self.prefer)
 
 
 class WarmUp:
@@ -107,33 +104,20 @@ class WarmUp:
         self.done = True
 
 
-def finished(study: optuna.Study) -> list[FrozenTrial]:
-    """Trials that were measured to an end and recorded, by number. Duplicates of
-    measured policies, trials over the budget, and trials cut off by an interrupt or a
-    crash are not counted."""
-    return [t for _, t in sorted(Ledger.read(study).recorded.items())]
-
-
-def run_trials(
-    study: optuna.Study, ctx: TrialContext, trials: int, prefer: str, notify: ProgressCallback
-) -> int:
+def run_trials(study: optuna.Study, ctx: TrialContext, trials: int, callbacks: Callbacks) -> int:
     """Ask, claim, train, tell and log until the study holds ``trials`` measured trials
     (whoever measured them); the number measured here."""
-    records = [record_of(t, ctx.tolerance) for t in finished(study)]
-    notify(
-        "start",
-        {"total": trials, "done": len(records), "records": records, "baseline": ctx.baseline},
-    )
+    callbacks.trials_start(ctx.progress(study, trials))
     keys: dict[int, str] = {}
 
     def measured(t: FrozenTrial) -> str:
         if t.number not in keys:
-            keys[t.number] = t.user_attrs.get(CLAIM_ATTR) or measured_as(
-                Policy.from_dict(t.user_attrs[RECORD_ATTR]["policy"]), ctx.model, ctx.backend
+            keys[t.number] = t.user_attrs.get(CLAIM_ATTR) or ctx.identity(
+                Policy.from_dict(t.user_attrs[RECORD_ATTR]["policy"])
             )
         return keys[t.number]
 
-    baseline_key = measured_as(ctx.baseline.policy, ctx.model, ctx.backend)
+    baseline_key = ctx.identity(ctx.baseline.policy)
     measured_here = 0
     duplicates_in_a_row = 0
     while True:
@@ -152,7 +136,7 @@ def run_trials(
                 trial = study.ask()
             with heartbeat(study, trial):
                 policy = ctx.space.suggest(trial)
-                key = measured_as(policy, ctx.model, ctx.backend)
+                key = ctx.identity(policy)
                 verdict = claim(study, trial, key, trials, measured, baseline_key)
                 if verdict.step_back:  # the last slots, or this policy, are taken
                     _step_back(study, trial, verdict.step_back)
@@ -162,11 +146,11 @@ def run_trials(
                     study.tell(trial, state=TrialState.PRUNED)
                     duplicates_in_a_row += 1
                     if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
-                        notify("exhausted", {"done": len(ledger.recorded)})
+                        callbacks.exhausted(len(ledger.recorded))
                         return measured_here
                     continue
                 duplicates_in_a_row = 0
-                record = _measure(study, trial, policy, ctx, notify)
+                record = _measure(study, trial, policy, ctx, callbacks)
         except optuna.exceptions.UpdateFinishedTrialError:
             # Failed by another worker while this one held it (no heartbeat for the
             # grace, e.g. a long wait for the sqlite lock): that worker closed its run
@@ -177,18 +161,7 @@ def run_trials(
                 _abandon(study, trial, error, ctx.tracker)
             raise
         measured_here += 1
-        records = [record_of(t, ctx.tolerance) for t in finished(study)]
-        notify(
-            "trial_end",
-            {
-                "record": record,
-                "done": len(records),
-                "total": trials,
-                "records": records,
-                "baseline": ctx.baseline,
-                "prefer": prefer,
-            },
-        )
+        callbacks.trial_end(record, ctx.progress(study, trials))
 
 
 def _guide(study: optuna.Study, ctx: TrialContext, ledger: Ledger) -> None:
@@ -219,11 +192,11 @@ def _measure(
     trial: optuna.Trial,
     policy: Policy,
     ctx: TrialContext,
-    notify: ProgressCallback,
+    callbacks: Callbacks,
 ) -> TrialRecord:
     """Train one claimed trial; its MLflow child run is open while it runs."""
     anchor = trial.user_attrs.get("anchor")
-    notify("trial_start", {"number": trial.number, "policy": policy})
+    callbacks.trial_start(trial.number, policy)
     tags = {"autoprec.role": "trial", "trial_number": str(trial.number)}
     if anchor:
         tags["anchor"] = anchor
@@ -323,30 +296,6 @@ def requeue_anchor(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> No
     anchor = trial.user_attrs.get("anchor")
     if anchor:
         study.enqueue_trial(trial.params, user_attrs={"anchor": anchor})
-
-
-def measured_as(policy: Policy, model: Any, backend: Backend) -> str:
-    """What a trial of this policy would measure: the dtype each layer runs in on the
-    backend, and the loss scaling if any layer runs in fp16. Policies alike in this are
-    trained once. A short hash, so that it can be kept with every trial."""
-    dtypes = policy.resolve(model, backend)
-    scaling = policy.loss_scale.to_dict() if "fp16" in dtypes.values() else {"mode": "none"}
-    text = json.dumps([dtypes, scaling, policy.tf32, policy.hf32], sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def record_of(trial: optuna.trial.FrozenTrial, tolerance: float) -> TrialRecord:
-    """A stored trial; feasibility follows the tolerance in force now."""
-    attrs = trial.user_attrs[RECORD_ATTR]
-    drop = attrs.get("accuracy_drop")
-    return TrialRecord(
-        trial.number,
-        Policy.from_dict(attrs["policy"]),
-        TrialResult.from_dict(attrs["result"]),
-        drop,
-        drop is not None and drop <= tolerance + 1e-12,
-        attrs.get("mlflow_run_id"),
-    )
 
 
 @contextlib.contextmanager

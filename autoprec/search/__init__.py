@@ -1,0 +1,205 @@
+"""The search: an Optuna study over a space of policies, each trial a real short training.
+
+```python
+result = autoprec.search("digits-mlp", config=autoprec.SearchConfig(trials=12))
+result = autoprec.search("digits-mlp", trials=12, prefer="memory")  # the same, as keywords
+```
+
+The modules of this package, in the order a search uses them:
+- `config`: `SearchConfig`, the settings, checked;
+- `session`: the checked inputs, the stores and the study's one-off set-up (parent run,
+  profile, baseline, anchors), shared with the workers;
+- `loop`: ask, claim, train, tell and log until the budget is met;
+- `workers`: worker processes on this host, pinned to devices;
+- `studies`: what many workers share through Optuna's storage (heartbeats, claims,
+  leases, the queue on sqlite);
+- `summary`: the candidates, the chosen best, summary.json and best_policy.yaml;
+- `events`: `Callbacks`, what a search reports while it runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autoprec.policy import Policy
+from autoprec.search.config import SearchConfig
+from autoprec.search.events import Callbacks
+from autoprec.search.loop import run_trials
+from autoprec.search.session import Prepared, Session, prepare
+from autoprec.search.summary import numeric, summarize, write_outputs
+from autoprec.search.workers import run_workers
+from autoprec.space import SearchSpace
+from autoprec.tasks import DEFAULT_TASK, Task
+
+__all__ = ["Callbacks", "SearchConfig", "SearchInterrupted", "SearchResult", "search"]
+
+
+@dataclass
+class SearchResult:
+    study: str
+    best_policy: Policy
+    summary: dict[str, Any]
+    best_policy_path: Path
+    summary_path: Path
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the trials: the running trial was recorded as interrupted (failed in
+    Optuna, not counted), and the summary and best policy so far were written."""
+
+    def __init__(self, result: SearchResult) -> None:
+        super().__init__(f"search interrupted; results so far in {result.summary_path}")
+        self.result = result
+
+
+def search(
+    task: Task | str = DEFAULT_TASK,
+    space: SearchSpace | str | Path | None = None,
+    config: SearchConfig | None = None,
+    callbacks: Callbacks | None = None,
+    **settings: Any,
+) -> SearchResult:
+    """Search precision policies for a task and return the best one.
+
+    ``config`` holds the settings (see `SearchConfig`); any of its fields may also be
+    given as a keyword. Workers need ``task`` and ``space`` by name or path. Ctrl-C
+    writes what was measured and raises `SearchInterrupted`.
+    """
+    started_s = time.perf_counter()
+    prepared = prepare(task, space, SearchConfig.of(config, settings))
+    session = Session.open(prepared, callbacks)
+    phases_s = {"setup": time.perf_counter() - started_s}
+    session.set_up(_parent_params(prepared))
+    phases_s["baseline"] = time.perf_counter() - started_s - phases_s["setup"]
+    confirmed, interrupted = _trials_and_confirmation(session, phases_s)
+    return _finish(session, confirmed, interrupted, phases_s, started_s)
+
+
+def _parent_params(prepared: Prepared) -> dict[str, Any]:
+    config = prepared.config
+    return {
+        **prepared.settings,
+        "trials": config.trials,
+        "accuracy_tolerance": prepared.tolerance,
+        "prefer": config.prefer,
+        "sampler": config.sampler,
+        "storage": config.storage,
+    }
+
+
+def _trials_and_confirmation(
+    session: Session, phases_s: dict[str, float]
+) -> tuple[dict[str, float], bool]:
+    """The trials (here or in workers), then the side-by-side re-timing; a Ctrl-C keeps
+    what was measured. The parent run is closed as KILLED if anything else stops it."""
+    config = session.prepared.config
+    finished_cleanly = False
+    interrupted = False
+    confirmed: dict[str, float] = {}
+    try:
+        try:
+            if session.prepared.workers == 1:
+                if len(session.measured()) < config.trials:
+                    session.warm.ensure()
+                run_trials(session.study, session.context(), config.trials, session.callbacks)
+            else:
+                run_workers(session, session.prepared.workers)
+        except KeyboardInterrupt:  # Ctrl-C: keep what was measured, write it out, then stop
+            interrupted = True
+        mark_s = time.perf_counter()
+        if not interrupted:
+            try:
+                confirmed = session.confirm(config.confirm_top)
+            except KeyboardInterrupt:  # the trials' own times stand
+                interrupted = True
+        phases_s["confirm"] = time.perf_counter() - mark_s
+        finished_cleanly = True
+    finally:
+        if not finished_cleanly:
+            session.tracker.end_parent(session.parent_id, "KILLED")
+    return confirmed, interrupted
+
+
+def _finish(
+    session: Session,
+    confirmed: dict[str, float],
+    interrupted: bool,
+    phases_s: dict[str, float],
+    started_s: float,
+) -> SearchResult:
+    """The choice and the outputs: summary.json, best_policy.yaml, the parent run."""
+    prepared, config, tracker = session.prepared, session.prepared.config, session.tracker
+    assert session.baseline is not None
+    summary = summarize(
+        session.study,
+        session.space,
+        session.baseline,
+        prepared.tolerance,
+        config.prefer,
+        confirmed,
+    )
+    summary["settings"] = {
+        **prepared.settings,
+        "trials": config.trials,
+        "sampler": config.sampler,
+        "prefer": config.prefer,
+        "accuracy_tolerance": prepared.tolerance,
+        "storage": config.storage,
+        "tracking_uri": config.tracking_uri,
+        "device_name": prepared.backend.name,
+        "workers": prepared.workers,
+        "devices": prepared.devices,
+        "trial_timeout_s": session.trial_limit_s,
+    }
+    summary["mlflow_parent_run_id"] = session.parent_id
+    summary["interrupted"] = interrupted
+    summary["profile"] = (
+        None
+        if session.profile is None
+        else [
+            {"rank": m.rank, "module": m.name, "risk": m.risk, "reason": m.reason}
+            for m in session.profile.modules[:5]
+        ]
+    )
+    best_policy = Policy.from_dict(summary["best"]["policy"])
+    summary["best"]["layers"] = best_policy.layer_table(prepared.model, prepared.backend)
+    summary["wall_time_s"] = time.perf_counter() - started_s
+    summary["phase_time_s"] = phases_s  # this invocation's set-up, warm-up and re-timing
+    policy_path, summary_path = write_outputs(summary, best_policy, prepared.out_dir)
+    best = summary["best"]
+    entries = [summary["baseline"], *summary["trials"]]
+    tracker.finish_parent(
+        session.parent_id,
+        best.get("mlflow_run_id"),
+        numeric(best["metrics"]),
+        policy_path,
+        summary_path,
+        status="KILLED" if interrupted else "FINISHED",
+    )
+    tracker.mark_children(
+        {e["mlflow_run_id"] for e in entries if e["pareto"] and e["mlflow_run_id"]},
+        best.get("mlflow_run_id"),
+        [e["mlflow_run_id"] for e in entries if e["mlflow_run_id"]],
+    )
+    session.callbacks.done(summary)
+    result = SearchResult(prepared.study, best_policy, summary, policy_path, summary_path)
+    if interrupted:
+        raise SearchInterrupted(result)
+    return result
+
+
+class _CallablePackage(types.ModuleType):
+    """``autoprec.search`` names this package and the function ``search`` alike: once a
+    submodule such as ``autoprec.search.config`` is imported, Python binds the package
+    to that name, and calling it must still run a search."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> SearchResult:
+        return search(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

@@ -1,0 +1,157 @@
+"""A search's settings, typed and checked in one place.
+
+The CLI builds a `SearchConfig` from its options; ``autoprec.search(task, space, config)``
+takes one (or its fields as keywords). Everything here is checked when the config is
+made, before any task is loaded or any store opened; what depends on the task or the
+space (the study's default name, the space's tolerance) is settled by the session.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from autoprec.errors import AutoprecError, StoreError
+from autoprec.selection import PREFERENCES
+from autoprec.tracking import DEFAULT_TRACKING_URI, check_tracking_uri
+
+DEFAULT_STORAGE = "sqlite:///runs/optuna.db"
+DEFAULT_RUNS_DIR = Path("runs")
+# guided: profile-ranked seeding and bisection (autoprec.guided), then TPE.
+SAMPLERS = ("guided", "tpe", "nsga2", "random")
+HEARTBEAT_INTERVAL_S = 10  # the grace before a silent trial is failed: 3 intervals
+STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How a search runs.
+
+    - ``trials``: the study's total, whoever runs them (continuing a study, or joining it
+      from another host, runs only what is missing); ``steps`` per trial; ``seed`` of the
+      weights, the data order and the sampler.
+    - ``device``: ``auto``, ``cpu``, ``cuda[:N]`` or ``npu[:N]`` (or a Backend);
+      ``workers`` processes on this host (default: one per ``devices`` entry, else 1),
+      pinned round-robin to ``devices`` (``"npu:0-7"``, ``"cuda:0,cuda:1"``).
+    - ``study`` (default: the task's name), ``storage`` (Optuna), ``tracking_uri``
+      (MLflow), ``runs_dir`` (where summary.json and best_policy.yaml go).
+    - ``accuracy_tolerance`` (default: the space's), ``prefer`` (speed, memory, balanced),
+      ``sampler``, ``confirm_top`` (policies re-timed side by side before the choice;
+      0 skips that, as does ``prefer="memory"``), ``early_stopping``.
+    - ``trial_timeout_s`` (None: 25x the fp32 baseline's trial, at least 300 s; 0: no
+      limit) and ``heartbeat_s`` (a trial silent for 3x this is failed).
+    """
+
+    trials: int = 12
+    steps: int = 200
+    device: Any = "auto"
+    study: str | None = None
+    storage: str = DEFAULT_STORAGE
+    tracking_uri: str = DEFAULT_TRACKING_URI
+    seed: int = 0
+    accuracy_tolerance: float | None = None
+    prefer: str = "speed"
+    sampler: str = "guided"
+    runs_dir: str | Path = DEFAULT_RUNS_DIR
+    confirm_top: int = 3
+    early_stopping: bool = True
+    workers: int | None = None
+    devices: str | Sequence[str] | None = None
+    trial_timeout_s: float | None = None
+    heartbeat_s: int = HEARTBEAT_INTERVAL_S
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "runs_dir", Path(self.runs_dir))
+        _check_positive(self.trials, "--trials", "a positive integer")
+        if _not_int(self.steps) or self.steps < 3:
+            raise AutoprecError(f"steps: must be an integer of at least 3, got {self.steps!r}")
+        if _not_int(self.seed):
+            raise AutoprecError(f"--seed: expected an integer, got {self.seed!r}")
+        if self.workers is not None:
+            _check_positive(self.workers, "--workers", "a positive integer")
+        if _not_int(self.confirm_top) or self.confirm_top < 0:
+            raise AutoprecError(
+                f"--confirm-top: expected an integer >= 0, got {self.confirm_top!r}"
+            )
+        timeout = self.trial_timeout_s
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0
+        ):
+            raise AutoprecError(
+                f"--trial-timeout: expected seconds >= 0 (0: no limit), got {timeout!r}"
+            )
+        if _not_int(self.heartbeat_s) or self.heartbeat_s < 1:
+            raise AutoprecError(
+                f"--heartbeat: expected whole seconds >= 1, got {self.heartbeat_s!r}"
+            )
+        if self.prefer not in PREFERENCES:
+            raise AutoprecError(
+                f"--prefer: expected one of {', '.join(PREFERENCES)}, got {self.prefer!r}"
+            )
+        if self.sampler not in SAMPLERS:
+            raise AutoprecError(
+                f"--sampler: expected one of {', '.join(SAMPLERS)}, got {self.sampler!r}"
+            )
+        if self.accuracy_tolerance is not None:
+            check_tolerance(self.accuracy_tolerance)
+        if self.study is not None:
+            check_study_name(self.study)
+        check_storage_url(self.storage)
+        check_tracking_uri(self.tracking_uri)
+
+    @classmethod
+    def of(cls, config: SearchConfig | None, settings: dict[str, Any]) -> SearchConfig:
+        """``config`` (or the defaults) with ``settings`` given as keywords on top."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise TypeError(f"search() got an unexpected keyword argument {unknown[0]!r}")
+        base = config or cls()
+        return cls(**{**{name: getattr(base, name) for name in known}, **settings})
+
+
+def _not_int(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
+
+
+def _check_positive(value: Any, option: str, expected: str) -> None:
+    if _not_int(value) or value < 1:
+        raise AutoprecError(f"{option}: expected {expected}, got {value!r}")
+
+
+def check_tolerance(tolerance: Any) -> float:
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, int | float)
+        or not math.isfinite(tolerance)
+        or tolerance < 0
+    ):
+        raise AutoprecError(f"--accuracy-tolerance: expected a number >= 0, got {tolerance!r}")
+    return float(tolerance)
+
+
+def check_study_name(name: str) -> str:
+    if not isinstance(name, str) or not STUDY_NAME.match(name):
+        raise AutoprecError(
+            f"--study {name!r}: use letters, digits, '.', '-' and '_' (at most 100)"
+        )
+    return name
+
+
+def check_storage_url(url: str) -> None:
+    """Refuse an Optuna storage URL that is not a database URL, before anything is
+    written."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+    except Exception:
+        raise StoreError(
+            f"--storage {url!r}: not a database URL (e.g. sqlite:///runs/optuna.db)"
+        ) from None
+    if parsed.get_backend_name() not in ("sqlite", "postgresql", "mysql"):
+        raise StoreError(f"--storage {url!r}: expected a sqlite, postgresql or mysql URL")

@@ -1,0 +1,68 @@
+"""What a search reports while it runs: one method per event.
+
+Subclass `Callbacks` and override what you need (each method does nothing here); the
+CLI's progress bar and a worker's log are two such subclasses. Pass one to
+``autoprec.search(..., callbacks=...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autoprec.policy import Policy
+    from autoprec.profile import Profile
+    from autoprec.search.records import TrialRecord
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where the study stands: ``done`` of ``total`` trials measured, every measured
+    record, the fp32 baseline, and the preference the best is chosen by."""
+
+    done: int
+    total: int
+    records: list[TrialRecord]
+    baseline: TrialRecord
+    prefer: str
+
+
+class Callbacks:
+    """Events of a search, in the order they come."""
+
+    def waiting(self, holder: str | None) -> None:
+        """Another process holds the study's set-up lease; this one waits for it."""
+
+    def profiling(self) -> None:
+        """The sensitivity profile begins (once per study)."""
+
+    def profiled(self, profile: Profile, path: Path) -> None:
+        """The profile is done and written to ``path``."""
+
+    def baseline(self) -> None:
+        """The fp32 baseline begins (once per study)."""
+
+    def workers_started(
+        self, workers: int, devices: list[str], cores: int, threads: int, kind: str
+    ) -> None:
+        """Worker processes were started on this host."""
+
+    def trials_start(self, progress: Progress) -> None:
+        """The trials begin (``progress.done`` may be above 0 in a continued study)."""
+
+    def trial_start(self, number: int, policy: Policy) -> None:
+        """A trial of this process begins training."""
+
+    def trial_end(self, record: TrialRecord, progress: Progress) -> None:
+        """A trial was measured and recorded (here or, with workers, elsewhere)."""
+
+    def exhausted(self, done: int) -> None:
+        """The sampler keeps proposing measured policies: the trials stop early."""
+
+    def confirming(self, count: int) -> None:
+        """``count`` policies (the baseline among them) are timed again side by side."""
+
+    def done(self, summary: dict[str, Any]) -> None:
+        """The summary is written."""

@@ -1,0 +1,426 @@
+"""A search session: its checked inputs, its stores, and the study's one-off set-up,
+shared by the search process and by every worker that joins the study.
+
+Order of work, so that bad input never touches a store:
+1. `prepare`: load and check the task, the space, the device and every setting;
+2. `Session.open`: open the MLflow experiment and the Optuna study (created once;
+   continued when it exists and fits), fail trials whose process died;
+3. `Session.set_up`: once per study, under its set-up lease, the MLflow parent run, the
+   sensitivity profile, the fp32 baseline and the anchors; a process that finds another
+   doing it waits (`Session.join` reads what the set-up made, for workers);
+4. `Session.context`: what every trial shares, for the trial loop;
+5. `Session.confirm`: the fastest candidates timed again side by side.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+from torch import nn
+
+from autoprec.devices import DTYPES, Backend, get_backend, parse_devices
+from autoprec.errors import AutoprecError, StoreError, first_line
+from autoprec.guided import GuidedStrategy
+from autoprec.profile import Profile, profile_task
+from autoprec.search.config import SearchConfig, check_study_name, check_tolerance
+from autoprec.search.events import Callbacks
+from autoprec.search.loop import POLL_S, TrialContext, WarmUp, requeue_anchor
+from autoprec.search.records import TrialRecord, record_of
+from autoprec.search.studies import (
+    RECORD_ATTR,
+    RUN_ATTR,
+    Lease,
+    fail_stale,
+    finished,
+    make_sampler,
+    open_storage,
+    open_study,
+    worker_id,
+)
+from autoprec.search.summary import candidates
+from autoprec.selection import rank_key
+from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
+from autoprec.tasks import Task, check_task, check_task_data, load_task
+from autoprec.tracking import Tracker, absolute_sqlite_uri
+from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial, time_side_by_side
+
+PROFILE_ATTR = "profile"  # study attribute: the ranking the groups and guidance use
+CONFIRMED_ATTR = "confirmed_step_time_ms"  # study attribute: side-by-side re-timings
+# Default per-trial time limit: this many times the fp32 baseline's trial, at least
+# TRIAL_TIMEOUT_MIN_S (fp16 can be 20x slower than fp32 where it has no native kernels).
+TRIAL_TIMEOUT_FACTOR = 25
+TRIAL_TIMEOUT_MIN_S = 300.0
+
+
+def default_space_for(task_name: str) -> str:
+    """The shipped space named after the task if there is one, else the generic one."""
+    return task_name if task_name in builtin_spaces() else DEFAULT_SPACE
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A search's inputs, loaded and checked; no store has been touched yet.
+
+    ``space`` is fitted to the model and the device (without a profile: the fingerprint
+    every process of the study must agree on); ``settings`` are what a study is
+    identified by (it refuses to continue with others)."""
+
+    config: SearchConfig
+    task: Task
+    task_spec: str | None
+    space_spec: str | None
+    model: nn.Module
+    unfitted: SearchSpace
+    space: SearchSpace
+    backend: Backend
+    devices: list[str]
+    budget: Budget
+    tolerance: float
+    study: str
+    workers: int
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {
+            "task": self.task.name,
+            "space": self.space.name,
+            "space_fingerprint": self.space.fingerprint(),
+            "steps": self.budget.steps,
+            "seed": self.budget.seed,
+            "device": self.backend.kind,
+        }
+
+    @property
+    def needs_profile(self) -> bool:
+        return self.config.sampler == "guided" or self.unfitted.auto is not None
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.config.runs_dir) / self.study
+
+    def fitted(self, profile: Profile | None) -> SearchSpace:
+        """The space fitted to the model, the device and (in a ``groups: auto`` space) the
+        profile's riskiest modules."""
+        supported = {d for d in DTYPES if self.backend.supports(d)}
+        return self.unfitted.fit(self.model, profile, self.backend).restrict(supported)
+
+
+def prepare(
+    task: Task | str,
+    space: SearchSpace | str | Path | None,
+    config: SearchConfig,
+    check_data: bool = True,
+) -> Prepared:
+    """Load and check everything a search is given, before any store is opened."""
+    devices = parse_devices(config.devices)
+    workers = config.workers if config.workers is not None else max(1, len(devices))
+    if workers > 1 and not (isinstance(task, str) and isinstance(space, str | Path | None)):
+        raise AutoprecError(
+            "--workers: worker processes load the task and the space themselves; "
+            "name them (built-in name, module:attr or file.py:attr; a space name or file)"
+        )
+    task_spec = task if isinstance(task, str) else None
+    space_spec = str(space) if isinstance(space, str | Path) else None
+    task = load_task(task) if isinstance(task, str) else task
+    model = check_task(task)
+    if not isinstance(space, SearchSpace):
+        space_spec = space_spec or default_space_for(task.name)
+        space = load_space(space_spec)
+    if devices:
+        backend, *_ = [get_backend(d) for d in devices]  # each must be there
+        if config.device != "auto" and get_backend(config.device).kind != backend.kind:
+            raise AutoprecError(
+                f"--device {config.device!r} and --devices {config.devices!r} disagree"
+            )
+    else:
+        backend = get_backend(config.device)
+        devices = [str(backend.device)] if backend.kind != "cpu" else ["cpu"]
+    supported = {d for d in DTYPES if backend.supports(d)}
+    fitted = space.fit(model, device=backend).restrict(supported)  # to a profile later
+    budget = Budget(steps=config.steps, seed=config.seed)
+    if check_data:
+        check_task_data(task, model, budget.steps, budget.seed)
+    tolerance = check_tolerance(
+        fitted.accuracy_tolerance
+        if config.accuracy_tolerance is None
+        else config.accuracy_tolerance
+    )
+    study = check_study_name(config.study or task.name)
+    return Prepared(
+        config,
+        task,
+        task_spec,
+        space_spec,
+        model,
+        space,
+        fitted,
+        backend,
+        devices,
+        budget,
+        tolerance,
+        study,
+        workers,
+    )
+
+
+class Session:
+    """A search's stores and its study, for the search process or a worker."""
+
+    def __init__(
+        self,
+        prepared: Prepared,
+        tracker: Tracker,
+        study: optuna.Study,
+        callbacks: Callbacks,
+    ) -> None:
+        self.prepared = prepared
+        self.tracker = tracker
+        self.study = study
+        self.callbacks = callbacks
+        self.parent_id: str = ""
+        self.profile: Profile | None = None
+        self.space = prepared.space
+        self.baseline: TrialRecord | None = None
+        config = prepared.config
+        # Until the baseline sets the default, an explicit limit or the minimum applies.
+        limit_s = TRIAL_TIMEOUT_MIN_S if config.trial_timeout_s is None else config.trial_timeout_s
+        self.warm = WarmUp(
+            prepared.task, prepared.space, prepared.backend, prepared.budget, limit_s
+        )
+
+    @classmethod
+    def open(
+        cls, prepared: Prepared, callbacks: Callbacks | None = None, worker: int = 0
+    ) -> Session:
+        """Both stores, reachable before either is written to; the study created or
+        continued; trials whose process died failed, and their runs closed."""
+        config = prepared.config
+        tracker = Tracker(config.tracking_uri, prepared.study, Path(config.runs_dir))
+        storage_url = absolute_sqlite_uri(config.storage)
+        if storage_url.startswith("sqlite:///"):
+            Path(storage_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            storage = open_storage(storage_url, config.heartbeat_s, _on_stale(tracker))
+        except Exception as error:  # unreachable server, missing driver, bad credentials
+            raise StoreError(f"Optuna storage {config.storage}: {first_line(error)}") from None
+        sampler = make_sampler(config.sampler, config.seed, config.trials, worker)
+        study = open_study(prepared.study, storage, sampler, prepared.settings)
+        fail_stale(study)
+        close_cut_off_runs(study, tracker)
+        return cls(prepared, tracker, study, callbacks or Callbacks())
+
+    # -- the study's one-off set-up -----------------------------------------------------
+
+    def set_up(self, parent_params: dict[str, Any]) -> None:
+        """The study's parent run, profile, baseline and anchors, made once: by whoever
+        holds the set-up lease; a process that finds it held waits for the holder."""
+        lease = Lease(self.study, "setup", worker_id())
+        waiting = False
+        while True:
+            if self._ready() and self.tracker.has_run(self.study.user_attrs[_PARENT]):
+                self.tracker.start_parent(self.study.user_attrs[_PARENT], parent_params)
+                self.join()  # reopened: RUNNING again
+                return
+            if lease.acquire():
+                break
+            if not waiting:
+                self.callbacks.waiting(lease.holder())
+                waiting = True
+            time.sleep(2 * POLL_S)
+        try:
+            self._set_up_holding_the_lease(parent_params)
+        except BaseException:  # Ctrl-C or an error during set-up: the parent run is closed
+            if self.parent_id:
+                self.tracker.end_parent(self.parent_id, "KILLED")
+            raise
+        finally:
+            lease.release()
+
+    def _ready(self) -> bool:
+        attrs = self.study.user_attrs
+        ready = attrs.get("baseline") is not None and attrs.get("anchors_enqueued")
+        if self.prepared.needs_profile:
+            ready = ready and attrs.get(PROFILE_ATTR) is not None
+        return bool(ready and attrs.get(_PARENT))
+
+    def _set_up_holding_the_lease(self, parent_params: dict[str, Any]) -> None:
+        prepared = self.prepared
+        self.parent_id = self.tracker.start_parent(
+            self.study.user_attrs.get(_PARENT), parent_params
+        )
+        self.study.set_user_attr(_PARENT, self.parent_id)
+        self.profile = self._stored_profile()
+        if prepared.needs_profile and self.profile is None:
+            self.callbacks.profiling()
+            self.profile = profile_task(prepared.task, prepared.backend, seed=prepared.budget.seed)
+            path = self.profile.save(prepared.out_dir / "profile.json")
+            self.tracker.log_profile(self.profile, path, self.parent_id)
+            self.study.set_user_attr(PROFILE_ATTR, self.profile.brief())
+            self.callbacks.profiled(self.profile, path)
+        self.space = prepared.fitted(self.profile)
+        if self.study.user_attrs.get("baseline") is None:
+            self.callbacks.baseline()
+            self.warm.ensure()
+        self.baseline = self._baseline()
+        if not self.study.user_attrs.get("anchors_enqueued"):
+            for name, params in self.space.anchors().items():
+                self.study.enqueue_trial(params, user_attrs={"anchor": name})
+            self.study.set_user_attr("anchors_enqueued", True)
+
+    def join(self) -> None:
+        """Read what the study's set-up made: parent run, profile, fitted space, baseline."""
+        prepared = self.prepared
+        fingerprint = self.study.user_attrs.get("space_fingerprint")
+        if fingerprint is not None and fingerprint != prepared.space.fingerprint():
+            raise AutoprecError(
+                f"study {prepared.study!r}: this process's space differs from the study's"
+            )
+        self.parent_id = self.study.user_attrs[_PARENT]
+        self.profile = self._stored_profile()
+        self.space = prepared.fitted(self.profile)
+        self.baseline = self._baseline()
+
+    def _stored_profile(self) -> Profile | None:
+        data = self.study.user_attrs.get(PROFILE_ATTR)
+        return None if data is None else Profile.from_dict(data)
+
+    def _baseline(self) -> TrialRecord:
+        """The stored fp32 baseline, or (under the set-up lease) a new one."""
+        prepared, tracker, study = self.prepared, self.tracker, self.study
+        policy = self.space.policy(self.space.uniform_params("fp32"))
+        stored = study.user_attrs.get("baseline")
+        if stored is not None:
+            result = TrialResult.from_dict(stored["result"])
+            return TrialRecord("baseline", policy, result, 0.0, True, stored.get("mlflow_run_id"))
+        cut_off = study.user_attrs.get("baseline_run_started")
+        if cut_off:  # a baseline whose process died: its run is closed, and it runs again
+            tracker.close_killed(cut_off, "the search stopped before the baseline finished")
+        tags = {"autoprec.role": "baseline"}
+        run_id = tracker.start_child(self.parent_id, "baseline-fp32", tags)
+        study.set_user_attr("baseline_run_started", run_id)
+        try:
+            result = run_trial(prepared.task, policy, prepared.backend, prepared.budget)
+        except BaseException:
+            tracker.close_killed(run_id, "interrupted during the baseline")
+            raise
+        params = self.space.flat_params(policy)
+        if result.state != "complete":
+            tracker.log_trial(run_id, params, result, {}, tags, policy)
+            raise AutoprecError(
+                f"task {prepared.task.name!r}: the fp32 baseline did not train "
+                f"({result.reason}); fix the task before searching"
+            )
+        done_tags = {**tags, "state": "complete", "feasible": "true"}
+        tracker.log_trial(run_id, params, result, {"accuracy_drop": 0.0}, done_tags, policy)
+        study.set_user_attr("baseline", {"result": result.to_dict(), "mlflow_run_id": run_id})
+        return TrialRecord("baseline", policy, result, 0.0, True, run_id)
+
+    # -- the trials -------------------------------------------------------------------------
+
+    @property
+    def trial_limit_s(self) -> float:
+        """The per-trial time limit: the setting, or 25x the baseline's trial."""
+        configured = self.prepared.config.trial_timeout_s
+        if configured is not None:
+            return float(configured)
+        assert self.baseline is not None
+        return max(TRIAL_TIMEOUT_MIN_S, TRIAL_TIMEOUT_FACTOR * self.baseline.result.run_time_s)
+
+    def context(self, limit_s: float | None = None) -> TrialContext:
+        """What every trial of the study shares, after the set-up."""
+        prepared, config = self.prepared, self.prepared.config
+        assert self.baseline is not None
+        stopper = EarlyStopping.from_baseline(self.baseline.result)
+        return TrialContext(
+            prepared.task,
+            self.space,
+            prepared.backend,
+            prepared.budget,
+            self.tracker,
+            self.parent_id,
+            self.baseline,
+            prepared.tolerance,
+            stopper if config.early_stopping else None,
+            prepared.model,
+            config.prefer,
+            self.trial_limit_s if limit_s is None else limit_s,
+            self._guidance(),
+        )
+
+    def _guidance(self) -> GuidedStrategy | None:
+        if self.prepared.config.sampler != "guided" or self.profile is None:
+            return None
+        order = [name for name, _ in self.space.group_risk(self.profile, self.prepared.model)]
+        return GuidedStrategy(
+            self.space,
+            order,
+            self.prepared.config.prefer,
+            self.prepared.model,
+            self.prepared.backend,
+        )
+
+    def measured(self) -> list[TrialRecord]:
+        return [record_of(t, self.prepared.tolerance) for t in finished(self.study)]
+
+    # -- the choice ---------------------------------------------------------------------------
+
+    def confirm(self, top: int) -> dict[str, float]:
+        """Re-time the ``top`` best feasible policies (by the preference) and the baseline
+        side by side; kept in the study, and measured again only when the set of
+        candidates changes."""
+        prefer = self.prepared.config.prefer
+        if prefer == "memory" or top <= 0:
+            return {}
+        assert self.baseline is not None
+        records = self.measured()
+        base = candidates([self.baseline])[0]
+        feasible = [c for c in candidates(records) if c.feasible]
+        fastest = sorted(feasible, key=lambda c: rank_key(c, prefer, base))[:top]
+        if not fastest:
+            return {}
+        keys = ["baseline", *(str(c.key) for c in fastest)]
+        stored = self.study.user_attrs.get(CONFIRMED_ATTR) or {}
+        if sorted(stored) == sorted(keys):
+            return stored
+        by_number = {str(r.number): r for r in records}
+        policies = [self.baseline.policy, *(by_number[k].policy for k in keys[1:])]
+        self.callbacks.confirming(len(keys))
+        self.warm.ensure()
+        prepared = self.prepared
+        times_ms = time_side_by_side(prepared.task, policies, prepared.backend, prepared.budget)
+        confirmed = dict(zip(keys, times_ms, strict=True))
+        self.study.set_user_attr(CONFIRMED_ATTR, confirmed)
+        return confirmed
+
+
+_PARENT = "mlflow_parent_run_id"  # study attribute: the study's one MLflow parent run
+
+
+def _on_stale(tracker: Tracker) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """What happens to a trial whose worker died: its MLflow child run is closed as
+    KILLED, and an anchor is queued again (Optuna has already failed the trial)."""
+
+    def on_stale(study: optuna.Study, trial: FrozenTrial) -> None:
+        if RECORD_ATTR in trial.user_attrs:  # measured and logged before the worker died
+            return
+        run_id = trial.user_attrs.get(RUN_ATTR)
+        if run_id:
+            tracker.close_killed(run_id, "its worker stopped sending heartbeats (killed?)")
+        requeue_anchor(study, trial)
+
+    return on_stale
+
+
+def close_cut_off_runs(study: optuna.Study, tracker: Tracker) -> None:
+    """Failed trials whose MLflow run is still open (their worker died while the
+    tracking store was unreachable): closed as KILLED now."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+        run_id = t.user_attrs.get(RUN_ATTR)
+        if run_id and RECORD_ATTR not in t.user_attrs:
+            tracker.close_if_open(run_id, "its trial was failed before its run was closed")

@@ -1,0 +1,175 @@
+"""What a search hands back: the candidates, the chosen best, summary.json and
+best_policy.yaml.
+
+Pure functions over the study's records, so that the same choice is made from a live
+study, from summary.json, or in a test; `write_outputs` is the one that writes files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from autoprec.policy import Policy
+from autoprec.search.records import TrialRecord, record_of
+from autoprec.search.studies import finished
+from autoprec.selection import Candidate, pareto_front, select_best
+from autoprec.space import SearchSpace
+from autoprec.trial import TrialResult
+
+
+def candidates(
+    records: list[TrialRecord], confirmed: dict[str, float] | None = None
+) -> list[Candidate]:
+    """Completed records as candidates. A confirmed step time replaces the trial's own;
+    the others are scaled by the baseline's confirmed-to-own ratio, so that all compare."""
+    confirmed = confirmed or {}
+    scale = 1.0
+    baseline = next((r for r in records if r.number == "baseline"), None)
+    if baseline is not None and "baseline" in confirmed:
+        scale = confirmed["baseline"] / baseline.result.step_time_ms
+    return [
+        Candidate(
+            r.number,
+            r.result.accuracy,
+            r.result.peak_memory_mb,
+            confirmed.get(str(r.number), r.result.step_time_ms * scale),
+            r.feasible,
+        )
+        for r in records
+        if r.result.state == "complete" and r.result.accuracy is not None
+    ]
+
+
+def best_record(
+    records: list[TrialRecord],
+    baseline: TrialRecord,
+    prefer: str,
+    confirmed: dict[str, float] | None = None,
+) -> TrialRecord:
+    """The best feasible record (the fp32 baseline is always a feasible candidate). Once
+    the fastest were re-timed side by side, the choice is among those."""
+    pool = [baseline, *records]
+    if confirmed:
+        pool = [r for r in pool if str(r.number) in confirmed]
+    chosen = select_best(
+        candidates(pool, confirmed), prefer, reference=candidates([baseline], confirmed)[0]
+    )
+    return next(r for r in pool if chosen is not None and r.number == chosen.key)
+
+
+def summarize(
+    study: optuna.Study,
+    space: SearchSpace,
+    baseline: TrialRecord,
+    tolerance: float,
+    prefer: str,
+    confirmed: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """summary.json: the baseline, every trial, the Pareto front, and the chosen best.
+
+    Where step times were confirmed side by side, the front and the choice use them.
+    """
+    confirmed = confirmed or {}
+    trials = {t.number: t for t in finished(study)}
+    records = [record_of(t, tolerance) for t in trials.values()]
+    front_keys = {c.key for c in pareto_front(candidates([baseline, *records], confirmed))}
+    best = best_record(records, baseline, prefer, confirmed)
+
+    def step_time_ms(r: TrialRecord) -> float:
+        return confirmed.get(str(r.number), r.result.step_time_ms)
+
+    def entry(r: TrialRecord) -> dict[str, Any]:
+        return {
+            "number": r.number,
+            "state": r.result.state,
+            "reason": r.result.reason,
+            "anchor": trials[r.number].user_attrs.get("anchor") if r.number in trials else None,
+            "guided": trials[r.number].user_attrs.get("guided") if r.number in trials else None,
+            "params": space.flat_params(r.policy),
+            "policy": r.policy.to_dict(),
+            "metrics": {
+                **r.result.metrics(),
+                **({"accuracy_drop": r.accuracy_drop} if r.accuracy_drop is not None else {}),
+                **(
+                    {"confirmed_step_time_ms": confirmed[str(r.number)]}
+                    if str(r.number) in confirmed
+                    else {}
+                ),
+            },
+            "feasible": r.feasible,
+            "pareto": r.number in front_keys,
+            "mlflow_run_id": r.mlflow_run_id,
+            "peak_memory_is_estimate": r.result.peak_memory_is_estimate,
+            "switches": r.result.switches,
+            "telemetry": _telemetry_brief(r.result),
+        }
+
+    best_entry = entry(best)
+    best_entry["trial"] = best.number
+    best_entry["speedup_vs_fp32"] = step_time_ms(baseline) / step_time_ms(best)
+    best_entry["memory_saving_vs_fp32"] = (
+        1.0 - best.result.peak_memory_mb / baseline.result.peak_memory_mb
+    )
+    duplicates = sum(1 for t in study.trials if "duplicate_of" in t.user_attrs)
+    return {
+        "study": study.study_name,
+        "metric_names": [*TrialResult.METRICS, "accuracy_drop"],
+        "peak_memory_is_estimate": baseline.result.peak_memory_is_estimate,
+        "step_times_confirmed": sorted(confirmed),
+        "accuracy_tolerance": tolerance,
+        "prefer": prefer,
+        "baseline": entry(baseline),
+        "trials": [entry(r) for r in records],
+        "pareto_front": [
+            k for k in [baseline.number, *(r.number for r in records)] if k in front_keys
+        ],
+        "best": best_entry,
+        "duplicates_skipped": duplicates,
+        # What fp16 would do to the fp32 baseline's own gradients and activations.
+        "advice": (baseline.result.telemetry or {}).get("warnings", []),
+        "trial_time_s": baseline.result.run_time_s + sum(r.result.run_time_s for r in records),
+    }
+
+
+def _telemetry_brief(result: TrialResult) -> dict[str, Any]:
+    """The worst layers and the warnings, for summary.json (the full table is in MLflow)."""
+    telemetry = result.telemetry or {}
+    return {
+        "grad_underflow_ratio": telemetry.get("grad_underflow_ratio"),
+        "observed_steps": telemetry.get("observed_steps", 0),
+        "worst_layers": telemetry.get("layers", [])[:3],
+        "warnings": telemetry.get("warnings", []),
+        "loss_scale_final": result.loss_scales[-1] if result.loss_scales else None,
+        "loss_scale_min": min(result.loss_scales) if result.loss_scales else None,
+    }
+
+
+def numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    return {
+        k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)
+    }
+
+
+def finite(value: Any) -> Any:
+    """Strict JSON: non-finite floats (a diverged loss) become the strings 'nan', 'inf'."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def write_outputs(summary: dict[str, Any], policy: Policy, out_dir: Path) -> tuple[Path, Path]:
+    """``best_policy.yaml`` and ``summary.json`` (strict JSON) in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    policy_path = policy.save(out_dir / "best_policy.yaml")
+    summary_path = out_dir / "summary.json"
+    summary_path.write_text(json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
+    return policy_path, summary_path
