@@ -44,6 +44,15 @@ def mixed(loss_scale: dict) -> Policy:
     )
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models step many times faster on one thread than on two shared, busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 DYNAMIC = {"mode": "dynamic", "init_scale": 1024.0, "growth_interval": 1}
 
 
