@@ -1,0 +1,270 @@
+"""A policy as a Lightning precision plugin: ``Trainer(plugins=[PolicyPrecision(policy)])``.
+
+The plugin applies the policy's regions to the LightningModule, runs every step (training,
+validation, test, predict) in the policy's autocast, scales the loss, unscales gradients
+before Lightning clips them, skips the optimizer step when they overflowed, and carries the
+loss-scale state in the checkpoint. `PolicyFabricPrecision` does the same for Fabric.
+
+Master weights stay fp32, so the plugin reports Lightning's ``precision="32-true"``. Written
+for the ``lightning`` package (2.2 or later), single-device strategies; DDP is expected to work
+(the regions sit on the module that DDP wraps) but was not run, and FSDP and DeepSpeed, which
+bring precision plugins of their own, are not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec import Policy, Precision
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins.precision import Precision as FabricPrecision
+    from lightning.pytorch.plugins.precision import Precision as LightningPrecision
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+except ImportError:
+    raise ImportError(
+        "autoprec.integrations.lightning needs the lightning package: "
+        "pip install 'autoprec[lightning]'"
+    ) from None
+
+
+class _Applied:
+    """The policy, the module it lands on, and its Precision while applied.
+
+    Loss-scale state that arrives before the policy is applied (a checkpoint restored early)
+    or outlives its removal (a teardown between ``fit`` and ``test``) is kept here, so that
+    the scale goes on where it was."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.module: nn.Module | None = None
+        self.precision: Precision | None = None
+        self.state: dict[str, Any] | None = None
+
+    def keep(self, module: nn.Module) -> None:
+        if self.module is not module:
+            self.remove()
+            self.module = module
+
+    def apply(self) -> Precision:
+        """Apply the policy once, on the device the module's parameters are on now."""
+        if self.precision is None:
+            if self.module is None:
+                raise ValueError("the policy has no module to apply to: set the module up first")
+            self.precision = self.policy.apply(self.module)
+            if self.state is not None:
+                self.precision.load_state_dict(self.state)
+        return self.precision
+
+    def remove(self) -> None:
+        if self.precision is not None:
+            self.state = self.precision.state_dict()
+            self.precision.remove()
+            self.precision = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.precision is not None:
+            return self.precision.state_dict()
+        return dict(self.state or {})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+        if self.precision is not None:
+            self.precision.load_state_dict(state)
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        # What Precision.backward back-propagates (in fp32, the scale updated first), for a
+        # framework that calls backward itself; the scale is 1.0 without loss scaling.
+        return loss.float() * self.apply().loss_scale
+
+    def check_step_arguments(self, kwargs: dict[str, Any]) -> None:
+        if kwargs:
+            raise ValueError(
+                f"optimizer.step({', '.join(kwargs)}=...): a policy with loss scaling steps the "
+                "optimizer itself and takes no step arguments"
+            )
+
+
+class PolicyPrecision(LightningPrecision):
+    """Trains a LightningModule under an autoprec policy; pass it as ``plugins=[...]`` and
+    leave ``Trainer(precision=...)`` out (Lightning refuses both at once)."""
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__()
+        self._applied = _Applied(policy)
+        self._skipping_step = False
+
+    def __repr__(self) -> str:
+        return f"PolicyPrecision(policy={self._applied.policy.name or 'unnamed'!r})"
+
+    @property
+    def policy(self) -> Policy:
+        return self._applied.policy
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without scaling), also between runs."""
+        if self._applied.precision is not None:
+            return self._applied.precision.loss_scale
+        state = self._applied.state_dict()
+        if state:
+            return float(state["loss_scaler"]["scale"])
+        settings = self.policy.loss_scale
+        return float(settings.init_scale) if settings.enabled else 1.0
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        # Strategy.setup calls this before it moves the module to its device, and `connect`
+        # after: the policy is applied there, so on CUDA the regions are CUDA autocast regions
+        # (the order is Lightning's; only the CPU was run).
+        self._applied.keep(module)
+        return module
+
+    def connect(
+        self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
+        # `model` may be the DDP wrapper; the regions go on the LightningModule kept above.
+        if self._applied.module is None:
+            self._applied.keep(model)
+        self._applied.apply()
+        return model, optimizers, lr_schedulers
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        precision = self._applied.precision
+        return precision.autocast() if precision is not None else contextlib.nullcontext()
+
+    def backward(
+        self,
+        tensor: torch.Tensor,
+        model: pl.LightningModule,
+        optimizer: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        # Scaled here rather than in pre_backward, so on_before_backward sees the true loss.
+        super().backward(self._applied.scaled(tensor), model, optimizer, *args, **kwargs)
+
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure (forward, backward), unscale, let Lightning clip the true gradients,
+        then step unless they overflowed; the scale is updated once per iteration (in manual
+        optimization, with several optimizers, when the next backward begins)."""
+        if not self.policy.loss_scale.enabled:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("LBFGS needs a closure per step and cannot be used with loss scaling")
+        self._applied.check_step_arguments(kwargs)
+        precision = self._applied.apply()
+        closure_result = closure()
+        # A training_step that returned None skipped backward: nothing to unscale or step
+        # (as Lightning's MixedPrecision does).
+        self._skipping_step = closure_result is None and model.automatic_optimization
+        try:
+            if not self._skipping_step:
+                precision.unscale_(optimizer)
+            self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, clipping
+        finally:
+            skipped, self._skipping_step = self._skipping_step, False
+        if skipped:
+            return closure_result
+        precision.step(optimizer)
+        if model.automatic_optimization:
+            precision.update()
+        return closure_result
+
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        # In manual optimization self.clip_gradients comes before optimizer.step: unscale
+        # first (a no-op when optimizer_step has unscaled already).
+        if clip_val > 0 and not self._skipping_step:
+            self._applied.apply().unscale_(optimizer)
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._applied.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._applied.load_state_dict(state_dict)
+
+    def teardown(self) -> None:
+        """Take the regions off at the end of each fit/validate/test/predict; the next run
+        applies the policy again, with the loss scale where it was."""
+        self._applied.remove()
+
+
+class PolicyFabricPrecision(FabricPrecision):
+    """The same for Fabric: ``Fabric(plugins=[PolicyFabricPrecision(policy)])``, one module.
+
+    Fabric moves the module after ``convert_module`` and has no hook after that, so the policy
+    is applied at the first forward (or backward), on the module's device then. Fabric saves
+    no precision state by itself: put the plugin in the state, ``fabric.save(path, {...,
+    "precision": plugin})``, and ``fabric.load`` restores it."""
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__()
+        self._applied = _Applied(policy)
+
+    def __repr__(self) -> str:
+        return f"PolicyFabricPrecision(policy={self._applied.policy.name or 'unnamed'!r})"
+
+    @property
+    def policy(self) -> Policy:
+        return self._applied.policy
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without scaling)."""
+        return self._applied.apply().loss_scale
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self._applied.module is not None and self._applied.module is not module:
+            raise ValueError(
+                "PolicyFabricPrecision applies its policy to one module: set up only one"
+            )
+        self._applied.keep(module)
+        return module
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        if self._applied.module is None:
+            return contextlib.nullcontext()
+        return self._applied.apply().autocast()
+
+    def backward(
+        self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any
+    ) -> None:
+        self._applied.scaled(tensor).backward(*args, **kwargs)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        # Fabric's clip_gradients calls this first, so clipping sees true gradients.
+        self._applied.apply().unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step unless the gradients overflowed (the scale is updated when the next backward
+        begins, once for all optimizers stepped in between); returns whether it stepped."""
+        if not self.policy.loss_scale.enabled:
+            return super().optimizer_step(optimizer, **kwargs)
+        self._applied.check_step_arguments(kwargs)
+        return self._applied.apply().step(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._applied.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._applied.load_state_dict(state_dict)
+
+    def teardown(self) -> None:
+        self._applied.remove()

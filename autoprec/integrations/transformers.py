@@ -1,0 +1,133 @@
+"""A policy in transformers' Trainer: ``PolicyTrainer(policy=policy, model=..., args=...)``.
+
+`PolicyTrainer` is a ``transformers.Trainer`` that applies the policy to the model, runs every
+forward (training and evaluation) in the policy's autocast, scales the loss, unscales the
+gradients before the Trainer clips them (``max_grad_norm``) and logs their norm, and skips the
+optimizer step on overflow, and with it the LR scheduler's step. The loss-scale state is saved
+in each checkpoint (``scaler.pt``) and loaded back on resume.
+
+How: the Precision stands where accelerate keeps a GradScaler (``accelerator.scaler``), so that
+accelerate scales the loss in ``accelerator.backward``, steps the optimizer through it and
+reports a skipped step, on which the Trainer leaves the LR scheduler alone, and the Trainer
+saves and loads it as it would a GradScaler. Tested with transformers 5 on the CPU, one
+process; DDP is expected to work (the regions sit on the module DDP wraps) but was not run.
+DeepSpeed and FSDP bring their own mixed precision and are not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec import Policy, Precision
+
+try:
+    import transformers
+    from accelerate.optimizer import AcceleratedOptimizer
+except ImportError:
+    raise ImportError(
+        "autoprec.integrations.transformers needs transformers and accelerate: "
+        "pip install transformers accelerate"
+    ) from None
+
+# TrainingArguments that would add the Trainer's own mixed precision on top of the policy's.
+REFUSED_ARGUMENTS = ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval")
+
+
+class _PrecisionScaler:
+    """A Precision behind the GradScaler methods that accelerate and the Trainer call."""
+
+    def __init__(self, precision: Precision) -> None:
+        self.precision = precision
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        # What Precision.backward back-propagates (in fp32, the scale updated first);
+        # accelerate calls backward on it. The scale is 1.0 without loss scaling.
+        return loss.float() * self.precision.loss_scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self.precision.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+        if closure is not None:
+            raise ValueError("optimizer.step(closure): a policy steps the optimizer without one")
+        return self.precision.step(optimizer)
+
+    def update(self) -> None:
+        self.precision.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.precision.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.precision.load_state_dict(state)
+
+
+class PolicyTrainer(transformers.Trainer):
+    """A Trainer that trains its model under an autoprec policy; every other argument is the
+    Trainer's. ``precision`` is the applied `autoprec.Precision` (its ``loss_scale``, say)."""
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: Any = None,
+        *more: Any,
+        policy: Policy,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(policy, Policy):
+            raise ValueError(f"PolicyTrainer(policy=...): expected a Policy, got {policy!r}")
+        refused = [name for name in REFUSED_ARGUMENTS if getattr(args, name, False)]
+        if refused:
+            raise ValueError(
+                f"PolicyTrainer: TrainingArguments({refused[0]}=True) would add the Trainer's own "
+                "mixed precision to the policy's; leave fp16, bf16, fp16_full_eval and "
+                "bf16_full_eval off"
+            )
+        if getattr(args, "tf32", None) is not None and policy.tf32 is not None:
+            raise ValueError(
+                "PolicyTrainer: TF32 is set by both TrainingArguments(tf32=...) and the policy's "
+                "switches; set it in one place"
+            )
+        if kwargs.get("model_init") is not None:
+            raise ValueError(
+                "PolicyTrainer: model_init builds a new model for each run, which the policy is "
+                "not applied to; pass model=..."
+            )
+        super().__init__(model, args, *more, **kwargs)
+        if self.args.n_gpu > 1:
+            raise ValueError(
+                "PolicyTrainer: DataParallel (several GPUs in one process) copies modules without "
+                "the policy's regions; launch one process per GPU (torchrun)"
+            )
+        self.policy = policy
+        # The Trainer has placed the model on args.device by now (unless a sharding backend
+        # places it later): the regions and the autocast are for that device's kind.
+        self.precision = policy.apply(self.model, self.args.device)
+        self.accelerator.scaler = _PrecisionScaler(self.precision)
+
+    def autocast_smart_context_manager(
+        self, cache_enabled: bool | None = True
+    ) -> contextlib.AbstractContextManager:
+        """The policy's autocast, which the Trainer enters around every forward and loss."""
+        return self.precision.autocast()
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """The Trainer's step (forward, scaled backward); after the last micro-batch of an
+        optimizer step, the gradients are unscaled, so that clipping and the logged grad_norm
+        see true gradients (accelerate unscales only for its own fp16 mode)."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:
+            optimizer = self.optimizer
+            while isinstance(optimizer, AcceleratedOptimizer):
+                optimizer = optimizer.optimizer
+            self.precision.unscale_(optimizer)
+        return loss

@@ -1,0 +1,202 @@
+"""A policy in PyTorch Lightning: PolicyPrecision in a Trainer (layers in their dtypes, the loss
+going down, the loss scale in the checkpoint and back on resume, overflowing steps skipped,
+clipping on true gradients), and PolicyFabricPrecision in a Fabric loop."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from autoprec import Policy
+
+pl = pytest.importorskip(
+    "lightning.pytorch", reason="the Lightning integration needs: pip install 'autoprec[lightning]'"
+)
+from lightning.fabric import Fabric  # noqa: E402
+
+from autoprec.integrations.lightning import PolicyFabricPrecision, PolicyPrecision  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*does not have many workers:UserWarning",
+    "ignore:.*GPU available but not used:UserWarning",
+    "ignore:The dirpath has changed:UserWarning",  # resuming into another folder, on purpose
+)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def mixed(loss_scale: dict) -> Policy:
+    """The first layer in fp16, the second in bf16, the head in fp32."""
+    return Policy.from_dict(
+        {
+            "name": "mixed",
+            "default": "fp32",
+            "rules": [
+                {"patterns": ["net.0"], "dtype": "fp16"},
+                {"patterns": ["net.2"], "dtype": "bf16"},
+            ],
+            "loss_scale": loss_scale,
+        }
+    )
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models step many times faster on one thread than on two shared, busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+DYNAMIC = {"mode": "dynamic", "init_scale": 1024.0, "growth_interval": 1}
+
+
+def loader(batches: int = 8) -> DataLoader:
+    """Random inputs labelled by a random linear rule: learnable in a few dozen steps."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(32 * batches, 16, generator=generator)
+    labels = (x @ torch.randn(16, 2, generator=generator)).argmax(1)
+    return DataLoader(TensorDataset(x, labels), batch_size=32)
+
+
+class MLP(pl.LightningModule):
+    def __init__(self, optimizer: type[torch.optim.Optimizer] = torch.optim.Adam) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2)
+        )
+        self.optimizer = optimizer
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, labels = batch
+        loss = F.cross_entropy(self(x).float(), labels)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return self.optimizer(self.parameters(), lr=1e-2)
+
+
+def trainer(tmp_path, plugin, max_steps: int, **kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        plugins=[plugin],
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=True,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+
+
+def record_dtypes(model: nn.Module, names: list[str]) -> dict[str, set[torch.dtype]]:
+    """Forward hooks, registered before the policy is applied, that collect output dtypes."""
+    seen: dict[str, set[torch.dtype]] = {name: set() for name in names}
+    for name in names:
+        model.get_submodule(name).register_forward_hook(
+            lambda module, args, out, name=name: seen[name].add(out.dtype)
+        )
+    return seen
+
+
+def test_mixed_policy_trains_and_its_loss_scale_survives_a_resume(tmp_path):
+    policy = mixed(DYNAMIC)
+    model = MLP()
+    seen = record_dtypes(model, ["net.0", "net.2", "net.4"])
+    plugin = PolicyPrecision(policy)
+    first = trainer(tmp_path, plugin, max_steps=24)  # 3 epochs of 8 batches
+    first.fit(model, loader())
+
+    resolved = policy.resolve(model, "cpu")
+    assert resolved == {"net.0": "fp16", "net.2": "bf16", "net.4": "fp32"}
+    assert seen == {name: {DTYPES[dtype]} for name, dtype in resolved.items()}
+    assert sum(model.losses[-4:]) < 0.6 * sum(model.losses[:4]), model.losses
+
+    checkpoint = torch.load(first.checkpoint_callback.best_model_path, weights_only=False)
+    saved = checkpoint["PolicyPrecision"]["loss_scaler"]
+    assert saved["scale"] == plugin.loss_scale != DYNAMIC["init_scale"]
+
+    scales = []
+
+    class RecordScale(pl.Callback):
+        def on_train_start(self, trainer, module):
+            scales.append(trainer.precision_plugin.loss_scale)
+
+    resumed = trainer(
+        tmp_path / "resumed", PolicyPrecision(policy), max_steps=26, callbacks=[RecordScale()]
+    )
+    resumed.fit(MLP(), loader(), ckpt_path=first.checkpoint_callback.best_model_path)
+    assert scales == [saved["scale"]]
+    assert resumed.global_step == 26
+
+
+def test_trainer_precision_flag_is_refused_beside_the_plugin():
+    with pytest.raises(ValueError, match=r"Received both `precision=bf16-mixed`.*'mixed'"):
+        pl.Trainer(precision="bf16-mixed", plugins=[PolicyPrecision(mixed(DYNAMIC))])
+
+
+def test_every_step_overflowing_is_skipped(tmp_path):
+    model = MLP()
+    before = copy.deepcopy(model.state_dict())
+    plugin = PolicyPrecision(mixed({"mode": "static", "init_scale": 2.0**40}))
+    run = trainer(tmp_path, plugin, max_steps=4)
+    run.fit(model, loader())
+    assert len(model.losses) == 4
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not run.optimizers[0].state  # Adam never stepped
+    assert plugin.loss_scale == 2.0**40
+
+
+def test_clipping_sees_unscaled_gradients(tmp_path):
+    norms = []
+
+    class RecordingSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            grads = [p.grad for group in self.param_groups for p in group["params"]]
+            norms.append(float(torch.nn.utils.get_total_norm(grads)))
+            return super().step(closure)
+
+    plugin = PolicyPrecision(mixed({"mode": "static", "init_scale": 2.0**12}))
+    run = trainer(tmp_path, plugin, max_steps=3, gradient_clip_val=1e-3)
+    run.fit(MLP(RecordingSGD), loader())
+    assert len(norms) == 3
+    assert norms == pytest.approx([1e-3] * 3, rel=1e-3)  # not 1e-3 / 2**12
+
+
+def test_fabric_loop_runs_the_policy_and_keeps_the_scale(tmp_path):
+    policy = mixed(DYNAMIC)
+    net = MLP()
+    seen = record_dtypes(net, ["net.0", "net.2", "net.4"])
+    plugin = PolicyFabricPrecision(policy)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+    losses = []
+    for _ in range(3):
+        for x, labels in loader():
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x).float(), labels)
+            fabric.backward(loss)
+            # Overflowing steps (the scale grows every step) are skipped: no error on them.
+            fabric.clip_gradients(model, optimizer, max_norm=10.0, error_if_nonfinite=False)
+            optimizer.step()
+            losses.append(loss.item())
+    assert seen == {"net.0": {torch.float16}, "net.2": {torch.bfloat16}, "net.4": {torch.float32}}
+    assert sum(losses[-4:]) < 0.6 * sum(losses[:4]), losses
+    assert plugin.loss_scale != DYNAMIC["init_scale"]
+
+    fabric.save(tmp_path / "state.ckpt", {"model": model, "precision": plugin})
+    again = PolicyFabricPrecision(policy)
+    fabric.load(tmp_path / "state.ckpt", {"precision": again}, strict=False)
+    assert again.state_dict() == plugin.state_dict()
