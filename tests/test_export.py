@@ -7,11 +7,15 @@ checked against the documented formats (shared/NPU.md).
 from __future__ import annotations
 
 import re
+import subprocess
 import warnings
+
+import pytest
+import torch
 
 import autoprec
 from autoprec import LossScale, Policy, Rule, load_policy
-from autoprec.exports import ExportWarning, export_policy
+from autoprec.exports import ExportError, ExportWarning, export_policy
 
 
 def first_batch(task: autoprec.Task):
@@ -110,3 +114,193 @@ def test_torch_npu_bf16_says_what_it_approximates(tmp_path):
     (note,) = notes
     assert "no bf16 mode" in note
     assert note in header_text(text)
+
+
+# -- cann ----------------------------------------------------------------------------------
+
+
+def unqualified(name: str) -> str:
+    """The scope name torch's TorchScript exporter gives a module (last non-numeric part on)."""
+    parts = name.split(".")
+    starts = [i for i, part in enumerate(parts) if not part.isnumeric()]
+    return ".".join(parts[starts[-1] :]) if starts else name
+
+
+def scopes_by_running(model, batch) -> dict[str, str]:
+    """Scope path -> module name, from the module calls of one real forward pass (the chain of
+    modules each call sits in), not from the names: a ModuleList, never called, has no scope."""
+    names = {module: name for name, module in model.named_modules()}
+    stack: list[str] = []
+    scopes: dict[str, str] = {}
+
+    def enter(module, args, kwargs=None):
+        stack.append(unqualified(names[module]))
+        scopes.setdefault("/".join(stack), names[module])
+
+    def leave(module, args, output):
+        stack.pop()
+
+    handles = [m.register_forward_pre_hook(enter) for m in model.modules() if m is not model]
+    handles += [m.register_forward_hook(leave) for m in model.modules() if m is not model]
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(*batch.args, **{k: v for k, v in batch.kwargs.items() if k != "labels"})
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return scopes
+
+
+def module_of(node_name: str, scopes: dict[str, str]) -> str:
+    parts = node_name.split("/")[1:-1]
+    while parts:
+        for key in ("/".join(parts), "/".join(re.sub(r"_\d+$", "", p) for p in parts)):
+            if key in scopes:
+                return scopes[key]
+        parts = parts[:-1]
+    return ""
+
+
+def expected_fp32(module: str, dtypes: dict[str, str]) -> bool:
+    """A node runs in fp32 when the module it sits in (or the nearest one above it with
+    layers) has only fp32 layers."""
+    while True:
+        below = [
+            d for layer, d in dtypes.items() if module == "" or f"{layer}.".startswith(module + ".")
+        ]
+        if below or module == "":
+            return bool(below) and set(below) == {"fp32"}
+        module = module.rpartition(".")[0]
+
+
+def onnx_nodes(path):
+    onnx = pytest.importorskip("onnx")
+    return [node for node in onnx.load(str(path)).graph.node if node.op_type != "Constant"]
+
+
+def check_cann(tmp_path, task_name, policy, mode, device="npu", widened=()):
+    task = autoprec.load_task(task_name)
+    model = task.model()
+    batch = first_batch(task)
+    paths, notes = export_quietly(
+        policy, "cann", tmp_path, model=model, example=batch, device=device
+    )
+    assert [p.name for p in paths] == ["model.onnx", "keep_dtype.cfg", "atc_command.sh"]
+    assert model.training  # the export put the model in eval mode and back
+
+    listed = paths[1].read_text().splitlines()
+    scopes = scopes_by_running(model, batch)
+    dtypes = {**policy.resolve(model, device), **dict.fromkeys(widened, "fp32")}
+    nodes = onnx_nodes(paths[0])
+    kept = [n.name for n in nodes if expected_fp32(module_of(n.name, scopes), dtypes)]
+    assert listed == kept
+    # every fp32 layer that the graph has a node for is listed
+    node_layers = {module_of(n.name, scopes) for n in nodes}
+    for layer, dtype in dtypes.items():
+        if dtype == "fp32" and layer in node_layers:
+            assert any(module_of(name, scopes) == layer for name in listed), layer
+
+    command = paths[2].read_text()
+    subprocess.run(["bash", "-n", str(paths[2])], check=True)
+    assert "atc --model=model.onnx" in command and "--framework=5" in command
+    assert "--output=model" in command and '--soc_version="$SOC_VERSION"' in command
+    assert f"--precision_mode_v2={mode}" in command
+    assert ("--keep_dtype=keep_dtype.cfg" in command) == (mode != "origin" and bool(listed))
+    for note in notes:
+        assert note in header_text(command)
+    return listed, notes, command
+
+
+def test_cann_mlp_fp16(tmp_path):
+    policy = Policy(rules=(Rule("fp32", patterns=("fc2",)),), default="fp16")
+    listed, notes, _ = check_cann(tmp_path, "digits-mlp", policy, "mixed_float16")
+    # fc2 by the policy, the LayerNorms because autocast runs them in fp32 on the NPU
+    assert listed == [
+        "/norm1/LayerNormalization",
+        "/fc2/Gemm",
+        "/norm2/LayerNormalization",
+    ]
+    assert notes == []
+
+
+def test_cann_mlp_on_cpu_follows_the_policy_for_norms(tmp_path):
+    policy = Policy(rules=(Rule("fp32", patterns=("fc2",)),), default="fp16")
+    listed, _, _ = check_cann(tmp_path, "digits-mlp", policy, "mixed_float16", device="cpu")
+    assert listed == ["/fc2/Gemm"]
+
+
+def test_cann_cnn_bf16_keeps_batchnorm_as_a_node(tmp_path):
+    policy = Policy(rules=(Rule("fp32", patterns=("bn1", "head")),), default="bf16")
+    listed, notes, _ = check_cann(tmp_path, "digits-cnn", policy, "mixed_bfloat16")
+    assert listed == ["/bn1/BatchNormalization", "/head/Gemm"]
+    (note,) = notes  # ATC could fold the kept BatchNorm into the bf16 Conv before it
+    assert "/bn1/BatchNormalization after /conv1/Conv" in note
+
+
+def test_cann_resnet_nested_blocks(tmp_path):
+    policy = Policy(rules=(Rule("fp32", patterns=("layer2", "fc")),), default="fp16")
+    listed, notes, _ = check_cann(tmp_path, "digits-resnet", policy, "mixed_float16")
+    assert "/layer2/layer2.0/downsample/downsample.0/Conv" in listed
+    assert "/layer2/layer2.3/relu_2/Relu" in listed  # the block's own ops, all fp32 inside
+    assert "/layer2/layer2.0/Add" in listed and "/fc/Gemm" in listed
+    assert not any(name.startswith(("/layer1/", "/layer3/")) for name in listed)
+    assert notes == []
+
+
+def test_cann_tiny_bert(tmp_path):
+    pytest.importorskip("transformers")
+    policy = Policy(
+        rules=(Rule("fp32", patterns=("bert.encoder.layer.1.attention", "classifier")),),
+        default="fp16",
+    )
+    listed, _, command = check_cann(tmp_path, "tiny-bert", policy, "mixed_float16")
+    attention = "/bert/encoder/layer.1/attention/"
+    assert attention + "self/query/MatMul" in listed
+    assert attention + "self/Softmax" in listed  # inside a module whose layers are all fp32
+    assert "/bert/encoder/layer.0/attention/self/query/MatMul" not in listed
+    assert "/classifier/Gemm" in listed
+    assert "attention_mask" in command  # the inputs and their shapes are in the header
+
+
+def test_cann_all_fp32_is_origin(tmp_path):
+    _, _, command = check_cann(tmp_path, "digits-mlp", Policy.uniform("fp32"), "origin")
+    assert "--keep_dtype" not in command
+
+
+def test_cann_mixed_low_dtypes_widens_the_smaller_one(tmp_path):
+    policy = Policy(rules=(Rule("bf16", patterns=("head",)),), default="fp16", hf32=True)
+    listed, notes, _ = check_cann(tmp_path, "digits-mlp", policy, "mixed_float16", widened=["head"])
+    assert "/head/Gemm" in listed
+    assert any("mixes fp16 and bf16" in note and "(head)" in note for note in notes)
+    assert any("hf32" in note for note in notes)
+
+
+def test_cann_soc_version_default(tmp_path):
+    task = autoprec.load_task("digits-mlp")
+    from autoprec.exports import export_cann
+
+    paths = export_cann(
+        Policy.uniform("fp16"), tmp_path, task.model(), first_batch(task), soc_version="Ascend910B3"
+    )
+    assert 'SOC_VERSION="${SOC_VERSION:-Ascend910B3}"' in paths[2].read_text()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "with_model", "needs"),
+    [
+        ("cann", False, "needs a model"),
+        ("cann", True, "needs an example input"),
+    ],
+)
+def test_missing_inputs_are_one_line_errors(tmp_path, fmt, with_model, needs):
+    model = autoprec.load_task("digits-mlp").model() if with_model else None
+    with pytest.raises(autoprec.AutoprecError, match=needs) as error:
+        export_policy(Policy.uniform("fp16"), fmt, tmp_path, model=model)
+    assert isinstance(error.value, ExportError) and "\n" not in str(error.value)
+
+
+def test_unknown_format(tmp_path):
+    with pytest.raises(ExportError, match="unknown"):
+        export_policy(Policy.uniform("fp16"), "tflite", tmp_path)

@@ -5,7 +5,8 @@ is one function and one module; ``export_policy`` picks one by name:
 
 - ``yaml``: ``policy.yaml``, what ``autoprec.load_policy`` reads back;
 - ``torch-npu``: ``npu_settings.py`` (torch_npu's ACL_PRECISION_MODE and HF32 switches, then
-  the policy applied) and ``policy.yaml``.
+  the policy applied) and ``policy.yaml``;
+- ``cann``: ``model.onnx``, ``keep_dtype.cfg`` and ``atc_command.sh`` for ATC (Ascend inference).
 
 A format that cannot say exactly what the policy says warns (``ExportWarning``) and writes the
 same text in its file's header. The Ascend formats follow the documented formats only: neither
@@ -21,15 +22,17 @@ from torch import nn
 
 from autoprec import Policy
 from autoprec.exports._common import ExportError, ExportWarning
+from autoprec.exports.cann import export_cann
 from autoprec.exports.npu import export_torch_npu
 from autoprec.exports.yaml_file import export_yaml
 
-FORMATS = ("yaml", "torch-npu")
+FORMATS = ("yaml", "torch-npu", "cann")
 
 __all__ = [
     "FORMATS",
     "ExportError",
     "ExportWarning",
+    "export_cann",
     "export_policy",
     "export_torch_npu",
     "export_yaml",
@@ -56,4 +59,6 @@ def export_policy(
         return export_yaml(policy, out_dir)
     if fmt == "torch-npu":
         return export_torch_npu(policy, out_dir, model)
+    if fmt == "cann":
+        return export_cann(policy, out_dir, model, example, device)
     raise ExportError(f"format {fmt!r}: unknown (expected one of {', '.join(FORMATS)})")
