@@ -1,11 +1,13 @@
 """Exports: a found policy in the formats other tools read (autoprec.exports).
 
 torch_npu and ATC are not installed here (no Ascend chip): the torch-npu and cann outputs are
-checked against the documented formats (shared/NPU.md).
+checked against the documented formats (shared/NPU.md), the transformers one by loading a
+real model with from_pretrained.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import warnings
@@ -16,6 +18,7 @@ import torch
 import autoprec
 from autoprec import LossScale, Policy, Rule, load_policy
 from autoprec.exports import ExportError, ExportWarning, export_policy
+from autoprec.exports.hf import keep_entries, selected
 
 
 def first_batch(task: autoprec.Task):
@@ -292,6 +295,7 @@ def test_cann_soc_version_default(tmp_path):
     [
         ("cann", False, "needs a model"),
         ("cann", True, "needs an example input"),
+        ("transformers", False, "needs a model"),
     ],
 )
 def test_missing_inputs_are_one_line_errors(tmp_path, fmt, with_model, needs):
@@ -301,6 +305,105 @@ def test_missing_inputs_are_one_line_errors(tmp_path, fmt, with_model, needs):
     assert isinstance(error.value, ExportError) and "\n" not in str(error.value)
 
 
-def test_unknown_format(tmp_path):
+def test_unknown_format_and_non_transformers_model(tmp_path):
     with pytest.raises(ExportError, match="unknown"):
         export_policy(Policy.uniform("fp16"), "tflite", tmp_path)
+    model = autoprec.load_task("digits-mlp").model()
+    with pytest.raises(ExportError, match="not a transformers PreTrainedModel"):
+        export_policy(Policy.uniform("fp16"), "transformers", tmp_path, model=model)
+
+
+# -- transformers --------------------------------------------------------------------------
+
+
+def test_keep_entries_select_exactly():
+    keys = [
+        f"encoder.layer.{i}.{part}.{p}"
+        for i in range(12)
+        for part in ("attn", "mlp")
+        for p in ("weight", "bias")
+    ] + ["head.weight"]
+    fp32 = ["encoder.layer.1.attn", "encoder.layer.1.mlp", "encoder.layer.3.mlp", "head"]
+    wanted = {k for k in keys if k.rpartition(".")[0] in fp32}
+    plain = keep_entries(keys, fp32)
+    # "layer.1" would select layer.10 and layer.11 too (a regex search): its parts instead
+    assert plain == ["layer.1.attn", "layer.1.mlp", "layer.3.mlp", "head"]
+    assert selected(keys, plain) == wanted
+
+    # names that contain a kept name: whole components only
+    keys += ["encoder.layer.1x.attn.weight", "head_extra.weight", "lm_head.weight"]
+    entries = keep_entries(keys, fp32)
+    assert entries == ["layer.1.attn", "layer.1.mlp", "layer.3.mlp", r"(?<![^.])head(?=\.)"]
+    assert selected(keys, entries) == wanted
+    # as transformers 4.54+ (whole components) and 5.x (the installed loader's regex) read them
+    anchored = re.compile("|".join(rf"((^|\.){e}($|\.))" for e in entries))
+    assert {k for k in keys if anchored.search(k)} == wanted
+    loading = pytest.importorskip("transformers.core_model_loading")
+    alternation, _, _ = loading.build_glob_alternation(entries)
+    assert {k for k in keys if alternation.search(k)} == wanted
+
+
+@pytest.fixture
+def restore_bert_class():
+    """The snippet sets a class attribute; put it back after the test."""
+    transformers = pytest.importorskip("transformers")
+    cls = transformers.BertForSequenceClassification
+    attribute = "_keep_in_fp32_modules_strict"
+    had_own = attribute in cls.__dict__
+    saved = cls.__dict__.get(attribute)
+    yield
+    if had_own:
+        setattr(cls, attribute, saved)
+    elif attribute in cls.__dict__:
+        delattr(cls, attribute)
+
+
+@pytest.mark.parametrize(
+    ("low", "torch_dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16)]
+)
+@pytest.mark.parametrize("device", ["npu", "cpu"])
+def test_transformers_loads_the_policy_dtypes(
+    tmp_path, restore_bert_class, low, torch_dtype, device
+):
+    task = autoprec.load_task("tiny-bert")
+    model = task.model()
+    model.save_pretrained(tmp_path / "checkpoint")
+    policy = Policy(
+        rules=(Rule("fp32", patterns=("bert.encoder.layer.1.attention", "classifier")),),
+        default=low,
+    )
+    paths, notes = export_quietly(
+        policy, "transformers", tmp_path / "out", model=model, device=device
+    )
+    assert notes == []
+    snippet = paths[1].read_text().replace("path/to/checkpoint", str(tmp_path / "checkpoint"))
+    namespace: dict = {}
+    exec(compile(snippet, str(paths[1]), "exec"), namespace)  # as the snippet says
+    loaded = namespace["model"]
+
+    dtypes = policy.resolve(model, device)
+    for name, parameter in loaded.named_parameters():
+        layer = name.rpartition(".")[0]
+        expected = torch.float32 if dtypes[layer] == "fp32" else torch_dtype
+        assert parameter.dtype == expected, name
+    # LayerNorm runs in fp32 under autocast on the NPU, in the policy's dtype on the CPU
+    norm = loaded.bert.encoder.layer[0].output.LayerNorm.weight
+    assert norm.dtype == (torch.float32 if device == "npu" else torch_dtype)
+    assert loaded.bert.encoder.layer[0].attention.self.query.weight.dtype == torch_dtype
+    assert loaded.bert.encoder.layer[1].attention.self.query.weight.dtype == torch.float32
+
+    prec = policy.apply(loaded, device="cpu")  # the loaded model runs under the policy
+    batch = first_batch(task)
+    with torch.no_grad(), prec.autocast():
+        assert torch.isfinite(loaded(**batch.kwargs).loss)
+
+
+def test_transformers_mixed_low_dtypes_says_so(tmp_path):
+    pytest.importorskip("transformers")
+    model = autoprec.load_task("tiny-bert").model()
+    policy = Policy(rules=(Rule("bf16", patterns=("bert.pooler",)),), default="fp16")
+    paths, notes = export_quietly(policy, "transformers", tmp_path, model=model)
+    (note,) = notes
+    assert "mixes fp16 and bf16" in note and "bert.pooler.dense" in note
+    assert note in header_text(paths[1].read_text())
+    assert "pooler" in json.loads(paths[0].read_text())["_keep_in_fp32_modules_strict"]

@@ -6,7 +6,9 @@ is one function and one module; ``export_policy`` picks one by name:
 - ``yaml``: ``policy.yaml``, what ``autoprec.load_policy`` reads back;
 - ``torch-npu``: ``npu_settings.py`` (torch_npu's ACL_PRECISION_MODE and HF32 switches, then
   the policy applied) and ``policy.yaml``;
-- ``cann``: ``model.onnx``, ``keep_dtype.cfg`` and ``atc_command.sh`` for ATC (Ascend inference).
+- ``cann``: ``model.onnx``, ``keep_dtype.cfg`` and ``atc_command.sh`` for ATC (Ascend inference);
+- ``transformers``: ``keep_in_fp32_modules.json`` and ``load_transformers.py``
+  (``_keep_in_fp32_modules_strict``, then ``from_pretrained(..., dtype=...)``).
 
 A format that cannot say exactly what the policy says warns (``ExportWarning``) and writes the
 same text in its file's header. The Ascend formats follow the documented formats only: neither
@@ -23,10 +25,11 @@ from torch import nn
 from autoprec import Policy
 from autoprec.exports._common import ExportError, ExportWarning
 from autoprec.exports.cann import export_cann
+from autoprec.exports.hf import export_transformers
 from autoprec.exports.npu import export_torch_npu
 from autoprec.exports.yaml_file import export_yaml
 
-FORMATS = ("yaml", "torch-npu", "cann")
+FORMATS = ("yaml", "torch-npu", "cann", "transformers")
 
 __all__ = [
     "FORMATS",
@@ -35,6 +38,7 @@ __all__ = [
     "export_cann",
     "export_policy",
     "export_torch_npu",
+    "export_transformers",
     "export_yaml",
 ]
 
@@ -61,4 +65,6 @@ def export_policy(
         return export_torch_npu(policy, out_dir, model)
     if fmt == "cann":
         return export_cann(policy, out_dir, model, example, device)
+    if fmt == "transformers":
+        return export_transformers(policy, out_dir, model, device)
     raise ExportError(f"format {fmt!r}: unknown (expected one of {', '.join(FORMATS)})")
