@@ -1,0 +1,120 @@
+"""What the export formats share: their error and warning types, the layers a policy runs in
+fp32, one low-precision dtype for formats that know only one, and the notes that say what a
+format approximates."""
+
+from __future__ import annotations
+
+import textwrap
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from autoprec import Policy
+from autoprec.errors import AutoprecError
+
+LOW_DTYPES = ("fp16", "bf16")
+COMMENT_WIDTH = 92
+
+
+class ExportError(AutoprecError):
+    """A policy cannot be exported in the format asked for (a missing model or example
+    input, an unknown format, a model the exporter cannot trace)."""
+
+
+class ExportWarning(UserWarning):
+    """A format cannot express the policy exactly; the message says what it approximates.
+    The same text stands in the header comment of the file written."""
+
+
+def require(value: object, what: str, fmt: str) -> None:
+    """One line that says which argument the format needs, instead of an AttributeError
+    deep in an exporter."""
+    if value is None:
+        raise ExportError(f"format {fmt!r}: needs {what}")
+
+
+def out_folder(out_dir: str | Path) -> Path:
+    folder = Path(out_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ExportError(f"{folder}: cannot create ({error.strerror or error})") from None
+    return folder
+
+
+def write(path: Path, text: str) -> Path:
+    try:
+        path.write_text(text)
+    except OSError as error:
+        raise ExportError(f"{path}: cannot write ({error.strerror or error})") from None
+    return path
+
+
+def warn(notes: Iterable[str]) -> None:
+    """Each note as an ExportWarning (the CLI prints them on stderr)."""
+    for note in notes:
+        warnings.warn(note, ExportWarning, stacklevel=3)
+
+
+def comment(text: str, first: str = "# ", rest: str = "# ") -> list[str]:
+    """``text`` as comment lines of a generated file, wrapped to fit a screen."""
+    return textwrap.wrap(text, COMMENT_WIDTH, initial_indent=first, subsequent_indent=rest)
+
+
+def note_lines(notes: Iterable[str]) -> list[str]:
+    """The notes for a file's header, so that a reader of the file sees what the warning
+    said."""
+    return [line for note in notes for line in comment(note, "# NOTE: ", "#   ")]
+
+
+def own_parameters(model: nn.Module, name: str) -> int:
+    return sum(p.numel() for p in model.get_submodule(name).parameters(recurse=False))
+
+
+def names(layers: Iterable[str], limit: int = 8) -> str:
+    """``a, b, c and 5 more``: layer names for a comment line."""
+    layers = [layer or "(model)" for layer in layers]
+    shown = ", ".join(layers[:limit])
+    return shown + (f" and {len(layers) - limit} more" if len(layers) > limit else "")
+
+
+@dataclass(frozen=True)
+class OneLowDtype:
+    """A policy's layers as a format with one low-precision dtype can hold them: ``dtypes``
+    maps every layer to fp32 or ``low`` (None: all fp32); the layers of the other low dtype,
+    if any, are kept in fp32 (wider, so never less accurate than the policy, only slower),
+    and ``notes`` say so."""
+
+    dtypes: dict[str, str]
+    low: str | None
+    notes: tuple[str, ...]
+
+    @property
+    def fp32_layers(self) -> list[str]:
+        return [name for name, dtype in self.dtypes.items() if dtype == "fp32"]
+
+
+def one_low_dtype(policy: Policy, model: nn.Module, device: str, fmt: str) -> OneLowDtype:
+    """The policy on ``model`` as it runs on ``device`` (``Policy.resolve``), with fp16 and
+    bf16 layers both present reduced to the dtype holding more parameters."""
+    resolved = policy.resolve(model, device)
+    weight = {low: 0 for low in LOW_DTYPES}
+    for name, dtype in resolved.items():
+        if dtype in weight:
+            weight[dtype] += own_parameters(model, name)
+    present = [low for low in LOW_DTYPES if any(d == low for d in resolved.values())]
+    if len(present) <= 1:
+        return OneLowDtype(dict(resolved), present[0] if present else None, ())
+    low = max(present, key=lambda d: (weight[d], d == "bf16"))
+    other = next(d for d in present if d != low)
+    widened = tuple(name for name, dtype in resolved.items() if dtype == other)
+    dtypes = {name: "fp32" if dtype == other else dtype for name, dtype in resolved.items()}
+    note = (
+        f"{fmt} holds one low-precision dtype and the policy mixes fp16 and bf16: the "
+        f"{len(widened)} {other} layer(s) ({names(widened)}) are kept in fp32 instead, "
+        f"{low} holding more parameters ({weight[low]} against {weight[other]})"
+    )
+    return OneLowDtype(dtypes, low, (note,))
