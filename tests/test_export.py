@@ -19,6 +19,7 @@ import autoprec
 from autoprec import LossScale, Policy, Rule, load_policy
 from autoprec.exports import ExportError, ExportWarning, export_policy
 from autoprec.exports.hf import keep_entries, selected
+from autoprec.tasks import load_task
 
 
 def first_batch(task: autoprec.Task):
@@ -70,7 +71,7 @@ def settings(paths):
 
 
 def test_torch_npu_all_fp16_allows_fp32_to_fp16(tmp_path):
-    model = autoprec.load_task("digits-mlp").model()  # its LayerNorms run in fp32 on the NPU
+    model = load_task("digits-mlp").model()  # its LayerNorms run in fp32 on the NPU
     paths, notes = export_quietly(Policy.uniform("fp16"), "torch-npu", tmp_path, model=model)
     text, mode = settings(paths)
     assert mode == "allow_fp32_to_fp16" and notes == []
@@ -87,7 +88,7 @@ def test_torch_npu_norms_in_fp32_need_a_model_to_tell(tmp_path):
     # LayerNorm runs in fp32 on the NPU whatever the policy says: with the model, keeping it
     # in fp32 keeps nothing else; from the rules alone, an fp32 rule must be honoured.
     policy = Policy(rules=(Rule("fp32", types=("LayerNorm",)),), default="fp16")
-    model = autoprec.load_task("digits-mlp").model()
+    model = load_task("digits-mlp").model()
     _, mode = settings(export_policy(policy, "torch-npu", tmp_path / "model", model))
     assert mode == "allow_fp32_to_fp16"
     _, mode = settings(export_policy(policy, "torch-npu", tmp_path / "rules"))
@@ -96,7 +97,7 @@ def test_torch_npu_norms_in_fp32_need_a_model_to_tell(tmp_path):
 
 def test_torch_npu_mixed_keeps_origin_dtype(tmp_path):
     policy = Policy(rules=(Rule("fp32", patterns=("head",)),), default="fp16", hf32=True)
-    model = autoprec.load_task("digits-mlp").model()
+    model = load_task("digits-mlp").model()
     for given in (model, None):  # the policy's rules decide without a model
         text, mode = settings(
             export_policy(
@@ -110,7 +111,7 @@ def test_torch_npu_mixed_keeps_origin_dtype(tmp_path):
 
 
 def test_torch_npu_bf16_says_what_it_approximates(tmp_path):
-    model = autoprec.load_task("digits-cnn").model()
+    model = load_task("digits-cnn").model()
     paths, notes = export_quietly(Policy.uniform("bf16"), "torch-npu", tmp_path, model=model)
     text, mode = settings(paths)
     assert mode == "must_keep_origin_dtype"
@@ -184,7 +185,7 @@ def onnx_nodes(path):
 
 
 def check_cann(tmp_path, task_name, policy, mode, device="npu", widened=()):
-    task = autoprec.load_task(task_name)
+    task = load_task(task_name)
     model = task.model()
     batch = first_batch(task)
     paths, notes = export_quietly(
@@ -281,7 +282,7 @@ def test_cann_mixed_low_dtypes_widens_the_smaller_one(tmp_path):
 
 
 def test_cann_soc_version_default(tmp_path):
-    task = autoprec.load_task("digits-mlp")
+    task = load_task("digits-mlp")
     from autoprec.exports import export_cann
 
     paths = export_cann(
@@ -299,7 +300,7 @@ def test_cann_soc_version_default(tmp_path):
     ],
 )
 def test_missing_inputs_are_one_line_errors(tmp_path, fmt, with_model, needs):
-    model = autoprec.load_task("digits-mlp").model() if with_model else None
+    model = load_task("digits-mlp").model() if with_model else None
     with pytest.raises(autoprec.AutoprecError, match=needs) as error:
         export_policy(Policy.uniform("fp16"), fmt, tmp_path, model=model)
     assert isinstance(error.value, ExportError) and "\n" not in str(error.value)
@@ -308,7 +309,7 @@ def test_missing_inputs_are_one_line_errors(tmp_path, fmt, with_model, needs):
 def test_unknown_format_and_non_transformers_model(tmp_path):
     with pytest.raises(ExportError, match="unknown"):
         export_policy(Policy.uniform("fp16"), "tflite", tmp_path)
-    model = autoprec.load_task("digits-mlp").model()
+    model = load_task("digits-mlp").model()
     with pytest.raises(ExportError, match="not a transformers PreTrainedModel"):
         export_policy(Policy.uniform("fp16"), "transformers", tmp_path, model=model)
 
@@ -365,7 +366,7 @@ def restore_bert_class():
 def test_transformers_loads_the_policy_dtypes(
     tmp_path, restore_bert_class, low, torch_dtype, device
 ):
-    task = autoprec.load_task("tiny-bert")
+    task = load_task("tiny-bert")
     model = task.model()
     model.save_pretrained(tmp_path / "checkpoint")
     policy = Policy(
@@ -400,7 +401,7 @@ def test_transformers_loads_the_policy_dtypes(
 
 def test_transformers_mixed_low_dtypes_says_so(tmp_path):
     pytest.importorskip("transformers")
-    model = autoprec.load_task("tiny-bert").model()
+    model = load_task("tiny-bert").model()
     policy = Policy(rules=(Rule("bf16", patterns=("bert.pooler",)),), default="fp16")
     paths, notes = export_quietly(policy, "transformers", tmp_path, model=model)
     (note,) = notes

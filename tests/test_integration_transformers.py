@@ -12,6 +12,7 @@ import torch
 
 import autoprec
 from autoprec import Policy
+from autoprec.tasks import load_task
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
@@ -102,7 +103,7 @@ class OnTrainBegin(transformers.TrainerCallback):
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-bert"])
 def test_mixed_policy_trains_and_its_loss_scale_survives_a_resume(tmp_path, name):
-    task = autoprec.load_task(name)
+    task = load_task(name)
     policy = mixed(name, DYNAMIC)
     torch.manual_seed(0)
     model = task.model()
@@ -138,7 +139,7 @@ def test_mixed_policy_trains_and_its_loss_scale_survives_a_resume(tmp_path, name
 
 @pytest.mark.parametrize("flag", ["fp16", "bf16", "bf16_full_eval"])
 def test_the_trainers_own_mixed_precision_is_refused(tmp_path, flag):
-    task = autoprec.load_task("tiny-bert")
+    task = load_task("tiny-bert")
     args = arguments(tmp_path, "tiny-bert", 1, **{flag: True})
     with pytest.raises(ValueError, match=rf"TrainingArguments\({flag}=True\) would add"):
         PolicyTrainer(model=task.model(), args=args, policy=Policy.uniform("bf16"))
@@ -155,7 +156,7 @@ def test_clipping_sees_unscaled_gradients(tmp_path):
             norms.append(float(torch.nn.utils.get_total_norm([g for g in grads if g is not None])))
             return super().step(closure)
 
-    task = autoprec.load_task("tiny-bert")
+    task = load_task("tiny-bert")
     model = task.model()
     policy = mixed("tiny-bert", {"mode": "static", "init_scale": 2.0**12})
     trainer = PolicyTrainer(
@@ -172,7 +173,7 @@ def test_clipping_sees_unscaled_gradients(tmp_path):
 
 
 def test_every_step_overflowing_is_skipped_with_the_scheduler_step(tmp_path):
-    task = autoprec.load_task("tiny-bert")
+    task = load_task("tiny-bert")
     model = task.model()
     before = copy.deepcopy(model.state_dict())
     policy = mixed("tiny-bert", {"mode": "static", "init_scale": 2.0**40})
