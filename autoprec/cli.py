@@ -223,91 +223,8 @@ def _add_other_commands(commands: Any) -> None:
     u.add_argument("--port", type=int, default=5000)
 
 
-def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-def _progress(enabled: bool) -> Any:
-    """The search's progress on stderr: a tqdm bar with trial n of N, the best so far and
-    the ETA, and one line for each phase around it."""
-    from autoprec.search import Callbacks
-
-    class Progress(Callbacks):
-        def __init__(self) -> None:
-            self.bar: Any = None
-
-        def waiting(self, holder: str | None) -> None:
-            _say(f"waiting for {holder} to set the study up (parent run, baseline) ...")
-
-        def profiling(self) -> None:
-            _say("profiling every layer's numerical risk ...")
-
-        def profiled(self, profile: Any, path: Path) -> None:
-            top = ", ".join(f"{m.name} ({m.reason})" for m in profile.modules[:3])
-            _say(f"riskiest: {top}; profile in {path}")
-
-        def baseline(self) -> None:
-            _say("running the fp32 baseline ...")
-
-        def workers_started(
-            self, workers: int, devices: list[str], cores: int, threads: int, kind: str
-        ) -> None:
-            where = (
-                f"sharing {cores} CPU cores ({threads} thread{'s' if threads > 1 else ''} "
-                "each; expect little gain past one worker per core)"
-                if kind == "cpu"
-                else "pinned to " + ", ".join(devices)
-            )
-            _say(f"{workers} workers, {where}")
-
-        def trials_start(self, progress: Any) -> None:
-            if not enabled:
-                return
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=progress.total,
-                initial=progress.done,
-                unit="trial",
-                desc="search",
-                file=sys.stderr,
-                dynamic_ncols=True,
-            )
-            self._show_best(progress)
-
-        def trial_end(self, record: Any, progress: Any) -> None:
-            if self.bar is not None:
-                self.bar.update(1)
-                self._show_best(progress)
-
-        def confirming(self, count: int) -> None:
-            self._close()
-            _say(f"timing the {count - 1} fastest policies and the baseline side by side ...")
-
-        def exhausted(self, done: int) -> None:
-            _say("\nthe space seems exhausted: the sampler keeps proposing measured policies")
-
-        def done(self, summary: dict[str, Any]) -> None:
-            self._close()
-
-        def _close(self) -> None:
-            if self.bar is not None:
-                self.bar.close()
-                self.bar = None
-
-        def _show_best(self, progress: Any) -> None:
-            from autoprec.search.summary import best_record
-
-            best = best_record(progress.records, progress.baseline, progress.prefer)
-            self.bar.set_postfix_str(
-                f"best {best.number}: {best.result.step_time_ms:.2f} ms, "
-                f"{best.result.peak_memory_mb:.2f} MB, acc {best.result.accuracy:.3f}"
-            )
-
-    return Progress()
-
-
 def _search(args: argparse.Namespace) -> int:
+    from autoprec.progress import Progress
     from autoprec.report import front_table, gains_line
     from autoprec.search import SearchConfig, search
 
@@ -329,7 +246,7 @@ def _search(args: argparse.Namespace) -> int:
         trial_timeout_s=args.trial_timeout,
         heartbeat_s=args.heartbeat,
     )
-    result = search(args.task, args.space, config, _progress(enabled=not args.no_progress))
+    result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
     summary = result.summary
     print(front_table(summary))
     print(gains_line(summary))
@@ -352,10 +269,11 @@ def _profile(args: argparse.Namespace) -> int:
     task = load_task(args.task)
     backend = get_backend(args.device)
     study = check_study_name(args.study or task.name)
-    tracker = Tracker(args.tracking_uri, study, Path(args.runs_dir))  # reachable first
     profile = profile_task(task, backend, steps=args.steps, seed=args.seed)
     path = profile.save(Path(args.runs_dir) / study / "profile.json")
-    tracker.log_profile(profile, path)
+    tracker = Tracker(args.tracking_uri, study, Path(args.runs_dir))
+    tracker.log_profile(profile, path, on_parent=False)
+    tracker.close()
     print(profile.table(args.top))
     print(f"profile: {path}")
     return 0

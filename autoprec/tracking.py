@@ -1,20 +1,36 @@
-"""MLflow: one experiment per study, one parent run per search, one child run per trial.
+"""MLflow: one experiment per study, one parent run per study, one child run per trial.
 
-Each trial is logged with one ``log_batch`` call (params, metrics) after the run is
-created with its tags, plus its policy YAML as an artifact. The parent carries the
-search settings as params, the best policy and summary as artifacts, the best trial's
-metrics as ``best.<metric>``, and the tag ``autoprec.best_run_id`` naming the best child.
+The Optuna study is the record of what was measured; MLflow is where people compare the
+trials. So tracking never holds a search up: a `Tracker` writes from a background thread,
+in order, with short timeouts on a tracking server. When the store stops answering,
+one warning says so and the trials go on; the writes wait and are retried until it
+answers again, and what a search could not write before it ended is written by the
+next run of the study (`Tracker.catch_up`). Runs are found by their tags (the study's
+parent; one child per trial number, and the baseline), so a write that is retried, or
+made again by a later run, never creates a second run.
+
+Each trial is logged with one ``log_batch`` call (tags, params, metrics and the loss and
+loss-scale curves), its policy YAML and telemetry table as artifacts, and closed. The
+parent carries the search settings as params, the best policy and summary as
+artifacts, the best trial's metrics as ``best.<metric>``, and the tag
+``autoprec.best_run_id`` naming the best child.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import logging
 import math
 import os
+import queue
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -24,6 +40,7 @@ from autoprec.policy import Policy
 from autoprec.trial import TrialResult
 
 if TYPE_CHECKING:
+    from mlflow.entities import Run
     from mlflow.tracking import MlflowClient
 
     from autoprec.profile import Profile
@@ -32,17 +49,27 @@ DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"
 ROLE_TAG = "autoprec.role"
 BEST_TAG = "autoprec.best_run_id"
 STUDY_TAG = "autoprec.study"
+KEY_TAG = "autoprec.key"  # a child's trial number, or "baseline": how it is found again
+LOGGED_TAG = "autoprec.logged"  # "true" once a child holds everything its trial measured
+KIND_TAG = "mlflow.experimentKind"  # MLflow 3: the UI opens a training experiment on runs
+KIND = "custom_model_development"
 POLICY_ARTIFACT = "policy.yaml"
 LAYERS_ARTIFACT = "telemetry_layers.csv"
 MAX_CURVE_POINTS = 400  # per curve, so that one log_batch stays under MLflow's 1000
 BEST_POLICY_ARTIFACT = "best_policy.yaml"
 SUMMARY_ARTIFACT = "summary.json"
 _SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "databricks")
+# A tracking server's requests: bounded, so that an outage is noticed in seconds, not
+# after MLflow's default of 7 retries with exponential backoff (minutes per request).
+HTTP_TIMEOUT_S = 10
+HTTP_RETRIES = 2
+RETRY_WAIT_S = (1.0, 30.0)  # between attempts while the store is unreachable: first, most
+FLUSH_WAIT_S = 30.0  # how long the end of a search waits for writes still queued
 
 
 def check_tracking_uri(uri: str) -> str:
     """Refuse a URI MLflow would not understand, before anything is written."""
-    scheme = urlparse(uri).scheme.split("+")[0]
+    scheme = urlparse(uri).scheme.split("+")[0] if isinstance(uri, str) else ""
     if scheme not in _SCHEMES:
         raise StoreError(
             f"--tracking-uri {uri!r}: unsupported scheme (expected sqlite:///path, "
@@ -63,17 +90,18 @@ def absolute_sqlite_uri(uri: str) -> str:
 
 
 def mlflow_client(uri: str) -> MlflowClient:
-    """An MLflow client for the URI (sqlite paths made absolute), quiet: no telemetry,
-    no progress bars, warnings only."""
-    # No usage telemetry and no download progress bars from MLflow.
+    """An MLflow client for the URI (sqlite paths made absolute), quiet (no telemetry, no
+    progress bars, warnings only) and, on a server, with short request timeouts."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("DO_NOT_TRACK", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(HTTP_TIMEOUT_S))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(HTTP_RETRIES))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     from mlflow.tracking import MlflowClient
 
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
-
     uri = absolute_sqlite_uri(uri)
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -84,213 +112,397 @@ def _is_local(uri: str) -> bool:
     return urlparse(uri).scheme.split("+")[0] in ("sqlite", "file", "postgresql", "mysql")
 
 
-class Tracker:
-    """Writes one study's runs to an MLflow tracking store."""
+def _warn_on_stderr(message: str) -> None:
+    print(f"autoprec: {message}", file=sys.stderr, flush=True)
 
-    def __init__(self, tracking_uri: str, study: str, artifact_root: Path) -> None:
-        """Connect and look the experiment up; nothing is written yet."""
+
+@dataclass(frozen=True)
+class TrialLog:
+    """Everything a trial's child run holds: made from the study's record of the trial,
+    so that it can be written again by a later run of the study."""
+
+    key: str  # the trial number, or "baseline"
+    name: str
+    params: dict[str, str]
+    result: TrialResult
+    extra_metrics: dict[str, float]
+    tags: dict[str, str]
+    policy: Policy
+
+
+@dataclass
+class _Job:
+    what: str
+    work: Callable[[], None]
+    attempts: int = field(default=0)
+
+
+class Tracker:
+    """Writes one study's runs to an MLflow tracking store from a background thread."""
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        study: str,
+        artifact_root: Path,
+        warn: Callable[[str], None] = _warn_on_stderr,
+    ) -> None:
+        """Nothing is connected or written here: the writer thread does it."""
         self.uri = tracking_uri
         self.study = study
         self.artifact_root = artifact_root
-        try:
-            self.client = mlflow_client(tracking_uri)
-            self._experiment = self.client.get_experiment_by_name(study)
-        except Exception as error:
-            raise StoreError(f"MLflow store {tracking_uri}: {_first_line(error)}") from None
+        self.warn = warn
+        self._client: MlflowClient | None = None
+        self._experiment_id: str | None = None
+        self._parent_id: str | None = None
+        self._children: dict[str, str] = {}  # key -> run id, of the runs found or made here
+        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._down_since: float | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._write, name="autoprec-tracking", daemon=True)
+        self._thread.start()
 
-    def _experiment_id(self) -> str:
-        """The study's experiment, created on first use with its artifacts under runs/."""
-        experiment = self._experiment or self.client.get_experiment_by_name(self.study)
-        self._experiment = experiment
+    # -- the writer -------------------------------------------------------------------------
+
+    def _later(self, what: str, work: Callable[[], None]) -> None:
+        self._jobs.put(_Job(what, work))
+
+    def _write(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                self._run(job)
+            finally:
+                self._jobs.task_done()
+
+    def _run(self, job: _Job) -> None:
+        """Do one write; while the store is unreachable, try again with growing waits."""
+        wait_s = RETRY_WAIT_S[0]
+        while True:
+            try:
+                job.work()
+            except Exception as error:
+                if self._reachable():
+                    self.warn(f"MLflow: could not {job.what} ({first_line(error)}); skipped")
+                    return
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    self.warn(
+                        f"the MLflow tracking store {self.uri} is unreachable "
+                        f"({first_line(error)}); the trials go on, recorded in the Optuna "
+                        "study, and are logged to MLflow once it answers again"
+                    )
+                if self._stopping.wait(wait_s):
+                    return  # the search is over: the next run of the study catches up
+                wait_s = min(2 * wait_s, RETRY_WAIT_S[1])
+                continue
+            if self._down_since is not None:
+                self.warn(f"the MLflow tracking store {self.uri} answers again")
+                self._down_since = None
+            return
+
+    def _reachable(self) -> bool:
+        try:
+            self.client.search_experiments(max_results=1)
+        except Exception:
+            self._client = None  # connect afresh once it answers
+            return False
+        return True
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued write is done (or ``timeout_s`` passed); whether all
+        were done. While the store is unreachable, give up at once."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._jobs.unfinished_tasks:
+            if self._down_since is not None or (
+                deadline is not None and time.monotonic() > deadline
+            ):
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self, timeout_s: float = FLUSH_WAIT_S) -> bool:
+        """Flush, then stop retrying; whether every write was done. What was not is
+        written by the next run of the study."""
+        done = self.flush(timeout_s)
+        if not done:
+            pending = self._jobs.unfinished_tasks
+            self.warn(
+                f"{pending} MLflow write(s) could not be done now; the next run of this "
+                "study writes them"
+            )
+        self._stopping.set()
+        return done
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    @property
+    def client(self) -> MlflowClient:
+        if self._client is None:
+            self._client = mlflow_client(self.uri)
+        return self._client
+
+    def _experiment(self) -> str:
+        """The study's experiment (artifacts under runs/ for a local store), created on
+        first use and tagged as a model-training experiment."""
+        if self._experiment_id is not None:
+            return self._experiment_id
+        client = self.client
+        experiment = client.get_experiment_by_name(self.study)
         if experiment is None:
             location = None
             if _is_local(self.uri):
                 location = (self.artifact_root / "mlartifacts" / self.study).resolve().as_uri()
-            try:
-                experiment_id = self.client.create_experiment(
-                    self.study, artifact_location=location
+            # Another host of the same search may have created it a moment ago.
+            with contextlib.suppress(Exception):
+                client.create_experiment(
+                    self.study, artifact_location=location, tags={KIND_TAG: KIND}
                 )
-                self._experiment = self.client.get_experiment(experiment_id)
-            except Exception:  # another host of the same search created it a moment ago
-                self._experiment = self.client.get_experiment_by_name(self.study)
-                if self._experiment is None:
-                    raise
+            experiment = client.get_experiment_by_name(self.study)
+            if experiment is None:
+                raise StoreError(f"MLflow store {self.uri}: cannot create {self.study!r}")
         elif experiment.lifecycle_stage == "deleted":
-            self.client.restore_experiment(experiment.experiment_id)
-            self._experiment = self.client.get_experiment(experiment.experiment_id)
-        return self._experiment.experiment_id
+            client.restore_experiment(experiment.experiment_id)
+        if experiment.tags.get(KIND_TAG) != KIND:
+            client.set_experiment_tag(experiment.experiment_id, KIND_TAG, KIND)
+        self._experiment_id = experiment.experiment_id
+        return self._experiment_id
 
-    def start_parent(self, run_id: str | None, params: dict[str, Any]) -> str:
-        """Create the study's parent run, or reopen it when the study is continued."""
+    def _find(self, filter_string: str) -> Run | None:
+        runs = self.client.search_runs(
+            [self._experiment()],
+            filter_string=filter_string,
+            order_by=["attributes.start_time ASC"],
+            max_results=1,
+        )
+        return runs[0] if runs else None
+
+    def _parent(self) -> str:
+        """The study's parent run, found by its tags or created."""
+        if self._parent_id is None:
+            found = self._find(f"tags.`{ROLE_TAG}` = 'parent'")
+            if found is None:
+                found = self.client.create_run(
+                    self._experiment(),
+                    run_name=f"search-{self.study}",
+                    tags={ROLE_TAG: "parent", STUDY_TAG: self.study},
+                )
+            self._parent_id = found.info.run_id
+        return self._parent_id
+
+    def _existing_child(self, key: str) -> str | None:
+        parent = self._parent()
+        found = self._find(f"tags.`{KEY_TAG}` = '{key}' and tags.`mlflow.parentRunId` = '{parent}'")
+        return None if found is None else found.info.run_id
+
+    def _child(self, key: str, name: str, tags: dict[str, str]) -> str:
+        """The child run of a trial (or of the baseline), found by its key or created."""
+        if key not in self._children:
+            parent = self._parent()
+            found = self._existing_child(key)
+            if found is None:
+                all_tags = {"mlflow.parentRunId": parent, STUDY_TAG: self.study, KEY_TAG: key}
+                run = self.client.create_run(
+                    self._experiment(), run_name=name, tags={**all_tags, **tags}
+                )
+                found = run.info.run_id
+            self._children[key] = found
+        return self._children[key]
+
+    # -- what a search writes -----------------------------------------------------------------
+
+    def start_parent(self, params: dict[str, Any]) -> None:
+        """The study's parent run, RUNNING, with the search settings as params."""
         from mlflow.entities import Param
 
-        if run_id is not None and self.has_run(run_id):
+        def work() -> None:
+            run_id = self._parent()
             self.client.update_run(run_id, status="RUNNING")
-            return run_id
-        run = self.client.create_run(
-            self._experiment_id(),
-            run_name=f"search-{self.study}",
-            tags={ROLE_TAG: "parent", STUDY_TAG: self.study},
-        )
-        self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
-        return run.info.run_id
+            logged = self.client.get_run(run_id).data.params
+            fresh = [Param(k, str(v)) for k, v in params.items() if k not in logged]
+            if fresh:
+                self.client.log_batch(run_id, params=fresh)
 
-    def has_run(self, run_id: str) -> bool:
-        """Whether this store holds the run (a study continued against another MLflow
-        store gets a parent run of its own there)."""
-        from mlflow.exceptions import MlflowException
+        self._later("open the study's parent run", work)
 
-        try:
-            run = self.client.get_run(run_id)
-        except MlflowException as error:
-            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
-                return False
-            raise StoreError(f"MLflow store {self.uri}: {_first_line(error)}") from None
-        return run.info.lifecycle_stage == "active"
-
-    def start_child(self, parent_run_id: str, run_name: str, tags: dict[str, str]) -> str:
-        """A child run, opened when its trial starts (so that a trial cut off by a crash
+    def start_trial(self, key: str, name: str, tags: dict[str, str]) -> None:
+        """A trial's child run, opened when it starts (so that a trial cut off by a crash
         leaves a run that can be closed as KILLED)."""
-        run = self.client.create_run(
-            self._experiment_id(),
-            run_name=run_name,
-            tags={"mlflow.parentRunId": parent_run_id, STUDY_TAG: self.study, **tags},
-        )
-        return run.info.run_id
+        self._later(f"open the run of trial {key}", lambda: self._child(key, name, tags))
 
-    def log_trial(
-        self,
-        run_id: str,
-        params: dict[str, str],
-        result: TrialResult,
-        extra_metrics: dict[str, float],
-        tags: dict[str, str],
-        policy: Policy,
-    ) -> str:
-        """Fill in and close a child run: one batch of tags, params, metrics and the
-        per-step ``train_loss`` and ``loss_scale`` curves; the policy and the per-layer
-        telemetry table as artifacts; then closed (FAILED for a failed trial)."""
+    def log_trial(self, log: TrialLog) -> None:
+        """Fill in and close a trial's child run (FAILED for a failed trial)."""
+        self._later(f"log trial {log.key}", lambda: self._log_trial(log))
+
+    def _log_trial(self, log: TrialLog) -> None:
         from mlflow.entities import Metric, Param, RunTag
 
+        run_id = self._child(log.key, log.name, log.tags)
         timestamp_ms = int(time.time() * 1000)
         # Every child gets every metric name, NaN where a pruned or failed trial measured
         # nothing, so that MLflow's compare and chart views line up.
         values = dict.fromkeys((*TrialResult.METRICS, "accuracy_drop"), float("nan"))
-        values.update({**result.metrics(), **extra_metrics})
+        values.update({**log.result.metrics(), **log.extra_metrics})
         metrics = [Metric(k, float(v), timestamp_ms, 0) for k, v in values.items()]
+        result = log.result
         stride = max(1, -(-len(result.losses) // MAX_CURVE_POINTS))
         for step in range(0, len(result.losses), stride):
-            for key, values in (("train_loss", result.losses), ("loss_scale", result.loss_scales)):
-                if math.isfinite(values[step]):
-                    metrics.append(Metric(key, float(values[step]), timestamp_ms, step))
+            for key, curve in (("train_loss", result.losses), ("loss_scale", result.loss_scales)):
+                if math.isfinite(curve[step]):
+                    metrics.append(Metric(key, float(curve[step]), timestamp_ms, step))
+        logged = self.client.get_run(run_id).data.params
         self.client.log_batch(
             run_id,
             metrics=metrics,
-            params=[Param(k, str(v)) for k, v in params.items()],
-            tags=[RunTag(k, v) for k, v in tags.items()],
+            params=[Param(k, str(v)) for k, v in log.params.items() if k not in logged],
+            tags=[RunTag(k, v) for k, v in log.tags.items()],
         )
-        self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+        self.client.log_text(run_id, log.policy.to_yaml(), POLICY_ARTIFACT)
         layers = result.telemetry.get("layers") if result.telemetry else None
         if layers:
             self.client.log_text(run_id, layers_csv(layers), LAYERS_ARTIFACT)
+        self.client.set_tag(run_id, LOGGED_TAG, "true")
         self.client.set_terminated(run_id, "FAILED" if result.state == "failed" else "FINISHED")
-        return run_id
+
+    def kill_trial(self, key: str, reason: str) -> None:
+        """Close the child run of a trial that never finished (interrupted, or its worker
+        died) as KILLED, with the reason; a run already closed is left as it is."""
+
+        def work() -> None:
+            from mlflow.entities import RunTag
+
+            run_id = self._children.get(key) or self._existing_child(key)
+            if run_id is None or self.client.get_run(run_id).info.status != "RUNNING":
+                return
+            tags = [RunTag("state", "killed"), RunTag("reason", reason[:4000])]
+            self.client.log_batch(run_id, tags=tags)
+            self.client.set_terminated(run_id, "KILLED")
+
+        self._later(f"close the run of trial {key}", work)
+
+    def log_profile(self, profile: Profile, path: Path, on_parent: bool = True) -> None:
+        """A sensitivity profile (``profile.json``, and the three riskiest modules as tags
+        ``risk.1`` to ``risk.3``): on the study's parent run, or on a ``profile`` run of
+        its own (``autoprec profile``). Never a child run: every child is a trial."""
+        from mlflow.entities import Metric, RunTag
+
+        def work() -> None:
+            if on_parent:
+                run_id = self._parent()
+            else:
+                tags = {ROLE_TAG: "profile", STUDY_TAG: self.study}
+                run = self.client.create_run(self._experiment(), run_name="profile", tags=tags)
+                run_id = run.info.run_id
+            self.client.log_batch(
+                run_id,
+                metrics=[Metric("profile_time_s", profile.time_s, int(time.time() * 1000), 0)],
+                tags=[
+                    RunTag(f"risk.{m.rank}", f"{m.name}: {m.reason}"[:4000])
+                    for m in profile.modules[:3]
+                ],
+            )
+            self.client.log_artifact(run_id, str(path))
+            if not on_parent:
+                self.client.set_terminated(run_id, "FINISHED")
+
+        self._later("log the profile", work)
 
     def finish_parent(
         self,
-        parent_run_id: str,
-        best_run_id: str | None,
+        best_key: str | None,
         best_metrics: dict[str, float],
-        best_policy_path: Path,
-        summary_path: Path,
+        files: list[Path],
         status: str = "FINISHED",
     ) -> None:
+        """The best trial's metrics and run, the summary files, and the closing status."""
         from mlflow.entities import Metric, RunTag
 
-        timestamp_ms = int(time.time() * 1000)
-        tags = [RunTag(BEST_TAG, best_run_id)] if best_run_id else []
-        self.client.log_batch(
-            parent_run_id,
-            metrics=[Metric(f"best.{k}", v, timestamp_ms, 0) for k, v in best_metrics.items()],
-            tags=tags,
+        def work() -> None:
+            run_id = self._parent()
+            timestamp_ms = int(time.time() * 1000)
+            best = self._children.get(best_key or "") or self.run_ids().get(best_key or "")
+            self.client.log_batch(
+                run_id,
+                metrics=[Metric(f"best.{k}", v, timestamp_ms, 0) for k, v in best_metrics.items()],
+                tags=[RunTag(BEST_TAG, best)] if best else [],
+            )
+            for path in files:
+                self.client.log_artifact(run_id, str(path))
+            self.client.set_terminated(run_id, status)
+
+        self._later("close the study's parent run", work)
+
+    def end_parent(self, status: str) -> None:
+        """Close the parent run with this status (a search stopped by an error)."""
+        self._later(
+            "close the parent run", lambda: self.client.set_terminated(self._parent(), status)
         )
-        self.client.log_artifact(parent_run_id, str(best_policy_path))
-        self.client.log_artifact(parent_run_id, str(summary_path))
-        self.client.set_terminated(parent_run_id, status)
+
+    def mark_children(self, pareto_keys: set[str], best_key: str | None) -> None:
+        """Tag every child with its Pareto membership and whether it is the chosen one."""
+        from mlflow.entities import RunTag
+
+        def work() -> None:
+            for key, run_id in self.run_ids().items():
+                self.client.log_batch(
+                    run_id,
+                    tags=[
+                        RunTag("pareto", str(key in pareto_keys).lower()),
+                        RunTag("best", str(key == best_key).lower()),
+                    ],
+                )
+
+        self._later("tag the Pareto front", work)
 
     def log_files(self, run_id: str, files: list[Path], folder: str) -> None:
-        """Attach files to a run under ``folder`` (the report on the parent run)."""
+        """Attach files to a run under ``folder`` (the report on the parent run), now."""
         try:
             for path in files:
                 self.client.log_artifact(run_id, str(path), folder)
         except Exception as error:
             raise StoreError(f"MLflow store {self.uri}: {_first_line(error)}") from None
 
-    def mark_children(
-        self, pareto_run_ids: set[str], best_run_id: str | None, child_run_ids: list[str]
-    ) -> None:
-        """Tag every child with its Pareto membership and whether it is the chosen one."""
-        from mlflow.entities import RunTag
+    # -- reading back ---------------------------------------------------------------------------
 
-        for run_id in child_run_ids:
-            if not self.has_run(run_id):
-                continue  # logged to another MLflow store by an earlier search of the study
-            self.client.log_batch(
-                run_id,
-                tags=[
-                    RunTag("pareto", str(run_id in pareto_run_ids).lower()),
-                    RunTag("best", str(run_id == best_run_id).lower()),
-                ],
+    def run_ids(self) -> dict[str, str]:
+        """Every child run of the study's parent, by key (trial number or "baseline")."""
+        parent = self._parent()
+        runs = self.client.search_runs(
+            [self._experiment()],
+            filter_string=f"tags.`mlflow.parentRunId` = '{parent}'",
+            max_results=50_000,
+        )
+        found = {r.data.tags[KEY_TAG]: r.info.run_id for r in runs if KEY_TAG in r.data.tags}
+        self._children.update(found)
+        return found
+
+    @property
+    def parent_id(self) -> str | None:
+        """The parent run's id, once the writer has found or made it."""
+        return self._parent_id
+
+    def catch_up(self, logs: list[TrialLog], killed: dict[str, str]) -> None:
+        """Write what earlier runs of the study could not: the trials whose child run
+        does not hold everything they measured, and the runs of trials that never
+        finished, closed as KILLED."""
+
+        def work() -> None:
+            parent = self._parent()
+            runs = self.client.search_runs(
+                [self._experiment()],
+                filter_string=f"tags.`mlflow.parentRunId` = '{parent}'",
+                max_results=50_000,
             )
+            done = {r.data.tags.get(KEY_TAG) for r in runs if r.data.tags.get(LOGGED_TAG)}
+            open_runs = {r.data.tags.get(KEY_TAG) for r in runs if r.info.status == "RUNNING"}
+            for log in logs:
+                if log.key not in done:
+                    self.log_trial(log)
+            for key, reason in killed.items():
+                if key in open_runs:
+                    self.kill_trial(key, reason)
 
-    def log_profile(self, profile: Profile, path: Path, parent_run_id: str | None = None) -> str:
-        """A sensitivity profile (``profile.json``, and the three riskiest modules as tags
-        ``risk.1`` to ``risk.3``): on the parent run of the search that made it, or on a
-        ``profile`` run of its own from ``autoprec profile``. Never a child run: every
-        child is a trial, with the same params and metrics."""
-        from mlflow.entities import Metric, RunTag
-
-        run_id = parent_run_id
-        if run_id is None:
-            tags = {ROLE_TAG: "profile", STUDY_TAG: self.study}
-            run_id = self.client.create_run(
-                self._experiment_id(), run_name="profile", tags=tags
-            ).info.run_id
-        self.client.log_batch(
-            run_id,
-            metrics=[Metric("profile_time_s", profile.time_s, int(time.time() * 1000), 0)],
-            tags=[
-                RunTag(f"risk.{m.rank}", f"{m.name}: {m.reason}"[:4000])
-                for m in profile.modules[:3]
-            ],
-        )
-        self.client.log_artifact(run_id, str(path))
-        if parent_run_id is None:
-            self.client.set_terminated(run_id, "FINISHED")
-        return run_id
-
-    def end_parent(self, parent_run_id: str, status: str) -> None:
-        self.client.set_terminated(parent_run_id, status)
-
-    def close_if_open(self, run_id: str, reason: str) -> bool:
-        """Close a run still RUNNING as KILLED (a trial failed before its run was closed,
-        e.g. when the store was down as its worker died); whether it was open."""
-        if not self.has_run(run_id) or self.client.get_run(run_id).info.status != "RUNNING":
-            return False
-        self.close_killed(run_id, reason)
-        return True
-
-    def close_killed(self, run_id: str, reason: str) -> None:
-        """Close the child run of a trial that never finished (interrupted, or its worker
-        died), with the reason as a tag."""
-        from mlflow.entities import RunTag
-
-        if not self.has_run(run_id):
-            return
-        self.client.log_batch(
-            run_id, tags=[RunTag("state", "killed"), RunTag("reason", reason[:4000])]
-        )
-        self.client.set_terminated(run_id, "KILLED")
+        self._later("catch up with the study", work)
 
 
 def layers_csv(layers: list[dict[str, Any]]) -> str:

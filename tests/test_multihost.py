@@ -16,8 +16,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autoprec.search.studies import CLAIM_ATTR, RECORD_ATTR, RUN_ATTR
-from autoprec.tracking import mlflow_client
+from autoprec.search.studies import CLAIM_ATTR, RECORD_ATTR
+from autoprec.tracking import KEY_TAG, mlflow_client
 from tests.servers import mlflow_server, postgres, postgres_bin
 
 TASKS = Path(__file__).with_name("contract_tasks.py")
@@ -98,9 +98,8 @@ def test_two_hosts_share_one_study_on_postgres_and_an_mlflow_server(tmp_path):
         assert all(c.data.tags["mlflow.parentRunId"] == parent.info.run_id for c in children)
         roles = [c.data.tags["autoprec.role"] for c in children]
         assert roles.count("baseline") == 1 and roles.count("trial") == 8
-        assert {c.info.run_id for c in children if c.data.tags["autoprec.role"] == "trial"} == {
-            t.user_attrs[RUN_ATTR] for t in recorded
-        }
+        trials = [c for c in children if c.data.tags["autoprec.role"] == "trial"]
+        assert {c.data.tags[KEY_TAG] for c in trials} == {str(t.number) for t in recorded}
         artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
         assert {"best_policy.yaml", "summary.json"} <= artifacts
         assert parent.info.status == "FINISHED"

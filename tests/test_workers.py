@@ -20,9 +20,9 @@ import autoprec
 from autoprec.devices import parse_devices
 from autoprec.errors import DeviceError
 from autoprec.search.loop import interrupts_held
-from autoprec.search.studies import CLAIM_ATTR, RECORD_ATTR, RUN_ATTR
+from autoprec.search.studies import CLAIM_ATTR, RECORD_ATTR
 from autoprec.search.workers import pinned_env
-from autoprec.tracking import mlflow_client
+from autoprec.tracking import KEY_TAG, mlflow_client
 
 TASKS = Path(__file__).with_name("contract_tasks.py")
 CLI = "import sys; from autoprec.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -80,7 +80,6 @@ def test_three_workers_share_one_budget_exactly(in_tmp):
     # back (budget taken, or the policy running elsewhere).
     others = [t for t in study.trials if t not in recorded]
     for t in others:
-        assert RUN_ATTR not in t.user_attrs, t.user_attrs  # never trained
         assert "duplicate_of" in t.user_attrs or t.user_attrs.get("stepped_back"), (
             t.number,
             t.state,
@@ -98,8 +97,9 @@ def test_three_workers_share_one_budget_exactly(in_tmp):
     roles = [c.data.tags["autoprec.role"] for c in children]
     assert roles.count("baseline") == 1 and roles.count("trial") == 12
     assert all(c.info.status in ("FINISHED", "FAILED") for c in children)
-    assert {c.info.run_id for c in children if c.data.tags["autoprec.role"] == "trial"} == {
-        t.user_attrs[RUN_ATTR] for t in recorded
+    # One run per measured trial, found by its trial number; none for a trial never trained.
+    assert {c.data.tags[KEY_TAG] for c in children} == {"baseline"} | {
+        str(t.number) for t in recorded
     }
     assert result.summary["settings"]["workers"] == 3
     assert len(result.summary["trials"]) == 12
@@ -182,7 +182,7 @@ def test_sigkill_mid_trial_then_resume_keeps_every_finished_trial(in_tmp):
             t
             for t in study.trials
             if t.state == TrialState.RUNNING
-            and RUN_ATTR in t.user_attrs
+            and CLAIM_ATTR in t.user_attrs
             and (now - t.datetime_start).total_seconds() < 0.5
         ]
         if len(_recorded(study)) >= 2 and running:
@@ -204,12 +204,14 @@ def test_sigkill_mid_trial_then_resume_keeps_every_finished_trial(in_tmp):
     cut = study.trials[killed]
     assert cut.state == TrialState.FAIL and RECORD_ATTR not in cut.user_attrs
     _, children = _runs_of(f"sqlite:///{in_tmp}/runs/mlflow.db", "kill")
-    by_id = {c.info.run_id: c for c in children}
-    cut_run = by_id[cut.user_attrs[RUN_ATTR]]
-    assert cut_run.info.status == "KILLED"
-    assert "heartbeat" in cut_run.data.tags["reason"]
+    by_key = {c.data.tags[KEY_TAG]: c for c in children}
+    assert len(by_key) == len(children)  # one run per trial, whatever was retried
+    cut_run = by_key.get(str(killed))
+    if cut_run is not None:  # opened before the kill (the writer runs beside the trial)
+        assert cut_run.info.status == "KILLED"
+        assert "heartbeat" in cut_run.data.tags["reason"]
     measured = [c for c in children if c.info.status in ("FINISHED", "FAILED")]
-    assert len(measured) == 5 + 1  # the trials and the baseline
+    assert {c.data.tags[KEY_TAG] for c in measured} == {"baseline"} | {str(n) for n in after}
     summary = json.loads((in_tmp / "runs/kill/summary.json").read_text())
     assert sorted(t["number"] for t in summary["trials"]) == sorted(after)
 
@@ -225,7 +227,7 @@ def test_ctrl_c_stops_the_workers_and_writes_what_was_measured(in_tmp):
         if study is None:
             continue
         if len(_recorded(study)) >= 2 and any(
-            t.state == TrialState.RUNNING and RUN_ATTR in t.user_attrs for t in study.trials
+            t.state == TrialState.RUNNING and CLAIM_ATTR in t.user_attrs for t in study.trials
         ):
             break
     process.send_signal(signal.SIGINT)
@@ -240,11 +242,10 @@ def test_ctrl_c_stops_the_workers_and_writes_what_was_measured(in_tmp):
     assert len(summary["trials"]) == len(_recorded(study)) >= 2
     assert (in_tmp / "runs/cc/best_policy.yaml").is_file()
     _, children = _runs_of(f"sqlite:///{in_tmp}/runs/mlflow.db", "cc")
-    killed = [c for c in children if c.info.status == "KILLED"]
+    killed = {c.data.tags[KEY_TAG] for c in children if c.info.status == "KILLED"}
     # A trial cut off before its MLflow run was opened (while claiming) has none.
-    assert {c.info.run_id for c in killed} == {
-        t.user_attrs[RUN_ATTR] for t in cut if RUN_ATTR in t.user_attrs
-    }
+    assert killed <= {str(t.number) for t in cut}
+    assert not [c for c in children if c.info.status == "RUNNING"]
 
 
 def test_a_ctrl_c_while_a_trial_is_asked_for_strikes_once_the_trial_is_in_hand():
@@ -307,19 +308,20 @@ def test_workers_refuse_bad_input_before_any_store(in_tmp):
 
 
 def test_a_failed_trial_whose_run_stayed_open_is_closed_when_the_study_continues(in_tmp):
-    from autoprec.search.session import close_cut_off_runs
     from autoprec.tracking import Tracker
 
     tracker = Tracker(f"sqlite:///{in_tmp}/runs/mlflow.db", "sweep", in_tmp / "runs")
-    parent = tracker.start_parent(None, {})
-    study = optuna.create_study(directions=["maximize"])
-    cut, done = study.ask(), study.ask()
-    for trial in (cut, done):
-        trial.set_user_attr(RUN_ATTR, tracker.start_child(parent, "t", {}))
-    study.tell(cut, state=TrialState.FAIL)  # as fail_stale leaves it when MLflow was down
-    tracker.client.set_terminated(done.user_attrs[RUN_ATTR], "FINISHED")
-    study.tell(done, state=TrialState.FAIL)
-    close_cut_off_runs(study, tracker)
-    run = tracker.client.get_run(cut.user_attrs[RUN_ATTR])
+    tracker.start_parent({})
+    for key in ("0", "1"):
+        tracker.start_trial(key, f"t00{key}", {})
+    assert tracker.flush(60)
+    runs = tracker.run_ids()
+    tracker.client.set_terminated(runs["1"], "FINISHED")
+    # Both trials were failed while MLflow was down: the next run of the study closes the
+    # run that stayed open, and leaves the closed one as it is.
+    tracker.catch_up([], {"0": "its trial was failed", "1": "its trial was failed"})
+    assert tracker.close(60)
+    run = tracker.client.get_run(runs["0"])
     assert run.info.status == "KILLED" and run.data.tags["state"] == "killed"
-    assert tracker.client.get_run(done.user_attrs[RUN_ATTR]).info.status == "FINISHED"
+    assert tracker.client.get_run(runs["1"]).info.status == "FINISHED"
+    assert set(tracker.run_ids()) == {"0", "1"}  # nothing made twice

@@ -35,6 +35,7 @@ from autoprec.search.summary import numeric, summarize, write_outputs
 from autoprec.search.workers import run_workers
 from autoprec.space import SearchSpace
 from autoprec.tasks import DEFAULT_TASK, Task
+from autoprec.tracking import FLUSH_WAIT_S, Tracker
 
 __all__ = ["Callbacks", "SearchConfig", "SearchInterrupted", "SearchResult", "search"]
 
@@ -121,7 +122,8 @@ def _trials_and_confirmation(
         finished_cleanly = True
     finally:
         if not finished_cleanly:
-            session.tracker.end_parent(session.parent_id, "KILLED")
+            session.tracker.end_parent("KILLED")
+            session.tracker.close()
     return confirmed, interrupted
 
 
@@ -135,6 +137,8 @@ def _finish(
     """The choice and the outputs: summary.json, best_policy.yaml, the parent run."""
     prepared, config, tracker = session.prepared, session.prepared.config, session.tracker
     assert session.baseline is not None
+    mark_s = time.perf_counter()
+    run_ids = _run_ids(tracker)
     summary = summarize(
         session.study,
         session.space,
@@ -142,6 +146,7 @@ def _finish(
         prepared.tolerance,
         config.prefer,
         confirmed,
+        run_ids,
     )
     summary["settings"] = {
         **prepared.settings,
@@ -156,7 +161,7 @@ def _finish(
         "devices": prepared.devices,
         "trial_timeout_s": session.trial_limit_s,
     }
-    summary["mlflow_parent_run_id"] = session.parent_id
+    summary["mlflow_parent_run_id"] = tracker.parent_id
     summary["interrupted"] = interrupted
     summary["profile"] = (
         None
@@ -168,29 +173,37 @@ def _finish(
     )
     best_policy = Policy.from_dict(summary["best"]["policy"])
     summary["best"]["layers"] = best_policy.layer_table(prepared.model, prepared.backend)
+    phases_s["tracking_flush"] = time.perf_counter() - mark_s
     summary["wall_time_s"] = time.perf_counter() - started_s
     summary["phase_time_s"] = phases_s  # this invocation's set-up, warm-up and re-timing
     policy_path, summary_path = write_outputs(summary, best_policy, prepared.out_dir)
     best = summary["best"]
     entries = [summary["baseline"], *summary["trials"]]
+    best_key = str(best["number"])
     tracker.finish_parent(
-        session.parent_id,
-        best.get("mlflow_run_id"),
+        best_key,
         numeric(best["metrics"]),
-        policy_path,
-        summary_path,
+        [policy_path, summary_path],
         status="KILLED" if interrupted else "FINISHED",
     )
-    tracker.mark_children(
-        {e["mlflow_run_id"] for e in entries if e["pareto"] and e["mlflow_run_id"]},
-        best.get("mlflow_run_id"),
-        [e["mlflow_run_id"] for e in entries if e["mlflow_run_id"]],
-    )
+    tracker.mark_children({str(e["number"]) for e in entries if e["pareto"]}, best_key)
+    tracker.close()
     session.callbacks.done(summary)
     result = SearchResult(prepared.study, best_policy, summary, policy_path, summary_path)
     if interrupted:
         raise SearchInterrupted(result)
     return result
+
+
+def _run_ids(tracker: Tracker) -> dict[str, str]:
+    """The child runs by key once the queued writes are done; none while the tracking
+    store is unreachable (the summary then names no runs)."""
+    if not tracker.flush(FLUSH_WAIT_S):
+        return {}
+    try:
+        return tracker.run_ids()
+    except Exception:  # gone since the flush: the next run of the study catches up
+        return {}
 
 
 class _CallablePackage(types.ModuleType):

@@ -7,6 +7,7 @@ CLI's progress bar and a worker's log are two such subclasses. Pass one to
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,3 +67,8 @@ class Callbacks:
 
     def done(self, summary: dict[str, Any]) -> None:
         """The summary is written."""
+
+    def warning(self, message: str) -> None:
+        """Something the user should know that does not stop the search (a tracking
+        store that went away, say); logged to the ``autoprec`` logger here."""
+        logging.getLogger("autoprec").warning(message)

@@ -30,7 +30,6 @@ from autoprec.search.records import TrialRecord, record_of
 from autoprec.search.studies import (
     CLAIM_ATTR,
     RECORD_ATTR,
-    RUN_ATTR,
     STEPPED_BACK_ATTR,
     Ledger,
     claim,
@@ -40,7 +39,7 @@ from autoprec.search.studies import (
 )
 from autoprec.space import SearchSpace, policy_label
 from autoprec.tasks import Task
-from autoprec.tracking import Tracker
+from autoprec.tracking import Tracker, TrialLog
 from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial
 
 POLL_S = 1.0  # how often a waiting worker reads the study again
@@ -64,7 +63,6 @@ class TrialContext:
     backend: Backend
     budget: Budget
     tracker: Tracker
-    parent_id: str
     baseline: TrialRecord
     tolerance: float
     early_stopping: EarlyStopping | None
@@ -197,23 +195,49 @@ def _measure(
     """Train one claimed trial; its MLflow child run is open while it runs."""
     anchor = trial.user_attrs.get("anchor")
     callbacks.trial_start(trial.number, policy)
-    tags = {"autoprec.role": "trial", "trial_number": str(trial.number)}
-    if anchor:
-        tags["anchor"] = anchor
-    run_id = ctx.tracker.start_child(
-        ctx.parent_id,
-        f"t{trial.number:03d} " + (anchor or policy_label(ctx.space.flat_params(policy))),
-        tags,
+    ctx.tracker.start_trial(
+        str(trial.number),
+        _run_name(trial.number, anchor, ctx.space, policy),
+        _trial_tags(trial.number, anchor),
     )
-    try:
-        trial.set_user_attr(RUN_ATTR, run_id)
-    except optuna.exceptions.UpdateFinishedTrialError:  # see run_trials
-        ctx.tracker.close_killed(run_id, "its trial was failed by another worker first")
-        raise
     result = run_with_time_limit(
         ctx.task, policy, ctx.backend, ctx.budget, ctx.early_stopping, ctx.trial_timeout_s
     )
-    return _tell_and_log(study, trial, policy, result, ctx, run_id)
+    return _tell_and_log(study, trial, policy, result, ctx)
+
+
+def _run_name(number: int, anchor: str | None, space: SearchSpace, policy: Policy) -> str:
+    """``t007 fc1=bf16 fc2=fp32 ...`` or ``t000 uniform-fp16``."""
+    return f"t{number:03d} " + (anchor or policy_label(space.flat_params(policy)))
+
+
+def _trial_tags(number: int, anchor: str | None) -> dict[str, str]:
+    tags = {"autoprec.role": "trial", "trial_number": str(number)}
+    if anchor:
+        tags["anchor"] = anchor
+    return tags
+
+
+def trial_log(
+    key: str, name: str, space: SearchSpace, record: TrialRecord, tags: dict[str, str]
+) -> TrialLog:
+    """What a trial's MLflow child run holds, from what the study recorded of it."""
+    result = record.result
+    tags = {**tags, "state": result.state, "feasible": str(record.feasible).lower()}
+    if result.reason:
+        tags["reason"] = result.reason[:4000]
+    drop = record.accuracy_drop
+    extra = {} if drop is None else {"accuracy_drop": drop}
+    return TrialLog(key, name, space.flat_params(record.policy), result, extra, tags, record.policy)
+
+
+def logged_trial(trial: FrozenTrial, space: SearchSpace, tolerance: float) -> TrialLog:
+    """The child run of a recorded trial, as the trial loop logged it (to write it again
+    when the tracking store could not take it then)."""
+    record = record_of(trial, tolerance)
+    anchor = trial.user_attrs.get("anchor")
+    name = _run_name(trial.number, anchor, space, record.policy)
+    return trial_log(str(trial.number), name, space, record, _trial_tags(trial.number, anchor))
 
 
 def _tell_and_log(
@@ -222,7 +246,6 @@ def _tell_and_log(
     policy: Policy,
     result: TrialResult,
     ctx: TrialContext,
-    run_id: str,
 ) -> TrialRecord:
     drop = None
     feasible = False
@@ -230,17 +253,7 @@ def _tell_and_log(
         drop = ctx.baseline.result.accuracy - result.accuracy
         feasible = drop <= ctx.tolerance + 1e-12
         trial.set_constraint("accuracy_drop", drop - ctx.tolerance)
-    tags = {"state": result.state, "feasible": str(feasible).lower()}
-    if result.reason:
-        tags["reason"] = result.reason[:4000]
-    ctx.tracker.log_trial(
-        run_id,
-        ctx.space.flat_params(policy),
-        result,
-        {} if drop is None else {"accuracy_drop": drop},
-        tags,
-        policy,
-    )
+    record = TrialRecord(trial.number, policy, result, drop, feasible)
     # One storage write for everything autoprec keeps about the trial.
     trial.set_user_attr(
         RECORD_ATTR,
@@ -249,14 +262,18 @@ def _tell_and_log(
             "result": result.to_dict(),
             "accuracy_drop": drop,
             "feasible": feasible,
-            "mlflow_run_id": run_id,
         },
     )
     if result.state == "complete":
         study.tell(trial, [result.accuracy, result.peak_memory_mb, result.step_time_ms])
     else:
         study.tell(trial, state=_STATES[result.state])
-    return TrialRecord(trial.number, policy, result, drop, feasible, run_id)
+    anchor = trial.user_attrs.get("anchor")
+    name = _run_name(trial.number, anchor, ctx.space, policy)
+    ctx.tracker.log_trial(
+        trial_log(str(trial.number), name, ctx.space, record, _trial_tags(trial.number, anchor))
+    )
+    return record
 
 
 def _step_back(study: optuna.Study, trial: optuna.Trial, why: str) -> None:
@@ -283,11 +300,8 @@ def _abandon(
         study.tell(trial, state=TrialState.FAIL)
     except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
         return  # already told
-    run_id = trial.user_attrs.get(RUN_ATTR)
-    if run_id:
-        reason = "interrupted (Ctrl-C)" if interrupted else f"{type(error).__name__}: {error}"
-        with contextlib.suppress(Exception):  # the store may be what failed
-            tracker.close_killed(run_id, reason)
+    reason = "interrupted (Ctrl-C)" if interrupted else f"{type(error).__name__}: {error}"
+    tracker.kill_trial(str(trial.number), reason)
     requeue_anchor(study, trial)
 
 

@@ -21,7 +21,6 @@ class TrialRecord:
     result: TrialResult
     accuracy_drop: float | None
     feasible: bool
-    mlflow_run_id: str | None
 
 
 def record_of(trial: FrozenTrial, tolerance: float) -> TrialRecord:
@@ -34,5 +33,4 @@ def record_of(trial: FrozenTrial, tolerance: float) -> TrialRecord:
         TrialResult.from_dict(attrs["result"]),
         drop,
         drop is not None and drop <= tolerance + 1e-12,
-        attrs.get("mlflow_run_id"),
     )

@@ -30,11 +30,17 @@ from autoprec.guided import GuidedStrategy
 from autoprec.profile import Profile, profile_task
 from autoprec.search.config import SearchConfig, check_study_name, check_tolerance
 from autoprec.search.events import Callbacks
-from autoprec.search.loop import POLL_S, TrialContext, WarmUp, requeue_anchor
+from autoprec.search.loop import (
+    POLL_S,
+    TrialContext,
+    WarmUp,
+    logged_trial,
+    requeue_anchor,
+    trial_log,
+)
 from autoprec.search.records import TrialRecord, record_of
 from autoprec.search.studies import (
     RECORD_ATTR,
-    RUN_ATTR,
     Lease,
     fail_stale,
     finished,
@@ -47,7 +53,7 @@ from autoprec.search.summary import candidates
 from autoprec.selection import rank_key
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
 from autoprec.tasks import Task, check_task, check_task_data, load_task
-from autoprec.tracking import Tracker, absolute_sqlite_uri
+from autoprec.tracking import FLUSH_WAIT_S, Tracker, absolute_sqlite_uri
 from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial, time_side_by_side
 
 PROFILE_ATTR = "profile"  # study attribute: the ranking the groups and guidance use
@@ -183,7 +189,6 @@ class Session:
         self.tracker = tracker
         self.study = study
         self.callbacks = callbacks
-        self.parent_id: str = ""
         self.profile: Profile | None = None
         self.space = prepared.space
         self.baseline: TrialRecord | None = None
@@ -201,7 +206,10 @@ class Session:
         """Both stores, reachable before either is written to; the study created or
         continued; trials whose process died failed, and their runs closed."""
         config = prepared.config
-        tracker = Tracker(config.tracking_uri, prepared.study, Path(config.runs_dir))
+        callbacks = callbacks or Callbacks()
+        tracker = Tracker(
+            config.tracking_uri, prepared.study, Path(config.runs_dir), callbacks.warning
+        )
         storage_url = absolute_sqlite_uri(config.storage)
         if storage_url.startswith("sqlite:///"):
             Path(storage_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -212,8 +220,7 @@ class Session:
         sampler = make_sampler(config.sampler, config.seed, config.trials, worker)
         study = open_study(prepared.study, storage, sampler, prepared.settings)
         fail_stale(study)
-        close_cut_off_runs(study, tracker)
-        return cls(prepared, tracker, study, callbacks or Callbacks())
+        return cls(prepared, tracker, study, callbacks)
 
     # -- the study's one-off set-up -----------------------------------------------------
 
@@ -223,9 +230,9 @@ class Session:
         lease = Lease(self.study, "setup", worker_id())
         waiting = False
         while True:
-            if self._ready() and self.tracker.has_run(self.study.user_attrs[_PARENT]):
-                self.tracker.start_parent(self.study.user_attrs[_PARENT], parent_params)
-                self.join()  # reopened: RUNNING again
+            if self._ready():
+                self.tracker.start_parent(parent_params)  # reopened: RUNNING again
+                self.join()
                 return
             if lease.acquire():
                 break
@@ -236,31 +243,28 @@ class Session:
         try:
             self._set_up_holding_the_lease(parent_params)
         except BaseException:  # Ctrl-C or an error during set-up: the parent run is closed
-            if self.parent_id:
-                self.tracker.end_parent(self.parent_id, "KILLED")
+            self.tracker.end_parent("KILLED")
             raise
         finally:
             lease.release()
+        self.catch_up()
 
     def _ready(self) -> bool:
         attrs = self.study.user_attrs
         ready = attrs.get("baseline") is not None and attrs.get("anchors_enqueued")
         if self.prepared.needs_profile:
             ready = ready and attrs.get(PROFILE_ATTR) is not None
-        return bool(ready and attrs.get(_PARENT))
+        return bool(ready)
 
     def _set_up_holding_the_lease(self, parent_params: dict[str, Any]) -> None:
         prepared = self.prepared
-        self.parent_id = self.tracker.start_parent(
-            self.study.user_attrs.get(_PARENT), parent_params
-        )
-        self.study.set_user_attr(_PARENT, self.parent_id)
+        self.tracker.start_parent(parent_params)
         self.profile = self._stored_profile()
         if prepared.needs_profile and self.profile is None:
             self.callbacks.profiling()
             self.profile = profile_task(prepared.task, prepared.backend, seed=prepared.budget.seed)
             path = self.profile.save(prepared.out_dir / "profile.json")
-            self.tracker.log_profile(self.profile, path, self.parent_id)
+            self.tracker.log_profile(self.profile, path)
             self.study.set_user_attr(PROFILE_ATTR, self.profile.brief())
             self.callbacks.profiled(self.profile, path)
         self.space = prepared.fitted(self.profile)
@@ -272,6 +276,8 @@ class Session:
             for name, params in self.space.anchors().items():
                 self.study.enqueue_trial(params, user_attrs={"anchor": name})
             self.study.set_user_attr("anchors_enqueued", True)
+        # The parent run exists before the lease goes: no other process makes a second.
+        self.tracker.flush(FLUSH_WAIT_S)
 
     def join(self) -> None:
         """Read what the study's set-up made: parent run, profile, fitted space, baseline."""
@@ -281,10 +287,21 @@ class Session:
             raise AutoprecError(
                 f"study {prepared.study!r}: this process's space differs from the study's"
             )
-        self.parent_id = self.study.user_attrs[_PARENT]
         self.profile = self._stored_profile()
         self.space = prepared.fitted(self.profile)
         self.baseline = self._baseline()
+
+    def catch_up(self) -> None:
+        """Have MLflow catch up with the study: trials an earlier run measured but could
+        not log (its tracking store was down, or it died first), and the runs of trials
+        that never finished, closed as KILLED."""
+        logs, killed = [], {}
+        for t in self.study.get_trials(deepcopy=False):
+            if RECORD_ATTR in t.user_attrs and t.state.is_finished():
+                logs.append(logged_trial(t, self.space, self.prepared.tolerance))
+            elif t.state == TrialState.FAIL:
+                killed[str(t.number)] = "its trial was failed before its run was closed"
+        self.tracker.catch_up(logs, killed)
 
     def _stored_profile(self) -> Profile | None:
         data = self.study.user_attrs.get(PROFILE_ATTR)
@@ -297,29 +314,23 @@ class Session:
         stored = study.user_attrs.get("baseline")
         if stored is not None:
             result = TrialResult.from_dict(stored["result"])
-            return TrialRecord("baseline", policy, result, 0.0, True, stored.get("mlflow_run_id"))
-        cut_off = study.user_attrs.get("baseline_run_started")
-        if cut_off:  # a baseline whose process died: its run is closed, and it runs again
-            tracker.close_killed(cut_off, "the search stopped before the baseline finished")
+            return TrialRecord("baseline", policy, result, 0.0, True)
         tags = {"autoprec.role": "baseline"}
-        run_id = tracker.start_child(self.parent_id, "baseline-fp32", tags)
-        study.set_user_attr("baseline_run_started", run_id)
+        tracker.start_trial("baseline", "baseline-fp32", tags)
         try:
             result = run_trial(prepared.task, policy, prepared.backend, prepared.budget)
         except BaseException:
-            tracker.close_killed(run_id, "interrupted during the baseline")
+            tracker.kill_trial("baseline", "interrupted during the baseline")
             raise
-        params = self.space.flat_params(policy)
+        record = TrialRecord("baseline", policy, result, 0.0, True)
+        tracker.log_trial(trial_log("baseline", "baseline-fp32", self.space, record, tags))
         if result.state != "complete":
-            tracker.log_trial(run_id, params, result, {}, tags, policy)
             raise AutoprecError(
                 f"task {prepared.task.name!r}: the fp32 baseline did not train "
                 f"({result.reason}); fix the task before searching"
             )
-        done_tags = {**tags, "state": "complete", "feasible": "true"}
-        tracker.log_trial(run_id, params, result, {"accuracy_drop": 0.0}, done_tags, policy)
-        study.set_user_attr("baseline", {"result": result.to_dict(), "mlflow_run_id": run_id})
-        return TrialRecord("baseline", policy, result, 0.0, True, run_id)
+        study.set_user_attr("baseline", {"result": result.to_dict()})
+        return record
 
     # -- the trials -------------------------------------------------------------------------
 
@@ -343,7 +354,6 @@ class Session:
             prepared.backend,
             prepared.budget,
             self.tracker,
-            self.parent_id,
             self.baseline,
             prepared.tolerance,
             stopper if config.early_stopping else None,
@@ -399,28 +409,14 @@ class Session:
         return confirmed
 
 
-_PARENT = "mlflow_parent_run_id"  # study attribute: the study's one MLflow parent run
-
-
 def _on_stale(tracker: Tracker) -> Callable[[optuna.Study, FrozenTrial], None]:
     """What happens to a trial whose worker died: its MLflow child run is closed as
     KILLED, and an anchor is queued again (Optuna has already failed the trial)."""
 
     def on_stale(study: optuna.Study, trial: FrozenTrial) -> None:
-        if RECORD_ATTR in trial.user_attrs:  # measured and logged before the worker died
+        if RECORD_ATTR in trial.user_attrs:  # measured and recorded before the worker died
             return
-        run_id = trial.user_attrs.get(RUN_ATTR)
-        if run_id:
-            tracker.close_killed(run_id, "its worker stopped sending heartbeats (killed?)")
+        tracker.kill_trial(str(trial.number), "its worker stopped sending heartbeats (killed?)")
         requeue_anchor(study, trial)
 
     return on_stale
-
-
-def close_cut_off_runs(study: optuna.Study, tracker: Tracker) -> None:
-    """Failed trials whose MLflow run is still open (their worker died while the
-    tracking store was unreachable): closed as KILLED now."""
-    for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
-        run_id = t.user_attrs.get(RUN_ATTR)
-        if run_id and RECORD_ATTR not in t.user_attrs:
-            tracker.close_if_open(run_id, "its trial was failed before its run was closed")

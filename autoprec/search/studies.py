@@ -47,7 +47,6 @@ from autoprec.search.config import HEARTBEAT_INTERVAL_S
 RECORD_ATTR = "autoprec"  # user attribute: the trial's policy and result, once measured
 CLAIM_ATTR = "autoprec.claim"  # user attribute: the key of the policy the trial measures
 STEPPED_BACK_ATTR = "stepped_back"  # user attribute: why a trial gave way untrained
-RUN_ATTR = "mlflow_run_id"  # user attribute: the trial's MLflow child run, from its start
 LEASE_TTL_S = 60.0
 OBJECTIVES = ("accuracy", "peak_memory_mb", "step_time_ms")
 DIRECTIONS = ("maximize", "minimize", "minimize")

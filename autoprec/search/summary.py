@@ -69,12 +69,15 @@ def summarize(
     tolerance: float,
     prefer: str,
     confirmed: dict[str, float] | None = None,
+    run_ids: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """summary.json: the baseline, every trial, the Pareto front, and the chosen best.
 
-    Where step times were confirmed side by side, the front and the choice use them.
+    Where step times were confirmed side by side, the front and the choice use them;
+    ``run_ids`` are the MLflow child runs by key (trial number or "baseline").
     """
     confirmed = confirmed or {}
+    run_ids = run_ids or {}
     trials = {t.number: t for t in finished(study)}
     records = [record_of(t, tolerance) for t in trials.values()]
     front_keys = {c.key for c in pareto_front(candidates([baseline, *records], confirmed))}
@@ -103,7 +106,7 @@ def summarize(
             },
             "feasible": r.feasible,
             "pareto": r.number in front_keys,
-            "mlflow_run_id": r.mlflow_run_id,
+            "mlflow_run_id": run_ids.get(str(r.number)),
             "peak_memory_is_estimate": r.result.peak_memory_is_estimate,
             "switches": r.result.switches,
             "telemetry": _telemetry_brief(r.result),

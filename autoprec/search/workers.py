@@ -152,10 +152,13 @@ def run_worker(spec: WorkerSpec) -> int:
     config = SearchConfig(**spec.settings)
     prepared = prepare(spec.task, spec.space, config, check_data=False)
     session = Session.open(prepared, WorkerLog(), worker=spec.index + 1)
-    session.join()
-    if len(finished(session.study)) < config.trials:
-        session.warm.ensure()
-    return run_trials(session.study, session.context(), config.trials, session.callbacks)
+    try:
+        session.join()
+        if len(finished(session.study)) < config.trials:
+            session.warm.ensure()
+        return run_trials(session.study, session.context(), config.trials, session.callbacks)
+    finally:  # what could not be written now is written by the next run of the study
+        session.tracker.close()
 
 
 def run_workers(session: Session, workers: int) -> None:
