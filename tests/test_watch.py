@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from autoprec.telemetry import GradientMonitor
 from autoprec.watch import CALL, INPUT, OUTPUT, OUTPUT_GRAD, PARAM_GRAD, Counts, Watcher
 
 
@@ -50,6 +51,18 @@ def test_one_host_transfer_per_observed_step(host_transfers):
     assert watcher.totals[("0", PARAM_GRAD)][0] == 2 * (12 + 4)
     assert watcher.collect() == []  # nothing pending: no transfer
     assert host_transfers["cpu"] == 2
+
+
+def test_gradient_monitor_moves_a_step_to_the_host_once(host_transfers):
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    monitor = GradientMonitor(model)
+    with monitor.activations():
+        loss = model(torch.randn(5, 3)).sum()
+    loss.backward()
+    monitor.observe_gradients(scale=2.0**16)
+    assert host_transfers == {"cpu": 1, "item": 0}
+    assert monitor.stats["2"].act_elements == 5 and monitor.stats["0"].grad_elements == 16
+    assert host_transfers["cpu"] == 1
 
 
 def test_maxima_and_sums_accumulate_over_calls():
