@@ -53,6 +53,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,11 @@ from torch import nn
 
 from autoprec.devices import DTYPES, Backend, get_backend
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
-from autoprec.policy import LOW_PRECISION, parameterised_leaves
+from autoprec.policy import LOW_PRECISION
 from autoprec.precision import Installed, Plan, RegionSpec
-from autoprec.structures import tensors
 from autoprec.tasks import Task, check_task, load_task
 from autoprec.tasks.base import Batch, logits_of
+from autoprec.watch import INPUT, OUTPUT, OUTPUT_GRAD, PARAM_GRAD, Counts, Watcher
 
 # The deviation test runs at most this many samples of the fixed batch: fp16 convolutions
 # and matmuls are many times slower than fp32 on CPUs without fp16 kernels.
@@ -252,7 +253,8 @@ def profile_task(
 
     torch.manual_seed(seed)
     model = check_task(task).to(backend.device).train()
-    watcher = _Watcher(model, limits)
+    watcher = Watcher(model)
+    ranges = Counts(partial(_range_counts, limits=limits), maxima=frozenset({_MAX_ABS}))
     with _task_errors(task), backend.selected():
         optimizer = task.make_optimizer(model.parameters())
         batches = iter(task.train_data(seed))
@@ -267,15 +269,18 @@ def profile_task(
             batch = task.batch(raw).to(backend.device)
             first_batch = first_batch or batch
             optimizer.zero_grad(set_to_none=True)
-            with watcher.outputs(gradients=True):
+            with watcher.forward(outputs=ranges, output_grads=ranges):
                 loss = task.compute_loss(batch.run(model), batch.targets)
                 loss.backward()
-            watcher.parameter_gradients()
+            watcher.parameter_gradients(ranges)
+            watcher.collect()
             optimizer.step()
         assert first_batch is not None
+        ran = [name for name, _ in watcher.modules if name in watcher.ran]
         batch = first_batch.head(DEVIATION_SAMPLES)
-        with watcher.inputs():
+        with watcher.forward(inputs=ranges):  # to tell where a range problem starts
             reference = _forward(task, model, batch, seed)
+        watcher.collect()
     if not math.isfinite(reference[1]):
         raise TaskError(
             f"task {task.name!r}: the fp32 loss is {reference[1]} after {steps} steps; "
@@ -286,8 +291,7 @@ def profile_task(
             name: {
                 d: _deviation(task, model, name, backend, d, batch, seed, reference) for d in tested
             }
-            for name, _ in watcher.modules
-            if name in watcher.ran
+            for name in ran
         }
     modules = _rank(watcher, tested, deviations)
     return Profile(
@@ -338,6 +342,8 @@ def _check_dtypes(dtypes: Sequence[str] | None, backend: Backend) -> tuple[str, 
 # Layout of one counts vector: elements, nonzero elements, largest magnitude, then per
 # dtype: above its maximum, nonzero below its smallest normal, below its smallest subnormal.
 _ELEMENTS, _NONZERO, _MAX_ABS, _PER_DTYPE = 0, 1, 2, 3
+# The watcher's kind for each kind this module reports.
+_WATCHED = {"input": INPUT, "act": OUTPUT, "grad": OUTPUT_GRAD, "param_grad": PARAM_GRAD}
 
 
 def _range_counts(tensor: torch.Tensor, limits: list[tuple[float, float, float]]) -> torch.Tensor:
@@ -359,105 +365,27 @@ def _range_counts(tensor: torch.Tensor, limits: list[tuple[float, float, float]]
     return torch.stack([part.double() for part in parts])
 
 
-class _Watcher:
-    """Value ranges per module and kind, gathered by hooks; moved to the host once a step."""
-
-    def __init__(self, model: nn.Module, limits: list[tuple[float, float, float]]) -> None:
-        self.model = model
-        self.limits = limits
-        self.modules = [(n, m) for n, m in model.named_modules() if m is not model]
-        self.ran: set[str] = set()
-        self.totals: dict[tuple[str, str], list[float]] = {}
-        self._pending: list[tuple[str, str, torch.Tensor]] = []
-
-    def _add(self, name: str, kind: str, tensor: torch.Tensor) -> None:
-        if tensor.is_floating_point() and tensor.numel():
-            self._pending.append((name, kind, _range_counts(tensor, self.limits)))
-
-    def _collect(self) -> None:
-        if not self._pending:
-            return
-        device = self._pending[0][2].device
-        rows = torch.stack([c.to(device) for _, _, c in self._pending]).cpu().tolist()
-        for (name, kind, _), row in zip(self._pending, rows, strict=True):
-            total = self.totals.get((name, kind))
-            if total is None:
-                self.totals[(name, kind)] = row
-                continue
-            for i, value in enumerate(row):
-                total[i] = max(total[i], value) if i == _MAX_ABS else total[i] + value
-        self._pending.clear()
-
-    @contextlib.contextmanager
-    def _hooked(self, make_hook: Any, **options: Any) -> Iterator[None]:
-        handles = [
-            module.register_forward_hook(make_hook(name), **options)
-            for name, module in self.modules
-        ]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            self._collect()
-
-    def outputs(self, gradients: bool) -> contextlib.AbstractContextManager[None]:
-        """Outputs of every module, and the gradients that reach them (tensor hooks, so
-        that in-place operations after a module, such as ``ReLU(inplace=True)``, work)."""
-
-        def make_hook(name: str) -> Any:
-            def hook(module: nn.Module, args: Any, output: Any) -> None:
-                self.ran.add(name)
-                for tensor in tensors(output):
-                    self._add(name, "act", tensor)
-                    if gradients and tensor.requires_grad:
-                        tensor.register_hook(lambda grad, name=name: self._add(name, "grad", grad))
-
-            return hook
-
-        return self._hooked(make_hook)
-
-    def inputs(self) -> contextlib.AbstractContextManager[None]:
-        """Inputs of every module, to tell where a range problem starts."""
-
-        def make_hook(name: str) -> Any:
-            def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-                for tensor in tensors((args, kwargs)):
-                    self._add(name, "input", tensor)
-
-            return hook
-
-        return self._hooked(make_hook, with_kwargs=True)
-
-    def parameter_gradients(self) -> None:
-        seen: set[int] = set()  # a parameter shared by two modules counts once
-        for name, module in parameterised_leaves(self.model):
-            for param in module.parameters(recurse=False):
-                if param.grad is not None and id(param) not in seen:
-                    seen.add(id(param))
-                    self._add(name, "param_grad", param.grad)
-        self._collect()
-
-    def shares(self, name: str, kind: str, index: int) -> dict[str, float]:
-        """The dtype's overflow and underflow shares for one module and kind."""
-        total = self.totals.get((name, kind))
-        if total is None:
-            return {
-                f"{kind}_above_max": 0.0,
-                f"{kind}_below_normal": 0.0,
-                f"{kind}_below_subnormal": 0.0,
-            }
-        base = _PER_DTYPE + 3 * index
-        elements, nonzero = max(total[_ELEMENTS], 1.0), max(total[_NONZERO], 1.0)
+def _shares(watcher: Watcher, name: str, kind: str, index: int) -> dict[str, float]:
+    """The dtype's overflow and underflow shares for one module and kind."""
+    total = watcher.totals.get((name, _WATCHED[kind]))
+    if total is None:
         return {
-            f"{kind}_above_max": total[base] / elements,
-            f"{kind}_below_normal": total[base + 1] / nonzero,
-            f"{kind}_below_subnormal": total[base + 2] / nonzero,
+            f"{kind}_above_max": 0.0,
+            f"{kind}_below_normal": 0.0,
+            f"{kind}_below_subnormal": 0.0,
         }
+    base = _PER_DTYPE + 3 * index
+    elements, nonzero = max(total[_ELEMENTS], 1.0), max(total[_NONZERO], 1.0)
+    return {
+        f"{kind}_above_max": total[base] / elements,
+        f"{kind}_below_normal": total[base + 1] / nonzero,
+        f"{kind}_below_subnormal": total[base + 2] / nonzero,
+    }
 
-    def max_abs(self, name: str, kind: str) -> float:
-        total = self.totals.get((name, kind))
-        return total[_MAX_ABS] if total is not None else 0.0
+
+def _max_abs(watcher: Watcher, name: str, kind: str) -> float:
+    total = watcher.totals.get((name, _WATCHED[kind]))
+    return total[_MAX_ABS] if total is not None else 0.0
 
 
 # -- the deviation test --------------------------------------------------------------------
@@ -513,11 +441,12 @@ def _deviation(
 
 
 def _rank(
-    watcher: _Watcher, dtypes: tuple[str, ...], deviations: dict[str, dict[str, dict[str, Any]]]
+    watcher: Watcher, dtypes: tuple[str, ...], deviations: dict[str, dict[str, dict[str, Any]]]
 ) -> list[ModuleRisk]:
-    """Every watched module's figures, riskiest first (ties as the module docstring says)."""
+    """Every watched module's figures, riskiest first (ties as the module docstring says).
+    ``deviations`` holds the modules that ran in the training steps."""
     entries = [
-        _module_risk(name, module, watcher, dtypes, deviations.get(name, {}))
+        _module_risk(name, module, watcher, dtypes, deviations.get(name, {}), name in deviations)
         for name, module in watcher.modules
     ]
     keys = []
@@ -537,19 +466,20 @@ def _rank(
 def _module_risk(
     name: str,
     module: nn.Module,
-    watcher: _Watcher,
+    watcher: Watcher,
     dtypes: tuple[str, ...],
     deviations: dict[str, dict[str, Any]],
+    ran: bool,
 ) -> tuple[ModuleRisk, bool]:
     """One module's figures, and whether its worst dtype's problem came in through its
     inputs (already past that dtype's maximum in fp32)."""
     stats: dict[str, dict[str, float]] = {}
     reasons: dict[str, str] = {}
-    input_max_abs = watcher.max_abs(name, "input")
+    input_max_abs = _max_abs(watcher, name, "input")
     for index, dtype in enumerate(dtypes):
         shares = {}
         for kind in KINDS:
-            shares.update(watcher.shares(name, kind, index))
+            shares.update(_shares(watcher, name, kind, index))
         stats[dtype], reasons[dtype] = _dtype_risk(dtype, shares, deviations.get(dtype, {}))
         if input_max_abs > dtype_limits(dtype)[0]:
             reasons[dtype] += f"; inputs already reach {_number(input_max_abs)}"
@@ -569,9 +499,9 @@ def _module_risk(
         parameters=sum(p.numel() for p in module.parameters()),
         leaf=next(module.children(), None) is None,
         stats=stats,
-        max_abs={kind: watcher.max_abs(name, kind) for kind in ("input", *KINDS)},
+        max_abs={kind: _max_abs(watcher, name, kind) for kind in ("input", *KINDS)},
         risk=risk,
-        reason=reason if name in watcher.ran else "not run in the forward",
+        reason=reason if ran else "not run in the forward",
         error="; ".join(errors),
     )
     return entry, risk > 0 and input_max_abs > dtype_limits(worst)[0]

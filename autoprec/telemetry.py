@@ -35,13 +35,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from autoprec.policy import parameterised_leaves
 from autoprec.structures import tensors
+from autoprec.watch import CALL, PARAM_GRAD, Counts, Watcher
 
 FP16_MAX = 65504.0
 UNDERFLOW_WARNING = 0.01  # warn when more than 1% of nonzero gradients would flush
@@ -78,97 +79,113 @@ class LayerStats:
         return data
 
 
-def _flush_counts(grad: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
-    """(elements, nonzero, zero, flushed, nonfinite) as 0-d tensors, without a host sync."""
+def _flush_counts(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """(elements, nonzero, zero, flushed, nonfinite) of one gradient held in fp16 at the
+    loss scale ``scale``."""
     scaled = grad.detach().float() * scale
     finite = torch.isfinite(scaled)
     nonzero = (scaled != 0) & finite
     flushed = nonzero & (scaled.to(torch.float16) == 0)
-    return (
-        torch.tensor(scaled.numel()),
+    parts = [
+        torch.full((), scaled.numel(), device=scaled.device),
         nonzero.sum(),
         (scaled == 0).sum(),
         flushed.sum(),
         (~finite).sum(),
-    )
+    ]
+    return torch.stack([part.double() for part in parts])
+
+
+def _output_counts(tensor: torch.Tensor) -> torch.Tensor:
+    """(elements, nonfinite, finite at or above fp16's maximum, largest finite magnitude)."""
+    values = tensor.detach()
+    finite = torch.isfinite(values)
+    magnitude = torch.where(finite, values.abs(), 0).float()
+    parts = [
+        torch.full((), values.numel(), device=values.device),
+        (~finite).sum(),
+        (magnitude >= FP16_MAX).sum(),
+        magnitude.amax(),
+    ]
+    return torch.stack([part.double() for part in parts])
+
+
+def _activation_counts(args: Any, kwargs: Any, output: Any) -> torch.Tensor:
+    """One call's `_output_counts` over its floating outputs (summed, the magnitude as a
+    maximum), then 1 if the call is where overflow starts: its floating positional
+    inputs were all finite and below 65504, and some output is not."""
+    per_output = [_output_counts(t) for t in tensors(output) if t.is_floating_point() and t.numel()]
+    if not per_output:
+        return torch.zeros(len(_ACTIVATION_FIELDS), dtype=torch.float64)
+    device = per_output[0].device
+    rows = torch.stack([row.to(device) for row in per_output])
+    clean = torch.ones((), dtype=torch.bool, device=device)
+    for tensor in tensors(args):
+        if tensor.is_floating_point() and tensor.numel():
+            in_range = torch.isfinite(tensor) & (tensor.detach().abs() < FP16_MAX)
+            clean = clean & in_range.all().to(device)
+    broken = (rows[:, 1] + rows[:, 2] > 0).any()
+    origin = (clean & broken).double().reshape(1)
+    return torch.cat([rows[:, :3].sum(dim=0), rows[:, 3].amax().reshape(1), origin])
+
+
+# The watcher's totals by kind, in LayerStats' terms: calls hold the activation counts.
+_ACTIVATION_FIELDS = (
+    "act_elements",
+    "act_nonfinite",
+    "act_at_fp16_max",
+    "act_max_abs",
+    "act_overflow_origin",
+)
+_GRADIENT_FIELDS = ("grad_elements", "grad_nonzero", "grad_zero", "grad_flushed", "grad_nonfinite")
+_FIELDS = {CALL: _ACTIVATION_FIELDS, PARAM_GRAD: _GRADIENT_FIELDS}
+_ACTIVATIONS = Counts(_activation_counts, maxima=frozenset({3}))
 
 
 class GradientMonitor:
-    """Collects per-layer telemetry on the steps you ask it to observe."""
+    """Collects per-layer telemetry on the steps you ask it to observe. The counts stay
+    on the device until the step's gradients are observed or the figures are read: one
+    host transfer per observed step."""
 
     def __init__(self, model: nn.Module, warn_underflow: float = UNDERFLOW_WARNING) -> None:
         self.model = model
         self.warn_underflow = warn_underflow
-        self.layers = parameterised_leaves(model)
-        self.stats = {name: LayerStats(name) for name, _ in self.layers}
-        self.watched = [(n, m) for n, m in model.named_modules() if m is not model]
+        self._watcher = Watcher(model)
+        self.layers = self._watcher.leaves
+        self.watched = self._watcher.modules
+        self._stats = {name: LayerStats(name) for name, _ in self.layers}
         self.observed_steps = 0  # forward passes watched
         self.gradient_steps = 0  # optimizer steps whose gradients were counted
-        self._pending: list[tuple[str, str, torch.Tensor]] = []
+
+    @property
+    def stats(self) -> dict[str, LayerStats]:
+        """Totals per layer name, up to date with every step observed so far."""
+        self._collect()
+        return self._stats
 
     @contextlib.contextmanager
     def activations(self) -> Iterator[None]:
         """Count non-finite and fp16-range outputs of every layer during this block."""
-        handles = [module.register_forward_hook(self._hook(name)) for name, module in self.watched]
+        self._collect()  # an earlier step's counts, if its gradients were not observed
         try:
-            yield
+            with self._watcher.forward(calls=_ACTIVATIONS):
+                yield
         finally:
-            for handle in handles:
-                handle.remove()
             self.observed_steps += 1
-            self._collect()
-
-    def _hook(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            with torch.no_grad():
-                clean = torch.tensor(True)
-                for tensor in tensors(args):
-                    if tensor.is_floating_point() and tensor.numel():
-                        in_range = torch.isfinite(tensor) & (tensor.detach().abs() < FP16_MAX)
-                        clean = clean & in_range.all().cpu()
-                broken = torch.tensor(False)
-                for tensor in tensors(output):
-                    if not tensor.is_floating_point() or tensor.numel() == 0:
-                        continue
-                    values = tensor.detach()
-                    finite = torch.isfinite(values)
-                    magnitude = torch.where(finite, values.abs(), 0).float()
-                    at_max = magnitude >= FP16_MAX
-                    self._pending.append((name, "act_elements", torch.tensor(values.numel())))
-                    self._pending.append((name, "act_nonfinite", (~finite).sum()))
-                    self._pending.append((name, "act_at_fp16_max", at_max.sum()))
-                    self._pending.append((name, "act_max_abs", magnitude.amax()))
-                    broken = broken | ((~finite).any() | at_max.any()).cpu()
-                self._pending.append((name, "act_overflow_origin", (clean & broken).int()))
-
-        return hook
 
     def observe_gradients(self, scale: float = 1.0) -> None:
         """Count this step's gradients (unscaled, as after ``prec.step``) per layer."""
-        fields = ("grad_elements", "grad_nonzero", "grad_zero", "grad_flushed", "grad_nonfinite")
-        seen: set[int] = set()  # a parameter shared by two modules counts once
-        for name, module in self.layers:
-            for param in module.parameters(recurse=False):
-                if param.grad is None or id(param) in seen:
-                    continue
-                seen.add(id(param))
-                for field_name, count in zip(fields, _flush_counts(param.grad, scale), strict=True):
-                    self._pending.append((name, field_name, count))
+        self._watcher.parameter_gradients(Counts(partial(_flush_counts, scale=scale)))
         self.gradient_steps += 1
         self._collect()
 
     def _collect(self) -> None:
-        """Move the pending device counters to the host in one transfer."""
-        if not self._pending:
-            return
-        values = torch.stack([v.double().cpu() for _, _, v in self._pending]).tolist()
-        for (name, field_name, _), value in zip(self._pending, values, strict=True):
-            stats = self.stats.setdefault(name, LayerStats(name))
-            if field_name == "act_max_abs":
-                stats.act_max_abs = max(stats.act_max_abs, float(value))
-            else:
-                setattr(stats, field_name, getattr(stats, field_name) + int(value))
-        self._pending.clear()
+        """Bring the watcher's changed totals into the per-layer stats."""
+        for name, kind in self._watcher.collect():
+            stats = self._stats.setdefault(name, LayerStats(name))
+            total = self._watcher.totals[(name, kind)]
+            for field_name, value in zip(_FIELDS[kind], total, strict=True):
+                setattr(stats, field_name, value if field_name == "act_max_abs" else int(value))
 
     @property
     def grad_underflow_ratio(self) -> float:
@@ -179,7 +196,6 @@ class GradientMonitor:
 
     def warnings(self) -> list[str]:
         """What the figures imply, one line each, worst first."""
-        self._collect()
         lines = []
         for stats in sorted(self.stats.values(), key=lambda s: -s.grad_underflow_ratio):
             if stats.grad_underflow_ratio > self.warn_underflow:
@@ -206,7 +222,6 @@ class GradientMonitor:
 
     def report(self, top: int | None = None) -> dict[str, Any]:
         """Per-layer figures (all, or the ``top`` worst), the overall ratio and warnings."""
-        self._collect()
         layers = sorted(
             self.stats.values(),
             key=lambda s: (
