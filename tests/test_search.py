@@ -162,19 +162,22 @@ def test_ctrl_c_keeps_what_was_measured_and_the_study_continues(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     task = make_tiny_task()
     build = task.model
-    calls = {"n": 0}
+    trials_built = []
+
+    class Armed(autoprec.search.Callbacks):  # counts models built once the trials begin
+        def trials_start(self, progress):
+            trials_built.append(0)
 
     def model_then_ctrl_c():
-        # 1 check, the profile, 3 warm-up runs, the baseline and two trials; Ctrl-C in the
-        # third trial.
-        calls["n"] += 1
-        if calls["n"] == 9:
-            raise KeyboardInterrupt
+        if trials_built:  # two trials build their models; Ctrl-C in the third
+            trials_built[0] += 1
+            if trials_built[0] == 3:
+                raise KeyboardInterrupt
         return build()
 
     task.model = model_then_ctrl_c
     with pytest.raises(autoprec.SearchInterrupted) as caught:
-        autoprec.search(task, trials=4, steps=12, study="cc", device="cpu")
+        autoprec.search(task, trials=4, steps=12, study="cc", device="cpu", callbacks=Armed())
     summary = json.loads((tmp_path / "runs/cc/summary.json").read_text())
     assert summary["interrupted"] is True
     assert len(summary["trials"]) == 2

@@ -16,8 +16,8 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -70,36 +70,43 @@ class TrialContext:
     prefer: str = "speed"
     trial_timeout_s: float = 0.0  # 0: no limit
     guide: GuidedStrategy | None = None  # proposes trials before the sampler does
+    _records: dict[int, TrialRecord] = field(default_factory=dict, repr=False)
 
     def identity(self, policy: Policy) -> str:
         """What a trial of the policy measures on this model and device."""
         return policy.identity(self.model, self.backend)
 
     def progress(self, study: optuna.Study, total: int) -> Progress:
-        """Where the study stands now."""
-        records = [record_of(t, self.tolerance) for t in finished(study)]
+        """Where the study stands now (each trial's record read once)."""
+        records = []
+        for t in finished(study):
+            if t.number not in self._records:
+                self._records[t.number] = record_of(t, self.tolerance)
+            records.append(self._records[t.number])
         return Progress(len(records), total, records, self.baseline, self.prefer)
 
 
 class WarmUp:
-    """A short untimed run of every dtype the space uses, once per process, so that no
-    trial pays the process's one-time costs (lazy imports, thread pools, allocator
-    growth) in its timings; its results are discarded."""
+    """A short untimed run of every dtype the space uses, once per process (per task,
+    device and dtype), so that no trial pays the process's one-time costs (lazy imports,
+    thread pools, allocator growth, first kernels) in its timings; its results are
+    discarded."""
+
+    _warm: ClassVar[set[tuple[str, str, str]]] = set()  # (task, device, dtype) done here
 
     def __init__(
         self, task: Task, space: SearchSpace, backend: Backend, budget: Budget, limit_s: float
     ) -> None:
         self.args = (task, space, backend, budget, limit_s)
-        self.done = False
 
     def ensure(self) -> None:
-        if self.done:
-            return
         task, space, backend, budget, limit_s = self.args
         short = Budget(steps=min(budget.steps, 2 * budget.untimed_steps + 2), seed=budget.seed)
         for dtype in sorted({d for g in space.groups for d in g.dtypes}):
-            run_with_time_limit(task, Policy.uniform(dtype), backend, short, None, limit_s)
-        self.done = True
+            key = (task.name, backend.name, dtype)
+            if key not in WarmUp._warm:
+                run_with_time_limit(task, Policy.uniform(dtype), backend, short, None, limit_s)
+                WarmUp._warm.add(key)
 
 
 def run_trials(study: optuna.Study, ctx: TrialContext, trials: int, callbacks: Callbacks) -> int:

@@ -218,7 +218,11 @@ class Session:
         except Exception as error:  # unreachable server, missing driver, bad credentials
             raise StoreError(f"Optuna storage {config.storage}: {first_line(error)}") from None
         sampler = make_sampler(config.sampler, config.seed, config.trials, worker)
-        study = open_study(prepared.study, storage, sampler, prepared.settings)
+        try:
+            study = open_study(prepared.study, storage, sampler, prepared.settings)
+        except BaseException:  # a study of other settings: leave the database as it was
+            storage.engine.dispose()
+            raise
         fail_stale(study)
         return cls(prepared, tracker, study, callbacks)
 
@@ -233,6 +237,7 @@ class Session:
             if self._ready():
                 self.tracker.start_parent(parent_params)  # reopened: RUNNING again
                 self.join()
+                self.catch_up()
                 return
             if lease.acquire():
                 break
@@ -276,8 +281,10 @@ class Session:
             for name, params in self.space.anchors().items():
                 self.study.enqueue_trial(params, user_attrs={"anchor": name})
             self.study.set_user_attr("anchors_enqueued", True)
-        # The parent run exists before the lease goes: no other process makes a second.
-        self.tracker.flush(FLUSH_WAIT_S)
+        if self.prepared.workers > 1 or not self.prepared.config.storage.startswith("sqlite"):
+            # Others will join: the parent run exists before the lease goes, so that none
+            # of them makes a second (alone on a sqlite study, nobody need wait for it).
+            self.tracker.flush(FLUSH_WAIT_S)
 
     def join(self) -> None:
         """Read what the study's set-up made: parent run, profile, fitted space, baseline."""

@@ -71,25 +71,40 @@ class _Storage(optuna.storages.RDBStorage):
     A trial taken or created running gets its first heartbeat at once: Optuna's stale
     check passes over a running trial with none, so a process killed before its
     heartbeat thread started would leave its trial running for good.
+
+    A sqlite file is written in WAL mode with ``synchronous=NORMAL``: a commit does not
+    wait for the disk (a power cut can lose the last trials' records, never the file's
+    consistency), which makes Optuna's many small writes several times cheaper.
     """
 
     def __init__(self, url: str, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
         database = sqlalchemy.engine.make_url(url).database
         on_file = url.startswith("sqlite") and database not in (None, "", ":memory:")
-        self._queue_lock = (
-            Path(f"{Path(database).resolve()}.queue.lock") if on_file and fcntl else None
-        )
+        self._lock_path = Path(f"{Path(database).resolve()}.queue.lock") if on_file else None
+        if on_file:
+            sqlalchemy.event.listen(self.engine, "connect", _sqlite_pragmas)
+            self.engine.dispose()  # connections made before the listener are gone
+            with self.engine.connect() as connection:
+                connection.exec_driver_sql("PRAGMA journal_mode=WAL")
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[bool]:
+        """Hold the lock file of a sqlite database on this host (one process at a time);
+        yields whether there is one (elsewhere, on a database server, there is none)."""
+        if self._lock_path is None or fcntl is None:
+            yield False
+            return
+        with self._lock_path.open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+            yield True
 
     def set_trial_state_values(
         self, trial_id: int, state: TrialState, values: Sequence[float] | None = None
     ) -> bool:
         if state != TrialState.RUNNING:
             return super().set_trial_state_values(trial_id, state, values)
-        with contextlib.ExitStack() as held:
-            if self._queue_lock is not None:
-                lock = held.enter_context(self._queue_lock.open("a"))
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        with self.exclusive():
             taken = super().set_trial_state_values(trial_id, state, values)
             if taken:
                 self._first_heartbeat(trial_id)
@@ -108,6 +123,12 @@ class _Storage(optuna.storages.RDBStorage):
     def _first_heartbeat(self, trial_id: int) -> None:
         if self.heartbeat_interval is not None:
             self.record_heartbeat(trial_id)
+
+
+def _sqlite_pragmas(connection: Any, record: Any) -> None:
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
 
 
 def open_storage(
@@ -226,9 +247,11 @@ def claim(
 class Lease:
     """A named lease on one-off work in a study, held by one worker at a time.
 
-    Optuna's storage has no compare-and-set, so the lease is written and read back after
-    a short settle: of two workers taking it at once, both read the same last writer.
-    The holder renews it in the background; a lease not renewed for ``ttl_s`` lapses.
+    Optuna's storage has no compare-and-set. On a sqlite file, the lease is read and
+    written under the database's lock file, which makes it exact. On a database server,
+    it is written and read back after a short settle: of two workers taking it at once,
+    both read the same last writer. The holder renews it in the background; a lease not
+    renewed for ``ttl_s`` lapses.
     """
 
     def __init__(self, study: optuna.Study, name: str, owner: str, ttl_s: float = LEASE_TTL_S):
@@ -247,13 +270,16 @@ class Lease:
         return None
 
     def acquire(self) -> bool:
-        holder = self.holder()
-        if holder is not None and holder != self.owner:
-            return False
-        self._write()
-        time.sleep(_SETTLE_S)
-        if self.holder() != self.owner:
-            return False
+        storage = _relational(self.study)
+        with storage.exclusive() if storage is not None else contextlib.nullcontext(False) as exact:
+            holder = self.holder()
+            if holder is not None and holder != self.owner:
+                return False
+            self._write()
+        if not exact:
+            time.sleep(_SETTLE_S)
+            if self.holder() != self.owner:
+                return False
         self._stop.clear()
         self._thread = threading.Thread(target=self._renew, daemon=True)
         self._thread.start()
@@ -273,6 +299,13 @@ class Lease:
         while not self._stop.wait(self.ttl_s / 4):
             with contextlib.suppress(Exception):  # a missed renewal only shortens the lease
                 self._write()
+
+
+def _relational(study: optuna.Study) -> _Storage | None:
+    """The study's own storage, when it is ours (under Optuna's cache)."""
+    storage = study._storage  # Optuna keeps no public reference to it
+    storage = getattr(storage, "_backend", storage)
+    return storage if isinstance(storage, _Storage) else None
 
 
 def finished(study: optuna.Study) -> list[FrozenTrial]:
