@@ -46,15 +46,6 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_search(commands: Any) -> None:
-    from autoprec.search.config import (
-        DEFAULT_STORAGE,
-        DEFAULT_TRACKING_URI,
-        HEARTBEAT_INTERVAL_S,
-        PREFERENCES,
-        SAMPLERS,
-    )
-    from autoprec.tasks import BUILTIN_TASKS, DEFAULT_TASK
-
     s = commands.add_parser(
         "search",
         help="run a search (built-in task and local stores by default)",
@@ -62,69 +53,96 @@ def _add_search(commands: Any) -> None:
         "MLflow, and write runs/<study>/best_policy.yaml and summary.json.",
         formatter_class=_DefaultsFormatter,
     )
-    s.add_argument(
+    _add_what(s.add_argument_group("what is searched"))
+    _add_where(s.add_argument_group("where it runs and is recorded"))
+    _add_choice(s.add_argument_group("how the best policy is chosen"))
+    _add_faults(s.add_argument_group("workers and faults"))
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_what(group: Any) -> None:
+    from autoprec.tasks import BUILTIN_TASKS, DEFAULT_TASK
+
+    group.add_argument(
         "--task",
         default=DEFAULT_TASK,
         help=f"built-in ({', '.join(sorted(BUILTIN_TASKS))}), package.module:attr or "
         "path/to/file.py:attr (a Task or a callable returning one)",
     )
-    s.add_argument(
+    group.add_argument(
         "--space",
         default=None,
         help="shipped space name or YAML file (default: the space named after the "
         "task if shipped, else 'default')",
     )
-    s.add_argument(
+    group.add_argument(
         "--trials",
         type=int,
         default=12,
         help="total trials in the study (the fp32 baseline is extra); a continued "
         "study runs only the missing ones",
     )
-    s.add_argument("--steps", type=int, default=200, help="training steps per trial")
-    s.add_argument(
+    group.add_argument("--steps", type=int, default=200, help="training steps per trial")
+    group.add_argument(
+        "--seed", type=int, default=0, help="seed of weights, data order and sampler"
+    )
+
+
+def _add_where(group: Any) -> None:
+    from autoprec.search.config import DEFAULT_STORAGE, DEFAULT_TRACKING_URI
+
+    group.add_argument(
         "--device", default="auto", help="auto (npu, then cuda, then cpu), cpu, cuda[:N], npu[:N]"
     )
-    s.add_argument(
+    group.add_argument(
         "--study", default=None, help="study name (default: the task's name); reuse it to continue"
     )
-    s.add_argument("--storage", default=DEFAULT_STORAGE, help="Optuna storage URL")
-    s.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow tracking URI")
-    s.add_argument("--seed", type=int, default=0, help="seed of weights, data order and sampler")
-    s.add_argument(
+    group.add_argument("--storage", default=DEFAULT_STORAGE, help="Optuna storage URL")
+    group.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow tracking URI")
+
+
+def _add_choice(group: Any) -> None:
+    from autoprec.search.config import PREFERENCES, SAMPLERS
+
+    group.add_argument(
         "--accuracy-tolerance",
         type=float,
         default=None,
         help="largest accepted accuracy drop from fp32, absolute (0.01 = 1 point); "
         "default: the space file's",
     )
-    s.add_argument(
+    group.add_argument(
         "--prefer",
         choices=PREFERENCES,
         default="speed",
         help="how the best feasible policy is chosen",
     )
-    s.add_argument(
+    group.add_argument(
         "--sampler",
         choices=SAMPLERS,
         default="guided",
         help="guided: profile the model, try the most promising policies and bisect "
         "for the layers that must stay fp32, then TPE; or an Optuna sampler alone",
     )
-    s.add_argument(
+    group.add_argument(
         "--confirm-top",
         type=int,
         default=3,
         help="re-time this many of the fastest feasible policies side by side with the "
         "fp32 baseline before choosing (0: off; skipped with --prefer memory)",
     )
-    s.add_argument(
+    group.add_argument(
         "--no-early-stopping",
         action="store_true",
         help="train every trial to the end, even when its loss trails the fp32 baseline's "
         "or its loss scaler keeps skipping steps",
     )
-    s.add_argument(
+
+
+def _add_faults(group: Any) -> None:
+    from autoprec.search.config import HEARTBEAT_INTERVAL_S
+
+    group.add_argument(
         "--workers",
         type=int,
         default=None,
@@ -132,13 +150,13 @@ def _add_search(commands: Any) -> None:
         "--devices entry, else 1; run the same command on other hosts, with a shared "
         "--storage and --tracking-uri, to join)",
     )
-    s.add_argument(
+    group.add_argument(
         "--devices",
         default=None,
         help="devices the workers are pinned to, round-robin: npu:0-7, cuda:0,cuda:1 "
         "(default: the --device for every worker; on the CPU they share its cores)",
     )
-    s.add_argument(
+    group.add_argument(
         "--trial-timeout",
         type=float,
         default=None,
@@ -146,7 +164,7 @@ def _add_search(commands: Any) -> None:
         help="a trial running longer fails with that reason (default: 25x the fp32 "
         "baseline's trial, at least 300 s; 0: no limit)",
     )
-    s.add_argument(
+    group.add_argument(
         "--heartbeat",
         type=int,
         default=HEARTBEAT_INTERVAL_S,
@@ -154,7 +172,6 @@ def _add_search(commands: Any) -> None:
         help="a running trial records a heartbeat this often; one silent for 3x this "
         "(its worker died) is failed and its MLflow run closed as KILLED",
     )
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _add_other_commands(commands: Any) -> None:
