@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from autoprec.errors import AutoprecError
+from autoprec.errors import AutoprecError, redact
 
 EXIT_BAD_INPUT = 2
 
@@ -269,7 +269,7 @@ def _search(args: argparse.Namespace) -> int:
     print(gains_line(summary))
     print(f"best policy: {result.best_policy_path}")
     print(f"summary:     {result.summary_path}")
-    print(f"compare:     autoprec ui --tracking-uri {args.tracking_uri}")
+    print(f"compare:     autoprec ui --tracking-uri {redact(args.tracking_uri)}")
     return 0
 
 
@@ -335,6 +335,14 @@ def _resolve(args: argparse.Namespace) -> int:
     return 0
 
 
+def without_password(uri: str | None) -> str | None:
+    """A URI written with its password redacted, without the user part at all."""
+    if uri is None or ":***@" not in uri:
+        return uri
+    scheme, _, rest = uri.partition("://")
+    return f"{scheme}://{rest.split('@', 1)[1]}"
+
+
 def _read_summary(runs_dir: str, study: str) -> dict[str, Any]:
     path = Path(runs_dir) / study / "summary.json"
     try:
@@ -351,7 +359,9 @@ def _report(args: argparse.Namespace) -> int:
 
     summary = _read_summary(args.runs_dir, args.study)
     files = render_report(summary, Path(args.runs_dir) / args.study)
-    uri = args.tracking_uri or summary.get("settings", {}).get("tracking_uri")
+    # The summary holds the URI with its password redacted: without one, MLflow takes
+    # MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD from the environment.
+    uri = args.tracking_uri or without_password(summary.get("settings", {}).get("tracking_uri"))
     parent = summary.get("mlflow_parent_run_id")
     if uri and parent:
         Tracker(uri, args.study, Path(args.runs_dir)).log_files(parent, files, "report")
@@ -407,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except AutoprecError as error:
-        print(f"autoprec {args.command}: error: {error}", file=sys.stderr)
+        print(f"autoprec {args.command}: error: {redact(str(error))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as interrupt:
         result = getattr(interrupt, "result", None)

@@ -6,6 +6,8 @@ message on one line and exits with status 2. The message names the file and fiel
 
 from __future__ import annotations
 
+import re
+
 
 class AutoprecError(Exception):
     """Base class of every error caused by bad input or an unusable environment."""
@@ -35,3 +37,13 @@ def first_line(error: BaseException, limit: int = 300) -> str:
     """An error's message cut to its first line (tracebacks of other libraries can run to
     pages), at most ``limit`` characters."""
     return (str(error).splitlines() or [""])[0][:limit]
+
+
+# The password part of a URL: scheme://user:password@host
+_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*):(?P<password>[^@/\s]+)@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***``
+    (``postgresql://user:***@db/optuna``), for anything written down or printed."""
+    return _PASSWORD.sub(lambda m: f"{m['head']}:***@", text)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autoprec.errors import redact
 from autoprec.profile import Profile
 from autoprec.search.events import Callbacks
 from autoprec.search.events import Progress as Standing
@@ -81,7 +82,7 @@ class Progress(Callbacks):
         self._close()
 
     def warning(self, message: str) -> None:
-        line = f"autoprec: warning: {message}"
+        line = f"autoprec: warning: {redact(message)}"
         if self.bar is not None:
             self.bar.write(line, file=sys.stderr)
         else:

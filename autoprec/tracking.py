@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from autoprec.errors import StoreError, first_line
+from autoprec.errors import StoreError, first_line, redact
 from autoprec.policy import Policy
 from autoprec.trial import TrialResult
 
@@ -72,7 +72,7 @@ def check_tracking_uri(uri: str) -> str:
     scheme = urlparse(uri).scheme.split("+")[0] if isinstance(uri, str) else ""
     if scheme not in _SCHEMES:
         raise StoreError(
-            f"--tracking-uri {uri!r}: unsupported scheme (expected sqlite:///path, "
+            f"--tracking-uri {redact(str(uri))!r}: unsupported scheme (expected sqlite:///path, "
             "http(s)://host:port, postgresql://..., or file:///path)"
         )
     return uri
@@ -149,6 +149,7 @@ class Tracker:
     ) -> None:
         """Nothing is connected or written here: the writer thread does it."""
         self.uri = tracking_uri
+        self.shown_uri = redact(tracking_uri)  # for messages: its password, if any, hidden
         self.study = study
         self.artifact_root = artifact_root
         self.warn = warn
@@ -188,7 +189,7 @@ class Tracker:
                 if self._down_since is None:
                     self._down_since = time.monotonic()
                     self.warn(
-                        f"the MLflow tracking store {self.uri} is unreachable "
+                        f"the MLflow tracking store {self.shown_uri} is unreachable "
                         f"({first_line(error)}); the trials go on, recorded in the Optuna "
                         "study, and are logged to MLflow once it answers again"
                     )
@@ -197,7 +198,7 @@ class Tracker:
                 wait_s = min(2 * wait_s, RETRY_WAIT_S[1])
                 continue
             if self._down_since is not None:
-                self.warn(f"the MLflow tracking store {self.uri} answers again")
+                self.warn(f"the MLflow tracking store {self.shown_uri} answers again")
                 self._down_since = None
             return
 
@@ -260,7 +261,7 @@ class Tracker:
                 )
             experiment = client.get_experiment_by_name(self.study)
             if experiment is None:
-                raise StoreError(f"MLflow store {self.uri}: cannot create {self.study!r}")
+                raise StoreError(f"MLflow store {self.shown_uri}: cannot create {self.study!r}")
         elif experiment.lifecycle_stage == "deleted":
             client.restore_experiment(experiment.experiment_id)
         if experiment.tags.get(KIND_TAG) != KIND:
@@ -460,7 +461,7 @@ class Tracker:
             for path in files:
                 self.client.log_artifact(run_id, str(path), folder)
         except Exception as error:
-            raise StoreError(f"MLflow store {self.uri}: {_first_line(error)}") from None
+            raise StoreError(f"MLflow store {self.shown_uri}: {_first_line(error)}") from None
 
     # -- reading back ---------------------------------------------------------------------------
 
@@ -534,7 +535,7 @@ def load_best_policy(study: str, tracking_uri: str = DEFAULT_TRACKING_URI) -> Po
     check_tracking_uri(tracking_uri)
     local = absolute_sqlite_uri(tracking_uri)
     if local.startswith("sqlite:///") and not Path(local.removeprefix("sqlite:///")).is_file():
-        raise StoreError(f"MLflow store {tracking_uri}: no such database file")
+        raise StoreError(f"MLflow store {redact(tracking_uri)}: no such database file")
     try:
         client = mlflow_client(tracking_uri)
         parent = find_parent_run(client, study, tracking_uri)
@@ -545,11 +546,11 @@ def load_best_policy(study: str, tracking_uri: str = DEFAULT_TRACKING_URI) -> Po
         raise
     except Exception as error:
         raise StoreError(
-            f"study {study!r}: cannot read {BEST_POLICY_ARTIFACT} from {tracking_uri} "
+            f"study {study!r}: cannot read {BEST_POLICY_ARTIFACT} from {redact(tracking_uri)} "
             f"({_first_line(error)})"
         ) from None
-    return Policy.from_yaml(text, f"{tracking_uri} {study}/{BEST_POLICY_ARTIFACT}")
+    return Policy.from_yaml(text, f"{redact(tracking_uri)} {study}/{BEST_POLICY_ARTIFACT}")
 
 
 def _first_line(error: BaseException) -> str:
-    return first_line(error) or type(error).__name__
+    return redact(first_line(error) or type(error).__name__)

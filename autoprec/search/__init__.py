@@ -89,7 +89,7 @@ def _parent_params(prepared: Prepared) -> dict[str, Any]:
         "accuracy_tolerance": prepared.tolerance,
         "prefer": config.prefer,
         "sampler": config.sampler,
-        "storage": config.storage,
+        "storage": config.public()["storage"],
     }
 
 
@@ -154,8 +154,8 @@ def _finish(
         "sampler": config.sampler,
         "prefer": config.prefer,
         "accuracy_tolerance": prepared.tolerance,
-        "storage": config.storage,
-        "tracking_uri": config.tracking_uri,
+        "storage": config.public()["storage"],
+        "tracking_uri": config.public()["tracking_uri"],
         "device_name": prepared.backend.name,
         "workers": prepared.workers,
         "devices": prepared.devices,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from autoprec.errors import AutoprecError, StoreError
+from autoprec.errors import AutoprecError, StoreError, redact
 from autoprec.selection import PREFERENCES
 from autoprec.tracking import DEFAULT_TRACKING_URI, check_tracking_uri
 
@@ -103,6 +103,19 @@ class SearchConfig:
         check_storage_url(self.storage)
         check_tracking_uri(self.tracking_uri)
 
+    def public(self) -> dict[str, Any]:
+        """The settings as they may be written down or shown (summary.json, the MLflow
+        parent run, messages): every URL's password replaced by ``***``. The settings
+        are only ever written through here; credentials stay in the URLs the stores are
+        opened with, or better outside them (PGPASSWORD, ~/.pgpass,
+        MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("storage", "tracking_uri"):
+            values[name] = redact(values[name])
+        values["runs_dir"] = str(values["runs_dir"])
+        values["device"] = str(values["device"])
+        return values
+
     @classmethod
     def of(cls, config: SearchConfig | None, settings: dict[str, Any]) -> SearchConfig:
         """``config`` (or the defaults) with ``settings`` given as keywords on top."""
@@ -151,7 +164,7 @@ def check_storage_url(url: str) -> None:
         parsed = make_url(url)
     except Exception:
         raise StoreError(
-            f"--storage {url!r}: not a database URL (e.g. sqlite:///runs/optuna.db)"
+            f"--storage {redact(str(url))!r}: not a database URL (e.g. sqlite:///runs/optuna.db)"
         ) from None
     if parsed.get_backend_name() not in ("sqlite", "postgresql", "mysql"):
-        raise StoreError(f"--storage {url!r}: expected a sqlite, postgresql or mysql URL")
+        raise StoreError(f"--storage {redact(url)!r}: expected a sqlite, postgresql or mysql URL")

@@ -25,7 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 from torch import nn
 
 from autoprec.devices import DTYPES, Backend, get_backend, parse_devices
-from autoprec.errors import AutoprecError, StoreError, first_line
+from autoprec.errors import AutoprecError, StoreError, first_line, redact
 from autoprec.guided import GuidedStrategy
 from autoprec.profile import Profile, profile_task
 from autoprec.search.config import SearchConfig, check_study_name, check_tolerance
@@ -209,14 +209,17 @@ class Session:
         callbacks = callbacks or Callbacks()
         tracker = Tracker(
             config.tracking_uri, prepared.study, Path(config.runs_dir), callbacks.warning
-        )
+        )  # it names its store in messages with the password redacted
         storage_url = absolute_sqlite_uri(config.storage)
         if storage_url.startswith("sqlite:///"):
             Path(storage_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         try:
-            storage = open_storage(storage_url, config.heartbeat_s, _on_stale(tracker))
+            storage = open_storage(
+                storage_url, config.heartbeat_s, _on_stale(tracker), callbacks.warning
+            )
         except Exception as error:  # unreachable server, missing driver, bad credentials
-            raise StoreError(f"Optuna storage {config.storage}: {first_line(error)}") from None
+            where = config.public()["storage"]
+            raise StoreError(f"Optuna storage {where}: {redact(first_line(error))}") from None
         sampler = make_sampler(config.sampler, config.seed, config.trials, worker)
         try:
             study = open_study(prepared.study, storage, sampler, prepared.settings)

@@ -19,6 +19,7 @@ precision search needs on top, all through that one storage:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -48,6 +49,7 @@ RECORD_ATTR = "autoprec"  # user attribute: the trial's policy and result, once 
 CLAIM_ATTR = "autoprec.claim"  # user attribute: the key of the policy the trial measures
 STEPPED_BACK_ATTR = "stepped_back"  # user attribute: why a trial gave way untrained
 LEASE_TTL_S = 60.0
+STORAGE_OUTAGE_S = 600.0  # how long storage calls are tried again before the search stops
 OBJECTIVES = ("accuracy", "peak_memory_mb", "step_time_ms")
 DIRECTIONS = ("maximize", "minimize", "minimize")
 _CREATE_ATTEMPTS = 5
@@ -77,7 +79,9 @@ class _Storage(optuna.storages.RDBStorage):
     consistency), which makes Optuna's many small writes several times cheaper.
     """
 
-    def __init__(self, url: str, **kwargs: Any) -> None:
+    def __init__(self, url: str, warn: Callable[[str], None] = print, **kwargs: Any) -> None:
+        self.warn = warn
+        self.outage_since: float | None = None
         super().__init__(url, **kwargs)
         database = sqlalchemy.engine.make_url(url).database
         on_file = url.startswith("sqlite") and database not in (None, "", ":memory:")
@@ -125,6 +129,66 @@ class _Storage(optuna.storages.RDBStorage):
             self.record_heartbeat(trial_id)
 
 
+def _connection_lost(error: BaseException) -> bool:
+    """Whether an error says the database is out of reach (a server restarting, a
+    network cut, a sqlite file locked for long), not that a request was wrong."""
+    lost = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError)
+    if isinstance(error, (*lost, sqlalchemy.exc.DisconnectionError)):
+        return True
+    cause = error.__cause__
+    return isinstance(error, optuna.exceptions.StorageInternalError) and isinstance(cause, lost)
+
+
+def _retrying(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of the storage, tried again while the database is out of reach: one
+    warning when it goes, one when it answers again, a StoreError after STORAGE_OUTAGE_S.
+    Nothing is lost or made twice by trying again that the study does not already
+    survive: a trial created twice is failed by heartbeat, a queued one measured twice
+    is a duplicate (not counted)."""
+
+    @functools.wraps(method)
+    def retried(self: _Storage, *args: Any, **kwargs: Any) -> Any:
+        wait_s = 1.0
+        while True:
+            try:
+                result = method(self, *args, **kwargs)
+            except Exception as error:
+                if not _connection_lost(error):
+                    raise
+                now = time.monotonic()
+                if self.outage_since is None:
+                    self.outage_since = now
+                    self.warn(
+                        f"the Optuna storage is unreachable ({first_line(error, 200)}); "
+                        f"trying again for up to {STORAGE_OUTAGE_S:.0f} s (Ctrl-C to stop)"
+                    )
+                elif now - self.outage_since > STORAGE_OUTAGE_S:
+                    raise StoreError(
+                        f"the Optuna storage was unreachable for {STORAGE_OUTAGE_S:.0f} s "
+                        f"({first_line(error, 200)}); run the same command again to continue"
+                    ) from None
+                time.sleep(wait_s)
+                wait_s = min(2 * wait_s, 30.0)
+                continue
+            if self.outage_since is not None:
+                self.outage_since = None
+                self.warn("the Optuna storage answers again; the search goes on")
+            return result
+
+    return retried
+
+
+# Every storage call the study makes, tried again through an outage.
+for _name in (
+    *(n for n in dir(optuna.storages.BaseStorage) if not n.startswith("_")),
+    "record_heartbeat",
+    "_get_stale_trial_ids",
+    "_create_new_trial",
+):
+    if callable(getattr(_Storage, _name, None)):
+        setattr(_Storage, _name, _retrying(getattr(_Storage, _name)))
+
+
 def _sqlite_pragmas(connection: Any, record: Any) -> None:
     cursor = connection.cursor()
     cursor.execute("PRAGMA synchronous=NORMAL")
@@ -135,8 +199,10 @@ def open_storage(
     url: str,
     heartbeat_s: int = HEARTBEAT_INTERVAL_S,
     on_stale: Callable[[optuna.Study, FrozenTrial], None] | None = None,
+    warn: Callable[[str], None] = print,
 ) -> optuna.storages.RDBStorage:
-    """A relational Optuna storage with heartbeats (grace: 3 intervals, at least 3 s);
+    """A relational Optuna storage with heartbeats (grace: 3 intervals, at least 3 s),
+    whose calls are tried again while the database is out of reach (``warn`` says so);
     on sqlite, a queued trial is handed to one process only."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -153,6 +219,7 @@ def open_storage(
         try:
             return _Storage(
                 url,
+                warn,
                 engine_kwargs=engine_kwargs,
                 heartbeat_interval=heartbeat_s,
                 grace_period=max(3, 3 * heartbeat_s),
@@ -174,13 +241,28 @@ def fail_stale(study: optuna.Study) -> None:
 
 @contextlib.contextmanager
 def heartbeat(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
-    """Record the trial's heartbeat in the background while the block runs."""
-    # Optuna's own heartbeat thread, as study.optimize uses it; ask/tell has no public
-    # entry to it.
-    from optuna.storages._heartbeat import get_heartbeat_thread
-
-    with get_heartbeat_thread(trial._trial_id, study._storage):
+    """Record the trial's heartbeat in the background while the block runs. A heartbeat
+    that cannot be written (the database restarting) is written at the next beat: an
+    outage shorter than the grace leaves the trial alive."""
+    storage = _relational(study)
+    if storage is None or storage.heartbeat_interval is None:
         yield
+        return
+    stop = threading.Event()
+    trial_id = trial._trial_id  # Optuna's ask/tell has no public trial id
+
+    def beat() -> None:
+        while not stop.wait(storage.heartbeat_interval):
+            with contextlib.suppress(Exception):
+                storage.record_heartbeat.__wrapped__(storage, trial_id)
+
+    thread = threading.Thread(target=beat, name="autoprec-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from autoprec.errors import AutoprecError
+from autoprec.devices import visible_devices_env
+from autoprec.errors import AutoprecError, redact
 from autoprec.search.config import SearchConfig
 from autoprec.search.events import Callbacks, Progress
 from autoprec.search.loop import run_trials
@@ -39,17 +40,19 @@ try:
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
 except OSError:
     pass
+signal.signal(signal.SIGINT, signal.default_int_handler)  # its stop signal, even in nohup
 from autoprec.search.workers import main
-sys.exit(main(sys.argv[1:]))
+sys.exit(main())
 """
+# The spec travels in the environment, not on the command line, which every user of
+# the host can read (it may hold a database password).
+SPEC_ENV = "AUTOPREC_WORKER_SPEC"
 STOP_GRACE_S = 60.0  # how long workers get to record an interrupted trial after Ctrl-C
 
 
 def pinned_env(device: str, threads: int) -> dict[str, str]:
     """The environment of a worker pinned to ``device`` with ``threads`` CPU threads."""
     env = dict(os.environ)
-    from autoprec.devices import visible_devices_env  # torch: not before _die_with_parent
-
     kind, _, index = device.partition(":")
     variable = visible_devices_env(kind)
     if variable is not None:
@@ -88,8 +91,11 @@ def start_workers(specs: list[WorkerSpec], devices: list[str], log_dir: Path) ->
         log = (log_dir / f"worker-{spec.index}.log").open("a")
         processes.append(
             subprocess.Popen(
-                [sys.executable, "-c", _ENTRY, json.dumps(asdict(spec), default=str)],
-                env=pinned_env(device, spec.threads),
+                [sys.executable, "-c", _ENTRY],
+                env={
+                    **pinned_env(device, spec.threads),
+                    SPEC_ENV: json.dumps(asdict(spec), default=str),
+                },
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches the search, which stops them once
@@ -141,9 +147,11 @@ class WorkerLog(Callbacks):
     """A worker's log: one line per trial it measured."""
 
     def trial_end(self, record: TrialRecord, progress: Progress) -> None:
-        print(
-            f"trial {record.number}: {record.result.state} {record.result.reason or ''}", flush=True
-        )
+        reason = record.result.reason or ""
+        print(f"trial {record.number}: {record.result.state} {reason}", flush=True)
+
+    def warning(self, message: str) -> None:
+        print(f"warning: {redact(message)}", flush=True)
 
 
 def run_worker(spec: WorkerSpec) -> int:
@@ -213,9 +221,8 @@ def run_workers(session: Session, workers: int) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    spec = WorkerSpec(**json.loads(args[0]))
+def main() -> int:
+    spec = WorkerSpec(**json.loads(os.environ.pop(SPEC_ENV)))
     import torch
 
     torch.set_num_threads(spec.threads)
@@ -227,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker {spec.index}: interrupted", flush=True)
         return 130
     except AutoprecError as error:
-        print(f"worker {spec.index}: {error}", flush=True)
+        print(f"worker {spec.index}: {redact(str(error))}", flush=True)
         return 2
     print(f"worker {spec.index}: done, {done} trials measured here", flush=True)
     return 0
