@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from autoprec.errors import StoreError, first_line, redact
 from autoprec.policy import Policy
@@ -98,6 +98,9 @@ def mlflow_client(uri: str) -> MlflowClient:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(HTTP_TIMEOUT_S))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(HTTP_RETRIES))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    # MLflow prints a "View run ... at <URL>" line for every closed run on a server.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    uri = _credentials_to_environment(uri)
     from mlflow.tracking import MlflowClient
 
     for name in ("mlflow", "alembic"):
@@ -106,6 +109,18 @@ def mlflow_client(uri: str) -> MlflowClient:
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     return MlflowClient(tracking_uri=uri)
+
+
+def _credentials_to_environment(uri: str) -> str:
+    """A tracking server's URI without ``user:password@``, which MLflow would show in its
+    own messages: the credentials go where MLflow reads them, the variables
+    MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD of this process."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https") or parsed.password is None:
+        return uri
+    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parsed.username or "")
+    os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parsed.password)
+    return parsed._replace(netloc=parsed.netloc.rsplit("@", 1)[1]).geturl()
 
 
 def _is_local(uri: str) -> bool:
