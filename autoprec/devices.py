@@ -7,7 +7,8 @@ estimate (parameters, gradients and optimizer state, plus the bytes of tensors s
 for backward, counted once per storage).
 
 The NPU path is written from torch_npu's documented API (see shared/NPU.md); no Ascend
-chip was reachable when it was written, so only its detection and dispatch are tested.
+chip was reachable, so CI runs it against a stand-in for torch_npu on CPU tensors
+(tests/npu_standin): its code paths are tested, its numerics and memory figures never were.
 """
 
 from __future__ import annotations
@@ -220,7 +221,8 @@ class CUDABackend(Backend):
 
 
 class NPUBackend(Backend):
-    """Ascend NPU through torch_npu (written from the documented API; not run here)."""
+    """Ascend NPU through torch_npu (written from the documented API; run in CI against a
+    CPU stand-in for torch_npu, never on a chip)."""
 
     kind = "npu"
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
