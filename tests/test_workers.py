@@ -139,11 +139,14 @@ def test_a_trial_that_raises_runs_out_of_memory_or_hangs_fails_and_the_search_go
     assert all(t["metrics"]["run_time_s"] < 10 for t in timed)
 
 
-def _search_command(tmp: Path, study: str, trials: int) -> list[str]:
+def _search_command(tmp: Path, study: str, trials: int, sigint: bool = False) -> list[str]:
+    """The search command; with ``sigint``, it takes SIGINT as a KeyboardInterrupt even if
+    it was started with SIGINT ignored."""
+    restore = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
     return [
         sys.executable,
         "-c",
-        CLI,
+        (restore if sigint else "") + CLI,
         "search",
         "--task",
         f"{TASKS}:slow_tiny",
@@ -217,7 +220,9 @@ def test_sigkill_mid_trial_then_resume_keeps_every_finished_trial(in_tmp):
 
 
 def test_ctrl_c_stops_the_workers_and_writes_what_was_measured(in_tmp):
-    command = [*_search_command(in_tmp, "cc", trials=30), "--workers", "2"]
+    # A Ctrl-C as a terminal sends it: the search takes SIGINT as Python does by default,
+    # even where this suite was started with SIGINT ignored (from a background job).
+    command = [*_search_command(in_tmp, "cc", trials=30, sigint=True), "--workers", "2"]
     storage = f"sqlite:///{in_tmp}/runs/optuna.db"
     process = subprocess.Popen(command, cwd=in_tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
@@ -250,6 +255,15 @@ def test_ctrl_c_stops_the_workers_and_writes_what_was_measured(in_tmp):
 
 def test_a_ctrl_c_while_a_trial_is_asked_for_strikes_once_the_trial_is_in_hand():
     # Otherwise a Ctrl-C inside study.ask() would leave its new trial RUNNING for good.
+    # Python's own handler, as in a terminal, whatever this suite was started with.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ask_with_ctrl_c()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ask_with_ctrl_c() -> None:
     handed = None
     with pytest.raises(KeyboardInterrupt), interrupts_held():
         os.kill(os.getpid(), signal.SIGINT)
