@@ -92,6 +92,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("task", "space", "mechanism"),
     CASES,

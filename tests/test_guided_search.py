@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import autoprec
 from autoprec.tasks import load_task
 from autoprec.tracking import mlflow_client
@@ -13,6 +15,7 @@ from autoprec.tracking import mlflow_client
 CLI = "import sys; from autoprec.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
+@pytest.mark.slow
 def test_profile_command_ranks_writes_and_logs(in_tmp):
     done = subprocess.run(
         [sys.executable, "-c", CLI, "profile", "--task", "digits-overflow", "--top", "5"],
@@ -45,6 +48,7 @@ def test_profile_command_refuses_bad_input(in_tmp):
     assert not (in_tmp / "runs").exists()
 
 
+@pytest.mark.slow
 def test_guided_search_keeps_the_overflowing_layer_and_lowers_the_rest(in_tmp):
     result = autoprec.search(
         "digits-overflow", trials=6, steps=40, device="cpu", prefer="memory", confirm_top=0
@@ -77,6 +81,7 @@ def test_guided_search_keeps_the_overflowing_layer_and_lowers_the_rest(in_tmp):
     assert "profile.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
 
 
+@pytest.mark.slow
 def test_a_resnet_with_150_modules_gets_a_feasible_guided_policy(in_tmp):
     task = load_task("digits-resnet")
     assert len(list(task.model().named_modules())) >= 100

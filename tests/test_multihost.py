@@ -24,6 +24,7 @@ TASKS = Path(__file__).with_name("contract_tasks.py")
 CLI = "import sys; from autoprec.cli import main; sys.exit(main(sys.argv[1:]))"
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(
         postgres_bin() is None, reason="PostgreSQL is not installed (apt-get install postgresql)"
     ),

@@ -202,6 +202,7 @@ def test_profile_task_runs_on_the_npu(standin):
 # -- the command line, in processes of their own -------------------------------------------
 
 
+@pytest.mark.slow
 def test_search_and_profile_from_the_command_line(tmp_path):
     done = cli(
         "search",

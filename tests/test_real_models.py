@@ -372,6 +372,7 @@ def test_the_device_index_is_the_current_device_for_the_whole_trial(monkeypatch)
         assert current[0] == 3
 
 
+@pytest.mark.slow
 def test_tiny_transformers_tasks_search_and_the_policy_trains_in_a_plain_loop(tmp_path):
     """`autoprec search --task tiny-bert`, then the chosen policy in a transformers-style
     loop of one's own: model(**batch), outputs.loss."""

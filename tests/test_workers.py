@@ -69,6 +69,7 @@ def _runs_of(tracking_uri: str, study: str) -> tuple[object, list[object]]:
     return parents[0], children
 
 
+@pytest.mark.slow
 def test_three_workers_share_one_budget_exactly(in_tmp):
     result = autoprec.search(
         f"{TASKS}:tiny", trials=12, steps=20, study="w3", device="cpu", workers=3
@@ -105,6 +106,7 @@ def test_three_workers_share_one_budget_exactly(in_tmp):
     assert len(result.summary["trials"]) == 12
 
 
+@pytest.mark.slow
 def test_a_trial_that_raises_runs_out_of_memory_or_hangs_fails_and_the_search_goes_on(in_tmp):
     space = in_tmp / "small.yaml"
     space.write_text(SMALL_SPACE)
@@ -166,6 +168,7 @@ def _search_command(tmp: Path, study: str, trials: int, sigint: bool = False) ->
     ]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_trial_then_resume_keeps_every_finished_trial(in_tmp):
     storage = f"sqlite:///{in_tmp}/runs/optuna.db"
     command = _search_command(in_tmp, "kill", trials=5)
@@ -219,6 +222,7 @@ def test_sigkill_mid_trial_then_resume_keeps_every_finished_trial(in_tmp):
     assert sorted(t["number"] for t in summary["trials"]) == sorted(after)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_workers_and_writes_what_was_measured(in_tmp):
     # A Ctrl-C as a terminal sends it: the search takes SIGINT as Python does by default,
     # even where this suite was started with SIGINT ignored (from a background job).
@@ -298,6 +302,7 @@ def test_devices_are_parsed_and_pinned(monkeypatch):
     assert pinned_env("cuda:1", threads=1)["CUDA_VISIBLE_DEVICES"] == "5"
 
 
+@pytest.mark.slow
 def test_workers_refuse_bad_input_before_any_store(in_tmp):
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(

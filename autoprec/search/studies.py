@@ -132,7 +132,11 @@ class _Storage(optuna.storages.RDBStorage):
 def _connection_lost(error: BaseException) -> bool:
     """Whether an error says the database is out of reach (a server restarting, a
     network cut, a sqlite file locked for long), not that a request was wrong."""
-    lost = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError)
+    lost = (
+        sqlalchemy.exc.OperationalError,
+        sqlalchemy.exc.InterfaceError,
+        sqlalchemy.exc.PendingRollbackError,  # a session whose connection dropped mid-way
+    )
     if isinstance(error, (*lost, sqlalchemy.exc.DisconnectionError)):
         return True
     cause = error.__cause__
@@ -155,6 +159,7 @@ def _retrying(method: Callable[..., Any]) -> Callable[..., Any]:
             except Exception as error:
                 if not _connection_lost(error):
                     raise
+                self.scoped_session.remove()  # the next try starts on a fresh session
                 now = time.monotonic()
                 if self.outage_since is None:
                     self.outage_since = now
@@ -178,12 +183,16 @@ def _retrying(method: Callable[..., Any]) -> Callable[..., Any]:
     return retried
 
 
-# Every storage call the study makes, tried again through an outage.
+# Every storage call the study makes (Optuna's cache in front of it calls some private
+# ones), tried again through an outage.
 for _name in (
     *(n for n in dir(optuna.storages.BaseStorage) if not n.startswith("_")),
     "record_heartbeat",
     "_get_stale_trial_ids",
     "_create_new_trial",
+    "_get_trials",
+    "_get_best_trial_id",
+    "_set_trial_param",
 ):
     if callable(getattr(_Storage, _name, None)):
         setattr(_Storage, _name, _retrying(getattr(_Storage, _name)))
@@ -447,4 +456,6 @@ def open_study(
     if existing is None:
         for key, value in settings.items():
             study.set_user_attr(key, value)
+    if study.metric_names is None:  # optuna-dashboard then names the Pareto plot's axes
+        study.set_metric_names(list(OBJECTIVES))
     return study
