@@ -6,10 +6,12 @@ takes ``{leaf module name: dtype}`` (what ``Policy.resolve`` returns, with ``int
 fp32, fp16 and bf16) and returns a converted copy; the fp32 model is never touched, since
 it is the user's safety net.
 
-- fp16/bf16 leaves: their parameters and floating buffers are cast (BatchNorm's running
-  statistics too: on the CPU, keeping them fp32 under low-precision inputs also works and
-  was no faster, see benchmarks/README.md). Parameters held directly by a non-leaf module
-  (MultiheadAttention's ``in_proj_weight``) follow the leaves below it where those agree.
+- fp16/bf16 leaves: their parameters and floating buffers are cast, norms' statistics
+  too, as ``model.half()`` does: keeping a norm's statistics in fp32 under low-precision
+  inputs was as fast on the CPU and more accurate for LayerNorm, but is a CPU kernel's
+  feature (benchmarks/README.md, bench_int8.py); a policy wanting accurate norms keeps
+  them fp32. Parameters held directly by a non-leaf module (MultiheadAttention's
+  ``in_proj_weight``) follow the leaves below it where those agree.
 - int8 leaves: Linear layers (and transformers' Conv1D, turned into the equivalent
   Linear) are quantized with one of `INT8_METHODS`; their activations stay fp32.
 - Boundaries: where layers of different dtypes meet, a forward pre-hook on each largest
