@@ -21,6 +21,7 @@ from autoprec.inference import (
     int8_unavailable_reason,
     measure_inference,
     peak_memory_bytes,
+    tied_leaves,
     time_side_by_side,
     timing_batch,
     weight_bytes,
@@ -205,6 +206,7 @@ def test_tied_layers_must_share_a_dtype():
     pytest.importorskip("transformers")
     task = load_task("tiny-gpt2")
     model = task.model()
+    assert tied_leaves(model) == [("transformer.wte", "lm_head")]
     with pytest.raises(PolicyError, match=r"'transformer.wte' .* and 'lm_head' .* share"):
         convert(model, {"transformer.wte": "fp16", "lm_head": "bf16"})
     both = convert(model, {"transformer.wte": "bf16", "lm_head": "bf16"})
@@ -286,6 +288,40 @@ def test_the_cpu_memory_estimate_counts_weights_and_activations(mlp):
     assert 2 * 256 * 256 * 4 <= activations <= 4 * 256 * 256 * 4
     assert peak_small < peak_large
     assert peak_memory_bytes(bf16, large, CPU)[0] < peak_large
+
+
+class _Allocator(type(CPU)):
+    """A CPU backend with an allocator's statistics: 1000 bytes held by others before the
+    forward, 1500 at its peak."""
+
+    kind = "cuda"
+
+    def __init__(self) -> None:
+        self.index, self.device = None, torch.device("cpu")
+        self.readings = iter([1000, 1500])
+
+    def reset_peak_memory(self) -> None:
+        pass
+
+    def max_memory_allocated_bytes(self) -> int:
+        return next(self.readings)
+
+
+def test_the_allocator_peak_counts_this_model_only(mlp):
+    task, model = mlp
+    batch = timing_batch(task, 2, CPU)
+    peak, estimate = peak_memory_bytes(model, batch, _Allocator())
+    assert not estimate
+    assert peak == weight_bytes(model) + 2 * 64 * 4 + 500
+
+
+def test_tied_weights_count_once():
+    pytest.importorskip("transformers")
+    model = load_task("tiny-gpt2").model()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    unique = {id(p): p.numel() * 4 for p in model.parameters()}  # parameters() dedupes too
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert weight_bytes(model) == sum(unique.values()) + buffers
 
 
 def test_a_non_finite_output_fails_the_measurement_with_the_layer():

@@ -9,6 +9,7 @@ from autoprec.inference.convert import (
     int8_available,
     int8_capable,
     int8_unavailable_reason,
+    tied_leaves,
     weight_bytes,
     weight_dtypes,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "int8_unavailable_reason",
     "measure_inference",
     "peak_memory_bytes",
+    "tied_leaves",
     "time_side_by_side",
     "timing_batch",
     "weight_bytes",

@@ -108,7 +108,7 @@ def convert(
     leaves = dict(parameterised_leaves(model))
     dtypes = _checked(model, leaves, layer_dtypes)
     method = _checked_int8(dtypes, backend, int8)
-    _check_tied(model, leaves, dtypes)
+    _check_tied(model, dtypes)
     try:
         converted = copy.deepcopy(model)
     except Exception as error:
@@ -163,19 +163,29 @@ def _checked_int8(dtypes: dict[str, str], backend: Backend, int8: str | None) ->
     return int8 or default_int8_method(backend.kind)
 
 
-def _check_tied(model: nn.Module, leaves: dict[str, nn.Module], dtypes: dict[str, str]) -> None:
-    """Leaves that share a parameter (tied embeddings and heads) must share a dtype: one
-    tensor cannot be in two. An int8 leaf gets a quantized copy of its own."""
-    owner: dict[int, tuple[str, str]] = {}
-    for name, module in leaves.items():
-        if dtypes[name] == "int8":
-            continue
+def tied_leaves(model: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of leaves with parameters that share a parameter (a tied embedding and
+    head): a conversion gives them one dtype, or quantizes one of them to int8, so a
+    search space should keep each group in one group."""
+    owners: dict[int, list[str]] = {}
+    for name, module in parameterised_leaves(model):
         for parameter in module.parameters(recurse=False):
-            first = owner.setdefault(id(parameter), (name, dtypes[name]))
-            if first[1] != dtypes[name]:
+            names = owners.setdefault(id(parameter), [])
+            if name not in names:
+                names.append(name)
+    return sorted({tuple(names) for names in owners.values() if len(names) > 1})
+
+
+def _check_tied(model: nn.Module, dtypes: dict[str, str]) -> None:
+    """Leaves that share a parameter must share a dtype: one tensor cannot be in two. An
+    int8 leaf gets a quantized copy of its own, so it may differ."""
+    for group in tied_leaves(model):
+        kept = [name for name in group if dtypes[name] != "int8"]
+        for name in kept[1:]:
+            if dtypes[name] != dtypes[kept[0]]:
                 raise PolicyError(
-                    f"layers {first[0]!r} ({first[1]}) and {name!r} ({dtypes[name]}) share a "
-                    f"parameter in {type(model).__name__}: give them one dtype"
+                    f"layers {kept[0]!r} ({dtypes[kept[0]]}) and {name!r} ({dtypes[name]}) "
+                    f"share a parameter in {type(model).__name__}: give them one dtype"
                 )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -51,8 +51,9 @@ class InferenceResult:
       positions and classes of it), ``y_ref`` the fp32 model's.
     - ``latency_p50_ms`` / ``latency_p90_ms``: per forward at ``batch_size`` samples;
       ``throughput_sps``: samples per second over the timed forwards.
-    - ``peak_memory_mb``: the allocator's peak over one forward on CUDA and NPU; on the
-      CPU (``peak_memory_is_estimate``), weight bytes plus the peak of live activations.
+    - ``peak_memory_mb``: weight bytes, inputs and the peak of activations over one
+      forward: the allocator's on CUDA and NPU; on the CPU an estimate
+      (``peak_memory_is_estimate``, see `LiveActivations`).
     - ``weight_mb``: parameters and buffers, quantized weights as what they hold.
     """
 
@@ -364,21 +365,29 @@ def time_side_by_side(
 
 
 def peak_memory_bytes(model: nn.Module, batch: Batch, backend: Backend) -> tuple[int, bool]:
-    """Peak memory of one forward on ``batch`` and whether it is an estimate: the device
-    allocator's peak on CUDA and NPU (weights, inputs and activations); on the CPU, which
-    keeps no such statistics, `weight_bytes` plus the peak of live activations (see
-    `LiveActivations`)."""
+    """Peak memory of one forward on ``batch``, and whether it is an estimate: the model's
+    `weight_bytes` plus its inputs plus the activations' peak. On CUDA and NPU the
+    activations' peak is the allocator's, above what was allocated before the forward (so
+    that other models held on the device are left out); on the CPU, which keeps no such
+    statistics, it is estimated (see `LiveActivations`)."""
+    weights = weight_bytes(model)
     if backend.kind != "cpu":
+        inputs = sum(_storage_bytes(tensors((batch.args, batch.kwargs))).values())
         backend.synchronize()
         backend.reset_peak_memory()
+        before = backend.max_memory_allocated_bytes()
         with torch.inference_mode():
             batch.run(model)
         backend.synchronize()
-        return backend.max_memory_allocated_bytes(), False
-    weights = weight_bytes(model)
+        return weights + inputs + backend.max_memory_allocated_bytes() - before, False
     with torch.inference_mode(), LiveActivations(model, (batch.args, batch.kwargs)) as meter:
         batch.run(model)
     return weights + meter.peak_bytes, True
+
+
+def _storage_bytes(found: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Bytes of each distinct storage behind the tensors, keyed by its address."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
 
 
 class LiveActivations(TorchFunctionMode):
