@@ -14,10 +14,11 @@ it is the user's safety net.
   ``in_proj_weight``) follow the leaves below it where those agree.
 - int8 leaves: Linear layers (and transformers' Conv1D, turned into the equivalent
   Linear) are quantized with one of `INT8_METHODS`; their activations stay fp32.
-- Boundaries: where layers of different dtypes meet, a forward pre-hook on each largest
-  same-dtype subtree casts its floating inputs (integer ones, such as token ids, pass
-  untouched); the model's floating outputs come back in fp32 for scoring. Parameter-free
-  leaves run in what they receive.
+- Boundaries: a uniform model casts its inputs once and runs in its dtype. Where layers of
+  different dtypes meet, each largest same-dtype subtree casts its floating inputs to its
+  dtype (integer ones, such as token ids, pass untouched) and hands its outputs back in
+  fp32, so the code between subtrees runs in fp32. The model's floating outputs come back
+  in fp32 for scoring. Parameter-free leaves run in what they receive.
 """
 
 from __future__ import annotations
@@ -313,8 +314,9 @@ def weight_bytes(model: nn.Module) -> int:
         ]
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         if callable(weight) and callable(bias):  # torch's packed quantized layers
-            unpacked += [t for t in (weight(), bias()) if isinstance(t, torch.Tensor)]
-            held += unpacked[-2:]
+            fresh = [t for t in (weight(), bias()) if isinstance(t, torch.Tensor)]
+            unpacked += fresh
+            held += fresh
         for tensor in held:
             for inner in _inner_tensors(tensor):
                 storages[(str(inner.device), _address(inner))] = _nbytes(inner)

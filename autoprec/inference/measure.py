@@ -105,9 +105,9 @@ class InferenceResult:
 
 @dataclass(frozen=True)
 class Reference:
-    """The fp32 model's logits on each validation batch (fp32, kept on the CPU so that
-    they stay out of a device's memory peak) and its accuracy: computed once, compared
-    with every converted model."""
+    """The fp32 model's logits on each validation batch (kept on the CPU, so that a large
+    validation set costs no device memory) and its accuracy: computed once per study,
+    compared with every converted model."""
 
     logits: tuple[torch.Tensor, ...]
     accuracy: float
