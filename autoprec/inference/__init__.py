@@ -1,0 +1,42 @@
+"""Inference precision: convert a trained fp32 model per layer for serving, and measure it
+against the fp32 model (agreement, latency, throughput, memory)."""
+
+from autoprec.inference.convert import (
+    INFERENCE_DTYPES,
+    INT8_METHODS,
+    convert,
+    default_int8_method,
+    int8_available,
+    int8_capable,
+    int8_unavailable_reason,
+    tied_leaves,
+    weight_bytes,
+    weight_dtypes,
+)
+from autoprec.inference.measure import (
+    InferenceResult,
+    Reference,
+    measure_inference,
+    peak_memory_bytes,
+    time_side_by_side,
+    timing_batch,
+)
+
+__all__ = [
+    "INFERENCE_DTYPES",
+    "INT8_METHODS",
+    "InferenceResult",
+    "Reference",
+    "convert",
+    "default_int8_method",
+    "int8_available",
+    "int8_capable",
+    "int8_unavailable_reason",
+    "measure_inference",
+    "peak_memory_bytes",
+    "tied_leaves",
+    "time_side_by_side",
+    "timing_batch",
+    "weight_bytes",
+    "weight_dtypes",
+]
