@@ -54,6 +54,7 @@ def _add_search(commands: Any) -> None:
         formatter_class=_DefaultsFormatter,
     )
     _add_what(s.add_argument_group("what is searched"))
+    _add_serving(s.add_argument_group("serving (--mode inference)"))
     _add_where(s.add_argument_group("where it runs and is recorded"))
     _add_choice(s.add_argument_group("how the best policy is chosen"))
     _add_faults(s.add_argument_group("workers and faults"))
@@ -88,6 +89,54 @@ def _add_what(group: Any) -> None:
     )
 
 
+def _add_serving(group: Any) -> None:
+    from autoprec.inference.convert import INT8_METHODS
+    from autoprec.inference.scenarios import SCENARIOS
+
+    group.add_argument(
+        "--mode",
+        choices=("training", "inference"),
+        default="training",
+        help="training: trials train the model under each policy; inference: trials convert "
+        "a trained fp32 model's weights per layer (fp32/fp16/bf16/int8) and serve it",
+    )
+    presets = "; ".join(
+        f"{s.name}: batch {s.batch_size}, {s.prefer}, tolerance {s.accuracy_tolerance:g}"
+        + (", every prediction as fp32's, outputs within 1%%" if s.min_top1_agreement else "")
+        for s in SCENARIOS.values()
+    )
+    group.add_argument(
+        "--scenario",
+        choices=tuple(SCENARIOS),
+        default=None,
+        help=f"what the serving optimises (default: server): {presets}",
+    )
+    group.add_argument(
+        "--batch-size", type=int, default=None, help="batch size served (default: the scenario's)"
+    )
+    group.add_argument(
+        "--batch-sizes",
+        default=None,
+        metavar="N,N,...",
+        help="also measure these batch sizes (e.g. 1,8,64): the report shows where the best "
+        "choice flips",
+    )
+    group.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="PATH",
+        help="the fp32 weights to serve (a state dict); default: the task's checkpoint, else "
+        "the model trained once for --steps and kept as runs/<study>/fp32.pt (never "
+        "overwritten)",
+    )
+    group.add_argument(
+        "--int8",
+        choices=("auto", "off", *INT8_METHODS),
+        default="auto",
+        help="int8 Linear layers: auto (where the device has kernels), off, or a method",
+    )
+
+
 def _add_where(group: Any) -> None:
     from autoprec.search.config import DEFAULT_STORAGE, DEFAULT_TRACKING_URI
 
@@ -113,9 +162,10 @@ def _add_choice(group: Any) -> None:
     )
     group.add_argument(
         "--prefer",
-        choices=PREFERENCES,
-        default="speed",
-        help="how the best feasible policy is chosen",
+        choices=(*PREFERENCES, "latency", "throughput"),
+        default=None,
+        help="how the best feasible policy is chosen (default: speed in training, the "
+        "scenario's in inference; latency and throughput are for inference)",
     )
     group.add_argument(
         "--sampler",
@@ -206,6 +256,13 @@ def _add_other_commands(commands: Any) -> None:
     r.add_argument("--policy", required=True, help="policy YAML file")
     r.add_argument("--task", default=DEFAULT_TASK, help="task whose model to resolve against")
     r.add_argument(
+        "--mode",
+        choices=("training", "inference"),
+        default=None,
+        help="training: the dtype each layer computes in under autocast; inference: the dtype "
+        "its weights are served in (default: inference for a policy with int8 layers)",
+    )
+    r.add_argument(
         "--device",
         default="auto",
         help="the device whose autocast decides what runs in which dtype: auto, cpu, cuda, "
@@ -262,6 +319,12 @@ def _search(args: argparse.Namespace) -> int:
         devices=args.devices,
         trial_timeout_s=args.trial_timeout,
         heartbeat_s=args.heartbeat,
+        mode=args.mode,
+        scenario=args.scenario,
+        batch_size=args.batch_size,
+        batch_sizes=args.batch_sizes,
+        checkpoint=args.checkpoint,
+        int8=args.int8,
     )
     result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
     summary = result.summary
@@ -317,20 +380,21 @@ def _resolve(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
     model = check_task(load_task(args.task))
     kind = get_backend(args.device).kind if args.device == "auto" else device_kind(args.device)
+    uses_int8 = "int8" in (policy.default, *(r.dtype for r in policy.rules))
+    serving = args.mode == "inference" or (args.mode is None and uses_int8)
     try:
-        plan = policy.plan(model, kind)
+        table = policy.layer_table(model, kind, inference=serving)
+        share = policy.low_precision_share(model, kind, inference=serving)
+        where = "served" if serving else f"on {kind}"
+        if not serving:
+            plan = policy.plan(model, kind)
+            where += f": outer region {plan.outer_dtype}; own regions: {len(plan.regions)}"
     except PolicyError as error:
         raise PolicyError(f"{args.policy}: {error}") from None
     rows = [["module", "type", "params", "dtype"]]
-    rows += [
-        [r["name"], r["type"], str(r["params"]), r["dtype"]]
-        for r in policy.layer_table(model, kind)
-    ]
+    rows += [[r["name"], r["type"], str(r["params"]), r["dtype"]] for r in table]
     print(text_table(rows))
-    print(
-        f"on {kind}: outer region {plan.outer_dtype}; own regions: {len(plan.regions)}; "
-        f"low-precision share of parameters: {policy.low_precision_share(model, kind):.0%}"
-    )
+    print(f"{where}; low-precision share of parameters: {share:.0%}")
     print(f"loss scale: {policy.loss_scale.to_dict()}")
     return 0
 

@@ -30,6 +30,8 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
+# Serving also has int8 (weights quantized, layer by layer); training never does.
+INFERENCE_DTYPES = (*DTYPES, "int8")
 _MB = 2.0**20
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|npu)(?::(\d+))?$")
 _RANGE = re.compile(r"^(cuda|npu):(\d+)-(\d+)$")

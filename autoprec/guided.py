@@ -131,7 +131,10 @@ class _Strategy:
         seen = json.dumps(dict(params), sort_keys=True, default=str)
         if seen not in self._keys:
             try:
-                self._keys[seen] = self.space.policy(params).identity(self.model, self.device)
+                policy = self.space.policy(params)
+                self._keys[seen] = policy.identity(
+                    self.model, self.device, inference=self.space.inference
+                )
             except (KeyError, AutoprecError):
                 self._keys[seen] = None
         return self._keys[seen]
@@ -179,7 +182,8 @@ class GuidedStrategy(_Strategy):
         ranked = list(dict.fromkeys(risk_order))
         self.risk_order = ranked + [n for n in names if n not in ranked]
         self.prefer = prefer
-        self.low_dtypes = [d for d in LOW_DTYPES if self._searchable(d, names)]
+        # Serving spaces may also offer int8 (to the layers that take it).
+        self.low_dtypes = [d for d in (*LOW_DTYPES, "int8") if self._searchable(d, names)]
 
     def _plan(self, known: dict[str, _Outcome], busy: set[str | None]) -> Iterator[Proposal]:
         for low in self.low_dtypes:

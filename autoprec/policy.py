@@ -36,7 +36,7 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec.devices import DTYPES, Backend, autocast_behaviour, device_kind, get_backend
+from autoprec.devices import INFERENCE_DTYPES, Backend, autocast_behaviour, device_kind, get_backend
 from autoprec.errors import PolicyError
 from autoprec.precision import Plan, Precision, RegionSpec
 from autoprec.scaling import LossScale
@@ -47,9 +47,18 @@ _RULE_FIELDS = ("name", "patterns", "types", "dtype")
 
 
 def _check_dtype(value: Any, where: str) -> str:
-    if value not in DTYPES:
-        raise PolicyError(f"{where}: unknown dtype {value!r} (expected fp32, fp16 or bf16)")
+    if value not in INFERENCE_DTYPES:
+        raise PolicyError(
+            f"{where}: unknown dtype {value!r} (expected fp32, fp16, bf16, or int8 for serving)"
+        )
     return value
+
+
+def int8_capable(module: nn.Module) -> bool:
+    """Whether a layer can be served in int8: an ``nn.Linear`` or transformers' Conv1D.
+    Subclasses are not: they may be read by their parent rather than called
+    (MultiheadAttention's ``out_proj``), or change what the forward does."""
+    return type(module) is nn.Linear or type(module).__name__ == "Conv1D"
 
 
 def _string_list(value: Any, where: str) -> tuple[str, ...]:
@@ -228,6 +237,7 @@ class Policy:
         where the model's parameters are); raises PolicyError for a rule that matches no
         module with parameters."""
         kind = device_kind(device, model)
+        self._refuse_int8()
         chosen: dict[str, str] = {}
         follows_input: set[str] = set()
         weight: Counter[str] = Counter()
@@ -246,12 +256,7 @@ class Policy:
             if behaviour == "input" and dtype != "fp32":
                 follows_input.add(name)
             weight[dtype] += sum(p.numel() for p in module.parameters(recurse=False))
-        for i, rule in enumerate(self.rules):
-            if not used[i]:
-                raise PolicyError(
-                    f"rules[{i}] ({rule.describe()}): matches no module with parameters "
-                    f"in {type(model).__name__}"
-                )
+        self._check_used(used, model)
 
         below: dict[str, set[str]] = {name: set() for name, _ in model.named_modules()}
         for name, dtype in chosen.items():
@@ -293,20 +298,69 @@ class Policy:
         leaf_dtypes = {name: chosen.get(name, "fp32") for name, _ in parameterised_leaves(model)}
         return Plan(kind, outer, tuple(regions.values()), leaf_dtypes, self.tf32, self.hf32)
 
+    def _refuse_int8(self) -> None:
+        for where, dtype in (
+            *((f"rules[{i}]", rule.dtype) for i, rule in enumerate(self.rules)),
+            ("default", self.default),
+        ):
+            if dtype == "int8":
+                raise PolicyError(
+                    f"{where}: int8 is for serving only (autoprec.load_inference_model); "
+                    "training runs fp32, fp16 or bf16"
+                )
+
+    def _check_used(self, used: list[bool], model: nn.Module) -> None:
+        for i, rule in enumerate(self.rules):
+            if not used[i]:
+                raise PolicyError(
+                    f"rules[{i}] ({rule.describe()}): matches no module with parameters "
+                    f"in {type(model).__name__}"
+                )
+
+    def resolve_inference(self, model: nn.Module) -> dict[str, str]:
+        """Every leaf with parameters mapped to the dtype its weights are converted to for
+        serving: its first matching rule's, or the default (no autocast table: serving
+        converts the weights themselves). int8 from the default applies to the layers that
+        can be int8 (Linear, Conv1D), the others stay fp32; an explicit int8 rule on any
+        other layer is refused when the model is converted."""
+        resolved: dict[str, str] = {}
+        used = [False] * len(self.rules)
+        for name, module in parameterised_leaves(model):
+            dtype = None
+            for i, rule in enumerate(self.rules):
+                if rule.matches(name, module):
+                    used[i] = True
+                    dtype = dtype or rule.dtype
+            if dtype is None:
+                dtype = self.default
+                if dtype == "int8" and not int8_capable(module):
+                    dtype = "fp32"
+            resolved[name] = dtype
+        self._check_used(used, model)
+        return resolved
+
     def identity(
-        self, model: nn.Module | None = None, device: str | torch.device | Backend | None = None
+        self,
+        model: nn.Module | None = None,
+        device: str | torch.device | Backend | None = None,
+        inference: bool = False,
     ) -> str:
         """What a trial of this policy measures, as a short hash: the dtype each layer
         runs in (given a model, each leaf with parameters on the device kind, as
-        ``resolve`` says; without one, each rule's dtype and the default), the loss
-        scaling where any of them is fp16, and the switches. Policies alike in this are
-        measured once, whichever rules say it."""
-        if model is not None:
+        ``resolve`` says, or for serving as ``resolve_inference`` says; without one, each
+        rule's dtype and the default), the loss scaling where any of them is fp16 in
+        training, and the switches. Policies alike in this are measured once, whichever
+        rules say it."""
+        if model is not None and inference:
+            dtypes = self.resolve_inference(model)
+        elif model is not None:
             dtypes = self.resolve(model, device)
         else:
             dtypes = {f"rules[{i}]": rule.dtype for i, rule in enumerate(self.rules)}
             dtypes["default"] = self.default
         scaling = self.loss_scale.to_dict() if "fp16" in dtypes.values() else {"mode": "none"}
+        if inference:
+            scaling = {"mode": "none"}  # serving scales no loss
         text = json.dumps([dtypes, scaling, self.tf32, self.hf32], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -320,11 +374,15 @@ class Policy:
         return self.plan(model, device).leaf_dtypes
 
     def layer_table(
-        self, model: nn.Module, device: str | torch.device | Backend | None = None
+        self,
+        model: nn.Module,
+        device: str | torch.device | Backend | None = None,
+        inference: bool = False,
     ) -> list[dict[str, Any]]:
         """Each leaf module with parameters: name, type, parameter count and the dtype it
-        runs in."""
+        runs in (``inference``: the dtype its weights are served in)."""
         modules = dict(model.named_modules())
+        resolved = self.resolve_inference(model) if inference else self.resolve(model, device)
         return [
             {
                 "name": name or "(model)",
@@ -332,19 +390,23 @@ class Policy:
                 "params": _own_parameters(modules[name]),
                 "dtype": dtype,
             }
-            for name, dtype in self.resolve(model, device).items()
+            for name, dtype in resolved.items()
         ]
 
     def low_precision_share(
-        self, model: nn.Module, device: str | torch.device | Backend | None = None
+        self,
+        model: nn.Module,
+        device: str | torch.device | Backend | None = None,
+        inference: bool = False,
     ) -> float:
-        """Share of the model's parameters that run in fp16 or bf16."""
+        """Share of the model's parameters that run in fp16 or bf16 (or, served, int8)."""
         modules = dict(model.named_modules())
+        resolved = self.resolve_inference(model) if inference else self.resolve(model, device)
         total = low = 0
-        for name, dtype in self.resolve(model, device).items():
+        for name, dtype in resolved.items():
             count = _own_parameters(modules[name])
             total += count
-            low += count if dtype in LOW_PRECISION else 0
+            low += count if dtype != "fp32" else 0
         return low / total if total else 0.0
 
     def apply(

@@ -48,6 +48,7 @@ in the table when no dtype could be measured), and never shapes a search.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import time
@@ -230,12 +231,16 @@ def profile_task(
     steps: int = 3,
     seed: int = 0,
     dtypes: Sequence[str] | None = None,
+    model: nn.Module | None = None,
 ) -> Profile:
     """Rank every module of ``task``'s model by numerical risk in low precision.
 
     ``steps`` fp32 training steps are watched, then each module is run alone in each of
     ``dtypes`` (default: the low-precision dtypes the backend runs) on one fixed batch.
-    See the module docstring for what is measured and the risk formula.
+    See the module docstring for what is measured and the risk formula. Given a trained
+    ``model`` (the serving search's fp32 model), a copy of it is profiled instead of a
+    fresh one, in eval mode, and ``steps`` may be 0: its forward on one batch is
+    watched (no gradients), without training it.
     """
     started_s = time.perf_counter()
     task = load_task(task) if isinstance(task, str) else task
@@ -243,8 +248,10 @@ def profile_task(
         raise TaskError(
             f"task: expected an autoprec.Task or a task name, got {type(task).__name__}"
         )
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise AutoprecError(f"steps: expected a positive integer, got {steps!r}")
+    least = 0 if model is not None else 1
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < least:
+        expected = "an integer >= 0" if least == 0 else "a positive integer"
+        raise AutoprecError(f"steps: expected {expected}, got {steps!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise AutoprecError(f"seed: expected an integer, got {seed!r}")
     backend = get_backend(backend)
@@ -252,13 +259,21 @@ def profile_task(
     limits = [dtype_limits(d) for d in tested]
 
     torch.manual_seed(seed)
-    model = check_task(task).to(backend.device).train()
+    if model is None:
+        model = check_task(task).to(backend.device).train()
+    else:
+        model = copy.deepcopy(model).to(backend.device).eval()
     watcher = Watcher(model)
     ranges = Counts(partial(_range_counts, limits=limits), maxima=frozenset({_MAX_ABS}))
     with _task_errors(task), backend.selected():
         optimizer = task.make_optimizer(model.parameters())
         batches = iter(task.train_data(seed))
         first_batch = None
+        if steps == 0:  # a trained model's forward only
+            first_batch = task.batch(next(iter(task.train_data(seed)))).to(backend.device)
+            with torch.no_grad(), watcher.forward(outputs=ranges):
+                first_batch.run(model)
+            watcher.collect()
         for step in range(steps):
             raw = next(batches, None)
             if raw is None:

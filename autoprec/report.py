@@ -26,13 +26,24 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if not isinstance(value, int | float) else format(value, spec)
 
 
+def serving(summary: dict[str, Any]) -> bool:
+    """Whether the summary is a serving (inference) study's."""
+    return summary.get("mode") == "inference"
+
+
+def time_metric(summary: dict[str, Any]) -> str:
+    """The metric a study's time is: the latency served, or the training step's."""
+    return "latency_p50_ms" if serving(summary) else "step_time_ms"
+
+
 def front_table(summary: dict[str, Any]) -> str:
     """The Pareto front (and the baseline) as an aligned text table; the best is marked."""
     best = summary["best"]["number"]
     rows = [summary["baseline"], *summary["trials"]]
     front = [r for r in rows if r["pareto"] or r["number"] in (best, "baseline")]
     memory_label = "memory MB" + ("~" if summary.get("peak_memory_is_estimate") else "")
-    header = ["", "trial", "accuracy", "drop", "step ms", memory_label, "feasible", "policy"]
+    time_label = "latency ms" if serving(summary) else "step ms"
+    header = ["", "trial", "accuracy", "drop", time_label, memory_label, "feasible", "policy"]
     lines = [header]
     for r in front:
         m = r["metrics"]
@@ -42,7 +53,7 @@ def front_table(summary: dict[str, Any]) -> str:
                 str(r["number"]),
                 _fmt(m.get("accuracy"), ".4f"),
                 _fmt(m.get("accuracy_drop"), "+.4f"),
-                _fmt(m.get("confirmed_step_time_ms", m.get("step_time_ms")), ".2f")
+                _fmt(m.get("confirmed_step_time_ms", m.get(time_metric(summary))), ".2f")
                 + ("+" if "confirmed_step_time_ms" in m else ""),
                 _fmt(m.get("peak_memory_mb"), ".2f"),
                 "yes" if r["feasible"] else "no",
@@ -50,17 +61,19 @@ def front_table(summary: dict[str, Any]) -> str:
             ]
         )
     text = [text_table(lines)]
+    what = "latency" if serving(summary) else "step time"
     notes = [
-        "* chosen policy; rows: the Pareto front (accuracy, memory, step time) "
-        "and the fp32 baseline"
+        f"* chosen policy; rows: the Pareto front (accuracy, memory, {what}) and the fp32 baseline"
     ]
     if summary.get("step_times_confirmed"):
-        notes.append("+ step time re-measured side by side with the fp32 baseline")
+        notes.append(f"+ {what} re-measured side by side with the fp32 baseline")
     if summary.get("peak_memory_is_estimate"):
-        notes.append(
-            "~ CPU memory is an estimate: parameters, gradients, optimizer state "
-            "and saved activations"
+        counted = (
+            "weights plus the peak of live activations"
+            if serving(summary)
+            else "parameters, gradients, optimizer state and saved activations"
         )
+        notes.append(f"~ CPU memory is an estimate: {counted}")
     return "\n".join(text + notes)
 
 
@@ -90,7 +103,8 @@ def _rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _step_ms(row: dict[str, Any]) -> float | None:
     metrics = row["metrics"]
-    return metrics.get("confirmed_step_time_ms", metrics.get("step_time_ms"))
+    time = metrics.get("step_time_ms", metrics.get("latency_p50_ms"))
+    return metrics.get("confirmed_step_time_ms", time)
 
 
 def _label(row: dict[str, Any]) -> str:

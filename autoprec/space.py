@@ -45,9 +45,9 @@ import yaml
 from torch import nn
 
 from autoprec.autogroups import build_groups
-from autoprec.devices import DTYPES, Backend, autocast_behaviour, device_kind
+from autoprec.devices import DTYPES, INFERENCE_DTYPES, Backend, autocast_behaviour, device_kind
 from autoprec.errors import PolicyError, SpaceError
-from autoprec.policy import Policy, Rule, parameterised_leaves
+from autoprec.policy import Policy, Rule, int8_capable, parameterised_leaves
 from autoprec.scaling import MODES, LossScale
 
 if TYPE_CHECKING:
@@ -150,6 +150,8 @@ class SearchSpace:
     source: str = "<space>"
     dtypes: tuple[str, ...] = tuple(DTYPES)
     auto: AutoGroups | None = None  # set until ``fit`` builds the groups of ``groups: auto``
+    inference: bool = False  # fitted for serving: weights converted, int8 possible
+    switch: str | None = None  # serving on CUDA or Ascend: "tf32" or "hf32" is searched too
 
     # -- reading -------------------------------------------------------------------------
 
@@ -233,22 +235,25 @@ class SearchSpace:
         model: nn.Module,
         profile: Profile | None = None,
         device: str | torch.device | Backend | None = None,
+        inference: bool = False,
     ) -> SearchSpace:
         """The space for this model on the device kind of ``device`` (default: where the
         model's parameters are). Each group must take (first match wins) at least one
-        leaf module with parameters whose dtype a policy can change there (embeddings,
-        and on CUDA and Ascend LayerNorm and GroupNorm, compute in fp32 whatever it says);
-        an optional group that takes none is dropped.
+        leaf module with parameters whose dtype a policy can change there (in training,
+        embeddings, and on CUDA and Ascend LayerNorm and GroupNorm, compute in fp32
+        whatever it says; for serving, ``inference``, every layer's weights convert); an
+        optional group that takes none is dropped. For serving, a group whose layers can
+        all be int8 (Linear, Conv1D) may also take int8, and no other may.
 
         A ``groups: auto`` space builds its groups here (see `AutoGroups`), with the
         riskiest modules of ``profile`` as groups of their own; a space with groups
         written by hand ignores the profile."""
         kind = device_kind(device, model)
-        space = self
+        space = replace(self, inference=inference)
         if self.auto is not None:
             specs = build_groups(
                 model,
-                searched_leaves(model, kind),
+                searched_leaves(model, kind, inference),
                 self.auto.max_groups,
                 self.auto.own_groups,
                 profile,
@@ -257,7 +262,7 @@ class SearchSpace:
             groups = tuple(
                 Group(g.name, Rule("fp32", g.patterns, g.types, g.name), self.dtypes) for g in specs
             )
-            space = replace(self, groups=groups, auto=None)
+            space = replace(space, groups=groups, auto=None)
         taken = set(space.assignment(model, kind).values())
         kept = []
         for i, group in enumerate(space.groups):
@@ -273,6 +278,10 @@ class SearchSpace:
             raise SpaceError(
                 f"{self.source}: no group matches any module of {type(model).__name__}"
             )
+        if inference:
+            kept = _with_int8_where_it_fits(kept, space.assignment(model, kind), model)
+            # The fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend): searched for serving.
+            space = replace(space, switch={"cuda": "tf32", "npu": "hf32"}.get(kind))
         return replace(space, groups=tuple(kept))
 
     def assignment(
@@ -282,7 +291,7 @@ class SearchSpace:
         the device kind) mapped to the group that takes it, first match wins; leaves that
         no group takes are left out (they stay fp32)."""
         assigned = {}
-        for name, module in searched_leaves(model, device_kind(device, model)):
+        for name, module in searched_leaves(model, device_kind(device, model), self.inference):
             for group in self.groups:
                 if group.rule.matches(name, module):
                     assigned[name] = group.name
@@ -342,6 +351,8 @@ class SearchSpace:
             "groups": [(g.name, g.rule.to_dict(), g.dtypes, g.optional) for g in self.groups],
             "auto": None if self.auto is None else [self.auto.max_groups, self.auto.own_groups],
             "dtypes": self.dtypes if self.auto is not None else None,
+            "inference": self.inference,
+            "switch": self.switch,
             "loss_scale": [
                 self.loss_scale.modes,
                 sorted(self.loss_scale.ranges.items()),
@@ -359,7 +370,10 @@ class SearchSpace:
             params[f"dtype.{group.name}"] = trial.suggest_categorical(
                 f"dtype.{group.name}", list(group.dtypes)
             )
-        if "fp16" in params.values():
+        if self.switch is not None:
+            name = f"switch.{self.switch}"
+            params[name] = trial.suggest_categorical(name, [False, True])
+        if "fp16" in params.values() and not self.inference:  # serving scales no loss
             space = self.loss_scale
             mode = trial.suggest_categorical("loss_scale.mode", list(space.modes))
             params["loss_scale.mode"] = mode
@@ -401,13 +415,26 @@ class SearchSpace:
                     backoff_factor=value("backoff_factor"),
                     min_scale=min(value("min_scale"), init_scale),
                 )
-        return Policy(rules=rules, default="fp32", loss_scale=loss_scale)
+        switches = {k: params.get(f"switch.{k}") for k in ("tf32", "hf32")}
+        return Policy(
+            rules=rules,
+            default="fp32",
+            loss_scale=loss_scale,
+            tf32=switches["tf32"],
+            hf32=switches["hf32"],
+        )
 
     def uniform_params(self, dtype: str) -> dict[str, Any]:
         """Parameters that put every group in ``dtype``; fp16 gets dynamic scaling with
-        torch's defaults where the space allows it (as Apex O1/O2 or GradScaler would)."""
+        torch's defaults where the space allows it (as Apex O1/O2 or GradScaler would).
+        For serving, int8 goes to the groups that can take it, fp32 to the others (as
+        dynamic quantization leaves what it cannot quantize), and no loss is scaled."""
         params: dict[str, Any] = {f"dtype.{g.name}": dtype for g in self.groups}
-        if dtype == "fp16":
+        if dtype == "int8":
+            params = {
+                f"dtype.{g.name}": "int8" if "int8" in g.dtypes else "fp32" for g in self.groups
+            }
+        if dtype == "fp16" and not self.inference:
             enabled = [m for m in self.loss_scale.modes if m != "none"]
             mode = "dynamic" if "dynamic" in enabled else (enabled[0] if enabled else "none")
             params["loss_scale.mode"] = mode
@@ -425,8 +452,11 @@ class SearchSpace:
 
     def anchors(self) -> dict[str, dict[str, Any]]:
         """Uniform policies every search measures: fp16 as ``model.half()`` gives it (no
-        loss scaling) and as Apex O1/O2 or GradScaler give it (dynamic scaling), and bf16.
-        Only those the space can express."""
+        loss scaling) and as Apex O1/O2 or GradScaler give it (dynamic scaling), and bf16;
+        for serving, fp16, bf16, int8 where the layers take it, and the classic fp16 body
+        with an fp32 head. Only those the space can express."""
+        if self.inference:
+            return self._serving_anchors()
         anchors = {}
         for dtype in ("fp16", "bf16"):
             if not all(dtype in g.dtypes for g in self.groups):
@@ -439,9 +469,27 @@ class SearchSpace:
                 anchors["uniform-fp16-noscale"] = {**dtypes_only, "loss_scale.mode": "none"}
         return anchors
 
+    def _serving_anchors(self) -> dict[str, dict[str, Any]]:
+        anchors = {}
+        for dtype in ("fp16", "bf16"):
+            if all(dtype in g.dtypes for g in self.groups):
+                anchors[f"uniform-{dtype}"] = self.uniform_params(dtype)
+        if any("int8" in g.dtypes for g in self.groups):
+            anchors["uniform-int8"] = self.uniform_params("int8")
+        names = [g.name for g in self.groups]
+        body = [g for g in self.groups if g.name != "head"]
+        if "head" in names and body and all("fp16" in g.dtypes for g in body):
+            anchors["fp16-body-fp32-head"] = {**self.uniform_params("fp16"), "dtype.head": "fp32"}
+        return anchors
+
     def flat_params(self, policy: Policy) -> dict[str, str]:
-        """The same keys for every policy of this space (for MLflow's compare view)."""
+        """The same keys for every policy of this space (for MLflow's compare view); a
+        serving space's have no loss scaling."""
         flat = {f"dtype.{g.name}": r.dtype for g, r in zip(self.groups, policy.rules, strict=False)}
+        if self.inference:
+            if self.switch is not None:
+                flat[f"switch.{self.switch}"] = str(getattr(policy, self.switch))
+            return flat
         scale = policy.loss_scale
         flat["loss_scale.mode"] = scale.mode
         flat["loss_scale.init_scale"] = "-" if scale.mode == "none" else f"{scale.init_scale:g}"
@@ -459,16 +507,39 @@ def policy_label(params: dict[str, str]) -> str:
     mode = params.get("loss_scale.mode", "none")
     if mode != "none":
         parts.append(f"scale={mode}:{params.get('loss_scale.init_scale', '-')}")
-    elif "fp16" in params.values():
+    elif "fp16" in params.values() and "loss_scale.mode" in params:  # training, unscaled
         parts.append("scale=none")
     return " ".join(parts)
 
 
-def searched_leaves(model: nn.Module, kind: str = "cpu") -> list[tuple[str, nn.Module]]:
-    """Leaves with parameters that a space searches on a device kind: all but those that
-    autocast runs in fp32 there whatever a policy says (embeddings everywhere, LayerNorm
-    and GroupNorm on CUDA and Ascend), which have nothing to search."""
-    return [(n, m) for n, m in parameterised_leaves(model) if autocast_behaviour(kind, m) != "fp32"]
+def searched_leaves(
+    model: nn.Module, kind: str = "cpu", inference: bool = False
+) -> list[tuple[str, nn.Module]]:
+    """Leaves with parameters that a space searches on a device kind: in training, all but
+    those that autocast runs in fp32 there whatever a policy says (embeddings everywhere,
+    LayerNorm and GroupNorm on CUDA and Ascend), which have nothing to search; for
+    serving, all of them (their weights are converted)."""
+    leaves = parameterised_leaves(model)
+    if inference:
+        return leaves
+    return [(n, m) for n, m in leaves if autocast_behaviour(kind, m) != "fp32"]
+
+
+def _with_int8_where_it_fits(
+    groups: list[Group], assignment: dict[str, str], model: nn.Module
+) -> list[Group]:
+    """int8 offered to the groups whose layers can all be int8, and to no other."""
+    modules = dict(model.named_modules())
+    capable = {g.name: True for g in groups}
+    for leaf, group in assignment.items():
+        capable[group] = capable[group] and int8_capable(modules[leaf])
+    fitted = []
+    for group in groups:
+        dtypes = tuple(d for d in group.dtypes if d != "int8")
+        if capable[group.name]:
+            dtypes = (*dtypes, "int8")
+        fitted.append(replace(group, dtypes=dtypes))
+    return fitted
 
 
 def _mode_fields(mode: str) -> tuple[str, ...]:
@@ -490,8 +561,10 @@ def _dtype_list(value: Any, where: str, fail: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not value:
         raise fail(f"{where}: expected a non-empty list of dtypes")
     for item in value:
-        if item not in DTYPES:
-            raise fail(f"{where}: unknown dtype {item!r} (expected fp32, fp16 or bf16)")
+        if item not in INFERENCE_DTYPES:
+            raise fail(
+                f"{where}: unknown dtype {item!r} (expected fp32, fp16, bf16, or int8 to serve)"
+            )
     return tuple(dict.fromkeys(value))
 
 

@@ -37,7 +37,6 @@ from urllib.parse import unquote, urlparse
 
 from autoprec.errors import StoreError, first_line, redact
 from autoprec.policy import Policy
-from autoprec.trial import TrialResult
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -139,7 +138,7 @@ class TrialLog:
     key: str  # the trial number, or "baseline"
     name: str
     params: dict[str, str]
-    result: TrialResult
+    result: Any  # a TrialResult, or an InferenceResult of a serving search
     extra_metrics: dict[str, float]
     tags: dict[str, str]
     policy: Policy
@@ -357,13 +356,16 @@ class Tracker:
         timestamp_ms = int(time.time() * 1000)
         # Every child gets every metric name, NaN where a pruned or failed trial measured
         # nothing, so that MLflow's compare and chart views line up.
-        values = dict.fromkeys((*TrialResult.METRICS, "accuracy_drop"), float("nan"))
-        values.update({**log.result.metrics(), **log.extra_metrics})
-        metrics = [Metric(k, float(v), timestamp_ms, 0) for k, v in values.items()]
         result = log.result
-        stride = max(1, -(-len(result.losses) // MAX_CURVE_POINTS))
-        for step in range(0, len(result.losses), stride):
-            for key, curve in (("train_loss", result.losses), ("loss_scale", result.loss_scales)):
+        values = dict.fromkeys((*type(result).METRICS, "accuracy_drop"), float("nan"))
+        values.update({**result.metrics(), **log.extra_metrics})
+        for size, latency in getattr(result, "latency_by_batch_ms", {}).items():
+            values[f"latency_p50_ms.batch_{size}"] = latency  # a serving study's batch sizes
+        metrics = [Metric(k, float(v), timestamp_ms, 0) for k, v in values.items()]
+        losses = getattr(result, "losses", [])
+        stride = max(1, -(-len(losses) // MAX_CURVE_POINTS))
+        for step in range(0, len(losses), stride):
+            for key, curve in (("train_loss", losses), ("loss_scale", result.loss_scales)):
                 if math.isfinite(curve[step]):
                     metrics.append(Metric(key, float(curve[step]), timestamp_ms, step))
         logged = self.client.get_run(run_id).data.params
@@ -374,7 +376,8 @@ class Tracker:
             tags=[RunTag(k, v) for k, v in log.tags.items()],
         )
         self.client.log_text(run_id, log.policy.to_yaml(), POLICY_ARTIFACT)
-        layers = result.telemetry.get("layers") if result.telemetry else None
+        telemetry = getattr(result, "telemetry", None)
+        layers = telemetry.get("layers") if telemetry else None
         if layers:
             self.client.log_text(run_id, layers_csv(layers), LAYERS_ARTIFACT)
         self.client.set_tag(run_id, LOGGED_TAG, "true")

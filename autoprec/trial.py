@@ -97,6 +97,11 @@ class TrialResult:
         "run_time_s",
     )
 
+    @property
+    def time_ms(self) -> float | None:
+        """The time the search minimises: the median training step."""
+        return self.step_time_ms
+
     def metrics(self) -> dict[str, float]:
         """The numeric metrics that were measured (None and non-finite values left out)."""
         values = {name: getattr(self, name) for name in self.METRICS}
@@ -187,6 +192,30 @@ def run_trial(
         backend.empty_cache()
     result.run_time_s = time.perf_counter() - started
     return result
+
+
+def train_fp32(task: Task, backend: Backend, budget: Budget) -> tuple[torch.nn.Module, TrialResult]:
+    """The task's model trained in fp32 for ``budget`` as a trial trains it (the same seed,
+    batches and loop), with what the run measured; the model is returned on the CPU. The
+    serving search starts from it when no checkpoint is given."""
+    started = time.perf_counter()
+    torch.manual_seed(budget.seed)
+    with backend.selected():
+        run = _Run(task, Policy.uniform("fp32"), backend, budget, None)
+        try:
+            batches = iter(task.train_data(budget.seed))
+            for step in range(budget.steps):
+                run.step(step, _draw(task, batches, step, budget.steps, backend))
+            result = run.finish()
+        finally:
+            run.prec.remove()
+    result.run_time_s = time.perf_counter() - started
+    if result.state != "complete":
+        raise TaskError(
+            f"task {task.name!r}: the fp32 model did not train ({result.reason}); "
+            "fix the task, or give a checkpoint"
+        )
+    return run.model.cpu(), result
 
 
 def _train_and_evaluate(

@@ -189,7 +189,7 @@ def test_bad_input_in_a_real_process(project):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "autoprec search: error: dtype.yaml: groups[0].dtypes: unknown dtype 'fp8' "
-        "(expected fp32, fp16 or bf16)"
+        "(expected fp32, fp16, bf16, or int8 to serve)"
     ]
     assert _snapshot(folder) == before
 

@@ -17,7 +17,6 @@ from autoprec.inference import (
     Reference,
     convert,
     int8_available,
-    int8_capable,
     int8_unavailable_reason,
     measure_inference,
     peak_memory_bytes,
@@ -27,7 +26,7 @@ from autoprec.inference import (
     weight_bytes,
     weight_dtypes,
 )
-from autoprec.policy import parameterised_leaves
+from autoprec.policy import int8_capable, parameterised_leaves
 from autoprec.tasks import load_task
 
 CPU = get_backend("cpu")

@@ -56,7 +56,7 @@ def test_uniform_policy_round_trip_and_defaults():
     ("text", "message"),
     [
         ("default: fp8\n", "default: unknown dtype 'fp8'"),
-        ("rules:\n- patterns: [fc1]\n  dtype: int8\n", "rules[0].dtype: unknown dtype 'int8'"),
+        ("rules:\n- patterns: [fc1]\n  dtype: int4\n", "rules[0].dtype: unknown dtype 'int4'"),
         ("rules:\n- dtype: fp16\n", "rules[0]: needs patterns, types or both"),
         (
             "rules:\n- patterns: [fc1]\n  dtype: fp16\n  colour: red\n",
@@ -90,6 +90,18 @@ def test_rule_that_matches_no_module_is_an_error():
     policy = Policy(rules=(Rule("fp16", patterns=("encoder.*",)),))
     with pytest.raises(PolicyError, match=r"rules\[0\] \(patterns encoder.\*\): matches no module"):
         policy.resolve(mlp())
+
+
+def test_int8_is_for_serving_only():
+    model = mlp()
+    policy = Policy(rules=(Rule("int8", patterns=("fc1",)),))
+    assert Policy.from_yaml(policy.to_yaml()) == policy  # a valid policy, for serving
+    with pytest.raises(PolicyError, match=r"rules\[0\]: int8 is for serving only"):
+        policy.apply(model, "cpu")
+    assert policy.resolve_inference(model)["fc1"] == "int8"
+    # int8 from the default goes where it can (Linear); the LayerNorm stays fp32.
+    resolved = Policy.uniform("int8").resolve_inference(model)
+    assert resolved["fc1"] == resolved["head"] == "int8" and resolved["norm"] == "fp32"
 
 
 def test_resolve_maps_every_leaf_with_parameters():

@@ -1,13 +1,12 @@
 """Inference precision: convert a trained fp32 model per layer for serving, and measure it
 against the fp32 model (agreement, latency, throughput, memory)."""
 
+from autoprec.devices import INFERENCE_DTYPES
 from autoprec.inference.convert import (
-    INFERENCE_DTYPES,
     INT8_METHODS,
     convert,
     default_int8_method,
     int8_available,
-    int8_capable,
     int8_unavailable_reason,
     tied_leaves,
     weight_bytes,
@@ -16,6 +15,7 @@ from autoprec.inference.convert import (
 from autoprec.inference.measure import (
     InferenceResult,
     Reference,
+    latency_ms,
     measure_inference,
     peak_memory_bytes,
     time_side_by_side,
@@ -30,8 +30,8 @@ __all__ = [
     "convert",
     "default_int8_method",
     "int8_available",
-    "int8_capable",
     "int8_unavailable_reason",
+    "latency_ms",
     "measure_inference",
     "peak_memory_bytes",
     "tied_leaves",

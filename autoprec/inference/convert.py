@@ -32,12 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.devices import DTYPES, Backend, get_backend
+from autoprec.devices import DTYPES, INFERENCE_DTYPES, Backend, get_backend
 from autoprec.errors import DeviceError, PolicyError, TaskError, first_line
-from autoprec.policy import parameterised_leaves
+from autoprec.policy import int8_capable, parameterised_leaves
 from autoprec.structures import cast_floats
 
-INFERENCE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 INT8_METHODS = ("dynamic", "torchao-dynamic", "torchao-weight-only")
 # Chosen by measuring (benchmarks/bench_int8.py and benchmarks/README.md). CUDA: torchao is
 # the only int8 with kernels there; weight-only is its choice for memory-bound serving,
@@ -79,13 +78,6 @@ def int8_unavailable_reason(device_kind: str, method: str | None = None) -> str 
 def int8_available(device_kind: str, method: str | None = None) -> bool:
     """Whether int8 layers can run on this device kind (see `int8_unavailable_reason`)."""
     return int8_unavailable_reason(device_kind, method) is None
-
-
-def int8_capable(module: nn.Module) -> bool:
-    """Whether a layer can be int8: an ``nn.Linear`` or transformers' Conv1D. Subclasses are
-    not: they may be read by their parent rather than called (MultiheadAttention's
-    ``out_proj``), or change what the forward does."""
-    return type(module) is nn.Linear or type(module).__name__ == "Conv1D"
 
 
 def activation_dtype(dtype: str) -> str:

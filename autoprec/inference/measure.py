@@ -14,7 +14,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
@@ -70,9 +70,12 @@ class InferenceResult:
     peak_memory_mb: float | None = None
     peak_memory_is_estimate: bool = False
     weight_mb: float | None = None
+    low_precision_share: float = 0.0  # share of parameters served below fp32
     batch_size: int = 0
     samples: int = 0
     run_time_s: float = 0.0
+    # Median latency at every batch size measured ("1", "8", "64"), the main one among them.
+    latency_by_batch_ms: dict[str, float] = field(default_factory=dict)
 
     METRICS = (
         "accuracy",
@@ -85,10 +88,16 @@ class InferenceResult:
         "throughput_sps",
         "peak_memory_mb",
         "weight_mb",
+        "low_precision_share",
         "batch_size",
         "samples",
         "run_time_s",
     )
+
+    @property
+    def time_ms(self) -> float | None:
+        """The time the search minimises: the median latency at the scenario's batch."""
+        return self.latency_p50_ms
 
     def metrics(self) -> dict[str, float]:
         """The numeric metrics that were measured (None and non-finite values left out)."""
@@ -314,6 +323,20 @@ def _time(
     result.throughput_sps = batch.size * len(times_s) / sum(times_s)
     peak_bytes, result.peak_memory_is_estimate = peak_memory_bytes(model, batch, backend)
     result.peak_memory_mb = peak_bytes / _MB
+
+
+def latency_ms(
+    model: nn.Module,
+    task: Task,
+    backend: Backend,
+    batch_size: int,
+    timed_calls: int = TIMED_CALLS,
+    warmup_calls: int = WARMUP_CALLS,
+) -> float:
+    """Median latency (ms) of one forward at ``batch_size`` samples of the validation data."""
+    with backend.selected():
+        batch = timing_batch(task, batch_size, backend)
+        return statistics.median(_latencies(model, batch, backend, timed_calls, warmup_calls)) * 1e3
 
 
 def _latencies(

@@ -30,8 +30,9 @@ from autoprec.policy import Policy
 from autoprec.search.config import SearchConfig
 from autoprec.search.events import Callbacks
 from autoprec.search.loop import run_trials
+from autoprec.search.serving import FP32_CHECKPOINT
 from autoprec.search.session import Prepared, Session, prepare
-from autoprec.search.summary import numeric, summarize, write_outputs
+from autoprec.search.summary import by_batch_size, numeric, summarize, write_outputs
 from autoprec.search.workers import run_workers
 from autoprec.space import SearchSpace
 from autoprec.tasks import DEFAULT_TASK, Task
@@ -87,7 +88,7 @@ def _parent_params(prepared: Prepared) -> dict[str, Any]:
         **prepared.settings,
         "trials": config.trials,
         "accuracy_tolerance": prepared.tolerance,
-        "prefer": config.prefer,
+        "prefer": config.prefer or prepared.prefer,
         "sampler": config.sampler,
         "storage": config.public()["storage"],
     }
@@ -143,16 +144,18 @@ def _finish(
         session.study,
         session.space,
         session.baseline,
-        prepared.tolerance,
-        config.prefer,
+        prepared.feasibility,
+        prepared.prefer,
         confirmed,
         run_ids,
     )
+    if prepared.serving is not None:
+        summary["inference"] = _serving_summary(session)
     summary["settings"] = {
         **prepared.settings,
         "trials": config.trials,
         "sampler": config.sampler,
-        "prefer": config.prefer,
+        "prefer": config.prefer or prepared.prefer,
         "accuracy_tolerance": prepared.tolerance,
         "storage": config.public()["storage"],
         "tracking_uri": config.public()["tracking_uri"],
@@ -172,7 +175,9 @@ def _finish(
         ]
     )
     best_policy = Policy.from_dict(summary["best"]["policy"])
-    summary["best"]["layers"] = best_policy.layer_table(prepared.model, prepared.backend)
+    summary["best"]["layers"] = best_policy.layer_table(
+        prepared.model, prepared.backend, inference=prepared.serving is not None
+    )
     phases_s["tracking_flush"] = time.perf_counter() - mark_s
     summary["wall_time_s"] = time.perf_counter() - started_s
     summary["phase_time_s"] = phases_s  # this invocation's set-up, warm-up and re-timing
@@ -193,6 +198,26 @@ def _finish(
     if interrupted:
         raise SearchInterrupted(result)
     return result
+
+
+def _serving_summary(session: Session) -> dict[str, Any]:
+    """What a serving study adds to its summary: the scenario and what it asks, the fp32
+    weights the trials converted, and the best choice at each batch size measured."""
+    serving = session.prepared.serving
+    assert serving is not None and session.baseline is not None
+    feasibility = session.prepared.feasibility
+    checkpoint = serving.checkpoint or session.prepared.out_dir / FP32_CHECKPOINT
+    return {
+        "scenario": serving.scenario.name,
+        "batch_sizes": list(serving.batch_sizes),
+        "int8": serving.int8,
+        "fp32_checkpoint": str(checkpoint),
+        "min_top1_agreement": feasibility.min_top1_agreement,
+        "max_rel_deviation": feasibility.max_rel_deviation,
+        "by_batch_size": by_batch_size(
+            session.measured(), session.baseline, list(serving.batch_sizes)
+        ),
+    }
 
 
 def _run_ids(tracker: Tracker) -> dict[str, str]:

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.errors import AutoprecError, StoreError, redact
+from autoprec.inference.convert import INT8_METHODS
+from autoprec.inference.scenarios import PREFERENCES as SERVING_PREFERENCES
+from autoprec.inference.scenarios import scenario
 from autoprec.selection import PREFERENCES
 from autoprec.tracking import DEFAULT_TRACKING_URI, check_tracking_uri
 
@@ -23,6 +26,7 @@ DEFAULT_STORAGE = "sqlite:///runs/optuna.db"
 DEFAULT_RUNS_DIR = Path("runs")
 # guided: profile-ranked seeding and bisection (autoprec.guided), then TPE.
 SAMPLERS = ("guided", "tpe", "nsga2", "random")
+MODES = ("training", "inference")
 HEARTBEAT_INTERVAL_S = 10  # the grace before a silent trial is failed: 3 intervals
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -44,6 +48,15 @@ class SearchConfig:
       0 skips that, as does ``prefer="memory"``), ``early_stopping``.
     - ``trial_timeout_s`` (None: 25x the fp32 baseline's trial, at least 300 s; 0: no
       limit) and ``heartbeat_s`` (a trial silent for 3x this is failed).
+    - ``mode``: ``training`` (trials train under each policy) or ``inference`` (trials
+      convert a trained fp32 model's weights and serve it; see `autoprec.inference`),
+      with a ``scenario`` (server, edge, critical, batch: the batch size, preference and
+      tolerance it presets), ``batch_size`` and ``batch_sizes`` (``"1,8,64"``: measured
+      too) overriding it, the fp32 weights from ``checkpoint`` (else the task's, else
+      trained once for ``steps`` and kept as runs/<study>/fp32.pt), and ``int8``
+      (``auto``: where the device has kernels; ``off``; or a method of
+      `autoprec.inference.INT8_METHODS`). ``prefer`` may then also be ``latency`` or
+      ``throughput``; None takes the scenario's (training: speed).
     """
 
     trials: int = 12
@@ -54,7 +67,7 @@ class SearchConfig:
     tracking_uri: str = DEFAULT_TRACKING_URI
     seed: int = 0
     accuracy_tolerance: float | None = None
-    prefer: str = "speed"
+    prefer: str | None = None
     sampler: str = "guided"
     runs_dir: str | Path = DEFAULT_RUNS_DIR
     confirm_top: int = 3
@@ -63,6 +76,12 @@ class SearchConfig:
     devices: str | Sequence[str] | None = None
     trial_timeout_s: float | None = None
     heartbeat_s: int = HEARTBEAT_INTERVAL_S
+    mode: str = "training"
+    scenario: str | None = None
+    batch_size: int | None = None
+    batch_sizes: str | Sequence[int] | None = None
+    checkpoint: str | Path | None = None
+    int8: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "runs_dir", Path(self.runs_dir))
@@ -88,10 +107,7 @@ class SearchConfig:
             raise AutoprecError(
                 f"--heartbeat: expected whole seconds >= 1, got {self.heartbeat_s!r}"
             )
-        if self.prefer not in PREFERENCES:
-            raise AutoprecError(
-                f"--prefer: expected one of {', '.join(PREFERENCES)}, got {self.prefer!r}"
-            )
+        self._check_mode()
         if self.sampler not in SAMPLERS:
             raise AutoprecError(
                 f"--sampler: expected one of {', '.join(SAMPLERS)}, got {self.sampler!r}"
@@ -103,6 +119,39 @@ class SearchConfig:
         check_storage_url(self.storage)
         check_tracking_uri(self.tracking_uri)
 
+    def _check_mode(self) -> None:
+        if self.mode not in MODES:
+            raise AutoprecError(f"--mode: expected training or inference, got {self.mode!r}")
+        serving = self.mode == "inference"
+        allowed = SERVING_PREFERENCES if serving else PREFERENCES
+        if self.prefer is not None and self.prefer not in (*allowed, "speed"):
+            raise AutoprecError(
+                f"--prefer: expected one of {', '.join(allowed)} for {self.mode}, "
+                f"got {self.prefer!r}"
+            )
+        given = [
+            option
+            for option, value in (
+                ("--scenario", self.scenario),
+                ("--batch-size", self.batch_size),
+                ("--batch-sizes", self.batch_sizes),
+                ("--checkpoint", self.checkpoint),
+            )
+            if value is not None
+        ]
+        if given and not serving:
+            raise AutoprecError(f"{given[0]}: only with --mode inference")
+        if self.scenario is not None:
+            scenario(self.scenario)
+        if self.batch_size is not None:
+            _check_positive(self.batch_size, "--batch-size", "a positive integer")
+        if self.batch_sizes is not None:
+            parse_batch_sizes(self.batch_sizes)
+        if self.int8 not in ("auto", "off", *INT8_METHODS):
+            raise AutoprecError(
+                f"--int8: expected auto, off or one of {', '.join(INT8_METHODS)}, got {self.int8!r}"
+            )
+
     def public(self) -> dict[str, Any]:
         """The settings as they may be written down or shown (summary.json, the MLflow
         parent run, messages): every URL's password replaced by ``***``. The settings
@@ -112,8 +161,10 @@ class SearchConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("storage", "tracking_uri"):
             values[name] = redact(values[name])
-        values["runs_dir"] = str(values["runs_dir"])
-        values["device"] = str(values["device"])
+        for name in ("runs_dir", "device", "checkpoint"):
+            values[name] = None if values[name] is None else str(values[name])
+        if values["batch_sizes"] is not None:
+            values["batch_sizes"] = parse_batch_sizes(values["batch_sizes"])
         return values
 
     @classmethod
@@ -134,6 +185,20 @@ def _not_int(value: Any) -> bool:
 def _check_positive(value: Any, option: str, expected: str) -> None:
     if _not_int(value) or value < 1:
         raise AutoprecError(f"{option}: expected {expected}, got {value!r}")
+
+
+def parse_batch_sizes(value: str | Sequence[int]) -> list[int]:
+    """``"1,8,64"`` (or a list) as batch sizes, each a positive integer, no repeats."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        sizes = [int(str(item).strip()) for item in items]
+    except ValueError:
+        sizes = []
+    if not sizes or any(size < 1 for size in sizes) or len(set(sizes)) != len(sizes):
+        raise AutoprecError(
+            f"--batch-sizes {value!r}: expected distinct positive integers, e.g. 1,8,64"
+        )
+    return sizes
 
 
 def check_tolerance(tolerance: Any) -> float:

@@ -42,6 +42,10 @@ class Callbacks:
     def profiled(self, profile: Profile, path: Path) -> None:
         """The profile is done and written to ``path``."""
 
+    def training_fp32(self) -> None:
+        """A serving search trains the fp32 model it converts (once per study, when no
+        checkpoint was given)."""
+
     def baseline(self) -> None:
         """The fp32 baseline begins (once per study)."""
 

@@ -15,18 +15,19 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autoprec.devices import Backend
 from autoprec.guided import GuidedStrategy, Observation
+from autoprec.inference.measure import InferenceResult
 from autoprec.policy import Policy
 from autoprec.search.events import Callbacks, Progress
-from autoprec.search.records import TrialRecord, record_of
+from autoprec.search.records import Feasibility, Result, TrialRecord, record_of
 from autoprec.search.studies import (
     CLAIM_ATTR,
     RECORD_ATTR,
@@ -40,13 +41,25 @@ from autoprec.search.studies import (
 from autoprec.space import SearchSpace, policy_label
 from autoprec.tasks import Task
 from autoprec.tracking import Tracker, TrialLog
-from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial
+from autoprec.trial import Budget, TrialResult, run_trial
 
+R = TypeVar("R", TrialResult, InferenceResult)
 POLL_S = 1.0  # how often a waiting worker reads the study again
 # Sampled policies identical to one already measured are not trained again; after this
 # many in a row the space is taken as exhausted.
 MAX_DUPLICATES_IN_A_ROW = 25
 _STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "failed": TrialState.FAIL}
+
+
+class Trials(Protocol):
+    """What a trial is: train under a policy, or serve the fp32 model converted under it
+    (`autoprec.search.serving`)."""
+
+    def measure(self, policy: Policy) -> Result: ...
+
+    def failed(self, reason: str) -> Result: ...
+
+    def retime(self, policies: list[Policy]) -> list[float]: ...
 
 
 class TrialTimeout(Exception):
@@ -55,17 +68,17 @@ class TrialTimeout(Exception):
 
 @dataclass(frozen=True)
 class TrialContext:
-    """What every trial of a study shares: the task, the fitted space, the device, the
-    budget, where results go, and the fp32 baseline they are judged against."""
+    """What every trial of a study shares: the task, the fitted space, the device, where
+    results go, the fp32 baseline they are judged against and when they are feasible,
+    and what a trial is (`TrainingTrials` or `ServingTrials`)."""
 
     task: Task
     space: SearchSpace
     backend: Backend
-    budget: Budget
     tracker: Tracker
     baseline: TrialRecord
-    tolerance: float
-    early_stopping: EarlyStopping | None
+    feasibility: Feasibility
+    trials: Trials
     model: Any  # the task's model, for resolving policies (never trained)
     prefer: str = "speed"
     trial_timeout_s: float = 0.0  # 0: no limit
@@ -74,14 +87,14 @@ class TrialContext:
 
     def identity(self, policy: Policy) -> str:
         """What a trial of the policy measures on this model and device."""
-        return policy.identity(self.model, self.backend)
+        return policy.identity(self.model, self.backend, inference=self.space.inference)
 
     def progress(self, study: optuna.Study, total: int) -> Progress:
         """Where the study stands now (each trial's record read once)."""
         records = []
         for t in finished(study):
             if t.number not in self._records:
-                self._records[t.number] = record_of(t, self.tolerance)
+                self._records[t.number] = record_of(t, self.feasibility)
             records.append(self._records[t.number])
         return Progress(len(records), total, records, self.baseline, self.prefer)
 
@@ -95,17 +108,31 @@ class WarmUp:
     _warm: ClassVar[set[tuple[str, str, str]]] = set()  # (task, device, dtype) done here
 
     def __init__(
-        self, task: Task, space: SearchSpace, backend: Backend, budget: Budget, limit_s: float
+        self,
+        task: Task,
+        space: SearchSpace,
+        backend: Backend,
+        budget: Budget,
+        limit_s: float,
+        enabled: bool = True,
     ) -> None:
         self.args = (task, space, backend, budget, limit_s)
+        self.enabled = enabled  # serving trials warm up in each measurement instead
 
     def ensure(self) -> None:
+        if not self.enabled:
+            return
         task, space, backend, budget, limit_s = self.args
         short = Budget(steps=min(budget.steps, 2 * budget.untimed_steps + 2), seed=budget.seed)
         for dtype in sorted({d for g in space.groups for d in g.dtypes}):
             key = (task.name, backend.name, dtype)
             if key not in WarmUp._warm:
-                run_with_time_limit(task, Policy.uniform(dtype), backend, short, None, limit_s)
+                policy = Policy.uniform(dtype)
+                run_with_time_limit(
+                    lambda: run_trial(task, policy, backend, short),  # noqa: B023 (called now)
+                    limit_s,
+                    lambda reason: TrialResult("failed", reason),
+                )
                 WarmUp._warm.add(key)
 
 
@@ -177,9 +204,9 @@ def _guide(study: optuna.Study, ctx: TrialContext, ledger: Ledger) -> None:
         return
     history = [Observation(ctx.space.uniform_params("fp32"), "complete", True)]
     for t in ledger.recorded.values():
-        record = record_of(t, ctx.tolerance)
+        record = record_of(t, ctx.feasibility)
         history.append(
-            Observation(t.params, record.result.state, record.feasible, record.result.metrics())
+            Observation(t.params, record.result.state, record.feasible, _objectives(record))
         )
     pending = [
         t.params or t.system_attrs.get("fixed_params", {})
@@ -208,9 +235,21 @@ def _measure(
         _trial_tags(trial.number, anchor),
     )
     result = run_with_time_limit(
-        ctx.task, policy, ctx.backend, ctx.budget, ctx.early_stopping, ctx.trial_timeout_s
+        lambda: ctx.trials.measure(policy), ctx.trial_timeout_s, ctx.trials.failed
     )
     return _tell_and_log(study, trial, policy, result, ctx)
+
+
+def _objectives(record: TrialRecord) -> dict[str, float]:
+    """What the guided strategy weighs, named as the training search names it (a serving
+    trial's time is its latency)."""
+    result = record.result
+    values = {
+        "accuracy": result.accuracy,
+        "peak_memory_mb": result.peak_memory_mb,
+        "step_time_ms": result.time_ms,
+    }
+    return {k: float(v) for k, v in values.items() if v is not None}
 
 
 def _run_name(number: int, anchor: str | None, space: SearchSpace, policy: Policy) -> str:
@@ -238,10 +277,10 @@ def trial_log(
     return TrialLog(key, name, space.flat_params(record.policy), result, extra, tags, record.policy)
 
 
-def logged_trial(trial: FrozenTrial, space: SearchSpace, tolerance: float) -> TrialLog:
+def logged_trial(trial: FrozenTrial, space: SearchSpace, feasibility: Feasibility) -> TrialLog:
     """The child run of a recorded trial, as the trial loop logged it (to write it again
     when the tracking store could not take it then)."""
-    record = record_of(trial, tolerance)
+    record = record_of(trial, feasibility)
     anchor = trial.user_attrs.get("anchor")
     name = _run_name(trial.number, anchor, space, record.policy)
     return trial_log(str(trial.number), name, space, record, _trial_tags(trial.number, anchor))
@@ -251,15 +290,14 @@ def _tell_and_log(
     study: optuna.Study,
     trial: optuna.Trial,
     policy: Policy,
-    result: TrialResult,
+    result: Result,
     ctx: TrialContext,
 ) -> TrialRecord:
     drop = None
-    feasible = False
     if result.state == "complete" and result.accuracy is not None:
         drop = ctx.baseline.result.accuracy - result.accuracy
-        feasible = drop <= ctx.tolerance + 1e-12
-        trial.set_constraint("accuracy_drop", drop - ctx.tolerance)
+        trial.set_constraint("accuracy_drop", drop - ctx.feasibility.tolerance)
+    feasible = ctx.feasibility.judge(result, drop)
     record = TrialRecord(trial.number, policy, result, drop, feasible)
     # One storage write for everything autoprec keeps about the trial.
     trial.set_user_attr(
@@ -272,7 +310,7 @@ def _tell_and_log(
         },
     )
     if result.state == "complete":
-        study.tell(trial, [result.accuracy, result.peak_memory_mb, result.step_time_ms])
+        study.tell(trial, [result.accuracy, result.peak_memory_mb, result.time_ms])
     else:
         study.tell(trial, state=_STATES[result.state])
     anchor = trial.user_attrs.get("anchor")
@@ -344,23 +382,15 @@ def interrupts_held() -> Iterator[None]:
         signal.raise_signal(signal.SIGINT)  # to the handler in force: Python's raises
 
 
-def run_with_time_limit(
-    task: Task,
-    policy: Policy,
-    backend: Backend,
-    budget: Budget,
-    early_stopping: EarlyStopping | None,
-    limit_s: float,
-) -> TrialResult:
-    """run_trial, failed with a reason when it runs past ``limit_s`` (0: no limit).
+def run_with_time_limit(measure: Callable[[], R], limit_s: float, failed: Callable[[str], R]) -> R:
+    """``measure()``, or ``failed(reason)`` when it runs past ``limit_s`` (0: no limit).
 
     The limit is a SIGALRM timer, so it needs the main thread (elsewhere there is no
     limit), and it strikes between Python calls: a hang inside one native call is only
     cut short when that call returns.
     """
-    args = (task, policy, backend, budget, early_stopping)
     if not limit_s or threading.current_thread() is not threading.main_thread():
-        return run_trial(*args)
+        return measure()
 
     def on_alarm(signum: int, frame: Any) -> None:
         raise TrialTimeout(f"no result after {limit_s:.0f} s (the per-trial time limit)")
@@ -369,9 +399,9 @@ def run_with_time_limit(
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, limit_s)
     try:
-        result = run_trial(*args)
-    except TrialTimeout as error:  # struck outside run_trial's own handling
-        result = TrialResult("failed", f"TrialTimeout: {error}")
+        result = measure()
+    except TrialTimeout as error:  # struck outside the measurement's own handling
+        result = failed(f"TrialTimeout: {error}")
         result.run_time_s = time.perf_counter() - started_s
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -27,6 +27,8 @@ from torch import nn
 from autoprec.devices import DTYPES, Backend, get_backend, parse_devices
 from autoprec.errors import AutoprecError, StoreError, first_line, redact
 from autoprec.guided import GuidedStrategy
+from autoprec.inference.measure import Reference
+from autoprec.inference.scenarios import AS_SELECTION
 from autoprec.profile import Profile, profile_task
 from autoprec.search.config import SearchConfig, check_study_name, check_tolerance
 from autoprec.search.events import Callbacks
@@ -38,7 +40,14 @@ from autoprec.search.loop import (
     requeue_anchor,
     trial_log,
 )
-from autoprec.search.records import TrialRecord, record_of
+from autoprec.search.records import Feasibility, TrialRecord, record_of, result_of
+from autoprec.search.serving import (
+    Serving,
+    ServingTrials,
+    TrainingTrials,
+    fp32_model,
+    serving_of,
+)
 from autoprec.search.studies import (
     RECORD_ATTR,
     Lease,
@@ -54,7 +63,7 @@ from autoprec.selection import rank_key
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
 from autoprec.tasks import Task, check_task, check_task_data, load_task
 from autoprec.tracking import FLUSH_WAIT_S, Tracker, absolute_sqlite_uri
-from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial, time_side_by_side
+from autoprec.trial import Budget, EarlyStopping
 
 PROFILE_ATTR = "profile"  # study attribute: the ranking the groups and guidance use
 CONFIRMED_ATTR = "confirmed_step_time_ms"  # study attribute: side-by-side re-timings
@@ -87,13 +96,19 @@ class Prepared:
     backend: Backend
     devices: list[str]
     budget: Budget
-    tolerance: float
+    feasibility: Feasibility
     study: str
     workers: int
+    prefer: str  # the selection's: speed, memory or balanced
+    serving: Serving | None = None  # a serving (inference) search's settings
+
+    @property
+    def tolerance(self) -> float:
+        return self.feasibility.tolerance
 
     @property
     def settings(self) -> dict[str, Any]:
-        return {
+        settings = {
             "task": self.task.name,
             "space": self.space.name,
             "space_fingerprint": self.space.fingerprint(),
@@ -101,6 +116,7 @@ class Prepared:
             "seed": self.budget.seed,
             "device": self.backend.kind,
         }
+        return settings if self.serving is None else {**settings, **self.serving.settings}
 
     @property
     def needs_profile(self) -> bool:
@@ -113,8 +129,21 @@ class Prepared:
     def fitted(self, profile: Profile | None) -> SearchSpace:
         """The space fitted to the model, the device and (in a ``groups: auto`` space) the
         profile's riskiest modules."""
-        supported = {d for d in DTYPES if self.backend.supports(d)}
-        return self.unfitted.fit(self.model, profile, self.backend).restrict(supported)
+        return _fit(self.unfitted, self.model, profile, self.backend, self.serving)
+
+
+def _fit(
+    space: SearchSpace,
+    model: nn.Module,
+    profile: Profile | None,
+    backend: Backend,
+    serving: Serving | None,
+) -> SearchSpace:
+    supported = {d for d in DTYPES if backend.supports(d)}
+    if serving is not None and serving.int8 is not None:
+        supported.add("int8")
+    fitted = space.fit(model, profile, backend, inference=serving is not None)
+    return fitted.restrict(supported)
 
 
 def prepare(
@@ -147,17 +176,14 @@ def prepare(
     else:
         backend = get_backend(config.device)
         devices = [str(backend.device)] if backend.kind != "cpu" else ["cpu"]
-    supported = {d for d in DTYPES if backend.supports(d)}
-    fitted = space.fit(model, device=backend).restrict(supported)  # to a profile later
     budget = Budget(steps=config.steps, seed=config.seed)
     if check_data:
         check_task_data(task, model, budget.steps, budget.seed)
-    tolerance = check_tolerance(
-        fitted.accuracy_tolerance
-        if config.accuracy_tolerance is None
-        else config.accuracy_tolerance
-    )
-    study = check_study_name(config.study or task.name)
+    serving = None
+    if config.mode == "inference":
+        serving = serving_of(config, task, model, backend)
+    fitted = _fit(space, model, None, backend, serving)  # to a profile later
+    feasibility, prefer, study = _choice(config, task, fitted, serving)
     return Prepared(
         config,
         task,
@@ -169,10 +195,38 @@ def prepare(
         backend,
         devices,
         budget,
-        tolerance,
+        feasibility,
         study,
         workers,
+        prefer,
+        serving,
     )
+
+
+def _choice(
+    config: SearchConfig, task: Task, space: SearchSpace, serving: Serving | None
+) -> tuple[Feasibility, str, str]:
+    """When a policy is feasible, the selection's preference and the study's name: the
+    settings first, then the scenario's presets (serving) or the space's tolerance."""
+    if serving is None:
+        tolerance = space.accuracy_tolerance
+        feasibility = Feasibility(
+            check_tolerance(
+                tolerance if config.accuracy_tolerance is None else config.accuracy_tolerance
+            )
+        )
+        prefer = config.prefer or "speed"
+        return feasibility, prefer, check_study_name(config.study or task.name)
+    preset = serving.scenario
+    tolerance = preset.accuracy_tolerance
+    if config.accuracy_tolerance is not None:
+        tolerance = config.accuracy_tolerance
+    feasibility = Feasibility(
+        check_tolerance(tolerance), preset.min_top1_agreement, preset.max_rel_deviation
+    )
+    prefer = AS_SELECTION.get(config.prefer or preset.prefer, config.prefer or "speed")
+    study = check_study_name(config.study or f"{task.name}-{preset.name}")
+    return feasibility, prefer, study
 
 
 class Session:
@@ -192,11 +246,17 @@ class Session:
         self.profile: Profile | None = None
         self.space = prepared.space
         self.baseline: TrialRecord | None = None
+        self.trials: TrainingTrials | ServingTrials | None = None
         config = prepared.config
         # Until the baseline sets the default, an explicit limit or the minimum applies.
         limit_s = TRIAL_TIMEOUT_MIN_S if config.trial_timeout_s is None else config.trial_timeout_s
         self.warm = WarmUp(
-            prepared.task, prepared.space, prepared.backend, prepared.budget, limit_s
+            prepared.task,
+            prepared.space,
+            prepared.backend,
+            prepared.budget,
+            limit_s,
+            enabled=prepared.serving is None,
         )
 
     @classmethod
@@ -267,10 +327,17 @@ class Session:
     def _set_up_holding_the_lease(self, parent_params: dict[str, Any]) -> None:
         prepared = self.prepared
         self.tracker.start_parent(parent_params)
+        served = self._serving_model(may_train=True)
         self.profile = self._stored_profile()
         if prepared.needs_profile and self.profile is None:
             self.callbacks.profiling()
-            self.profile = profile_task(prepared.task, prepared.backend, seed=prepared.budget.seed)
+            self.profile = profile_task(
+                prepared.task,
+                prepared.backend,
+                seed=prepared.budget.seed,
+                model=served,
+                steps=0 if served is not None else 3,
+            )
             path = self.profile.save(prepared.out_dir / "profile.json")
             self.tracker.log_profile(self.profile, path)
             self.study.set_user_attr(PROFILE_ATTR, self.profile.brief())
@@ -279,7 +346,7 @@ class Session:
         if self.study.user_attrs.get("baseline") is None:
             self.callbacks.baseline()
             self.warm.ensure()
-        self.baseline = self._baseline()
+        self.baseline = self._baseline(served)
         if not self.study.user_attrs.get("anchors_enqueued"):
             for name, params in self.space.anchors().items():
                 self.study.enqueue_trial(params, user_attrs={"anchor": name})
@@ -297,9 +364,32 @@ class Session:
             raise AutoprecError(
                 f"study {prepared.study!r}: this process's space differs from the study's"
             )
+        served = self._serving_model(may_train=False)
         self.profile = self._stored_profile()
         self.space = prepared.fitted(self.profile)
-        self.baseline = self._baseline()
+        self.baseline = self._baseline(served)
+
+    def _serving_model(self, may_train: bool) -> nn.Module | None:
+        """The trained fp32 model a serving search converts (None in training)."""
+        prepared = self.prepared
+        if prepared.serving is None:
+            return None
+        return fp32_model(
+            prepared.serving,
+            prepared.task,
+            prepared.backend,
+            prepared.budget,
+            prepared.out_dir,
+            may_train,
+            self.callbacks.training_fp32,
+        )
+
+    def _trials(self, served: nn.Module | None) -> TrainingTrials | ServingTrials:
+        prepared = self.prepared
+        if served is None or prepared.serving is None:
+            return TrainingTrials(prepared.task, prepared.backend, prepared.budget, None)
+        reference = Reference.of(prepared.task, served, prepared.backend)
+        return ServingTrials(prepared.task, prepared.backend, served, reference, prepared.serving)
 
     def catch_up(self) -> None:
         """Have MLflow catch up with the study: trials an earlier run measured but could
@@ -308,7 +398,7 @@ class Session:
         logs, killed = [], {}
         for t in self.study.get_trials(deepcopy=False):
             if RECORD_ATTR in t.user_attrs and t.state.is_finished():
-                logs.append(logged_trial(t, self.space, self.prepared.tolerance))
+                logs.append(logged_trial(t, self.space, self.prepared.feasibility))
             elif t.state == TrialState.FAIL:
                 killed[str(t.number)] = "its trial was failed before its run was closed"
         self.tracker.catch_up(logs, killed)
@@ -317,26 +407,28 @@ class Session:
         data = self.study.user_attrs.get(PROFILE_ATTR)
         return None if data is None else Profile.from_dict(data)
 
-    def _baseline(self) -> TrialRecord:
+    def _baseline(self, served: nn.Module | None) -> TrialRecord:
         """The stored fp32 baseline, or (under the set-up lease) a new one."""
         prepared, tracker, study = self.prepared, self.tracker, self.study
+        self.trials = self._trials(served)
         policy = self.space.policy(self.space.uniform_params("fp32"))
         stored = study.user_attrs.get("baseline")
         if stored is not None:
-            result = TrialResult.from_dict(stored["result"])
+            result = result_of(stored["result"])
             return TrialRecord("baseline", policy, result, 0.0, True)
         tags = {"autoprec.role": "baseline"}
         tracker.start_trial("baseline", "baseline-fp32", tags)
         try:
-            result = run_trial(prepared.task, policy, prepared.backend, prepared.budget)
+            result = self.trials.measure(policy)
         except BaseException:
             tracker.kill_trial("baseline", "interrupted during the baseline")
             raise
         record = TrialRecord("baseline", policy, result, 0.0, True)
         tracker.log_trial(trial_log("baseline", "baseline-fp32", self.space, record, tags))
         if result.state != "complete":
+            what = "train" if prepared.serving is None else "serve"
             raise AutoprecError(
-                f"task {prepared.task.name!r}: the fp32 baseline did not train "
+                f"task {prepared.task.name!r}: the fp32 baseline did not {what} "
                 f"({result.reason}); fix the task before searching"
             )
         study.set_user_attr("baseline", {"result": result.to_dict()})
@@ -356,19 +448,21 @@ class Session:
     def context(self, limit_s: float | None = None) -> TrialContext:
         """What every trial of the study shares, after the set-up."""
         prepared, config = self.prepared, self.prepared.config
-        assert self.baseline is not None
-        stopper = EarlyStopping.from_baseline(self.baseline.result)
+        assert self.baseline is not None and self.trials is not None
+        trials = self.trials
+        if isinstance(trials, TrainingTrials) and config.early_stopping:
+            stopping = EarlyStopping.from_baseline(self.baseline.result)
+            trials = TrainingTrials(prepared.task, prepared.backend, prepared.budget, stopping)
         return TrialContext(
             prepared.task,
             self.space,
             prepared.backend,
-            prepared.budget,
             self.tracker,
             self.baseline,
-            prepared.tolerance,
-            stopper if config.early_stopping else None,
+            prepared.feasibility,
+            trials,
             prepared.model,
-            config.prefer,
+            prepared.prefer,
             self.trial_limit_s if limit_s is None else limit_s,
             self._guidance(),
         )
@@ -380,13 +474,13 @@ class Session:
         return GuidedStrategy(
             self.space,
             order,
-            self.prepared.config.prefer,
+            self.prepared.prefer,
             self.prepared.model,
             self.prepared.backend,
         )
 
     def measured(self) -> list[TrialRecord]:
-        return [record_of(t, self.prepared.tolerance) for t in finished(self.study)]
+        return [record_of(t, self.prepared.feasibility) for t in finished(self.study)]
 
     # -- the choice ---------------------------------------------------------------------------
 
@@ -394,10 +488,10 @@ class Session:
         """Re-time the ``top`` best feasible policies (by the preference) and the baseline
         side by side; kept in the study, and measured again only when the set of
         candidates changes."""
-        prefer = self.prepared.config.prefer
+        prefer = self.prepared.prefer
         if prefer == "memory" or top <= 0:
             return {}
-        assert self.baseline is not None
+        assert self.baseline is not None and self.trials is not None
         records = self.measured()
         base = candidates([self.baseline])[0]
         feasible = [c for c in candidates(records) if c.feasible]
@@ -412,8 +506,7 @@ class Session:
         policies = [self.baseline.policy, *(by_number[k].policy for k in keys[1:])]
         self.callbacks.confirming(len(keys))
         self.warm.ensure()
-        prepared = self.prepared
-        times_ms = time_side_by_side(prepared.task, policies, prepared.backend, prepared.budget)
+        times_ms = self.trials.retime(policies)
         confirmed = dict(zip(keys, times_ms, strict=True))
         self.study.set_user_attr(CONFIRMED_ATTR, confirmed)
         return confirmed

@@ -14,10 +14,11 @@ from typing import Any
 
 import optuna
 
+from autoprec.inference.measure import InferenceResult
 from autoprec.policy import Policy
-from autoprec.search.records import TrialRecord, record_of
+from autoprec.search.records import Feasibility, Result, TrialRecord, record_of
 from autoprec.search.studies import finished
-from autoprec.selection import Candidate, pareto_front, select_best
+from autoprec.selection import TIME_TIE, Candidate, pareto_front, select_best
 from autoprec.space import SearchSpace
 from autoprec.trial import TrialResult
 
@@ -31,13 +32,13 @@ def candidates(
     scale = 1.0
     baseline = next((r for r in records if r.number == "baseline"), None)
     if baseline is not None and "baseline" in confirmed:
-        scale = confirmed["baseline"] / baseline.result.step_time_ms
+        scale = confirmed["baseline"] / baseline.result.time_ms
     return [
         Candidate(
             r.number,
             r.result.accuracy,
             r.result.peak_memory_mb,
-            confirmed.get(str(r.number), r.result.step_time_ms * scale),
+            confirmed.get(str(r.number), r.result.time_ms * scale),
             r.feasible,
         )
         for r in records
@@ -66,7 +67,7 @@ def summarize(
     study: optuna.Study,
     space: SearchSpace,
     baseline: TrialRecord,
-    tolerance: float,
+    feasibility: Feasibility,
     prefer: str,
     confirmed: dict[str, float] | None = None,
     run_ids: dict[str, str] | None = None,
@@ -79,12 +80,12 @@ def summarize(
     confirmed = confirmed or {}
     run_ids = run_ids or {}
     trials = {t.number: t for t in finished(study)}
-    records = [record_of(t, tolerance) for t in trials.values()]
+    records = [record_of(t, feasibility) for t in trials.values()]
     front_keys = {c.key for c in pareto_front(candidates([baseline, *records], confirmed))}
     best = best_record(records, baseline, prefer, confirmed)
 
     def step_time_ms(r: TrialRecord) -> float:
-        return confirmed.get(str(r.number), r.result.step_time_ms)
+        return confirmed.get(str(r.number), r.result.time_ms)
 
     def entry(r: TrialRecord) -> dict[str, Any]:
         return {
@@ -108,7 +109,7 @@ def summarize(
             "pareto": r.number in front_keys,
             "mlflow_run_id": run_ids.get(str(r.number)),
             "peak_memory_is_estimate": r.result.peak_memory_is_estimate,
-            "switches": r.result.switches,
+            "switches": getattr(r.result, "switches", {}),
             "telemetry": _telemetry_brief(r.result),
         }
 
@@ -119,12 +120,14 @@ def summarize(
         1.0 - best.result.peak_memory_mb / baseline.result.peak_memory_mb
     )
     duplicates = sum(1 for t in study.trials if "duplicate_of" in t.user_attrs)
+    metric_names = dict.fromkeys((*type(baseline.result).METRICS, "accuracy_drop"))
     return {
         "study": study.study_name,
-        "metric_names": [*TrialResult.METRICS, "accuracy_drop"],
+        "mode": "inference" if isinstance(baseline.result, InferenceResult) else "training",
+        "metric_names": list(metric_names),
         "peak_memory_is_estimate": baseline.result.peak_memory_is_estimate,
         "step_times_confirmed": sorted(confirmed),
-        "accuracy_tolerance": tolerance,
+        "accuracy_tolerance": feasibility.tolerance,
         "prefer": prefer,
         "baseline": entry(baseline),
         "trials": [entry(r) for r in records],
@@ -134,13 +137,49 @@ def summarize(
         "best": best_entry,
         "duplicates_skipped": duplicates,
         # What fp16 would do to the fp32 baseline's own gradients and activations.
-        "advice": (baseline.result.telemetry or {}).get("warnings", []),
+        "advice": (getattr(baseline.result, "telemetry", None) or {}).get("warnings", []),
         "trial_time_s": baseline.result.run_time_s + sum(r.result.run_time_s for r in records),
     }
 
 
-def _telemetry_brief(result: TrialResult) -> dict[str, Any]:
-    """The worst layers and the warnings, for summary.json (the full table is in MLflow)."""
+def by_batch_size(
+    records: list[TrialRecord], baseline: TrialRecord, batch_sizes: list[int]
+) -> list[dict[str, Any]]:
+    """For each batch size a serving study measured, the feasible policy with the lowest
+    latency there (within TIME_TIE a tie, to less memory): where the best choice flips."""
+    rows = []
+    for size in batch_sizes:
+        key = str(size)
+        pool = [
+            r
+            for r in [baseline, *records]
+            if r.feasible and key in getattr(r.result, "latency_by_batch_ms", {})
+        ]
+        if not pool:
+            continue
+        fastest = min(r.result.latency_by_batch_ms[key] for r in pool)
+        tied = [r for r in pool if r.result.latency_by_batch_ms[key] <= fastest * (1 + TIME_TIE)]
+        best = min(tied, key=lambda r: (r.result.peak_memory_mb, r.result.latency_by_batch_ms[key]))
+        base = baseline.result.latency_by_batch_ms.get(key)
+        rows.append(
+            {
+                "batch_size": size,
+                "best": best.number,
+                "latency_ms": best.result.latency_by_batch_ms[key],
+                "fp32_latency_ms": base,
+                "speedup_vs_fp32": None
+                if not base
+                else base / best.result.latency_by_batch_ms[key],
+            }
+        )
+    return rows
+
+
+def _telemetry_brief(result: Result) -> dict[str, Any]:
+    """The worst layers and the warnings, for summary.json (the full table is in MLflow);
+    none for a serving trial, which trains nothing."""
+    if not isinstance(result, TrialResult):
+        return {}
     telemetry = result.telemetry or {}
     return {
         "grad_underflow_ratio": telemetry.get("grad_underflow_ratio"),

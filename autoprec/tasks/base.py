@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -131,6 +132,8 @@ class Task:
       that was taken (not skipped by the loss scaler); None for none.
     - ``clip_grad_norm``: clip the gradients' total norm to this (after unscaling).
     - ``accumulate``: batches per optimizer step (gradient accumulation).
+    - ``checkpoint``: a file of trained fp32 weights (a state dict), which a serving search
+      (``--mode inference``) converts instead of training the model itself.
     """
 
     name: str
@@ -143,6 +146,7 @@ class Task:
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     clip_grad_norm: float | None = None
     accumulate: int = 1
+    checkpoint: str | Path | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -1,0 +1,84 @@
+"""One serving trial: convert the fp32 model under a policy and measure it.
+
+Pure, as the training trial is: no Optuna, no MLflow. The fp32 model is converted into a
+copy (it is never trained, never changed); a policy the model cannot be converted to, or
+that breaks it, comes back ``failed`` with the reason."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from torch import nn
+
+from autoprec.devices import Backend
+from autoprec.errors import AutoprecError, first_line
+from autoprec.inference.convert import convert
+from autoprec.inference.measure import (
+    TIMED_CALLS,
+    WARMUP_CALLS,
+    InferenceResult,
+    Reference,
+    latency_ms,
+    measure_inference,
+)
+from autoprec.policy import Policy, parameterised_leaves
+from autoprec.tasks import Task
+
+
+def convert_policy(
+    model: nn.Module, policy: Policy, backend: Backend, int8: str | None = None
+) -> nn.Module:
+    """``model`` converted for serving as ``policy`` says (a copy; see `convert`)."""
+    return convert(model, policy.resolve_inference(model), backend, int8)
+
+
+def low_precision_share(model: nn.Module, layer_dtypes: dict[str, str]) -> float:
+    """Share of the model's parameters served below fp32."""
+    modules = dict(parameterised_leaves(model))
+    total = low = 0
+    for name, module in modules.items():
+        count = sum(p.numel() for p in module.parameters(recurse=False))
+        total += count
+        low += count if layer_dtypes.get(name, "fp32") != "fp32" else 0
+    return low / total if total else 0.0
+
+
+def run_inference_trial(
+    task: Task,
+    policy: Policy,
+    model: nn.Module,
+    backend: Backend,
+    reference: Reference,
+    batch_sizes: Sequence[int],
+    int8: str | None = None,
+    timed_calls: int = TIMED_CALLS,
+    warmup_calls: int = WARMUP_CALLS,
+) -> InferenceResult:
+    """Convert ``model`` (fp32, trained) under ``policy``, score it against ``reference``
+    and time it at each of ``batch_sizes`` (the first is the scenario's); never raises for
+    a problem of the policy."""
+    started = time.perf_counter()
+    previous = backend.set_switches(policy.tf32, policy.hf32)
+    try:
+        layer_dtypes = policy.resolve_inference(model)
+        converted = convert(model, layer_dtypes, backend, int8)
+        result = measure_inference(
+            task, converted, reference, backend, batch_sizes[0], timed_calls, warmup_calls
+        )
+        if result.state == "complete":
+            result.latency_by_batch_ms[str(batch_sizes[0])] = float(result.latency_p50_ms or 0)
+            for size in batch_sizes[1:]:
+                result.latency_by_batch_ms[str(size)] = latency_ms(
+                    converted, task, backend, size, timed_calls, warmup_calls
+                )
+        result.low_precision_share = low_precision_share(model, layer_dtypes)
+    except AutoprecError as error:  # a policy this model cannot be served in
+        result = InferenceResult("failed", first_line(error, 500))
+    except Exception as error:
+        result = InferenceResult("failed", f"{type(error).__name__}: {first_line(error, 500)}")
+    finally:
+        backend.restore_switches(previous)
+    result.batch_size = batch_sizes[0]
+    result.run_time_s = time.perf_counter() - started
+    return result
