@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from autoprec.errors import AutoprecError
+    from autoprec.inference import load_inference_model
     from autoprec.policy import Policy, Rule, load_policy
     from autoprec.precision import Precision
     from autoprec.profile import Profile, profile_task
@@ -37,6 +38,7 @@ _WHERE = {
     "SearchInterrupted": "autoprec.search",
     "Task": "autoprec.tasks",
     "load_best_policy": "autoprec.tracking",
+    "load_inference_model": "autoprec.inference",
     "load_policy": "autoprec.policy",
     "profile_task": "autoprec.profile",
     "search": "autoprec.search",
@@ -53,6 +55,7 @@ __all__ = [
     "SearchInterrupted",
     "Task",
     "load_best_policy",
+    "load_inference_model",
     "load_policy",
     "profile_task",
     "search",

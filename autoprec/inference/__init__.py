@@ -21,6 +21,7 @@ from autoprec.inference.measure import (
     time_side_by_side,
     timing_batch,
 )
+from autoprec.inference.trial import load_inference_model, run_inference_trial
 
 __all__ = [
     "INFERENCE_DTYPES",
@@ -32,8 +33,10 @@ __all__ = [
     "int8_available",
     "int8_unavailable_reason",
     "latency_ms",
+    "load_inference_model",
     "measure_inference",
     "peak_memory_bytes",
+    "run_inference_trial",
     "tied_leaves",
     "time_side_by_side",
     "timing_batch",
