@@ -276,7 +276,7 @@ class Policy:
             for child_name, child in module.named_children():
                 full = f"{prefix}.{child_name}" if prefix else child_name
                 dtypes = below.get(full, set())
-                if len(dtypes) > 1:
+                if len(dtypes) > 1 or not is_called(child):
                     descend(full, child, around)
                     continue
                 dtype = next(iter(dtypes)) if dtypes else around
@@ -297,6 +297,12 @@ class Policy:
             descend("", model, outer)
         leaf_dtypes = {name: chosen.get(name, "fp32") for name, _ in parameterised_leaves(model)}
         return Plan(kind, outer, tuple(regions.values()), leaf_dtypes, self.tf32, self.hf32)
+
+    @property
+    def serving_only(self) -> bool:
+        """Whether the policy names int8 (by its default or a rule): a serving policy,
+        which training cannot apply."""
+        return "int8" in (self.default, *(rule.dtype for rule in self.rules))
 
     def _refuse_int8(self) -> None:
         for where, dtype in (
@@ -439,6 +445,13 @@ def parameterised_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if next(module.children(), None) is None
         and next(module.parameters(recurse=False), None) is not None
     ]
+
+
+def is_called(module: nn.Module) -> bool:
+    """Whether the module is called when its parent runs: containers without a forward
+    (``ModuleList``, ``ModuleDict``) are not, their parents call their children, so a hook
+    or a region meant for one must go on those children."""
+    return type(module).forward is not nn.Module.forward
 
 
 def load_policy(path: str | Path) -> Policy:

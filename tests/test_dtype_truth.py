@@ -119,6 +119,46 @@ def test_batchnorm_marked_low_inside_fp32_neighbours_really_runs_low():
     assert actual == {"conv": torch.float32, "bn": torch.float16, "fc": torch.float32}
 
 
+class ListOfBlocks(nn.Module):
+    """Blocks held in a ModuleList, which is never called itself: the model loops over it,
+    as transformers models loop over their layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+        self.blocks = nn.ModuleList([nn.Linear(64, 4), nn.Linear(4, 64)])
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("low", ["bf16", "fp16"])
+def test_blocks_in_a_module_list_run_in_their_own_dtype(low):
+    # The blocks hold the fewest parameters, so the model's outer region is fp32 and the
+    # blocks need a region of their own: on each block, since the list never runs.
+    model = ListOfBlocks()
+    policy = Policy(rules=(Rule(low, patterns=("blocks.*",)),))
+
+    class Direct:
+        def run(self, module):
+            return module(torch.randn(2, 64))
+
+    actual = _actual_dtypes(model, policy, Direct())
+    expected = {"inp": torch.float32, "head": torch.float32}
+    assert actual == {**expected, "blocks.0": DTYPES[low], "blocks.1": DTYPES[low]}
+    inverse = Policy(rules=(Rule("fp32", patterns=("blocks.*",)),), default=low)
+    assert _actual_dtypes(model, inverse, Direct()) == {
+        "inp": DTYPES[low],
+        "head": DTYPES[low],
+        "blocks.0": torch.float32,
+        "blocks.1": torch.float32,
+    }
+
+
 def test_autocast_tables_follow_torch_per_device_lists():
     # torch's aten/src/ATen/autocast_mode.cpp: CUDA (and torch_npu, which follows it) runs
     # layer_norm and group_norm in fp32; the CPU list has neither, nor batch_norm anywhere.

@@ -172,6 +172,27 @@ def test_int8_on_a_conv_is_refused_in_one_line(cnn):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_blocks_in_a_module_list_are_served_in_their_dtype(dtype):
+    from tests.test_dtype_truth import ListOfBlocks
+
+    torch.manual_seed(0)
+    model = ListOfBlocks().eval()
+    ran = {}
+    for name in ("inp", "blocks.0", "blocks.1", "head"):  # hooks copied with the model
+        model.get_submodule(name).register_forward_hook(
+            lambda module, args, output, name=name: ran.setdefault(name, output.dtype) and None
+        )
+    converted = convert(model, {"blocks.0": dtype, "blocks.1": dtype}, CPU)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        served, reference = converted(x), model(x)
+    low = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    assert ran == {"inp": torch.float32, "blocks.0": low, "blocks.1": low, "head": torch.float32}
+    assert served.dtype == torch.float32
+    assert torch.allclose(served, reference, atol=0.05, rtol=0.05)
+
+
 def test_parameters_of_a_non_leaf_follow_its_leaves():
     class Attention(nn.Module):
         def __init__(self) -> None:

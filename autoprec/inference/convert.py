@@ -34,7 +34,7 @@ from torch import nn
 
 from autoprec.devices import DTYPES, INFERENCE_DTYPES, Backend, get_backend
 from autoprec.errors import DeviceError, PolicyError, TaskError, first_line
-from autoprec.policy import int8_capable, parameterised_leaves
+from autoprec.policy import int8_capable, is_called, parameterised_leaves
 from autoprec.structures import cast_floats
 
 INT8_METHODS = ("dynamic", "torchao-dynamic", "torchao-weight-only")
@@ -275,7 +275,7 @@ def _install_casts(model: nn.Module, activation_dtypes: dict[str, str]) -> None:
     def descend(prefix: str, module: nn.Module) -> None:
         for child_name, child in module.named_children():
             full = f"{prefix}.{child_name}" if prefix else child_name
-            if len(below[full]) > 1:
+            if len(below[full]) > 1 or not is_called(child):
                 descend(full, child)
             elif below[full]:
                 dtype = next(iter(below[full]))
