@@ -42,7 +42,51 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_search(commands)
     _add_other_commands(commands)
+    _add_export(commands)
     return parser
+
+
+def _add_export(commands: Any) -> None:
+    from autoprec.exports import FORMATS
+
+    e = commands.add_parser(
+        "export",
+        help="write a study's best policy in a format other tools read (a served model, "
+        "torchao, ATC, torch_npu, transformers)",
+        description="Export the best policy of a finished search. Formats: model (serving "
+        "studies' default: program.pt2, a torch.export program of the converted model, with "
+        "fp32.pt, policy.yaml and load_model.py), torchao (the int8 layers as a FqnToConfig), "
+        "yaml (training studies' default), torch-npu, cann (ONNX, keep_dtype.cfg and the ATC "
+        "command), transformers (_keep_in_fp32_modules_strict). Where a format cannot say "
+        "exactly what the policy says, a note on stderr says what it approximates.",
+        formatter_class=_DefaultsFormatter,
+    )
+    e.add_argument("--study", required=True)
+    e.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="default: model for a serving study, yaml for a training study",
+    )
+    e.add_argument("--out", default=None, help="folder (default: runs/<study>/export-<format>)")
+    e.add_argument(
+        "--task",
+        default=None,
+        help="the study's task (default: the one the search was given by name or file)",
+    )
+    e.add_argument(
+        "--checkpoint",
+        default=None,
+        help="the trained fp32 weights (default: the search's --checkpoint, else "
+        "runs/<study>/fp32.pt)",
+    )
+    e.add_argument(
+        "--device",
+        default=None,
+        help="model: the device served on (default: the study's); cann, transformers: the "
+        "device whose autocast decides which layers run in fp32 (default: npu)",
+    )
+    e.add_argument("--runs-dir", default="runs", help="where the search wrote its outputs")
 
 
 def _add_search(commands: Any) -> None:
@@ -380,8 +424,7 @@ def _resolve(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
     model = check_task(load_task(args.task))
     kind = get_backend(args.device).kind if args.device == "auto" else device_kind(args.device)
-    uses_int8 = "int8" in (policy.default, *(r.dtype for r in policy.rules))
-    serving = args.mode == "inference" or (args.mode is None and uses_int8)
+    serving = args.mode == "inference" or (args.mode is None and policy.serving_only)
     try:
         table = policy.layer_table(model, kind, inference=serving)
         share = policy.low_precision_share(model, kind, inference=serving)
@@ -434,6 +477,56 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    import warnings
+
+    from autoprec.exports import SERVING_FORMATS, ExportWarning, export_policy
+    from autoprec.policy import load_policy
+    from autoprec.search.serving import FP32_CHECKPOINT, load_checkpoint
+    from autoprec.tasks import check_task, load_task
+
+    summary = _read_summary(args.runs_dir, args.study)
+    settings = summary.get("settings", {})
+    serving = summary.get("mode") == "inference"
+    fmt = args.format or ("model" if serving else "yaml")
+    if fmt in SERVING_FORMATS and not serving:
+        raise AutoprecError(
+            f"--format {fmt}: for serving studies (--mode inference); {args.study!r} is a "
+            "training study, whose policy is applied with autoprec.Precision"
+        )
+    folder = Path(args.runs_dir) / args.study
+    policy = load_policy(folder / "best_policy.yaml")
+    spec = args.task or settings.get("task_spec")
+    model = example = None
+    if fmt != "yaml" and (spec is not None or fmt != "torch-npu"):
+        if spec is None:
+            raise AutoprecError(
+                f"study {args.study!r} was given its task as an object: name it with --task"
+            )
+        task = load_task(spec)
+        model = check_task(task)
+        weights = args.checkpoint or settings.get("checkpoint") or folder / FP32_CHECKPOINT
+        if fmt in ("model", "cann") and not Path(weights).is_file():
+            raise AutoprecError(
+                f"--format {fmt}: no trained fp32 weights ({weights} does not exist); pass "
+                "--checkpoint"
+            )
+        if Path(weights).is_file():
+            model = load_checkpoint(model, Path(weights), task)
+        example = task.batch(next(iter(task.val_data())))
+    device = args.device or (settings.get("device", "cpu") if fmt in SERVING_FORMATS else None)
+    out = Path(args.out or folder / f"export-{fmt}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        paths = export_policy(policy, fmt, out, model, example, device, settings.get("int8"), spec)
+    for warning in caught:
+        if issubclass(warning.category, ExportWarning):
+            print(f"autoprec export: note: {warning.message}", file=sys.stderr)
+    for path in paths:
+        print(path)
+    return 0
+
+
 def _compare(args: argparse.Namespace) -> int:
     from autoprec.report import render_comparison
 
@@ -476,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         "resolve": _resolve,
         "report": _report,
         "compare": _compare,
+        "export": _export,
         "ui": _ui,
     }[args.command]
     try:

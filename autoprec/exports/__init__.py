@@ -8,7 +8,10 @@ is one function and one module; ``export_policy`` picks one by name:
   the policy applied) and ``policy.yaml``;
 - ``cann``: ``model.onnx``, ``keep_dtype.cfg`` and ``atc_command.sh`` for ATC (Ascend inference);
 - ``transformers``: ``keep_in_fp32_modules.json`` and ``load_transformers.py``
-  (``_keep_in_fp32_modules_strict``, then ``from_pretrained(..., dtype=...)``).
+  (``_keep_in_fp32_modules_strict``, then ``from_pretrained(..., dtype=...)``);
+- ``model`` (serving): ``program.pt2`` (the converted model, ``torch.export``), ``fp32.pt``,
+  ``policy.yaml`` and ``load_model.py``;
+- ``torchao`` (serving): ``torchao_config.py``, the int8 layers as a ``FqnToConfig``.
 
 A format that cannot say exactly what the policy says warns (``ExportWarning``) and writes the
 same text in its file's header. The Ascend formats follow the documented formats only: neither
@@ -27,17 +30,23 @@ from autoprec.exports._common import ExportError, ExportWarning
 from autoprec.exports.cann import export_cann
 from autoprec.exports.hf import export_transformers
 from autoprec.exports.npu import export_torch_npu
+from autoprec.exports.served import export_model
+from autoprec.exports.torchao_file import export_torchao
 from autoprec.exports.yaml_file import export_yaml
 
-FORMATS = ("yaml", "torch-npu", "cann", "transformers")
+FORMATS = ("yaml", "torch-npu", "cann", "transformers", "model", "torchao")
+SERVING_FORMATS = ("model", "torchao")
 
 __all__ = [
     "FORMATS",
+    "SERVING_FORMATS",
     "ExportError",
     "ExportWarning",
     "export_cann",
+    "export_model",
     "export_policy",
     "export_torch_npu",
+    "export_torchao",
     "export_transformers",
     "export_yaml",
 ]
@@ -49,22 +58,36 @@ def export_policy(
     out_dir: str | Path,
     model: nn.Module | None = None,
     example: Any = None,
-    device: str = "npu",
+    device: str | None = None,
+    int8: str | None = None,
+    task: str | None = None,
 ) -> list[Path]:
     """Write ``policy`` in format ``fmt`` under ``out_dir`` and return the files' paths.
 
-    ``model`` (the fp32 module the policy was found for) is needed by ``cann`` and
-    ``transformers`` and sharpens ``torch-npu``; ``example`` (one input batch, e.g.
-    ``task.batch(raw)``) by ``cann``. ``device`` is the device kind whose autocast decides
-    which layers run in fp32 (``Policy.resolve``) for ``cann`` and ``transformers``;
-    ``torch-npu`` always resolves on the NPU.
+    ``model`` (the fp32 module the policy was found for; trained, for ``model``) is needed
+    by every format but ``yaml`` and ``torch-npu``, which it sharpens; ``example`` (one
+    input batch, e.g. ``task.batch(raw)``) by ``cann``, and by ``model`` for its program.
+    ``device`` is, for ``cann`` and ``transformers``, the device kind whose autocast decides
+    which layers run in fp32 (``Policy.resolve``; default ``npu``), and for ``model`` the
+    device served on (default ``cpu``); ``torch-npu`` always resolves on the NPU. ``int8``
+    is the int8 method the serving search measured (``model``, ``torchao``); ``task`` a
+    task's name or file, which ``model``'s ``load_model.py`` builds the model from.
     """
+    if fmt in ("torch-npu", "cann", "transformers") and policy.serving_only:
+        raise ExportError(
+            f"format {fmt!r}: the policy serves layers in int8, which {fmt} cannot express "
+            f"(the int8 formats: {', '.join(SERVING_FORMATS)})"
+        )
     if fmt == "yaml":
         return export_yaml(policy, out_dir)
     if fmt == "torch-npu":
         return export_torch_npu(policy, out_dir, model)
     if fmt == "cann":
-        return export_cann(policy, out_dir, model, example, device)
+        return export_cann(policy, out_dir, model, example, device or "npu")
     if fmt == "transformers":
-        return export_transformers(policy, out_dir, model, device)
+        return export_transformers(policy, out_dir, model, device or "npu")
+    if fmt == "model":
+        return export_model(policy, out_dir, model, example, device or "cpu", int8, task)
+    if fmt == "torchao":
+        return export_torchao(policy, out_dir, model, int8)
     raise ExportError(f"format {fmt!r}: unknown (expected one of {', '.join(FORMATS)})")

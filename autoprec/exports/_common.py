@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import textwrap
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch import nn
 
 from autoprec import Policy
@@ -118,3 +120,25 @@ def one_low_dtype(policy: Policy, model: nn.Module, device: str, fmt: str) -> On
         f"{low} holding more parameters ({weight[low]} against {weight[other]})"
     )
     return OneLowDtype(dtypes, low, (note,))
+
+
+def example_inputs(example: Any, fmt: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` for ``model(*args, **kwargs)`` from a task's batch (``.args`` and
+    ``.kwargs``), a tensor, a tuple of positional inputs or a mapping of keyword inputs.
+    ``labels`` are dropped: an inference graph takes none, and transformers models given
+    labels add the loss to the graph."""
+    if hasattr(example, "args") and hasattr(example, "kwargs"):
+        args, kwargs = tuple(example.args), dict(example.kwargs)
+    elif isinstance(example, torch.Tensor):
+        args, kwargs = (example,), {}
+    elif isinstance(example, Mapping):
+        args, kwargs = (), dict(example)
+    elif isinstance(example, tuple | list):
+        args, kwargs = tuple(example), {}
+    else:
+        raise ExportError(
+            f"format {fmt!r}: example must be a batch (task.batch(raw)), a tensor, a tuple or a "
+            f"mapping of inputs, got {type(example).__name__}"
+        )
+    kwargs.pop("labels", None)
+    return args, kwargs

@@ -27,6 +27,7 @@ from autoprec.exports._common import (
     ExportError,
     OneLowDtype,
     comment,
+    example_inputs,
     names,
     note_lines,
     one_low_dtype,
@@ -69,34 +70,12 @@ def precision_mode_v2(low: str | None) -> str:
     return {None: "origin", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}[low]
 
 
-def example_inputs(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(args, kwargs)`` for ``model(*args, **kwargs)`` from a task's batch (``.args`` and
-    ``.kwargs``), a tensor, a tuple of positional inputs or a mapping of keyword inputs.
-    ``labels`` are dropped: an inference graph takes none, and transformers models given
-    labels add the loss to the graph."""
-    if hasattr(example, "args") and hasattr(example, "kwargs"):
-        args, kwargs = tuple(example.args), dict(example.kwargs)
-    elif isinstance(example, torch.Tensor):
-        args, kwargs = (example,), {}
-    elif isinstance(example, Mapping):
-        args, kwargs = (), dict(example)
-    elif isinstance(example, tuple | list):
-        args, kwargs = tuple(example), {}
-    else:
-        raise ExportError(
-            f"format 'cann': example must be a batch (task.batch(raw)), a tensor, a tuple or a "
-            f"mapping of inputs, got {type(example).__name__}"
-        )
-    kwargs.pop("labels", None)
-    return args, kwargs
-
-
 def export_onnx(
     model: nn.Module, example: Any, path: str | Path, opset_version: int = OPSET
 ) -> Path:
     """Export ``model`` in fp32 with the TorchScript-based exporter, whose node names carry
     module paths, leaving BatchNorm unfolded (see the module docstring)."""
-    args, kwargs = example_inputs(example)
+    args, kwargs = example_inputs(example, "cann")
     path = Path(path)
     was_training = model.training
     model.eval()

@@ -151,8 +151,11 @@ def _finish(
     )
     if prepared.serving is not None:
         summary["inference"] = _serving_summary(session)
+    checkpoint = None if prepared.serving is None else prepared.serving.checkpoint
     summary["settings"] = {
         **prepared.settings,
+        "task_spec": prepared.task_spec,  # for autoprec export
+        "checkpoint": None if checkpoint is None else str(checkpoint.resolve()),
         "trials": config.trials,
         "sampler": config.sampler,
         "prefer": config.prefer or prepared.prefer,

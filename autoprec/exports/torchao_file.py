@@ -1,0 +1,132 @@
+"""The ``torchao`` format: the policy's int8 layers as a torchao ``FqnToConfig``.
+
+torchao quantizes by module name: ``quantize_(model, FqnToConfig({fqn: config}),
+filter_fn=None)`` applies each config to the module of that fully qualified name. This format
+writes ``torchao_config.py`` with that mapping for the layers a policy serves in int8, so a
+torchao workflow (``torch.compile`` after it, a server that takes torchao models) quantizes
+exactly those layers.
+
+torchao configs quantize; they do not cast. A policy's fp16 and bf16 layers stay fp32 under
+this file, and transformers' Conv1D layers (GPT-2), which torchao's int8 handlers do not
+take, too: the warning and the file's header name them; the ``model`` format serves the
+whole policy. The int8 method the search measured maps to its torchao config:
+``torchao-weight-only`` to ``Int8WeightOnlyConfig``, ``torchao-dynamic`` to
+``Int8DynamicActivationInt8WeightConfig``, and torch's own ``dynamic`` (the CPU default) to
+the latter too, the nearest torchao has (it quantizes activations per token, not per
+tensor, so its outputs differ slightly from the trial's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from autoprec import Policy
+from autoprec.exports._common import (
+    ExportError,
+    comment,
+    names,
+    note_lines,
+    out_folder,
+    require,
+    warn,
+    write,
+)
+from autoprec.exports.yaml_file import export_yaml
+
+CONFIG_FILE = "torchao_config.py"
+CONFIGS = {
+    "torchao-weight-only": "Int8WeightOnlyConfig",
+    "torchao-dynamic": "Int8DynamicActivationInt8WeightConfig",
+    "dynamic": "Int8DynamicActivationInt8WeightConfig",
+}
+DEFAULT_METHOD = "torchao-weight-only"
+
+
+def export_torchao(
+    policy: Policy, out_dir: str | Path, model: nn.Module | None = None, int8: str | None = None
+) -> list[Path]:
+    """Write ``torchao_config.py`` (``config()`` and ``quantize(model)``) and
+    ``policy.yaml``. ``int8`` is the method the search measured (default
+    ``torchao-weight-only``); raises ExportError for a policy with no int8 Linear layer."""
+    require(model, "a model (the fp32 module, for its layer names)", "torchao")
+    assert model is not None
+    method = int8 or DEFAULT_METHOD
+    if method not in CONFIGS:
+        raise ExportError(
+            f"format 'torchao': unknown int8 method {method!r} (expected {', '.join(CONFIGS)})"
+        )
+    resolved = policy.resolve_inference(model)
+    int8_layers = [name for name, dtype in resolved.items() if dtype == "int8"]
+    linear = [name for name in int8_layers if isinstance(model.get_submodule(name), nn.Linear)]
+    if not linear:
+        raise ExportError(
+            "format 'torchao': the policy serves no Linear layer in int8, and torchao's "
+            "configs hold quantization only (use the 'model' format)"
+        )
+    notes = _notes(resolved, int8_layers, linear, method)
+    config = CONFIGS[method]
+    lines = [
+        f'"""autoprec policy {policy.name or "(unnamed)"}: its {len(linear)} int8 layer(s) as '
+        "a torchao FqnToConfig.",
+        "",
+        *comment(
+            f"quantize(model) quantizes them in place with {config}() (int8 method "
+            f"{method}); every other layer is left as it is.",
+            "",
+            "",
+        ),
+        '"""',
+        "",
+        *note_lines(notes),
+        "",
+        "from collections import OrderedDict",
+        "",
+        "import torch",
+        f"from torchao.quantization import FqnToConfig, {config}, quantize_",
+        "",
+        "LAYERS = [",
+        *(f"    {name!r}," for name in linear),
+        "]",
+        "",
+        "",
+        "def config() -> FqnToConfig:",
+        f"    return FqnToConfig(OrderedDict((name, {config}()) for name in LAYERS))",
+        "",
+        "",
+        "def quantize(model: torch.nn.Module) -> torch.nn.Module:",
+        "    quantize_(model, config(), filter_fn=None)",
+        "    return model",
+        "",
+    ]
+    path = write(out_folder(out_dir) / CONFIG_FILE, "\n".join(lines))
+    warn(notes)
+    return [path, *export_yaml(policy, out_dir)]
+
+
+def _notes(
+    resolved: dict[str, str], int8_layers: list[str], linear: list[str], method: str
+) -> list[str]:
+    notes = []
+    low = [name for name, dtype in resolved.items() if dtype in ("fp16", "bf16")]
+    if low:
+        notes.append(
+            f"torchao configs quantize and do not cast: the policy's {len(low)} fp16/bf16 "
+            f"layer(s) ({names(low)}) stay fp32 under this file; the 'model' format serves them "
+            "as the policy says"
+        )
+    others = [name for name in int8_layers if name not in linear]
+    if others:
+        notes.append(
+            f"torchao's int8 configs take nn.Linear only: the {len(others)} other int8 "
+            f"layer(s) ({names(others)}, transformers' Conv1D) stay fp32 under this file; the "
+            "'model' format converts them"
+        )
+    if method == "dynamic":
+        notes.append(
+            "int8 method 'dynamic' (torch's, per-tensor activations) has no torchao twin: "
+            "Int8DynamicActivationInt8WeightConfig (per-token activations) is the nearest, "
+            "and its outputs differ slightly from the trial's"
+        )
+    return notes
