@@ -116,7 +116,13 @@ def exported_program(
             program = _export(converted, args, kwargs, free_batch=False)
         except Exception as error:
             return None, f"torch.export failed ({type(error).__name__}: {first_line(error, 200)})"
-    deviation = _deviation(program, converted, args, kwargs)
+    try:
+        deviation = _deviation(program, converted, args, kwargs)
+    except Exception as error:
+        return None, (
+            f"the exported program fails on the example ({type(error).__name__}: "
+            f"{first_line(error, 200)})"
+        )
     if deviation is None or deviation > MAX_DEVIATION:
         return None, f"the exported program's outputs differ from the model's ({deviation})"
     return program, note
