@@ -12,8 +12,9 @@ made again by a later run, never creates a second run.
 Each trial is logged with one ``log_batch`` call (tags, params, metrics and the loss and
 loss-scale curves), its policy YAML and telemetry table as artifacts, and closed. The
 parent carries the search settings as params, the best policy and summary as
-artifacts, the best trial's metrics as ``best.<metric>``, and the tag
-``autoprec.best_run_id`` naming the best child.
+artifacts (and, for a serving study, the chosen model as the MLflow model ``model``), the
+best trial's metrics as ``best.<metric>``, and the tag ``autoprec.best_run_id`` naming the
+best child.
 """
 
 from __future__ import annotations
@@ -472,6 +473,14 @@ class Tracker:
                 )
 
         self._later("tag the Pareto front", work)
+
+    def log_model_folder(self, folder: Path, name: str = "model") -> None:
+        """An MLflow model folder (``mlflow.pytorch.save_model``'s) as the parent run's
+        artifact ``name``: ``mlflow.pyfunc.load_model("runs:/<parent>/model")`` loads it."""
+        self._later(
+            "log the served model",
+            lambda: self.client.log_artifacts(self._parent(), str(folder), name),
+        )
 
     def log_files(self, run_id: str, files: list[Path], folder: str) -> None:
         """Attach files to a run under ``folder`` (the report on the parent run), now."""

@@ -61,7 +61,13 @@ def test_model_format_program_and_rebuilt_serve_what_the_trial_served(tmp_path):
     files, notes = export_quietly(
         MIXED, "model", tmp_path, model=model, example=batch, task="digits-mlp"
     )
-    assert sorted(files) == ["fp32.pt", "load_model.py", "policy.yaml", "program.pt2"]
+    assert sorted(files) == [
+        "fp32.pt",
+        "load_model.py",
+        "policy.yaml",
+        "program.pt2",
+        "served.pt",
+    ]
     assert notes == []
     assert load_policy(files["policy.yaml"]) == MIXED
     saved = torch.load(files["fp32.pt"])
@@ -78,6 +84,14 @@ def test_model_format_program_and_rebuilt_serve_what_the_trial_served(tmp_path):
     )
     text = files["load_model.py"].read_text()
     assert "Inputs: positional float32 [batch, 64]." in text
+    # served.pt: the converted weights, each in its dtype, loading into a converted model.
+    state = torch.load(files["served.pt"])
+    assert state["fc1.weight"].dtype == torch.float16 and state["head.weight"].dtype == (
+        torch.float32
+    )
+    other = load_inference_model(load_task("digits-mlp").model(), MIXED)
+    other.load_state_dict(state, assign=True)
+    assert torch.equal(outputs(other, batch), served)
 
 
 def test_model_format_takes_a_transformers_model_by_keyword(tmp_path):
@@ -105,6 +119,9 @@ def test_torch_dynamic_int8_gets_no_program_and_says_how_to(tmp_path):
     loader = module_from(files["load_model.py"])
     served = outputs(load_inference_model(model, policy, int8="dynamic"), batch)
     assert torch.equal(outputs(loader.rebuilt(load_task("digits-mlp").model()), batch), served)
+    other = load_inference_model(load_task("digits-mlp").model(), policy, int8="dynamic")
+    other.load_state_dict(torch.load(files["served.pt"]), assign=True)
+    assert torch.equal(outputs(other, batch), served)
 
 
 def test_torchao_int8_exports_as_a_program(tmp_path):

@@ -7,6 +7,9 @@ writes both ways to it:
   the model allows, every other dimension as in the example). It loads with
   ``torch.export.load`` alone: no autoprec, no model class. Checked at export time against
   the converted model on the example; written only where it matches.
+- ``served.pt``: the converted model's state dict, each layer's weights in its dtype (int8
+  ones as torch or torchao hold them); it loads into a converted model with
+  ``load_state_dict(..., assign=True)``.
 - ``fp32.pt`` (the fp32 state dict, untouched) and ``policy.yaml``: what
   ``autoprec.load_inference_model`` converts again, for any batch shape, and what a later
   search starts from.
@@ -41,10 +44,12 @@ from autoprec.exports._common import (
     write,
 )
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
+from autoprec.inference.convert import has_torch_dynamic_int8
 from autoprec.structures import map_tensors, tensors, to_device
 
 PROGRAM_FILE = "program.pt2"
 WEIGHTS_FILE = "fp32.pt"
+SERVED_FILE = "served.pt"
 SNIPPET_FILE = "load_model.py"
 MAX_DEVIATION = 1e-3  # the program against the converted model, relative to its outputs' scale
 
@@ -59,8 +64,9 @@ def export_model(
     task: str | None = None,
 ) -> list[Path]:
     """Write ``program.pt2`` (where ``torch.export`` takes the converted model),
-    ``fp32.pt``, ``policy.yaml`` and ``load_model.py`` for serving ``model`` (fp32, trained)
-    on ``device`` as ``policy`` says, int8 layers by ``int8`` (default: the device's method).
+    ``served.pt``, ``fp32.pt``, ``policy.yaml`` and ``load_model.py`` for serving ``model``
+    (fp32, trained) on ``device`` as ``policy`` says, int8 layers by ``int8`` (default: the
+    device's method).
     ``example`` is one input batch; without one, no program is written. ``task`` (a task's
     name or file) lets ``load_model.py`` build the model itself."""
     from autoprec.inference.trial import convert_policy
@@ -72,7 +78,11 @@ def export_model(
     converted = convert_policy(model, policy, backend, int8)
     notes: list[str] = []
     note: str | None = None
-    written = [*export_yaml(policy, folder), _save(model.state_dict(), folder / WEIGHTS_FILE)]
+    written = [
+        *export_yaml(policy, folder),
+        _save(model.state_dict(), folder / WEIGHTS_FILE),
+        _save(converted.state_dict(), folder / SERVED_FILE),
+    ]
     if example is None:
         notes.append(f"no example input: no {PROGRAM_FILE} (rebuilt() converts the weights)")
     else:
@@ -101,7 +111,7 @@ def exported_program(
     where it does not export or does not match. A program with a fixed batch comes with a
     note saying so."""
     args, kwargs = inputs
-    if _torch_dynamic_int8(converted):
+    if has_torch_dynamic_int8(converted):
         return None, (
             "torch's dynamic int8 (int8: dynamic) packs its weights in TorchScript objects "
             "torch.export cannot trace; a torchao int8 method (--int8 torchao-dynamic or "
@@ -162,10 +172,6 @@ def _deviation(
             scale = max(float(b.float().abs().max()), 1.0)
             worst = max(worst, float((a.float() - b.float()).abs().max()) / scale)
     return worst
-
-
-def _torch_dynamic_int8(model: nn.Module) -> bool:
-    return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules())
 
 
 def _int8_method(policy: Policy, model: nn.Module, kind: str, int8: str | None) -> str | None:

@@ -215,6 +215,12 @@ def _quantize(model: nn.Module, names: list[str], method: str | None) -> None:
         raise PolicyError(f"layer {missed[0]!r}: int8 method {method!r} left it unquantized")
 
 
+def has_torch_dynamic_int8(model: nn.Module) -> bool:
+    """Whether ``model`` holds torch's own dynamic int8 layers, whose packed weights
+    ``torch.export`` cannot trace (torchao's int8 tensors export)."""
+    return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules())
+
+
 def _conv1d_as_linear(conv1d: nn.Module) -> nn.Linear:
     """transformers' Conv1D (``x @ weight + bias``, weight ``[in, out]``) as a Linear."""
     weight = conv1d.weight

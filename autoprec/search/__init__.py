@@ -30,7 +30,7 @@ from autoprec.policy import Policy
 from autoprec.search.config import SearchConfig
 from autoprec.search.events import Callbacks
 from autoprec.search.loop import run_trials
-from autoprec.search.serving import FP32_CHECKPOINT
+from autoprec.search.serving import FP32_CHECKPOINT, ServingTrials, save_served_model
 from autoprec.search.session import Prepared, Session, prepare
 from autoprec.search.summary import by_batch_size, numeric, summarize, write_outputs
 from autoprec.search.workers import run_workers
@@ -181,6 +181,8 @@ def _finish(
     summary["best"]["layers"] = best_policy.layer_table(
         prepared.model, prepared.backend, inference=prepared.serving is not None
     )
+    if isinstance(session.trials, ServingTrials):
+        summary["inference"]["mlflow_model"] = _served_model(session, best_policy)
     phases_s["tracking_flush"] = time.perf_counter() - mark_s
     summary["wall_time_s"] = time.perf_counter() - started_s
     summary["phase_time_s"] = phases_s  # this invocation's set-up, warm-up and re-timing
@@ -201,6 +203,24 @@ def _finish(
     if interrupted:
         raise SearchInterrupted(result)
     return result
+
+
+def _served_model(session: Session, policy: Policy) -> dict[str, Any]:
+    """The chosen model saved as an MLflow model and logged on the parent run; where it
+    cannot be, one warning and the reason in the summary."""
+    assert isinstance(session.trials, ServingTrials)
+    folder, said = save_served_model(session.trials, policy, session.prepared.out_dir)
+    if folder is None:
+        session.tracker.warn(f"the chosen model was not logged as an MLflow model: {said}")
+        return {"logged": False, "reason": said}
+    session.tracker.log_model_folder(folder)
+    parent = session.tracker.parent_id
+    return {
+        "logged": True,
+        "format": said,
+        "path": str(folder),
+        "uri": None if parent is None else f"runs:/{parent}/model",
+    }
 
 
 def _serving_summary(session: Session) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from autoprec.trial import (
 )
 
 FP32_CHECKPOINT = "fp32.pt"
+MLFLOW_MODEL_DIR = "mlflow_model"  # runs/<study>/, and the parent run's artifact "model"
 
 
 @dataclass(frozen=True)
@@ -212,3 +213,28 @@ class ServingTrials:
         models = [convert_policy(self.model, p, self.backend, self.serving.int8) for p in policies]
         batch = timing_batch(self.task, self.serving.batch_sizes[0], self.backend)
         return time_side_by_side(models, batch, self.backend)
+
+
+def save_served_model(
+    trials: ServingTrials, policy: Policy, out_dir: Path
+) -> tuple[Path | None, str]:
+    """The chosen policy's model, converted for the CPU (where MLflow's pyfunc runs it),
+    saved as an MLflow model in ``out_dir/mlflow_model``: the folder and the format used,
+    or None and the reason it could not be saved."""
+    from autoprec.devices import get_backend
+    from autoprec.errors import AutoprecError
+    from autoprec.inference.mlflow_model import save_mlflow_model
+
+    cpu = get_backend("cpu")
+    int8 = trials.serving.int8
+    if "int8" in policy.resolve_inference(trials.model).values():
+        reason = int8_unavailable_reason("cpu", int8)
+        if reason is not None:
+            return None, f"{reason}, where the MLflow model runs"
+    path = out_dir / MLFLOW_MODEL_DIR
+    try:
+        converted = convert_policy(trials.model, policy, cpu, int8)  # a copy, on the CPU
+        batch = trials.task.batch(next(iter(trials.task.val_data())))
+        return path, save_mlflow_model(converted, batch, policy, path, int8)
+    except AutoprecError as error:
+        return None, first_line(error)
