@@ -15,8 +15,11 @@ layers): torch's own dynamic int8, the CPU's default, packs its weights in objec
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -74,6 +77,18 @@ class _FourInputs(ServedModel):
 
 
 _BY_ARITY = {1: _OneInput, 2: _TwoInputs, 3: _ThreeInputs, 4: _FourInputs}
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """MLflow's advice on pickle, logged as a warning: the module docstring says why."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def served_inputs(batch: Batch) -> tuple[list[str], list[torch.Tensor]]:
@@ -134,7 +149,7 @@ def save_mlflow_model(
         for fmt in formats:
             shutil.rmtree(path, ignore_errors=True)
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), _quiet("mlflow.pytorch"):
                     warnings.simplefilter("ignore")  # MLflow's and the tracer's, not the user's
                     mlflow.pytorch.save_model(
                         wrapped,
