@@ -303,3 +303,37 @@ def test_export_without_a_task_name_asks_for_one(tmp_path, monkeypatch, capsys):
     Policy.uniform("fp16").save(tmp_path / "runs/s/best_policy.yaml")
     assert main(["export", "--study", "s"]) == 2
     assert "name it with --task" in capsys.readouterr().err
+
+
+# -- the MLflow model of a transformers model ---------------------------------------------
+
+
+def test_a_transformers_model_goes_to_mlflow_with_its_inputs_stacked(tmp_path):
+    pytest.importorskip("transformers")
+    from autoprec.inference.mlflow_model import save_mlflow_model
+
+    task = load_task("tiny-bert")
+    model = task.model().eval()
+    batch = task.batch(next(iter(task.val_data())))
+    policy = Policy.uniform("bf16")
+    served = load_inference_model(model, policy, "cpu")
+    fmt = save_mlflow_model(served, batch, policy, tmp_path / "model", None)
+    assert fmt == "pt2"  # loading needs torch alone
+    loaded = mlflow.pyfunc.load_model(str(tmp_path / "model"))
+    names = loaded.metadata.metadata["inputs"]
+    assert names == ["input_ids", "attention_mask"]
+    stacked = torch.stack([batch.kwargs[name][:7] for name in names], 1).numpy()
+    with torch.inference_mode():
+        expected = served(**{name: batch.kwargs[name][:7] for name in names}).logits.numpy()
+    assert (loaded.predict(stacked) == expected).all()
+    assert (tmp_path / "model" / "extra_files" / "policy.yaml").is_file()
+
+
+def test_inputs_one_array_cannot_carry_are_said(tmp_path):
+    from autoprec.inference.mlflow_model import save_mlflow_model
+    from autoprec.tasks.base import Batch
+
+    batch = Batch((), {"x": torch.zeros(4, 3), "mask": torch.zeros(4, 5)}, None, None)
+    with pytest.raises(AutoprecError, match="several inputs of different shapes or dtypes"):
+        save_mlflow_model(nn.Linear(3, 3), batch, Policy.uniform("fp32"), tmp_path / "m", None)
+    assert not (tmp_path / "m").exists()

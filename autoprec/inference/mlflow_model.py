@@ -1,11 +1,12 @@
 """The chosen serving model as an MLflow model, for ``mlflow.pyfunc.load_model`` and
 ``mlflow models serve``.
 
-MLflow's PyTorch flavour calls the model with positional tensors and wants one tensor back,
-so the converted model goes in wrapped: `ServedModel` takes the task's inputs in order
-(keyword inputs, as transformers models take them, by their names, ``labels`` left out: a
-served model computes no loss) and returns the logits. The signature names each input,
-with a free batch dimension.
+MLflow's PyTorch flavour calls the model with one tensor and wants one tensor back (its
+pyfunc ``predict`` takes one numpy array), so the converted model goes in wrapped:
+`ServedModel` returns the logits, and a model of several inputs of one shape and dtype
+(transformers' ``input_ids`` and ``attention_mask``) takes them stacked along dimension 1,
+in the order the metadata's ``inputs`` names them; ``labels`` are left out (a served model
+computes no loss). The signature has a free batch dimension.
 
 It is saved as ``pt2`` (``torch.export``: loading it needs torch alone) where the model
 exports, else as ``pickle`` (loading it needs autoprec importable, for the casts between
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,19 +33,24 @@ from autoprec.policy import Policy
 from autoprec.structures import tensors
 from autoprec.tasks.base import Batch, logits_of
 
-MAX_INPUTS = 4  # the fixed-arity wrappers below: MLflow's torch.export needs named parameters
+EXAMPLE_SAMPLES = 4
 
 
 class ServedModel(nn.Module):
-    """A converted model called with positional tensors, returning one tensor (its logits,
-    else its first floating output)."""
+    """A converted model as MLflow's PyTorch flavour calls it: one tensor in (several
+    inputs stacked along dimension 1, passed by ``keywords`` where the model takes them by
+    name), one tensor out (its logits, else its first floating output)."""
 
-    def __init__(self, model: nn.Module, keywords: list[str] | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, keywords: list[str] | None = None, stacked: bool = False
+    ) -> None:
         super().__init__()
         self.model = model
         self.keywords = keywords or []
+        self.stacked = stacked
 
-    def run(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inputs = x.unbind(1) if self.stacked else (x,)
         if self.keywords:
             outputs = self.model(**dict(zip(self.keywords, inputs, strict=True)))
         else:
@@ -54,34 +61,24 @@ class ServedModel(nn.Module):
         return next(t for t in tensors(outputs) if t.is_floating_point())
 
 
-class _OneInput(ServedModel):
-    def forward(self, a: torch.Tensor) -> torch.Tensor:
-        return self.run(a)
-
-
-class _TwoInputs(ServedModel):
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return self.run(a, b)
-
-
-class _ThreeInputs(ServedModel):
-    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return self.run(a, b, c)
-
-
-class _FourInputs(ServedModel):
-    def forward(
-        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor
-    ) -> torch.Tensor:
-        return self.run(a, b, c, d)
-
-
-_BY_ARITY = {1: _OneInput, 2: _TwoInputs, 3: _ThreeInputs, 4: _FourInputs}
+def served_inputs(batch: Batch) -> tuple[list[str], list[torch.Tensor]]:
+    """The batch's model inputs in call order: names (empty for positional inputs) and
+    tensors. Raises AutoprecError for inputs one array cannot carry."""
+    if batch.args and batch.kwargs:
+        raise AutoprecError("inputs both positional and by keyword")
+    names = [k for k in batch.kwargs if k != "labels"]
+    values = [batch.kwargs[k] for k in names] if names else list(batch.args)
+    if not values or not all(isinstance(v, torch.Tensor) for v in values):
+        raise AutoprecError("inputs that are not all tensors")
+    if len({(tuple(v.shape), v.dtype) for v in values}) > 1:
+        raise AutoprecError("several inputs of different shapes or dtypes")
+    return names, values
 
 
 @contextlib.contextmanager
 def _quiet(logger: str) -> Iterator[None]:
-    """MLflow's advice on pickle, logged as a warning: the module docstring says why."""
+    """MLflow's advice against pickle, logged as a warning: the module docstring says why
+    pickle is used, and only where pt2 cannot be."""
     log = logging.getLogger(logger)
     level = log.level
     log.setLevel(logging.ERROR)
@@ -89,20 +86,6 @@ def _quiet(logger: str) -> Iterator[None]:
         yield
     finally:
         log.setLevel(level)
-
-
-def served_inputs(batch: Batch) -> tuple[list[str], list[torch.Tensor]]:
-    """The batch's model inputs in call order: names (empty for positional inputs) and
-    tensors. Raises AutoprecError for inputs MLflow's PyTorch flavour cannot carry."""
-    if batch.args and batch.kwargs:
-        raise AutoprecError("inputs both positional and by keyword")
-    names = [k for k in batch.kwargs if k != "labels"]
-    values = [batch.kwargs[k] for k in names] if names else list(batch.args)
-    if not values or not all(isinstance(v, torch.Tensor) for v in values):
-        raise AutoprecError("inputs that are not all tensors")
-    if len(values) > MAX_INPUTS:
-        raise AutoprecError(f"{len(values)} inputs (at most {MAX_INPUTS})")
-    return names, values
 
 
 def save_mlflow_model(
@@ -120,19 +103,18 @@ def save_mlflow_model(
     try:
         names, values = served_inputs(batch)
     except AutoprecError as error:
-        raise AutoprecError(f"an MLflow model takes tensors only; the task has {error}") from None
-    wrapped = _BY_ARITY[len(values)](converted, names).eval()
-    example = [v[: min(len(v), 4)].detach().cpu() for v in values]
+        raise AutoprecError(
+            f"an MLflow PyTorch model takes one array; the task has {error}"
+        ) from None
+    stacked = len(values) > 1
+    wrapped = ServedModel(converted, names, stacked).eval()
+    heads = [v[:EXAMPLE_SAMPLES].detach().cpu() for v in values]
+    example = torch.stack(heads, 1) if stacked else heads[0]
     with torch.inference_mode():
-        output = wrapped(*example).float().cpu().numpy()
-    arrays = [v.numpy() for v in example]
+        output = wrapped(example).float().numpy()
+    array = example.numpy()
     signature = ModelSignature(
-        inputs=Schema(
-            [
-                TensorSpec(a.dtype, (-1, *a.shape[1:]), name or None)
-                for a, name in zip(arrays, names or [""] * len(arrays), strict=True)
-            ]
-        ),
+        inputs=Schema([TensorSpec(array.dtype, (-1, *array.shape[1:]))]),
         outputs=Schema([TensorSpec(output.dtype, (-1, *output.shape[1:]))]),
     )
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
@@ -140,12 +122,17 @@ def save_mlflow_model(
         import torchao
 
         requirements.append(f"torchao=={torchao.__version__.split('+')[0]}")
-    policy_file = path.parent / f".{path.name}-policy.yaml"
-    policy.save(policy_file)
-    metadata = {"autoprec_policy": policy.to_dict(), "int8": int8, "inputs": names or None}
+    metadata = {
+        "autoprec_policy": policy.to_dict(),
+        "int8": int8,
+        "inputs": names or None,
+        "inputs_stacked_on_dim_1": stacked,
+    }
     errors = []
     formats = ["pickle"] if has_torch_dynamic_int8(converted) else ["pt2", "pickle"]
+    folder = Path(tempfile.mkdtemp())
     try:
+        policy_file = policy.save(folder / "policy.yaml")
         for fmt in formats:
             shutil.rmtree(path, ignore_errors=True)
             try:
@@ -155,7 +142,7 @@ def save_mlflow_model(
                         wrapped,
                         str(path),
                         signature=signature,
-                        input_example=arrays if len(arrays) > 1 else arrays[0],
+                        input_example=array,
                         serialization_format=fmt,
                         pip_requirements=requirements,
                         metadata=metadata,
@@ -165,6 +152,6 @@ def save_mlflow_model(
             except Exception as error:
                 errors.append(f"{fmt}: {type(error).__name__}: {first_line(error, 160)}")
     finally:
-        policy_file.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
     shutil.rmtree(path, ignore_errors=True)
     raise AutoprecError("the model could not be saved for MLflow (" + "; ".join(errors) + ")")
