@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import mlflow
+import optuna
 import pytest
 import torch
 from torch import nn
@@ -92,6 +93,9 @@ def test_the_edge_search_finishes_and_chooses_a_feasible_policy(edge):
     dtypes = {row["dtype"] for row in best["layers"]}
     assert dtypes & {"fp16", "bf16", "int8"}, "memory first: the edge choice is below fp32"
     assert (runs / f"{TASK}-edge" / "fp32.pt").is_file()
+    # optuna-dashboard names the Pareto plot's axes after the study's objectives.
+    study = optuna.load_study(study_name=f"{TASK}-edge", storage=f"sqlite:///{runs}/optuna.db")
+    assert study.metric_names == ["accuracy", "peak_memory_mb", "latency_p50_ms"]
 
 
 def test_the_exported_model_reproduces_the_trials_accuracy(edge, monkeypatch, capsys):
@@ -283,6 +287,8 @@ def test_int8_on_a_device_without_int8_kernels_is_one_line(edge):
 def test_export_of_a_training_study_refuses_the_serving_formats(tmp_path, monkeypatch, capsys):
     runs = _search(tmp_path, monkeypatch, "--trials", "2", "--study", "trained")
     capsys.readouterr()
+    study = optuna.load_study(study_name="trained", storage=f"sqlite:///{runs}/optuna.db")
+    assert study.metric_names == ["accuracy", "peak_memory_mb", "step_time_ms"]
     before = _snapshot(tmp_path)
     assert main(["export", "--study", "trained", "--format", "model"]) == 2
     err = capsys.readouterr().err

@@ -51,6 +51,7 @@ STEPPED_BACK_ATTR = "stepped_back"  # user attribute: why a trial gave way untra
 LEASE_TTL_S = 60.0
 STORAGE_OUTAGE_S = 600.0  # how long storage calls are tried again before the search stops
 OBJECTIVES = ("accuracy", "peak_memory_mb", "step_time_ms")
+SERVING_OBJECTIVES = ("accuracy", "peak_memory_mb", "latency_p50_ms")  # at the scenario's batch
 DIRECTIONS = ("maximize", "minimize", "minimize")
 _CREATE_ATTEMPTS = 5
 _SETTLE_S = 1.0  # between writing a lease and reading it back
@@ -457,5 +458,6 @@ def open_study(
         for key, value in settings.items():
             study.set_user_attr(key, value)
     if study.metric_names is None:  # optuna-dashboard then names the Pareto plot's axes
-        study.set_metric_names(list(OBJECTIVES))
+        serving = settings.get("mode") == "inference"
+        study.set_metric_names(list(SERVING_OBJECTIVES if serving else OBJECTIVES))
     return study
