@@ -243,17 +243,7 @@ def profile_task(
     watched (no gradients), without training it.
     """
     started_s = time.perf_counter()
-    task = load_task(task) if isinstance(task, str) else task
-    if not isinstance(task, Task):
-        raise TaskError(
-            f"task: expected an autoprec.Task or a task name, got {type(task).__name__}"
-        )
-    least = 0 if model is not None else 1
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < least:
-        expected = "an integer >= 0" if least == 0 else "a positive integer"
-        raise AutoprecError(f"steps: expected {expected}, got {steps!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise AutoprecError(f"seed: expected an integer, got {seed!r}")
+    task = _checked(task, steps, seed, trained=model is not None)
     backend = get_backend(backend)
     tested = _check_dtypes(dtypes, backend)
     limits = [dtype_limits(d) for d in tested]
@@ -266,31 +256,7 @@ def profile_task(
     watcher = Watcher(model)
     ranges = Counts(partial(_range_counts, limits=limits), maxima=frozenset({_MAX_ABS}))
     with _task_errors(task), backend.selected():
-        optimizer = task.make_optimizer(model.parameters())
-        batches = iter(task.train_data(seed))
-        first_batch = None
-        if steps == 0:  # a trained model's forward only
-            first_batch = task.batch(next(iter(task.train_data(seed)))).to(backend.device)
-            with torch.no_grad(), watcher.forward(outputs=ranges):
-                first_batch.run(model)
-            watcher.collect()
-        for step in range(steps):
-            raw = next(batches, None)
-            if raw is None:
-                raise TaskError(
-                    f"task {task.name!r}: train_data ran out after {step} batches "
-                    f"(the profile needs {steps})"
-                )
-            batch = task.batch(raw).to(backend.device)
-            first_batch = first_batch or batch
-            optimizer.zero_grad(set_to_none=True)
-            with watcher.forward(outputs=ranges, output_grads=ranges):
-                loss = task.compute_loss(batch.run(model), batch.targets)
-                loss.backward()
-            watcher.parameter_gradients(ranges)
-            watcher.collect()
-            optimizer.step()
-        assert first_batch is not None
+        first_batch = _watched_steps(task, model, watcher, ranges, backend, steps, seed)
         ran = [name for name, _ in watcher.modules if name in watcher.ran]
         batch = first_batch.head(DEVIATION_SAMPLES)
         with watcher.forward(inputs=ranges):  # to tell where a range problem starts
@@ -318,6 +284,63 @@ def profile_task(
         modules=modules,
         time_s=time.perf_counter() - started_s,
     )
+
+
+def _checked(task: Task | str, steps: int, seed: int, trained: bool) -> Task:
+    """The task, loaded by name if need be, after checking the arguments (a trained
+    model may be profiled with no training steps)."""
+    task = load_task(task) if isinstance(task, str) else task
+    if not isinstance(task, Task):
+        raise TaskError(
+            f"task: expected an autoprec.Task or a task name, got {type(task).__name__}"
+        )
+    least = 0 if trained else 1
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < least:
+        expected = "an integer >= 0" if least == 0 else "a positive integer"
+        raise AutoprecError(f"steps: expected {expected}, got {steps!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise AutoprecError(f"seed: expected an integer, got {seed!r}")
+    return task
+
+
+def _watched_steps(
+    task: Task,
+    model: nn.Module,
+    watcher: Watcher,
+    ranges: Counts,
+    backend: Backend,
+    steps: int,
+    seed: int,
+) -> Batch:
+    """``steps`` fp32 training steps under the watcher (values and gradients counted);
+    with none, one watched forward of the trained model. Returns the first batch."""
+    if steps == 0:  # a trained model's forward only
+        batch = task.batch(next(iter(task.train_data(seed)))).to(backend.device)
+        with torch.no_grad(), watcher.forward(outputs=ranges):
+            batch.run(model)
+        watcher.collect()
+        return batch
+    optimizer = task.make_optimizer(model.parameters())
+    batches = iter(task.train_data(seed))
+    first_batch = None
+    for step in range(steps):
+        raw = next(batches, None)
+        if raw is None:
+            raise TaskError(
+                f"task {task.name!r}: train_data ran out after {step} batches "
+                f"(the profile needs {steps})"
+            )
+        batch = task.batch(raw).to(backend.device)
+        first_batch = first_batch or batch
+        optimizer.zero_grad(set_to_none=True)
+        with watcher.forward(outputs=ranges, output_grads=ranges):
+            loss = task.compute_loss(batch.run(model), batch.targets)
+            loss.backward()
+        watcher.parameter_gradients(ranges)
+        watcher.collect()
+        optimizer.step()
+    assert first_batch is not None
+    return first_batch
 
 
 @contextlib.contextmanager
