@@ -241,13 +241,7 @@ class Policy:
         chosen: dict[str, str] = {}
         follows_input: set[str] = set()
         weight: Counter[str] = Counter()
-        used = [False] * len(self.rules)
-        for name, module in parameterised_leaves(model):
-            dtype = None
-            for i, rule in enumerate(self.rules):
-                if rule.matches(name, module):
-                    used[i] = True
-                    dtype = dtype or rule.dtype
+        for name, module, dtype in self._matched(model):
             behaviour = autocast_behaviour(kind, module)
             if behaviour == "fp32":
                 continue  # no region: autocast keeps it in fp32 anyway
@@ -256,7 +250,6 @@ class Policy:
             if behaviour == "input" and dtype != "fp32":
                 follows_input.add(name)
             weight[dtype] += sum(p.numel() for p in module.parameters(recurse=False))
-        self._check_used(used, model)
 
         below: dict[str, set[str]] = {name: set() for name, _ in model.named_modules()}
         for name, dtype in chosen.items():
@@ -330,20 +323,28 @@ class Policy:
         can be int8 (Linear, Conv1D), the others stay fp32; an explicit int8 rule on any
         other layer is refused when the model is converted."""
         resolved: dict[str, str] = {}
+        for name, module, dtype in self._matched(model):
+            if dtype is None:
+                dtype = self.default
+                if dtype == "int8" and not int8_capable(module):
+                    dtype = "fp32"
+            resolved[name] = dtype
+        return resolved
+
+    def _matched(self, model: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
+        """Each leaf with parameters and the dtype of its first matching rule (None where
+        no rule matches); raises PolicyError for a rule that matches no such leaf."""
         used = [False] * len(self.rules)
+        found = []
         for name, module in parameterised_leaves(model):
             dtype = None
             for i, rule in enumerate(self.rules):
                 if rule.matches(name, module):
                     used[i] = True
                     dtype = dtype or rule.dtype
-            if dtype is None:
-                dtype = self.default
-                if dtype == "int8" and not int8_capable(module):
-                    dtype = "fp32"
-            resolved[name] = dtype
+            found.append((name, module, dtype))
         self._check_used(used, model)
-        return resolved
+        return found
 
     def identity(
         self,

@@ -14,7 +14,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -22,6 +22,7 @@ import torch
 
 from autoprec.devices import Backend
 from autoprec.errors import AutoprecError, TaskError, first_line
+from autoprec.measured import Measured
 from autoprec.policy import Policy
 from autoprec.precision import Precision
 from autoprec.structures import cast_floats
@@ -63,7 +64,7 @@ class Budget:
 
 
 @dataclass
-class TrialResult:
+class TrialResult(Measured):
     """What a trial measured. Metric names are the ones used everywhere (DESIGN.md)."""
 
     state: str  # "complete", "pruned" or "failed"
@@ -101,18 +102,6 @@ class TrialResult:
     def time_ms(self) -> float | None:
         """The time the search minimises: the median training step."""
         return self.step_time_ms
-
-    def metrics(self) -> dict[str, float]:
-        """The numeric metrics that were measured (None and non-finite values left out)."""
-        values = {name: getattr(self, name) for name in self.METRICS}
-        return {k: float(v) for k, v in values.items() if v is not None and math.isfinite(float(v))}
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrialResult:
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from autoprec.devices import Backend
 from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.inference.convert import convert, weight_bytes
+from autoprec.measured import Measured
 from autoprec.structures import cast_floats, map_tensors, tensors
 from autoprec.tasks import Task
 from autoprec.tasks.base import IGNORE_INDEX, Batch, logits_of
@@ -38,7 +39,7 @@ SIDE_BY_SIDE_BLOCK = 10
 
 
 @dataclass
-class InferenceResult:
+class InferenceResult(Measured):
     """What one measurement of a converted model found.
 
     - ``accuracy``: the task's metric over the validation data, weighted by batch size;
@@ -98,18 +99,6 @@ class InferenceResult:
     def time_ms(self) -> float | None:
         """The time the search minimises: the median latency at the scenario's batch."""
         return self.latency_p50_ms
-
-    def metrics(self) -> dict[str, float]:
-        """The numeric metrics that were measured (None and non-finite values left out)."""
-        values = {name: getattr(self, name) for name in self.METRICS}
-        return {k: float(v) for k, v in values.items() if v is not None and math.isfinite(float(v))}
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> InferenceResult:
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)
