@@ -623,7 +623,7 @@ def benchmark_notes(summary: dict[str, Any]) -> list[str]:
     """What the benchmark table's marks mean, and which of its rows are missing and why."""
     size = serving_batch_size(summary)
     notes = [
-        f"latency: median (p50) and 90th percentile of one forward of {size} samples; "
+        f"latency: median (p50) and 90th percentile of one forward at batch {size}; "
         "samples/s over the timed forwards"
     ]
     rows = benchmark_rows(summary)
@@ -650,10 +650,15 @@ def benchmark_notes(summary: dict[str, Any]) -> list[str]:
 
 
 def benchmark_text(summary: dict[str, Any]) -> str:
-    """The practitioner's benchmark of a serving study as an aligned text table."""
+    """The practitioner's benchmark of a serving study as an aligned text table; a long
+    chosen policy is spelled out below it."""
     header, rows, classes = benchmark_table(summary)
-    marked = [["*" if c == "best" else "", *row] for row, c in zip(rows, classes, strict=True)]
     notes = ["* chosen policy", *benchmark_notes(summary)]
+    for row in rows:
+        if row[0].startswith("chosen: ") and len(row[0]) > 48:
+            notes.insert(1, f"chosen (trial {row[1]}): {row[0].removeprefix('chosen: ')}")
+            row[0] = "chosen, mixed (see below)"
+    marked = [["*" if c == "best" else "", *row] for row, c in zip(rows, classes, strict=True)]
     return "\n".join([text_table([["", *header], *marked]), *notes])
 
 
