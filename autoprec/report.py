@@ -715,7 +715,7 @@ def batch_size_table(summary: dict[str, Any]) -> tuple[list[str], list[list[str]
             [
                 f"{size}" + (" (scenario)" if size == main else ""),
                 _name_of(summary, key),
-                policy_label(entries[key]["params"]) if key in entries else "-",
+                _dtypes_unless_named(summary, entries.get(key)),
                 _fmt(row["latency_ms"], ".3f"),
                 _fmt(row.get("fp32_latency_ms"), ".3f"),
                 _ratio_words(speedup) if speedup else "-",
@@ -724,6 +724,16 @@ def batch_size_table(summary: dict[str, Any]) -> tuple[list[str], list[list[str]
         )
         classes.append("best" if size == main else "")
     return header, rows, classes
+
+
+def _dtypes_unless_named(summary: dict[str, Any], entry: dict[str, Any] | None) -> str:
+    """A policy's dtypes, where its name (fp32, int8, ...) does not already say them."""
+    if entry is None:
+        return "-"
+    named = _name_of(summary, str(entry["number"]))
+    return (
+        "as named" if not named.startswith(("trial", "chosen")) else policy_label(entry["params"])
+    )
 
 
 def batch_size_notes(summary: dict[str, Any]) -> list[str]:
@@ -744,8 +754,13 @@ def batch_size_notes(summary: dict[str, Any]) -> list[str]:
 def batch_size_text(summary: dict[str, Any]) -> str:
     """`batch_size_table` as aligned text, the scenario's batch size marked ``*``."""
     header, rows, classes = batch_size_table(summary)
+    notes = batch_size_notes(summary)
+    for row in rows:
+        if len(row[2]) > 48:  # a long policy is spelled out below the table
+            notes.append(f"{row[1]}: {row[2]}")
+            row[2] = "see below"
     marked = [["*" if c == "best" else "", *row] for row, c in zip(rows, classes, strict=True)]
-    return "\n".join([text_table([["", *header], *marked]), *batch_size_notes(summary)])
+    return "\n".join([text_table([["", *header], *marked]), *notes])
 
 
 def _series_style(name: str) -> dict[str, Any]:
