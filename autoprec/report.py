@@ -447,10 +447,8 @@ def render_comparison(summaries: list[dict[str, Any]], path: Path) -> Path:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    modes = {serving(s) for s in summaries}
-    time_name = {frozenset({False}): "step time", frozenset({True}): "latency"}.get(
-        frozenset(modes), "step time or latency"
-    )
+    kinds = {"latency" if serving(s) else "step time" for s in summaries}
+    time_name = kinds.pop() if len(kinds) == 1 else "step time or latency"
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
     for summary in summaries:
         front = sorted((r for r in _rows(summary) if r.get("pareto")), key=lambda r: _step_ms(r))
