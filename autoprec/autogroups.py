@@ -305,8 +305,9 @@ def _own_groups(
     source: str,
 ) -> dict[str, list[str]]:
     """The ``count`` riskiest modules of the profile (with risk above 0) that cover some
-    searched leaf, but not every one, and are neither inside nor around one chosen
-    before: module name -> the leaves it covers."""
+    searched leaf, and are neither inside nor around one chosen before, as long as the
+    chosen together leave some leaf to the other groups (a profile may rank a whole
+    backbone next to its head): module name -> the leaves it covers."""
     own: dict[str, list[str]] = {}
     if profile is None or count == 0:
         return own
@@ -322,7 +323,8 @@ def _own_groups(
         if any(_related(module.name, chosen) for chosen in own):
             continue
         covered = [n for n, _ in leaves if _covers(module.name, n)]
-        if covered and len(covered) < len(leaves):
+        taken = sum(len(names) for names in own.values())
+        if covered and taken + len(covered) < len(leaves):
             own[module.name] = covered
     return own
 

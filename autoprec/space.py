@@ -502,8 +502,15 @@ class SearchSpace:
 
 
 def policy_label(params: dict[str, str]) -> str:
-    """A short label of a policy, e.g. ``fc1=fp16 fc2=bf16 head=fp32 scale=dynamic``."""
+    """A short label of a policy, e.g. ``fc1=fp16 fc2=bf16 head=fp32 scale=dynamic`` or, for
+    serving on CUDA with TF32 on, ``fc1=fp32 fc2=fp16 head=fp32 tf32``."""
     parts = [f"{k.removeprefix('dtype.')}={v}" for k, v in params.items() if k.startswith("dtype.")]
+    # A serving switch (TF32 on CUDA, HF32 on Ascend) for the fp32 layers, where it is on.
+    parts += [
+        k.removeprefix("switch.")
+        for k, v in params.items()
+        if k.startswith("switch.") and v == "True"
+    ]
     mode = params.get("loss_scale.mode", "none")
     if mode != "none":
         parts.append(f"scale={mode}:{params.get('loss_scale.init_scale', '-')}")

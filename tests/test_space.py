@@ -204,6 +204,20 @@ def test_risky_modules_get_groups_of_their_own_first(tmp_path):
         assert small.groups[0].name == "risk.layer3.2"
 
 
+def test_risky_modules_leave_some_leaf_to_the_other_groups():
+    """A serving profile of tiny-bert may rank the head, then the whole backbone: the two
+    would take every leaf, so the backbone gets no group of its own."""
+    pytest.importorskip("transformers")
+    model = load_task("tiny-bert").model()
+    profile = _fake_profile(model, ["classifier", "bert"])
+    fitted = load_space("default").fit(model, profile, inference=True)
+    names = [g.name for g in fitted.groups]
+    assert names[0] == "risk.classifier" and "risk.bert" not in names
+    assigned = fitted.assignment(model, "cpu")
+    assert set(assigned) == {name for name, _ in searched_leaves(model, inference=True)}
+    assert set(assigned.values()) == set(names)
+
+
 def test_a_gpt2_gets_groups_by_block_range_and_role():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
