@@ -110,6 +110,11 @@ def summarize(
             "mlflow_run_id": run_ids.get(str(r.number)),
             "peak_memory_is_estimate": r.result.peak_memory_is_estimate,
             "switches": getattr(r.result, "switches", {}),
+            **(
+                {"latency_by_batch_ms": r.result.latency_by_batch_ms}
+                if isinstance(r.result, InferenceResult)
+                else {}
+            ),
             "telemetry": _telemetry_brief(r.result),
         }
 
