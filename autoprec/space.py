@@ -152,6 +152,7 @@ class SearchSpace:
     auto: AutoGroups | None = None  # set until ``fit`` builds the groups of ``groups: auto``
     inference: bool = False  # fitted for serving: weights converted, int8 possible
     switch: str | None = None  # serving on CUDA or Ascend: "tf32" or "hf32" is searched too
+    head: str | None = None  # fitted: the group of the model's last layer, when it has others
 
     # -- reading -------------------------------------------------------------------------
 
@@ -278,8 +279,11 @@ class SearchSpace:
             raise SpaceError(
                 f"{self.source}: no group matches any module of {type(model).__name__}"
             )
+        assigned = space.assignment(model, kind)
+        last = next(reversed(assigned.values()))  # the output layer: registered last
+        space = replace(space, head=last if len(kept) > 1 else None)
         if inference:
-            kept = _with_int8_where_it_fits(kept, space.assignment(model, kind), model)
+            kept = _with_int8_where_it_fits(kept, assigned, model)
             # The fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend): searched for serving.
             space = replace(space, switch={"cuda": "tf32", "npu": "hf32"}.get(kind))
         return replace(space, groups=tuple(kept))
@@ -454,7 +458,8 @@ class SearchSpace:
         """Uniform policies every search measures: fp16 as ``model.half()`` gives it (no
         loss scaling) and as Apex O1/O2 or GradScaler give it (dynamic scaling), and bf16;
         for serving, fp16, bf16, int8 where the layers take it, and the classic fp16 body
-        with an fp32 head. Only those the space can express."""
+        with an fp32 head (the group of the model's last layer, whatever its name). Only
+        those the space can express."""
         if self.inference:
             return self._serving_anchors()
         anchors = {}
@@ -476,10 +481,10 @@ class SearchSpace:
                 anchors[f"uniform-{dtype}"] = self.uniform_params(dtype)
         if any("int8" in g.dtypes for g in self.groups):
             anchors["uniform-int8"] = self.uniform_params("int8")
-        names = [g.name for g in self.groups]
-        body = [g for g in self.groups if g.name != "head"]
-        if "head" in names and body and all("fp16" in g.dtypes for g in body):
-            anchors["fp16-body-fp32-head"] = {**self.uniform_params("fp16"), "dtype.head": "fp32"}
+        body = [g for g in self.groups if g.name != self.head]
+        if self.head is not None and all("fp16" in g.dtypes for g in body):
+            head = {f"dtype.{self.head}": "fp32"}
+            anchors["fp16-body-fp32-head"] = {**self.uniform_params("fp16"), **head}
         return anchors
 
     def flat_params(self, policy: Policy) -> dict[str, str]:

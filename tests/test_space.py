@@ -66,6 +66,26 @@ def test_uniform_params_are_the_anchors(tiny_task):
         assert policy.loss_scale.mode == "dynamic" and policy.loss_scale.init_scale == 2.0**16
 
 
+@pytest.mark.parametrize(
+    ("task_name", "last_layer"),
+    [("digits-mlp", "head"), ("digits-cnn", "head"), ("tiny-bert", "classifier")],
+)
+def test_serving_anchors_keep_the_output_layer_in_fp32_whatever_its_group_is_called(
+    task_name, last_layer
+):
+    if task_name.startswith("tiny-"):
+        pytest.importorskip("transformers")
+    model = load_task(task_name).model()
+    space = load_space("default").fit(model, inference=True)
+    anchors = space.anchors()
+    assert {"uniform-fp16", "uniform-bf16", "uniform-int8", "fp16-body-fp32-head"} <= set(anchors)
+    resolved = space.policy(anchors["fp16-body-fp32-head"]).resolve_inference(model)
+    assert resolved[last_layer] == "fp32"
+    assert {d for name, d in resolved.items() if space.assignment(model)[name] != space.head} == {
+        "fp16"
+    }
+
+
 def test_restrict_removes_unsupported_dtypes(tiny_task):
     space = load_space("default").fit(tiny_task.model()).restrict({"fp32", "fp16"})
     assert all("bf16" not in g.dtypes for g in space.groups)
