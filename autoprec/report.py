@@ -211,6 +211,13 @@ def plot_front(summary: dict[str, Any], x_metric: str, path: Path) -> Path:
     ax.set_title(f"{summary['study']}: accuracy against {unit.split(' (')[0]}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _saved(fig, path)
+
+
+def _saved(fig: Any, path: Path) -> Path:
+    """Lay the figure out, write it to ``path`` and free it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -261,10 +268,7 @@ def plot_dtype_map(summary: dict[str, Any], path: Path, top: int = 8) -> Path:
         fontsize=8,
     )
     ax.set_title("dtype by layer group (* chosen)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def _cell(value: Any, spec: str = "") -> str:
@@ -815,10 +819,7 @@ def plot_batch_latency(summary: dict[str, Any], path: Path) -> Path:
     ax.set_title(f"{summary['study']}: latency by batch size")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def serving_view(summary: dict[str, Any], out_dir: Path) -> tuple[list[Path], str]:
