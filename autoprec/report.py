@@ -290,13 +290,21 @@ def _html_table(header: list[str], rows: list[list[str]], classes: list[str] | N
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _metric_row(row: dict[str, Any]) -> list[str]:
+def _outcome_cells(row: dict[str, Any]) -> list[str]:
+    """The first cells of every trials table: the trial, its state, accuracy and drop."""
     m = row["metrics"]
     return [
         html.escape(_label(row)),
         _cell(row["state"]),
         _cell(m.get("accuracy"), ".4f"),
         _cell(m.get("accuracy_drop"), "+.4f"),
+    ]
+
+
+def _metric_row(row: dict[str, Any]) -> list[str]:
+    m = row["metrics"]
+    return [
+        *_outcome_cells(row),
         _cell(_step_ms(row), ".3f"),
         _cell(m.get("peak_memory_mb"), ".3f"),
         _cell(m.get("low_precision_share"), ".0%"),
@@ -889,10 +897,7 @@ def _serving_note(summary: dict[str, Any]) -> str:
 def _serving_metric_row(row: dict[str, Any]) -> list[str]:
     m = row["metrics"]
     return [
-        html.escape(_label(row)),
-        _cell(row["state"]),
-        _cell(m.get("accuracy"), ".4f"),
-        _cell(m.get("accuracy_drop"), "+.4f"),
+        *_outcome_cells(row),
         _cell(m.get("top1_agreement"), ".2%"),
         _cell(m.get("max_rel_deviation"), ".2e"),
         _cell(_step_ms(row), ".3f"),
