@@ -37,8 +37,8 @@ class Placement:
 
 def place(model: nn.Module, fits: Callable[[nn.Module], bool], module: str | None) -> Placement:
     """The model itself if ``fits`` it, else the one submodule it fits; ``module`` names
-    the submodule instead. Raises PolicyError where several fit (naming them) or, from
-    ``fits``, where none does."""
+    the submodule instead. Raises PolicyError where several fit, naming them; where none
+    does, the model itself (whose plan then names the rule that matches nothing)."""
     if module is not None:
         return Placement(module, _named_submodule(model, module))
     if fits(model):
@@ -51,7 +51,7 @@ def place(model: nn.Module, fits: Callable[[nn.Module], bool], module: str | Non
             f'pass module="{fitting[0]}" (or another) to say which'
         )
     if not fitting:
-        return Placement("", model)  # fits(model) raises its own error on the model itself
+        return Placement("", model)
     return Placement(fitting[0], model.get_submodule(fitting[0]))
 
 
@@ -74,8 +74,6 @@ def within(plan: Plan, name: str, leaves: Iterable[str]) -> Plan:
     """The plan of submodule ``name`` seen from the root, whose layers with parameters are
     ``leaves``: its regions and layers named from the root, one region in the plan's outer
     dtype on the submodule, and fp32 around it."""
-    if not name:
-        return plan
     regions = [replace(spec, name=_under(name, spec.name)) for spec in plan.regions]
     if plan.outer_dtype != "fp32":
         regions.insert(0, RegionSpec(name, plan.outer_dtype, "fp32"))

@@ -246,14 +246,27 @@ class Policy:
         one ``module`` names (`autoprec.placement`); the layers around it stay fp32."""
         placement = self._placement(model, module)
         inner = self._plan(placement.module, device_kind(device, model))
-        return within(inner, placement.name, (name for name, _ in parameterised_leaves(model)))
+        if placement.on_root:
+            return inner
+        return within(inner, placement.name, [name for name, _ in parameterised_leaves(model)])
 
     def _placement(self, model: nn.Module, module: str | None) -> Placement:
+        """Where on ``model`` the policy lands: a submodule that its parent calls (the
+        region in the outer dtype goes on its forward) on which every rule matches."""
+
         def fits(candidate: nn.Module) -> bool:
+            if candidate is not model and not is_called(candidate):
+                return False
             leaves = parameterised_leaves(candidate)
             return all(any(rule.matches(n, m) for n, m in leaves) for rule in self.rules)
 
-        return place(model, fits, module)
+        placement = place(model, fits, module)
+        if not placement.on_root and not is_called(placement.module):
+            raise PolicyError(
+                f"module={placement.name!r}: a {type(placement.module).__name__} is not called "
+                "by its parent; name the model the policy was found on"
+            )
+        return placement
 
     def _plan(self, model: nn.Module, kind: str) -> Plan:
         self._refuse_int8()

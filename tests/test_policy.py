@@ -307,3 +307,12 @@ def test_two_fitting_submodules_are_named_and_module_picks_one():
         MIXED.apply(pair, module="tutor")
     with pytest.raises(PolicyError, match=r"rules\[1\] \(patterns block\): matches no module"):
         MIXED.apply(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))
+
+
+def test_a_container_that_its_parent_never_calls_is_not_a_place():
+    parts = nn.ModuleDict(dict(mlp().named_children()))  # the layers, without their forward
+    holder = nn.ModuleDict({"parts": parts})
+    with pytest.raises(PolicyError, match=r"rules\[1\] \(patterns block\): matches no module"):
+        MIXED.apply(holder)
+    with pytest.raises(PolicyError, match=r"^module='parts': a ModuleDict is not called"):
+        MIXED.apply(holder, module="parts")
