@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from autoprec import Policy
 from autoprec.errors import PolicyError
 from autoprec.tasks import load_task
+from tests.contract_tasks import make_tiny_task
 
 pl = pytest.importorskip(
     "lightning.pytorch", reason="the Lightning integration needs: pip install 'autoprec[lightning]'"
@@ -314,3 +315,36 @@ def test_fabric_applies_the_policy_to_the_wrapped_model_and_removes_it(tmp_path)
     assert own_forwards(wrapper) == ["net", "net.fc1", "net.norm1", "net.norm2", "net.head"]
     plugin.teardown()
     assert own_forwards(wrapper) == []
+
+
+class TinyTaskModule(pl.LightningModule):
+    """The tiny task's model (tests/contract_tasks.py) held as ``self.net``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = make_tiny_task().model()
+
+    def training_step(self, batch, batch_idx):
+        x, labels = batch
+        return F.cross_entropy(self.net(x).float(), labels)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def test_the_policies_of_a_real_search_land_on_the_searched_model_inside(tmp_path, finished):
+    _, result = finished
+    policies = [Policy.from_dict(trial["policy"]) for trial in result.summary["trials"]]
+    policies = [policy for policy in policies if policy.rules] + [result.best_policy]
+    assert len(policies) > 1  # the search wrote rules naming the task model's layers
+    stream = make_tiny_task().train_data(0)
+    x, labels = zip(*(next(stream) for _ in range(2)), strict=True)
+    data = DataLoader(TensorDataset(torch.cat(x), torch.cat(labels)), batch_size=32)
+    for i, policy in enumerate(policies):
+        resolved = policy.resolve(make_tiny_task().model(), "cpu")
+        model = TinyTaskModule()
+        seen = record_dtypes(model, [f"net.{name}" for name in resolved])
+        trainer(tmp_path / str(i), PolicyPrecision(policy), max_steps=2).fit(model, data)
+        assert seen == {f"net.{name}": {DTYPES[dtype]} for name, dtype in resolved.items()}
+        assert own_forwards(model) == []
