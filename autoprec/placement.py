@@ -92,8 +92,8 @@ def announce(placement: Placement, policy_name: str | None, layers: int) -> None
     if placement.on_root:
         return
     _log.warning(
-        "autoprec: policy %s applied to submodule %r (%s, %d layers)",
-        policy_name or "(unnamed)",
+        "autoprec: %s applied to submodule %r (%s, %d layers)",
+        f"policy {policy_name}" if policy_name else "the policy",
         placement.name,
         type(placement.module).__name__,
         layers,

@@ -316,3 +316,12 @@ def test_a_container_that_its_parent_never_calls_is_not_a_place():
         MIXED.apply(holder)
     with pytest.raises(PolicyError, match=r"^module='parts': a ModuleDict is not called"):
         MIXED.apply(holder, module="parts")
+
+
+def test_an_unnamed_policy_is_announced_as_the_policy(caplog):
+    unnamed = Policy(rules=MIXED.rules, default="fp16")
+    with caplog.at_level("WARNING", logger="autoprec"):
+        unnamed.apply(Holder(mlp())).remove()
+    assert [r.getMessage() for r in caplog.records] == [
+        "autoprec: the policy applied to submodule 'model' (Sequential, 4 layers)"
+    ]
