@@ -1,9 +1,10 @@
 """A policy as a Lightning precision plugin: ``Trainer(plugins=[PolicyPrecision(policy)])``.
 
-The plugin applies the policy's regions to the LightningModule, runs every step (training,
-validation, test, predict) in the policy's autocast, scales the loss, unscales gradients
-before Lightning clips them, skips the optimizer step when they overflowed, and carries the
-loss-scale state in the checkpoint. `PolicyFabricPrecision` does the same for Fabric.
+The plugin applies the policy's regions to the LightningModule (or to the searched model it
+holds, `autoprec.placement`), runs every step (training, validation, test, predict) in the
+policy's autocast, scales the loss, unscales gradients before Lightning clips them, skips the
+optimizer step when they overflowed, and carries the loss-scale state in the checkpoint.
+`PolicyFabricPrecision` does the same for Fabric.
 
 Master weights stay fp32, so the plugin reports Lightning's ``precision="32-true"``. Written
 for the ``lightning`` package (2.2 or later), single-device strategies; DDP is expected to work
