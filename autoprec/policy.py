@@ -38,6 +38,7 @@ from torch import nn
 
 from autoprec.devices import INFERENCE_DTYPES, Backend, autocast_behaviour, device_kind, get_backend
 from autoprec.errors import PolicyError
+from autoprec.placement import Placement, announce, place, within
 from autoprec.precision import Plan, Precision, RegionSpec
 from autoprec.scaling import LossScale
 
@@ -232,11 +233,42 @@ class Policy:
 
     # -- landing on a model --------------------------------------------------------------
 
-    def plan(self, model: nn.Module, device: str | torch.device | Backend | None = None) -> Plan:
+    def plan(
+        self,
+        model: nn.Module,
+        device: str | torch.device | Backend | None = None,
+        module: str | None = None,
+    ) -> Plan:
         """Where the regions go on this model, for the device kind of ``device`` (default:
         where the model's parameters are); raises PolicyError for a rule that matches no
-        module with parameters."""
-        kind = device_kind(device, model)
+        module with parameters. On a model that holds the searched one (a LightningModule's
+        ``self.net``), the policy lands on the submodule where every rule matches, or on the
+        one ``module`` names (`autoprec.placement`); the layers around it stay fp32."""
+        placement = self._placement(model, module)
+        inner = self._plan(placement.module, device_kind(device, model))
+        if placement.on_root:
+            return inner
+        return within(inner, placement.name, [name for name, _ in parameterised_leaves(model)])
+
+    def _placement(self, model: nn.Module, module: str | None) -> Placement:
+        """Where on ``model`` the policy lands: a submodule that its parent calls (the
+        region in the outer dtype goes on its forward) on which every rule matches."""
+
+        def fits(candidate: nn.Module) -> bool:
+            if candidate is not model and not is_called(candidate):
+                return False
+            leaves = parameterised_leaves(candidate)
+            return all(any(rule.matches(n, m) for n, m in leaves) for rule in self.rules)
+
+        placement = place(model, fits, module)
+        if not placement.on_root and not is_called(placement.module):
+            raise PolicyError(
+                f"module={placement.name!r}: a {type(placement.module).__name__} is not called "
+                "by its parent; name the model the policy was found on"
+            )
+        return placement
+
+    def _plan(self, model: nn.Module, kind: str) -> Plan:
         self._refuse_int8()
         chosen: dict[str, str] = {}
         follows_input: set[str] = set()
@@ -372,13 +404,16 @@ class Policy:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def resolve(
-        self, model: nn.Module, device: str | torch.device | Backend | None = None
+        self,
+        model: nn.Module,
+        device: str | torch.device | Backend | None = None,
+        module: str | None = None,
     ) -> dict[str, str]:
         """Every leaf module with parameters mapped to the dtype it really runs in on the
         device kind of ``device`` (default: where the model's parameters are). Leaves
         without parameters (ReLU, dropout, pooling) run in their input's dtype, which the
-        data decides, and are not listed."""
-        return self.plan(model, device).leaf_dtypes
+        data decides, and are not listed. ``module``: as in `plan`."""
+        return self.plan(model, device, module).leaf_dtypes
 
     def layer_table(
         self,
@@ -417,20 +452,28 @@ class Policy:
         return low / total if total else 0.0
 
     def apply(
-        self, model: nn.Module, device: str | torch.device | Backend | None = None
+        self,
+        model: nn.Module,
+        device: str | torch.device | Backend | None = None,
+        module: str | None = None,
     ) -> Precision:
         """Install the per-layer dtypes on ``model`` and return its Precision object.
 
-        ``device`` defaults to the device the model's parameters are on.
+        ``device`` defaults to the device the model's parameters are on. On a model that
+        holds the searched one, the policy lands on the submodule where every rule matches
+        (``module="net"`` names it where several do), and one line on the ``autoprec``
+        logger says which.
         """
         if device is None:
             first = next(model.parameters(), None)
             device = first.device if first is not None else "cpu"
         backend = get_backend(device)
-        plan = self.plan(model, backend)
+        placement = self._placement(model, module)
+        plan = self.plan(model, backend, placement.name)
         unsupported = sorted(d for d in set(plan.leaf_dtypes.values()) if not backend.supports(d))
         if unsupported:
             raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
+        announce(placement, self.name, len(parameterised_leaves(placement.module)))
         return Precision(model, plan, self.loss_scale, backend)
 
 
