@@ -216,11 +216,12 @@ class ServingTrials:
 
 
 def save_served_model(
-    trials: ServingTrials, policy: Policy, out_dir: Path
+    trials: ServingTrials, policy: Policy, out_dir: Path, task_spec: str | None = None
 ) -> tuple[Path | None, str]:
     """The chosen policy's model, converted for the CPU (where MLflow's pyfunc runs it),
     saved as an MLflow model in ``out_dir/mlflow_model``: the folder and the format used,
-    or None and the reason it could not be saved."""
+    or None and the reason it could not be saved. ``task_spec`` (the task's name or file)
+    lets a model that does not export be rebuilt at load rather than pickled."""
     from autoprec.devices import get_backend
     from autoprec.errors import AutoprecError
     from autoprec.inference.mlflow_model import save_mlflow_model
@@ -235,6 +236,16 @@ def save_served_model(
     try:
         converted = convert_policy(trials.model, policy, cpu, int8)  # a copy, on the CPU
         batch = trials.task.batch(next(iter(trials.task.val_data())))
-        return path, save_mlflow_model(converted, batch, policy, path, int8)
+        spec = None if task_spec is None else _absolute_task_file(task_spec)
+        return path, save_mlflow_model(converted, batch, policy, path, int8, trials.model, spec)
     except AutoprecError as error:
         return None, first_line(error)
+
+
+def _absolute_task_file(spec: str) -> str:
+    """A task spec that names the same task from any folder: ``file.py:attr`` with the
+    file's absolute path; a built-in name or ``package.module:attr`` as it is."""
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py"):
+        return f"{Path(target).resolve()}:{attr}"
+    return spec

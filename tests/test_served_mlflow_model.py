@@ -1,0 +1,80 @@
+"""The MLflow model of torch's dynamic int8 loads without unpickling.
+
+torch.export cannot take torch's dynamic int8, so that model has no pt2; it is saved as data
+(the fp32 weights, the policy, the task's name) and rebuilt at load by autoprec, and loaded
+here with real MLflow. Only a task without a name is pickled, and its metadata says so.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+import yaml
+
+from autoprec import Policy, load_inference_model
+from autoprec.inference.mlflow_model import save_mlflow_model
+from autoprec.tasks import load_task
+
+TASK = "digits-mlp"
+
+
+class Planted:
+    """Unpickling it runs a command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture
+def dynamic_int8():
+    task = load_task(TASK)
+    model = task.model().eval()
+    batch = task.batch(next(iter(task.val_data())))
+    policy = Policy.uniform("int8")
+    return model, batch, policy, load_inference_model(model, policy, "cpu", "dynamic")
+
+
+def test_dynamic_int8_is_rebuilt_at_load_not_unpickled(tmp_path, dynamic_int8):
+    model, batch, policy, served = dynamic_int8
+    path = tmp_path / "model"
+    assert save_mlflow_model(served, batch, policy, path, "dynamic", model, TASK) == (
+        "autoprec-rebuilt"
+    )
+    described = yaml.safe_load((path / "MLmodel").read_text())
+    assert set(described["flavors"]) == {"python_function"}  # no PyTorch pickle flavour
+    assert described["flavors"]["python_function"]["loader_module"] == (
+        "autoprec.inference.mlflow_rebuilt"
+    )
+    assert described["metadata"]["unpickles"] is False
+    assert not [p for p in path.rglob("*") if p.suffix in (".pkl", ".pth", ".pickle")]
+
+    loaded = mlflow.pyfunc.load_model(str(path))
+    images = batch.args[0][:7]
+    with torch.inference_mode():
+        expected = served(images).numpy()
+    assert (loaded.predict(images.numpy()) == expected).all()
+
+    # The weights are read with weights_only=True: a planted pickle runs nothing.
+    marker = tmp_path / "PWNED"
+    data = path / described["flavors"]["python_function"]["data"]
+    (data / "fp32.pt").write_bytes(pickle.dumps(Planted(marker)))
+    with pytest.raises(pickle.UnpicklingError):
+        mlflow.pyfunc.load_model(str(path))
+    assert not marker.exists()
+
+
+def test_a_task_without_a_name_is_pickled_and_says_so(tmp_path, dynamic_int8):
+    _, batch, policy, served = dynamic_int8
+    path = tmp_path / "model"
+    assert save_mlflow_model(served, batch, policy, path, "dynamic") == "pickle"
+    loaded = mlflow.pyfunc.load_model(str(path))
+    assert loaded.metadata.metadata["unpickles"] is True
+    assert loaded.metadata.metadata["serialization"] == "pickle"
