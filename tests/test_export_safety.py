@@ -8,7 +8,6 @@ every generated file runs no payload. Generated code loads weights without unpic
 
 from __future__ import annotations
 
-import pickle
 import subprocess
 import sys
 import warnings
@@ -24,6 +23,7 @@ from autoprec.errors import PolicyError
 from autoprec.exports import ExportError, export_cann, export_policy
 from autoprec.tasks import load_task
 from tests import npu_standin
+from tests.planted import plant
 
 pytest.importorskip("torchao", reason="the torchao format needs torchao")
 
@@ -163,16 +163,6 @@ def test_export_of_a_study_with_such_a_policy_is_one_line_and_exit_2(tmp_path, c
     assert sorted(p.name for p in study.iterdir()) == ["best_policy.yaml", "summary.json"]
 
 
-class Planted:
-    """What a planted pickle holds: unpickling it runs a command."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (__import__("os").system, (f"touch {self.marker}",))
-
-
 def test_load_model_reads_the_weights_without_unpickling(tmp_path):
     task = load_task("digits-mlp")
     paths = export_policy(
@@ -182,7 +172,7 @@ def test_load_model_reads_the_weights_without_unpickling(tmp_path):
     text = loader.read_text()
     assert text.count("torch.load(") == 1 and "weights_only=True" in text
     marker = tmp_path / "PWNED"
-    (tmp_path / "fp32.pt").write_bytes(pickle.dumps(Planted(marker)))
+    plant(tmp_path / "fp32.pt", marker)
     code = f"import runpy; runpy.run_path({str(loader)!r})['rebuilt']()"
     env = npu_standin.subprocess_env()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

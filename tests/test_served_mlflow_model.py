@@ -7,9 +7,7 @@ here with real MLflow. Only a task without a name is pickled, and its metadata s
 
 from __future__ import annotations
 
-import os
 import pickle
-from pathlib import Path
 
 import mlflow
 import pytest
@@ -19,18 +17,9 @@ import yaml
 from autoprec import Policy, load_inference_model
 from autoprec.inference.mlflow_model import save_mlflow_model
 from autoprec.tasks import load_task
+from tests.planted import plant
 
 TASK = "digits-mlp"
-
-
-class Planted:
-    """Unpickling it runs a command."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 @pytest.fixture
@@ -65,7 +54,7 @@ def test_dynamic_int8_is_rebuilt_at_load_not_unpickled(tmp_path, dynamic_int8):
     # The weights are read with weights_only=True: a planted pickle runs nothing.
     marker = tmp_path / "PWNED"
     data = path / described["flavors"]["python_function"]["data"]
-    (data / "fp32.pt").write_bytes(pickle.dumps(Planted(marker)))
+    plant(data / "fp32.pt", marker)
     with pytest.raises(pickle.UnpicklingError):
         mlflow.pyfunc.load_model(str(path))
     assert not marker.exists()

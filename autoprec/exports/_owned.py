@@ -9,12 +9,12 @@ before writing anything, where a file of a name it writes is someone else's.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from autoprec.digest import file_sha256
 from autoprec.exports._common import ExportError, out_folder
 
 RECORD_FILE = ".autoprec-export.json"
@@ -36,7 +36,7 @@ def export_folder(out_dir: str | Path, names: Iterable[str]) -> Path:
                 f"{path}: exists and was not written by an export, which never overwrites "
                 "such a file; choose another --out"
             )
-        if owned[name] != sha256(path):
+        if owned[name] != file_sha256(path):
             raise ExportError(
                 f"{path}: changed since an export wrote it; move it away or choose another --out"
             )
@@ -53,7 +53,7 @@ def record_written(folder: Path, written: list[Path], names: Iterable[str]) -> l
         if name in owned and name not in now:
             (folder / name).unlink(missing_ok=True)
             del owned[name]
-    owned.update({path.name: sha256(path) for path in written})
+    owned.update({path.name: file_sha256(path) for path in written})
     text = json.dumps({"written_by": "autoprec export", "files": owned}, indent=2) + "\n"
     partial = folder / f"{RECORD_FILE}.partial"
     try:
@@ -62,14 +62,6 @@ def record_written(folder: Path, written: list[Path], names: Iterable[str]) -> l
     except OSError as error:
         raise ExportError(f"{folder / RECORD_FILE}: cannot write ({error.strerror})") from None
     return written
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _read(folder: Path) -> dict[str, str]:

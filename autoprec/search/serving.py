@@ -10,7 +10,6 @@ owns the fp32 model the trials convert: the user's checkpoint (``--checkpoint`` 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from autoprec.devices import Backend
+from autoprec.digest import file_sha256
 from autoprec.errors import DeviceError, TaskError, first_line
 from autoprec.inference.convert import default_int8_method, int8_unavailable_reason
 from autoprec.inference.measure import InferenceResult, Reference, time_side_by_side, timing_batch
@@ -129,11 +129,7 @@ def load_checkpoint(model: nn.Module, path: Path, task: Task) -> nn.Module:
 
 
 def _digest(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as data:
-        for chunk in iter(lambda: data.read(1 << 20), b""):
-            sha.update(chunk)
-    return sha.hexdigest()[:16]
+    return file_sha256(path)[:16]
 
 
 def fp32_model(
