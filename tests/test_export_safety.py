@@ -30,7 +30,7 @@ pytest.importorskip("torchao", reason="the torchao format needs torchao")
 RUN = 'x""" ; __import__("os").system("touch PWNED") ; """'  # the payload of the report
 SLOW = pytest.mark.slow  # each exports every format and runs its files: about 15 s
 PAYLOADS = [
-    pytest.param(RUN, id="triple-double"),
+    pytest.param(RUN, id="triple-double", marks=SLOW),
     pytest.param("x''' ; __import__('os').system('touch PWNED') ; '''", id="single", marks=SLOW),
     pytest.param('x\n__import__("os").system("touch PWNED")\n#', id="newline", marks=SLOW),
     pytest.param("x $(touch PWNED) `touch PWNED` \n touch PWNED", id="shell", marks=SLOW),
