@@ -67,3 +67,32 @@ def test_a_task_without_a_name_is_pickled_and_says_so(tmp_path, dynamic_int8):
     loaded = mlflow.pyfunc.load_model(str(path))
     assert loaded.metadata.metadata["unpickles"] is True
     assert loaded.metadata.metadata["serialization"] == "pickle"
+
+
+@pytest.mark.slow  # a serving search: about 40 s
+def test_a_search_given_a_task_object_warns_that_its_model_is_pickled(in_tmp, caplog):
+    from autoprec import search
+    from tests.contract_tasks import make_tiny_task
+
+    result = search(
+        make_tiny_task(),
+        trials=3,
+        steps=20,
+        study="t",
+        device="cpu",
+        mode="inference",
+        scenario="edge",
+    )
+    best = Policy.from_dict(result.summary["best"]["policy"])
+    assert "int8" in best.resolve_inference(make_tiny_task().model()).values(), (
+        "edge (memory first) chose int8 on the tiny task: torch's dynamic int8, which only "
+        "pickle can hold without a task name"
+    )
+    logged = result.summary["inference"]["mlflow_model"]
+    assert logged["format"] == "pickle" and logged["unpickles"] is True
+    warned = [r.getMessage() for r in caplog.records if "pickle" in r.getMessage()]
+    assert len(warned) == 1 and "no one else can write" in warned[0]
+    mlflow.set_tracking_uri(f"sqlite:///{in_tmp}/runs/mlflow.db")
+    tags = mlflow.MlflowClient().get_run(result.summary["mlflow_parent_run_id"]).data.tags
+    assert tags["autoprec.model_format"] == "pickle"
+    assert tags["autoprec.model_unpickles"] == "true"
