@@ -26,6 +26,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,12 +46,30 @@ from autoprec.scaling import LossScale
 LOW_PRECISION = ("fp16", "bf16")
 _POLICY_FIELDS = ("name", "default", "rules", "loss_scale", "switches")
 _RULE_FIELDS = ("name", "patterns", "types", "dtype")
+# What a policy or rule name may hold: what the search names things with (``uniform-fp16``,
+# ``t007 fc1=bf16 scale=dynamic:65536.0``, ``h.0-1.attn``), and no quote, newline or shell
+# character, since names end up in generated files and logs. Exporters quote them anyway.
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.,:=+\- ]{0,200}")
 
 
 def _check_dtype(value: Any, where: str) -> str:
     if value not in INFERENCE_DTYPES:
         raise PolicyError(
             f"{where}: unknown dtype {value!r} (expected fp32, fp16, bf16, or int8 for serving)"
+        )
+    return value
+
+
+def _check_name(value: Any, where: str) -> str | None:
+    """A policy's or rule's name as read from a file: None, or a string of `_SAFE_NAME`."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise PolicyError(f"{where}: expected a string")
+    if not _SAFE_NAME.fullmatch(value):
+        raise PolicyError(
+            f"{where}: {value[:40]!r}{'...' if len(value) > 40 else ''} is not a safe name "
+            "(up to 200 letters, digits, spaces and _ . , : = + -)"
         )
     return value
 
@@ -132,9 +151,7 @@ class Rule:
         types = _string_list(data["types"], f"{where}.types") if "types" in data else ()
         if not patterns and not types:
             raise PolicyError(f"{where}: needs patterns, types or both")
-        name = data.get("name")
-        if name is not None and not isinstance(name, str):
-            raise PolicyError(f"{where}.name: expected a string")
+        name = _check_name(data.get("name"), f"{where}.name")
         return cls(_check_dtype(data["dtype"], f"{where}.dtype"), patterns, types, name)
 
 
@@ -205,9 +222,7 @@ class Policy:
             for key, value in switches.items():
                 if value is not None and not isinstance(value, bool):
                     raise PolicyError(f"switches.{key}: expected true, false or null")
-            name = data.get("name")
-            if name is not None and not isinstance(name, str):
-                raise PolicyError("name: expected a string")
+            name = _check_name(data.get("name"), "name")
         except PolicyError as error:
             raise PolicyError(f"{source}: {error}") from None
         return cls(rules, default, loss_scale, switches.get("tf32"), switches.get("hf32"), name)
