@@ -550,15 +550,17 @@ def _compare(args: argparse.Namespace) -> int:
 def _ui(args: argparse.Namespace) -> int:
     from autoprec.server_process import check_port_free, serve
     from autoprec.tracking import check_tracking_uri
-    from autoprec.ui import check_store_exists, prepare_runs_view
+    from autoprec.ui import check_store_exists, find_runs_view, write_runs_view
 
     check_tracking_uri(args.tracking_uri)
     check_store_exists(args.tracking_uri)
-    check_port_free(args.host, args.port)
     mlflow = shutil.which("mlflow")
     if mlflow is None:
         raise AutoprecError("the 'mlflow' command is not on PATH; install mlflow")
-    view = prepare_runs_view(args.tracking_uri, args.study)
+    view = find_runs_view(args.tracking_uri, args.study)
+    check_port_free(args.host, args.port)
+    if view is not None:
+        write_runs_view(args.tracking_uri, view)
     command = [mlflow, "ui", "--backend-store-uri", args.tracking_uri]
     command += ["--host", args.host, "--port", str(args.port), "--workers", "1"]
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host

@@ -63,29 +63,45 @@ def check_store_exists(tracking_uri: str) -> None:
         )
 
 
-def prepare_runs_view(tracking_uri: str, study: str | None) -> RunsView | None:
-    """Write the study's table view into its experiment (``study`` None: the study searched
-    last) and say how to open it; None where the store holds no study yet."""
-    from autoprec.tracking import ROLE_TAG, mlflow_client
+def find_runs_view(tracking_uri: str, study: str | None) -> RunsView | None:
+    """The study's table view (``study`` None: the study searched last); None where the
+    store holds no study yet. Reads only."""
+    from autoprec.tracking import ROLE_TAG
 
-    client = mlflow_client(tracking_uri)
+    experiment = _call(tracking_uri, _experiment, study, ROLE_TAG)
+    if experiment is None:
+        return None
+    runs = _call(
+        tracking_uri,
+        "search_runs",
+        [experiment.experiment_id],
+        filter_string=_table_filter(ROLE_TAG),
+        max_results=50,
+    )
+    return RunsView(experiment.name, experiment.experiment_id, _columns(runs))
+
+
+def write_runs_view(tracking_uri: str, view: RunsView) -> None:
+    """Keep the view in the experiment's tag that the UI reads it from."""
+    from autoprec.tracking import ROLE_TAG
+
+    state = json.dumps(_view_state(view.columns, ROLE_TAG), separators=(",", ":"))
+    _call(tracking_uri, "set_experiment_tag", view.experiment_id, SHARED_VIEW_TAG + VIEW_KEY, state)
+
+
+def _call(tracking_uri: str, what: Any, *args: Any, **kwargs: Any) -> Any:
+    """A client method (by name) or a function of the client, its failures one line."""
+    from autoprec.tracking import mlflow_client
+
     try:
-        experiment = _experiment(client, study, ROLE_TAG)
-        if experiment is None:
-            return None
-        runs = client.search_runs(
-            [experiment.experiment_id],
-            filter_string=_table_filter(ROLE_TAG),
-            max_results=50,
-        )
-        view = RunsView(experiment.name, experiment.experiment_id, _columns(runs))
-        state = json.dumps(_view_state(view.columns, ROLE_TAG), separators=(",", ":"))
-        client.set_experiment_tag(experiment.experiment_id, SHARED_VIEW_TAG + VIEW_KEY, state)
+        client = mlflow_client(tracking_uri)
+        if isinstance(what, str):
+            return getattr(client, what)(*args, **kwargs)
+        return what(client, *args, **kwargs)
     except StoreError:
         raise
     except Exception as error:  # the store is unreachable or not MLflow's
         raise StoreError(f"--tracking-uri {redact(tracking_uri)}: {first_line(error)}") from None
-    return view
 
 
 def _table_filter(role_tag: str) -> str:
