@@ -447,7 +447,8 @@ def _resolve(args: argparse.Namespace) -> int:
     rows += [[r["name"], r["type"], str(r["params"]), r["dtype"]] for r in table]
     print(text_table(rows))
     print(f"{where}; low-precision share of parameters: {share:.0%}")
-    print(f"loss scale: {policy.loss_scale.to_dict()}")
+    if not serving:  # serving converts weights and trains nothing: no loss to scale
+        print(f"loss scale: {policy.loss_scale.to_dict()}")
     return 0
 
 
