@@ -165,6 +165,9 @@ class Policy:
     """Ordered (patterns/types -> dtype) rules, a default dtype, loss scaling and switches.
 
     ``tf32`` (CUDA) and ``hf32`` (Ascend) are None to leave the device's setting as is.
+    ``serving``: the policy converts weights for serving, where nothing is trained and no
+    loss is scaled, so its YAML has no ``loss_scale``; a YAML without one reads back so
+    (which changes only how it is written again).
     """
 
     rules: tuple[Rule, ...] = ()
@@ -173,6 +176,7 @@ class Policy:
     tf32: bool | None = None
     hf32: bool | None = None
     name: str | None = None
+    serving: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_dtype(self.default, "default")
@@ -194,7 +198,8 @@ class Policy:
             data["name"] = self.name
         data["default"] = self.default
         data["rules"] = [rule.to_dict() for rule in self.rules]
-        data["loss_scale"] = self.loss_scale.to_dict()
+        if not self.serving or self.loss_scale.enabled:  # a scale set is never dropped
+            data["loss_scale"] = self.loss_scale.to_dict()
         switches = {k: v for k, v in (("tf32", self.tf32), ("hf32", self.hf32)) if v is not None}
         if switches:
             data["switches"] = switches
@@ -225,7 +230,8 @@ class Policy:
             name = _check_name(data.get("name"), "name")
         except PolicyError as error:
             raise PolicyError(f"{source}: {error}") from None
-        return cls(rules, default, loss_scale, switches.get("tf32"), switches.get("hf32"), name)
+        tf32, hf32 = switches.get("tf32"), switches.get("hf32")
+        return cls(rules, default, loss_scale, tf32, hf32, name, serving="loss_scale" not in data)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -159,6 +159,7 @@ def _finish(
         "trials": config.trials,
         "sampler": config.sampler,
         "prefer": config.prefer or prepared.prefer,
+        "confirm_top": config.confirm_top,
         "accuracy_tolerance": prepared.tolerance,
         "storage": config.public()["storage"],
         "tracking_uri": config.public()["tracking_uri"],

@@ -139,7 +139,7 @@ def fp32_model(
     budget: Budget,
     out_dir: Path,
     may_train: bool,
-    training: Callable[[], None] = lambda: None,
+    training: Callable[[Path], None] = lambda path: None,
 ) -> nn.Module:
     """The trained fp32 model the trials convert: the user's checkpoint, else the study's
     ``fp32.pt``, else (where ``may_train``: the process setting the study up) the task's
@@ -153,7 +153,7 @@ def fp32_model(
         return load_checkpoint(model, kept, task)
     if not may_train:
         raise TaskError(f"task {task.name!r}: no fp32 checkpoint at {kept} yet")
-    training()
+    training(kept)
     model, _ = train_fp32(task, backend, budget)
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = kept.with_suffix(".pt.partial")
