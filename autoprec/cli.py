@@ -451,13 +451,9 @@ def without_password(uri: str | None) -> str | None:
 
 
 def _read_summary(runs_dir: str, study: str) -> dict[str, Any]:
-    path = Path(runs_dir) / study / "summary.json"
-    try:
-        return json.loads(path.read_text())
-    except OSError:
-        raise AutoprecError(f"study {study!r}: no {path} (run autoprec search first)") from None
-    except json.JSONDecodeError as error:
-        raise AutoprecError(f"{path}: not valid JSON (line {error.lineno})") from None
+    from autoprec.search.summary_file import read_summary
+
+    return read_summary(Path(runs_dir) / study / "summary.json", study)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -41,12 +41,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import yaml
 from torch import nn
 
 from autoprec.autogroups import build_groups
 from autoprec.devices import DTYPES, INFERENCE_DTYPES, Backend, autocast_behaviour, device_kind
 from autoprec.errors import PolicyError, SpaceError
+from autoprec.files import load_yaml
 from autoprec.policy import Policy, Rule, int8_capable, parameterised_leaves
 from autoprec.scaling import MODES, LossScale
 
@@ -650,17 +650,8 @@ def load_space(spec: str | Path) -> SearchSpace:
     """A space by shipped name (``default``, ``digits-cnn``, ...) or YAML file path."""
     shipped = builtin_spaces()
     path = shipped[str(spec)] if str(spec) in shipped else Path(spec)
-    if not path.is_file():
+    if not path.exists():
         names = ", ".join(sorted(shipped))
         raise SpaceError(f"space {str(spec)!r}: no such file, and not a shipped space ({names})")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise SpaceError(f"{path}: cannot read ({error.strerror or error})") from None
-    except UnicodeDecodeError:
-        raise SpaceError(f"{path}: cannot read (not UTF-8 text)") from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark else ""
-        raise SpaceError(f"{path}: not valid YAML{where}") from None
+    data = load_yaml(path, SpaceError)
     return SearchSpace.from_dict(data, str(path))
