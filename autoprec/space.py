@@ -250,6 +250,8 @@ class SearchSpace:
         riskiest modules of ``profile`` as groups of their own; a space with groups
         written by hand ignores the profile."""
         kind = device_kind(device, model)
+        if not inference:
+            self._refuse_int8()
         space = replace(self, inference=inference)
         if self.auto is not None:
             specs = build_groups(
@@ -287,6 +289,18 @@ class SearchSpace:
             # The fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend): searched for serving.
             space = replace(space, switch={"cuda": "tf32", "npu": "hf32"}.get(kind))
         return replace(space, groups=tuple(kept))
+
+    def _refuse_int8(self) -> None:
+        """int8 is a serving choice: a training search would silently leave it out."""
+        listed = [("dtypes", self.dtypes)] + [
+            (f"groups[{i}].dtypes", g.dtypes) for i, g in enumerate(self.groups)
+        ]
+        for where, dtypes in listed:
+            if "int8" in dtypes:
+                raise SpaceError(
+                    f"{self.source}: {where}: int8 is for serving (--mode inference); a "
+                    "training search runs fp32, fp16 and bf16"
+                )
 
     def assignment(
         self, model: nn.Module, device: str | torch.device | Backend | None = None

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import AutoprecError, first_line
-from autoprec.inference.convert import has_torch_dynamic_int8
+from autoprec.inference.convert import has_torch_dynamic_int8, import_torchao
 from autoprec.policy import Policy
 from autoprec.structures import tensors
 from autoprec.tasks.base import Batch, logits_of
@@ -119,8 +119,7 @@ def save_mlflow_model(
     )
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
     if int8 is not None and int8.startswith("torchao"):
-        import torchao
-
+        torchao = import_torchao()
         requirements.append(f"torchao=={torchao.__version__.split('+')[0]}")
     metadata = {
         "autoprec_policy": policy.to_dict(),
