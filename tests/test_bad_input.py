@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -79,6 +80,7 @@ def folder(tmp_path_factory):
     torch.save({"fc1.weight": "a string"}, root / "string.pt")
     torch.save({"model": {"fc1.weight": 3}}, root / "int.pt")
     torch.save({"fc1.weight": _Pickled()}, root / "pickled.pt")
+    (root / "raw.pt").write_bytes(pickle.dumps({"fc1.weight": _Pickled()}))
     files = {
         "dup_policy.yaml": "default: fp16\nrules: []\ndefault: fp32\n",
         "dup_rule.yaml": "rules:\n  - {patterns: [fc1], dtype: bf16, dtype: fp16}\n",
@@ -91,7 +93,8 @@ def folder(tmp_path_factory):
         + "".join(f"  - {{patterns: [l{i}], dtype: fp16}}\n" for i in range(12000)),
         "aliases.yaml": "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
         + "".join(
-            f"{b}: &{b} [{', '.join([f'*{a}'] * 10)}]\n" for a, b in zip("abcde", "bcdef")
+            f"{b}: &{b} [{', '.join([f'*{a}'] * 10)}]\n"
+            for a, b in zip("abcde", "bcdef", strict=True)
         ),
     }
     for name, text in files.items():
@@ -142,6 +145,7 @@ SERVE = [*SEARCH, "--mode", "inference"]
         ([*SERVE, "--checkpoint", "string.pt"], "string.pt: entry 'fc1.weight' is a str"),
         ([*SERVE, "--checkpoint", "int.pt"], "int.pt: entry 'fc1.weight' is a int"),
         ([*SERVE, "--checkpoint", "pickled.pt"], "pickled.pt: holds Python objects"),
+        ([*SERVE, "--checkpoint", "raw.pt"], "raw.pt: holds Python objects"),
         ([*SERVE, "--checkpoint", "a_folder.yaml"], "a_folder.yaml: not a torch checkpoint"),
         ([*SERVE, "--batch-sizes", "1,100000000"], "--batch-sizes '1,100000000': at most"),
         ([*SERVE, "--batch-size", "0"], "--batch-size"),

@@ -114,11 +114,13 @@ def load_checkpoint(model: nn.Module, path: Path, task: Task) -> nn.Module:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise TaskError(f"{where}: no such file") from None
-    except pickle.UnpicklingError:
-        raise TaskError(
-            f"{where}: holds Python objects other than tensors, which autoprec never "
-            "unpickles (torch.load(weights_only=True)); save a state dict of tensors"
-        ) from None
+    except pickle.UnpicklingError as error:
+        if _is_pickle(path):
+            raise TaskError(
+                f"{where}: holds Python objects other than tensors, which autoprec never "
+                "unpickles (torch.load(weights_only=True)); save a state dict of tensors"
+            ) from None
+        raise TaskError(f"{where}: not a torch checkpoint ({first_line(error)})") from None
     except Exception as error:
         raise TaskError(f"{where}: not a torch checkpoint ({first_line(error)})") from None
     if isinstance(state, dict):
@@ -152,6 +154,14 @@ def load_checkpoint(model: nn.Module, path: Path, task: Task) -> nn.Module:
             )
     model.load_state_dict(state)
     return model
+
+
+def _is_pickle(path: Path) -> bool:
+    """Whether the file is a pickle: torch's zip format, or a bare pickle (protocol 2 or
+    later); weights_only refused what it holds, so it holds more than tensors."""
+    with path.open("rb") as data:
+        start = data.read(4)
+    return start == b"PK\x03\x04" or start[:1] == b"\x80"
 
 
 def _digest(path: Path) -> str:
