@@ -538,6 +538,8 @@ def _ui(args: argparse.Namespace) -> int:
     from autoprec.tracking import check_tracking_uri
 
     check_tracking_uri(args.tracking_uri)
+    if not 0 < args.port < 65536:
+        raise AutoprecError(f"--port {args.port}: expected a port from 1 to 65535")
     mlflow = shutil.which("mlflow")
     if mlflow is None:
         raise AutoprecError("the 'mlflow' command is not on PATH; install mlflow")

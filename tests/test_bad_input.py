@@ -179,6 +179,7 @@ SERVE = [*SEARCH, "--mode", "inference"]
         (["export", "--study", "list"], "summary.json: the top level"),
         (["export", "--study", "nosettings"], "settings: expected a mapping"),
         (["compare", "--study", "empty", "--study", "row"], "study: expected a string"),
+        (["ui", "--port", "99999"], "--port 99999: expected a port from 1 to 65535"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(folder, args, message):
