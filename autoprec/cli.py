@@ -461,13 +461,9 @@ def without_password(uri: str | None) -> str | None:
 
 
 def _read_summary(runs_dir: str, study: str) -> dict[str, Any]:
-    path = Path(runs_dir) / study / "summary.json"
-    try:
-        return json.loads(path.read_text())
-    except OSError:
-        raise AutoprecError(f"study {study!r}: no {path} (run autoprec search first)") from None
-    except json.JSONDecodeError as error:
-        raise AutoprecError(f"{path}: not valid JSON (line {error.lineno})") from None
+    from autoprec.search.summary_file import read_summary
+
+    return read_summary(Path(runs_dir) / study / "summary.json", study)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -554,6 +550,8 @@ def _ui(args: argparse.Namespace) -> int:
     from autoprec.ui import check_store_exists, find_runs_view, write_runs_view
 
     check_tracking_uri(args.tracking_uri)
+    if not 0 < args.port < 65536:
+        raise AutoprecError(f"--port {args.port}: expected a port from 1 to 65535")
     check_store_exists(args.tracking_uri)
     mlflow = shutil.which("mlflow")
     if mlflow is None:

@@ -39,11 +39,22 @@ def first_line(error: BaseException, limit: int = 300) -> str:
     return (str(error).splitlines() or [""])[0][:limit]
 
 
-# The password part of a URL: scheme://user:password@host
-_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*):(?P<password>[^@/\s]+)@")
+# The password part of a URL: scheme://user:password@host. The password runs to the last
+# "@" that a host follows (host[:port], then a path, query, fragment or the end), so a
+# password holding an unescaped "@" or ":" is covered whole; a URL ends at whitespace.
+_PASSWORD = re.compile(
+    r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*):(?P<password>\S*)@"
+    r"(?=[^\s/@?#]*(?:[/?#]|\s|$))"
+)
+# A secret in a URL's query: ?password=..., &sslpassword=..., ;pwd=..., ?token=...
+_QUERY_SECRET = re.compile(
+    r"(?i)(?P<head>[?&;][\w.-]*(?:password|passwd|pwd|secret|token)=)[^&#;\s'\"]*"
+)
 
 
 def redact(text: str) -> str:
     """``text`` with the password of every URL in it replaced by ``***``
-    (``postgresql://user:***@db/optuna``), for anything written down or printed."""
-    return _PASSWORD.sub(lambda m: f"{m['head']}:***@", text)
+    (``postgresql://user:***@db/optuna``, ``...?sslpassword=***``), for anything written
+    down or printed."""
+    text = _PASSWORD.sub(lambda m: f"{m['head']}:***@", text)
+    return _QUERY_SECRET.sub(lambda m: f"{m['head']}***", text)

@@ -39,6 +39,7 @@ from torch import nn
 
 from autoprec.devices import INFERENCE_DTYPES, Backend, autocast_behaviour, device_kind, get_backend
 from autoprec.errors import PolicyError
+from autoprec.files import load_yaml, parse_yaml
 from autoprec.placement import Placement, announce, place, within
 from autoprec.precision import Plan, Precision, RegionSpec
 from autoprec.scaling import LossScale
@@ -238,13 +239,7 @@ class Policy:
 
     @classmethod
     def from_yaml(cls, text: str, source: str = "policy") -> Policy:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f" (line {mark.line + 1})" if mark else ""
-            raise PolicyError(f"{source}: not valid YAML{where}") from None
-        return cls.from_dict(data, source)
+        return cls.from_dict(parse_yaml(text, source, PolicyError), source)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -521,11 +516,4 @@ def is_called(module: nn.Module) -> bool:
 
 def load_policy(path: str | Path) -> Policy:
     """Read a policy YAML file (as written by ``autoprec search`` or by hand)."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise PolicyError(f"{path}: cannot read ({error.strerror or error})") from None
-    except UnicodeDecodeError:
-        raise PolicyError(f"{path}: cannot read (not UTF-8 text)") from None
-    return Policy.from_yaml(text, str(path))
+    return Policy.from_dict(load_yaml(path, PolicyError), str(path))

@@ -121,6 +121,13 @@ def _label(row: dict[str, Any]) -> str:
 def plot_front(summary: dict[str, Any], x_metric: str, path: Path) -> Path:
     """Accuracy against step time (``step_time_ms``), latency (``latency_p50_ms``, at the
     serving study's batch size) or peak memory; the Pareto front highlighted."""
+    return _saved(front_figure(summary, x_metric), path)
+
+
+def front_figure(summary: dict[str, Any], x_metric: str) -> Any:
+    """The figure of `plot_front`. The legend lists only what is drawn; trials that
+    measured no accuracy (pruned, failed) cannot be placed and are counted in a note;
+    point labels stay inside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,15 +144,19 @@ def plot_front(summary: dict[str, Any], x_metric: str, path: Path) -> Path:
         if r["state"] == "complete" and x_of(r) is not None and "accuracy" in r["metrics"]
     ]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    for feasible, marker, name in ((True, "o", "feasible"), (False, "x", "infeasible")):
+    for feasible, marker, name in (
+        (True, "o", "feasible"),
+        (False, "x", "infeasible (accuracy drop past tolerance)"),
+    ):
         points = [r for r in complete if r["feasible"] == feasible and not r["pareto"]]
-        ax.scatter(
-            [x_of(r) for r in points],
-            [r["metrics"]["accuracy"] for r in points],
-            marker=marker,
-            c="#999999",
-            label=name,
-        )
+        if points:
+            ax.scatter(
+                [x_of(r) for r in points],
+                [r["metrics"]["accuracy"] for r in points],
+                marker=marker,
+                c="#999999",
+                label=name,
+            )
     front = sorted((r for r in complete if r["pareto"]), key=x_of)
     # The front is over three objectives: in a 2-D view its points need not form a line.
     ax.scatter(
@@ -154,21 +165,6 @@ def plot_front(summary: dict[str, Any], x_metric: str, path: Path) -> Path:
         c="#c44e52",
         label="Pareto front (3 objectives)",
     )
-    named = [
-        r
-        for r in complete
-        if r["number"] in ("baseline", summary["best"]["number"]) or r.get("anchor")
-    ]
-    if serving(summary):  # short names, staggered: served policies often tie in accuracy
-        named.sort(key=x_of)
-    for index, row in enumerate(named):
-        ax.annotate(
-            _name_of(summary, str(row["number"])) if serving(summary) else _label(row),
-            (x_of(row), row["metrics"]["accuracy"]),
-            fontsize=7,
-            xytext=(4, (4, -11, 15, -22)[index % 4] if serving(summary) else 4),
-            textcoords="offset points",
-        )
     best = next(r for r in complete if r["number"] == summary["best"]["number"])
     ax.scatter(
         [x_of(best)],
@@ -178,6 +174,8 @@ def plot_front(summary: dict[str, Any], x_metric: str, path: Path) -> Path:
         edgecolors="black",
         label="chosen",
     )
+    ax.margins(x=0.08, y=0.12)
+    _label_points(summary, ax, complete, x_of)
     unit = {
         "step_time_ms": "step time (ms)",
         "latency_p50_ms": f"latency at batch {serving_batch_size(summary)} (ms)",
@@ -189,7 +187,51 @@ def plot_front(summary: dict[str, Any], x_metric: str, path: Path) -> Path:
     ax.set_title(f"{summary['study']}: accuracy against {unit.split(' (')[0]}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _saved(fig, path)
+    unplaced = _unplaced_note(summary)
+    if unplaced:
+        ax.text(0.01, 0.01, unplaced, transform=ax.transAxes, fontsize=7, color="#666666")
+    return fig
+
+
+def _label_points(summary: dict[str, Any], ax: Any, complete: list, x_of: Callable) -> None:
+    """Names of the baseline, the anchors and the chosen policy beside their points: a
+    label near the top or right edge goes below or left of its point, so that it stays
+    inside the axes (and off the title)."""
+    named = [
+        r
+        for r in complete
+        if r["number"] in ("baseline", summary["best"]["number"]) or r.get("anchor")
+    ]
+    if serving(summary):  # short names, staggered: served policies often tie in accuracy
+        named.sort(key=x_of)
+    (x_low, x_high), (y_low, y_high) = ax.get_xlim(), ax.get_ylim()
+    for index, row in enumerate(named):
+        x, y = x_of(row), row["metrics"]["accuracy"]
+        right = (x - x_low) > 0.6 * (x_high - x_low)
+        top = (y - y_low) > 0.75 * (y_high - y_low)
+        dy = (4, -11, 15, -22)[index % 4] if serving(summary) else 4
+        ax.annotate(
+            _name_of(summary, str(row["number"])) if serving(summary) else _label(row),
+            (x, y),
+            fontsize=7,
+            xytext=(-4 if right else 4, -abs(dy) - 6 if top else dy),
+            textcoords="offset points",
+            ha="right" if right else "left",
+            annotation_clip=True,
+            clip_on=True,
+        )
+
+
+def _unplaced_note(summary: dict[str, Any]) -> str:
+    """Trials not in the plot because they measured no accuracy, counted by state."""
+    counts: dict[str, int] = {}
+    for row in _rows(summary):
+        if row["state"] != "complete" or row["metrics"].get("accuracy") is None:
+            counts[row["state"]] = counts.get(row["state"], 0) + 1
+    if not counts:
+        return ""
+    listed = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    return f"not drawn (no accuracy measured): {listed}"
 
 
 def _saved(fig: Any, path: Path) -> Path:
@@ -422,10 +464,30 @@ def _trials_section(
 
 def _settings_section(summary: dict[str, Any]) -> str:
     setting_rows = [
-        [html.escape(str(k)), html.escape(str(v))] for k, v in summary.get("settings", {}).items()
+        [html.escape(str(k)), html.escape(setting_text(str(k), v))]
+        for k, v in summary.get("settings", {}).items()
     ]
     return f"""<h2>Settings</h2>
 {_html_table(["setting", "value"], setting_rows)}"""
+
+
+_UNITS = {"_s": "s", "_ms": "ms", "_mb": "MB"}
+
+
+def setting_text(name: str, value: Any) -> str:
+    """A setting as a person reads it: ``635 s`` (rounded, the unit its name ends with),
+    ``none``, ``yes``/``no``, a list joined with commas."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list | tuple):
+        return ", ".join(setting_text("", v) for v in value) or "none"
+    if isinstance(value, int | float):
+        unit = next((u for suffix, u in _UNITS.items() if name.endswith(suffix)), "")
+        number = str(value) if isinstance(value, int) else f"{value:.4g}"
+        return f"{number} {unit}".strip()
+    return str(value)
 
 
 def render_comparison(summaries: list[dict[str, Any]], path: Path) -> Path:

@@ -41,12 +41,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import yaml
 from torch import nn
 
 from autoprec.autogroups import build_groups
 from autoprec.devices import DTYPES, INFERENCE_DTYPES, Backend, autocast_behaviour, device_kind
 from autoprec.errors import PolicyError, SpaceError
+from autoprec.files import load_yaml
 from autoprec.policy import Policy, Rule, int8_capable, parameterised_leaves
 from autoprec.scaling import MODES, LossScale
 
@@ -250,6 +250,8 @@ class SearchSpace:
         riskiest modules of ``profile`` as groups of their own; a space with groups
         written by hand ignores the profile."""
         kind = device_kind(device, model)
+        if not inference:
+            self._refuse_int8()
         space = replace(self, inference=inference)
         if self.auto is not None:
             specs = build_groups(
@@ -287,6 +289,18 @@ class SearchSpace:
             # The fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend): searched for serving.
             space = replace(space, switch={"cuda": "tf32", "npu": "hf32"}.get(kind))
         return replace(space, groups=tuple(kept))
+
+    def _refuse_int8(self) -> None:
+        """int8 is a serving choice: a training search would silently leave it out."""
+        listed = [("dtypes", self.dtypes)] + [
+            (f"groups[{i}].dtypes", g.dtypes) for i, g in enumerate(self.groups)
+        ]
+        for where, dtypes in listed:
+            if "int8" in dtypes:
+                raise SpaceError(
+                    f"{self.source}: {where}: int8 is for serving (--mode inference); a "
+                    "training search runs fp32, fp16 and bf16"
+                )
 
     def assignment(
         self, model: nn.Module, device: str | torch.device | Backend | None = None
@@ -651,17 +665,8 @@ def load_space(spec: str | Path) -> SearchSpace:
     """A space by shipped name (``default``, ``digits-cnn``, ...) or YAML file path."""
     shipped = builtin_spaces()
     path = shipped[str(spec)] if str(spec) in shipped else Path(spec)
-    if not path.is_file():
+    if not path.exists():
         names = ", ".join(sorted(shipped))
         raise SpaceError(f"space {str(spec)!r}: no such file, and not a shipped space ({names})")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise SpaceError(f"{path}: cannot read ({error.strerror or error})") from None
-    except UnicodeDecodeError:
-        raise SpaceError(f"{path}: cannot read (not UTF-8 text)") from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark else ""
-        raise SpaceError(f"{path}: not valid YAML{where}") from None
+    data = load_yaml(path, SpaceError)
     return SearchSpace.from_dict(data, str(path))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -73,6 +74,17 @@ def int8_unavailable_reason(device_kind: str, method: str | None = None) -> str 
     if device_kind not in ("cpu", "cuda"):
         return f"int8 {method}: torchao has no int8 kernels for {device_kind}"
     return None
+
+
+def import_torchao() -> Any:
+    """torchao, imported only where an int8 method of its runs. On a machine without its
+    optional CUDA kernels it logs "Failed to load ...so" lines, and torch's pytree a
+    deprecation warning about torchao's enums, at import: not the user's to see."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import torchao
+
+    return torchao
 
 
 def int8_available(device_kind: str, method: str | None = None) -> bool:
@@ -197,6 +209,7 @@ def _quantize(model: nn.Module, names: list[str], method: str | None) -> None:
 
             quantize_dynamic(model, dict.fromkeys(names, default_dynamic_qconfig), inplace=True)
         else:
+            import_torchao()
             from torchao.quantization import (
                 Int8DynamicActivationInt8WeightConfig,
                 Int8WeightOnlyConfig,

@@ -290,6 +290,27 @@ def timing_batch(task: Task, batch_size: int, backend: Backend) -> Batch:
     return Batch(args, kwargs, None, first.raw_inputs).to(backend.device)
 
 
+MAX_TIMING_INPUT_BYTES = 1 << 30  # inputs of the largest batch timed, before activations
+
+
+def check_batch_sizes(task: Task, sizes: tuple[int, ...]) -> None:
+    """Refuse, before anything runs, batch sizes whose inputs alone (validation samples
+    repeated to fill them) would take more than `MAX_TIMING_INPUT_BYTES`."""
+    first = next(iter(task.val_data()), None)
+    if first is None:
+        raise TaskError(f"task {task.name!r}: val_data yielded no batches")
+    batch = task.batch(first)
+    inputs = _flat((batch.args, batch.kwargs))
+    per_sample = sum(t.element_size() * t[0].numel() for t in inputs if t.dim() > 0)
+    largest = max(sizes)
+    if per_sample * largest > MAX_TIMING_INPUT_BYTES:
+        raise TaskError(
+            f"--batch-sizes: a batch of {largest} takes {per_sample * largest / 2**30:.1f} GiB "
+            f"of inputs alone ({per_sample} bytes per sample of task {task.name!r}); at most "
+            f"{MAX_TIMING_INPUT_BYTES // 2**30} GiB"
+        )
+
+
 def _flat(value: Any) -> list[torch.Tensor]:
     """The tensors of a structure in the order `map_tensors` visits them."""
     found: list[torch.Tensor] = []

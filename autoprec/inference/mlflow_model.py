@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import AutoprecError, first_line
-from autoprec.inference.convert import has_torch_dynamic_int8
+from autoprec.inference.convert import has_torch_dynamic_int8, import_torchao
 from autoprec.inference.mlflow_rebuilt import FORMAT, write_data
 from autoprec.policy import Policy
 from autoprec.structures import tensors
@@ -131,8 +131,7 @@ def save_mlflow_model(
     array = example.numpy()
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
     if int8 is not None and int8.startswith("torchao"):
-        import torchao
-
+        torchao = import_torchao()
         requirements.append(f"torchao=={torchao.__version__.split('+')[0]}")
     formats = [] if has_torch_dynamic_int8(converted) else ["pt2"]
     if fp32 is not None and task_spec is not None:

@@ -28,6 +28,7 @@ DEFAULT_RUNS_DIR = Path("runs")
 SAMPLERS = ("guided", "tpe", "nsga2", "random")
 MODES = ("training", "inference")
 HEARTBEAT_INTERVAL_S = 10  # the grace before a silent trial is failed: 3 intervals
+MAX_BATCH_SIZE = 65536  # a served batch; the validation samples are repeated to fill it
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -136,6 +137,7 @@ class SearchConfig:
                 ("--batch-size", self.batch_size),
                 ("--batch-sizes", self.batch_sizes),
                 ("--checkpoint", self.checkpoint),
+                ("--int8", None if self.int8 == "auto" else self.int8),
             )
             if value is not None
         ]
@@ -145,6 +147,8 @@ class SearchConfig:
             scenario(self.scenario)
         if self.batch_size is not None:
             _check_positive(self.batch_size, "--batch-size", "a positive integer")
+            if self.batch_size > MAX_BATCH_SIZE:
+                raise AutoprecError(f"--batch-size {self.batch_size}: at most {MAX_BATCH_SIZE}")
         if self.batch_sizes is not None:
             parse_batch_sizes(self.batch_sizes)
         if self.int8 not in ("auto", "off", *INT8_METHODS):
@@ -198,6 +202,8 @@ def parse_batch_sizes(value: str | Sequence[int]) -> list[int]:
         raise AutoprecError(
             f"--batch-sizes {value!r}: expected distinct positive integers, e.g. 1,8,64"
         )
+    if max(sizes) > MAX_BATCH_SIZE:
+        raise AutoprecError(f"--batch-sizes {value!r}: at most {MAX_BATCH_SIZE} per batch")
     return sizes
 
 

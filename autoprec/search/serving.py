@@ -10,6 +10,8 @@ owns the fp32 model the trials convert: the user's checkpoint (``--checkpoint`` 
 
 from __future__ import annotations
 
+import pickle
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +24,19 @@ from autoprec.devices import Backend
 from autoprec.digest import file_sha256
 from autoprec.errors import DeviceError, TaskError, first_line
 from autoprec.inference.convert import default_int8_method, int8_unavailable_reason
-from autoprec.inference.measure import InferenceResult, Reference, time_side_by_side, timing_batch
+from autoprec.inference.measure import (
+    InferenceResult,
+    Reference,
+    check_batch_sizes,
+    time_side_by_side,
+    timing_batch,
+)
 from autoprec.inference.scenarios import Scenario, scenario
 from autoprec.inference.trial import convert_policy, run_inference_trial
 from autoprec.policy import Policy
 from autoprec.search.config import SearchConfig, parse_batch_sizes
 from autoprec.tasks import Task
+from autoprec.tasks.base import refuse_nan_outputs
 from autoprec.trial import (
     Budget,
     EarlyStopping,
@@ -88,6 +97,10 @@ def serving_of(config: SearchConfig, task: Task, model: nn.Module, backend: Back
     checkpoint = None if given is None else Path(given)
     if checkpoint is not None:
         load_checkpoint(model, checkpoint, task)  # checked now, loaded again when used
+        batch = task.batch(next(iter(task.val_data())))
+        with torch.no_grad():
+            refuse_nan_outputs(task, batch.run(model), f"with the weights of {checkpoint}")
+    check_batch_sizes(task, sizes)
     return Serving(preset, sizes, int8, checkpoint)
 
 
@@ -96,15 +109,30 @@ def load_checkpoint(model: nn.Module, path: Path, task: Task) -> nn.Module:
     under ``model`` or ``state_dict``); one line naming what does not fit."""
     where = f"checkpoint {path}"
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about legacy, non-zip files
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise TaskError(f"{where}: no such file") from None
+    except pickle.UnpicklingError as error:
+        if _is_pickle(path):
+            raise TaskError(
+                f"{where}: holds Python objects other than tensors, which autoprec never "
+                "unpickles (torch.load(weights_only=True)); save a state dict of tensors"
+            ) from None
+        raise TaskError(f"{where}: not a torch checkpoint ({first_line(error)})") from None
     except Exception as error:
         raise TaskError(f"{where}: not a torch checkpoint ({first_line(error)})") from None
     if isinstance(state, dict):
         state = state.get("model", state.get("state_dict", state))
     if not isinstance(state, dict):
         raise TaskError(f"{where}: expected a state dict, got {type(state).__name__}")
+    for key, value in state.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise TaskError(
+                f"{where}: entry {key!r} is a {type(value).__name__}, not a tensor "
+                "(expected a state dict of tensors)"
+            )
     expected = model.state_dict()
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
@@ -126,6 +154,14 @@ def load_checkpoint(model: nn.Module, path: Path, task: Task) -> nn.Module:
             )
     model.load_state_dict(state)
     return model
+
+
+def _is_pickle(path: Path) -> bool:
+    """Whether the file is a pickle: torch's zip format, or a bare pickle (protocol 2 or
+    later); weights_only refused what it holds, so it holds more than tensors."""
+    with path.open("rb") as data:
+        start = data.read(4)
+    return start == b"PK\x03\x04" or start[:1] == b"\x80"
 
 
 def _digest(path: Path) -> str:

@@ -280,11 +280,23 @@ def _check_batch(task: Task, model: nn.Module, batch: Batch) -> None:
     if mismatch is not None:
         raise TaskError(f"task {task.name!r}: the model cannot take a batch: {mismatch}")
     with torch.no_grad():
-        loss = task.compute_loss(batch.run(model), batch.targets)
+        outputs = batch.run(model)
+        loss = task.compute_loss(outputs, batch.targets)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TaskError(
             f"task {task.name!r}: the loss must be a scalar tensor, got {describe(loss)}"
         )
+    refuse_nan_outputs(task, outputs, "on its first training batch")
+    if not torch.isfinite(loss).all():
+        raise TaskError(f"task {task.name!r}: the fp32 loss on the first batch is {loss.item()}")
+
+
+def refuse_nan_outputs(task: Task, outputs: Any, when: str) -> None:
+    """A model whose fp32 outputs hold NaN measures nothing: say so before any store
+    opens, rather than after the fp32 baseline has trained (-inf, as attention masks
+    write it, is left alone)."""
+    if any(t.is_floating_point() and bool(t.isnan().any()) for t in tensors(outputs)):
+        raise TaskError(f"task {task.name!r}: the fp32 model's outputs are NaN {when}")
 
 
 def check_task(task: Task) -> nn.Module:
