@@ -14,6 +14,7 @@ from typing import Any
 
 import optuna
 
+from autoprec.files import write_atomic
 from autoprec.inference.measure import InferenceResult
 from autoprec.policy import Policy
 from autoprec.search.records import Feasibility, Result, TrialRecord, record_of
@@ -218,5 +219,5 @@ def write_outputs(summary: dict[str, Any], policy: Policy, out_dir: Path) -> tup
     out_dir.mkdir(parents=True, exist_ok=True)
     policy_path = policy.save(out_dir / "best_policy.yaml")
     summary_path = out_dir / "summary.json"
-    summary_path.write_text(json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
+    write_atomic(summary_path, json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
     return policy_path, summary_path
