@@ -172,6 +172,8 @@ class Tracker:
         self._experiment_id: str | None = None
         self._parent_id: str | None = None
         self._children: dict[str, str] = {}  # key -> run id, of the runs found or made here
+        # The parent run's tags naming the Optuna study it records (set by the session).
+        self.parent_tags: dict[str, str] = {}
         self._jobs: queue.Queue[_Job] = queue.Queue()
         self._down_since: float | None = None
         self._stopping = threading.Event()
@@ -301,7 +303,7 @@ class Tracker:
                 found = self.client.create_run(
                     self._experiment(),
                     run_name=f"search-{self.study}",
-                    tags={ROLE_TAG: "parent", STUDY_TAG: self.study},
+                    tags={ROLE_TAG: "parent", STUDY_TAG: self.study, **self.parent_tags},
                 )
             self._parent_id = found.info.run_id
         return self._parent_id
@@ -329,15 +331,17 @@ class Tracker:
 
     def start_parent(self, params: dict[str, Any]) -> None:
         """The study's parent run, RUNNING, with the search settings as params."""
-        from mlflow.entities import Param
+        from mlflow.entities import Param, RunTag
 
         def work() -> None:
             run_id = self._parent()
             self.client.update_run(run_id, status="RUNNING")
-            logged = self.client.get_run(run_id).data.params
-            fresh = [Param(k, str(v)) for k, v in params.items() if k not in logged]
-            if fresh:
-                self.client.log_batch(run_id, params=fresh)
+            data = self.client.get_run(run_id).data
+            fresh = [Param(k, str(v)) for k, v in params.items() if k not in data.params]
+            # A parent made before runs named their study gets the tags (never replaced).
+            tags = [RunTag(k, v) for k, v in self.parent_tags.items() if k not in data.tags]
+            if fresh or tags:
+                self.client.log_batch(run_id, params=fresh, tags=tags)
 
         self._later("open the study's parent run", work)
 

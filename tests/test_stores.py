@@ -7,10 +7,14 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from autoprec.cli import main
+from autoprec.tracking import mlflow_client
+
+TASKS = Path(__file__).with_name("contract_tasks.py")
 
 # A process whose files may grow to 4 KiB only (RLIMIT_FSIZE): a write past that fails
 # half-way with EFBIG, as one on a full disk fails with ENOSPC.
@@ -70,3 +74,75 @@ def test_compare_refuses_a_study_name_that_leads_outside_runs(in_tmp, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'../x'" in err[0], err
     assert list(in_tmp.iterdir()) == []  # not even runs/
+
+
+def _snapshot(folder):
+    """Every file under ``folder`` with its bytes (the Optuna and MLflow databases too)."""
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _search_args(*extra):
+    return [
+        "search",
+        "--task",
+        f"{TASKS}:tiny",
+        "--study",
+        "tied",
+        "--trials",
+        "2",
+        "--steps",
+        "12",
+        "--confirm-top",
+        "0",
+        "--device",
+        "cpu",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def _refused(capsys, *extra) -> str:
+    assert main(_search_args(*extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.slow
+def test_a_study_run_with_another_storage_overwrites_nothing(in_tmp, capsys, tmp_path_factory):
+    assert main(_search_args()) == 0
+    summary = json.loads((in_tmp / "runs/tied/summary.json").read_text())
+    tied = summary["optuna_study"]
+    assert tied["storage"] == f"sqlite:///{in_tmp}/runs/optuna.db" and tied["study_id"]
+    client = mlflow_client(f"sqlite:///{in_tmp}/runs/mlflow.db")
+    (parent,) = client.search_runs(
+        [client.get_experiment_by_name("tied").experiment_id],
+        filter_string="tags.`autoprec.role` = 'parent'",
+    )
+    assert parent.data.tags["autoprec.study_id"] == tied["study_id"]
+    capsys.readouterr()
+    before = _snapshot(in_tmp)
+
+    # A typo: a folder that does not exist is an error, and nothing is created.
+    typo = tmp_path_factory.mktemp("elsewhere") / "no" / "dir"
+    line = _refused(capsys, "--storage", f"sqlite:///{typo}/x.db")
+    assert "does not exist" in line and not typo.parent.exists()
+    # Another database: the outputs came from runs/optuna.db, and are refused as such.
+    line = _refused(capsys, "--storage", "sqlite:///other.db")
+    assert "runs/tied" in line and "runs/optuna.db" in line
+    assert _snapshot(in_tmp) == before  # other.db not even created
+    # Without the outputs, the MLflow parent run still says where it came from.
+    outputs = in_tmp / "runs/tied/summary.json"
+    outputs.rename(in_tmp / "kept.json")
+    line = _refused(capsys, "--storage", "sqlite:///other.db")
+    assert "MLflow parent run" in line and not (in_tmp / "other.db").exists()
+    # The same storage, but the study in it is another one (the database was lost).
+    (in_tmp / "kept.json").rename(outputs)
+    for path in (in_tmp / "runs").glob("optuna.db*"):
+        path.rename(in_tmp / path.name)
+    line = _refused(capsys)
+    assert "no longer holds" in line
+    assert not (in_tmp / "runs/optuna.db").exists()
+    assert {k: v for k, v in _snapshot(in_tmp / "runs").items()} == {
+        k: v for k, v in before.items() if "/runs/" in k and "optuna.db" not in k
+    }
