@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import io
 import logging
 import math
@@ -105,10 +106,43 @@ def mlflow_client(uri: str) -> MlflowClient:
 
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # Its database layer logs every failed write with a traceback, and every failed
+    # connection (ten, over 100 s) with a retry line; the Tracker says so in one line.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     uri = absolute_sqlite_uri(uri)
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    if urlparse(uri).scheme.split("+")[0] in ("postgresql", "mysql"):
+        _probe_database(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+def _probe_database(uri: str) -> None:
+    """Connect once, with a short timeout: a database server that is not there raises at
+    once, instead of after MLflow's ten attempts to create its engine."""
+    import sqlalchemy
+    from sqlalchemy.pool import NullPool
+
+    engine = sqlalchemy.create_engine(
+        uri, poolclass=NullPool, connect_args={"connect_timeout": HTTP_TIMEOUT_S}
+    )
+    try:
+        with engine.connect():
+            pass
+    finally:
+        engine.dispose()
+
+
+def _unwritable(error: BaseException) -> bool:
+    """Whether a write failed because the store cannot take writes now (a full disk, a
+    read-only file), which retrying later may fix, not because the write was wrong."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+        return True
+    text = str(error).lower()
+    return any(
+        words in text
+        for words in ("disk is full", "readonly database", "read-only", "no space left")
+    )
 
 
 def _credentials_to_environment(uri: str) -> str:
@@ -200,15 +234,18 @@ class Tracker:
             try:
                 job.work()
             except Exception as error:
-                if self._reachable():
+                unwritable = _unwritable(error)
+                if not unwritable and self._reachable():
                     self.warn(f"MLflow: could not {job.what} ({first_line(error)}); skipped")
                     return
                 if self._down_since is None:
                     self._down_since = time.monotonic()
+                    what = "cannot be written" if unwritable else "is unreachable"
                     self.warn(
-                        f"the MLflow tracking store {self.shown_uri} is unreachable "
-                        f"({first_line(error)}); the trials go on, recorded in the Optuna "
-                        "study, and are logged to MLflow once it answers again"
+                        f"the MLflow tracking store {self.shown_uri} {what} "
+                        f"({_first_line(error)}); the trials go on, recorded in the Optuna "
+                        "study, and are logged to MLflow once it answers again (or by the "
+                        "next run of this study)"
                     )
                 if self._stopping.wait(wait_s):
                     return  # the search is over: the next run of the study catches up
@@ -243,7 +280,7 @@ class Tracker:
         """Flush, then stop retrying; whether every write was done. What was not is
         written by the next run of the study."""
         done = self.flush(timeout_s)
-        if not done:
+        if not done and self._down_since is None:  # (a store that is down was said so)
             pending = self._jobs.unfinished_tasks
             self.warn(
                 f"{pending} MLflow write(s) could not be done now; the next run of this "

@@ -4,6 +4,7 @@ under runs/, and outputs tied to the Optuna study they came from."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from autoprec.cli import main
 from autoprec.tracking import mlflow_client
 
 TASKS = Path(__file__).with_name("contract_tasks.py")
+CLI = "import sys; from autoprec.cli import main; sys.exit(main(sys.argv[1:]))"
 
 # A process whose files may grow to 4 KiB only (RLIMIT_FSIZE): a write past that fails
 # half-way with EFBIG, as one on a full disk fails with ENOSPC.
@@ -146,3 +148,68 @@ def test_a_study_run_with_another_storage_overwrites_nothing(in_tmp, capsys, tmp
     assert {k: v for k, v in _snapshot(in_tmp / "runs").items()} == {
         k: v for k, v in before.items() if "/runs/" in k and "optuna.db" not in k
     }
+
+
+@pytest.mark.slow
+def test_a_lost_tracking_store_is_written_again_baseline_included(in_tmp):
+    assert main(_search_args()) == 0
+    for path in (in_tmp / "runs").glob("mlflow.db*"):
+        path.unlink()
+    assert main(_search_args()) == 0  # nothing left to train: MLflow catches up
+    client = mlflow_client(f"sqlite:///{in_tmp}/runs/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("tied").experiment_id])
+    names = sorted(r.info.run_name for r in runs if r.data.tags.get("autoprec.role") != "parent")
+    assert len(names) == 3 and "baseline-fp32" in names, names
+    (baseline,) = [r for r in runs if r.info.run_name == "baseline-fp32"]
+    assert baseline.info.status == "FINISHED" and baseline.data.metrics["accuracy"] > 0
+    assert baseline.data.tags["autoprec.logged"] == "true"
+
+
+def _search_quietly_failing_to_track(folder, tracking_uri, wrap=()):
+    """A search in a subprocess whose MLflow store cannot be used: it ends as it would
+    with a working one, and says so in one warning line."""
+    done = subprocess.run(
+        [*wrap, sys.executable, "-c", CLI, *_search_args("--tracking-uri", tracking_uri)],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    warnings = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "retried" not in done.stderr, done.stderr[-3000:]
+    assert "best policy:" in done.stdout
+    summary = json.loads((folder / "runs/tied/summary.json").read_text())
+    assert len(summary["trials"]) == 2 and (folder / "runs/tied/best_policy.yaml").is_file()
+    return warnings[0]
+
+
+@pytest.mark.slow
+def test_an_unreachable_postgresql_tracking_store_is_one_warning(tmp_path):
+    pytest.importorskip("psycopg")
+    line = _search_quietly_failing_to_track(tmp_path, "postgresql://127.0.0.1:1/x")
+    assert "is unreachable" in line and "trials go on" in line
+
+
+def _can_mount_tmpfs(folder) -> bool:
+    probe = f"mount -t tmpfs -o size=64k tmpfs {folder}"
+    return (
+        subprocess.run(["unshare", "-rm", "sh", "-c", probe], capture_output=True).returncode == 0
+    )
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_the_tracking_store_is_one_warning(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if shutil.which("unshare") is None or not _can_mount_tmpfs(disk):
+        pytest.skip("no unshare, or no user namespaces to mount a small tmpfs in")
+    # A disk with room for MLflow's empty database and a few pages more: full mid-search.
+    empty = tmp_path / "empty.db"
+    mlflow_client(f"sqlite:///{empty}").search_experiments()
+    size_kb = empty.stat().st_size // 1024 + 56
+    mount = f'mount -t tmpfs -o size={size_kb}k tmpfs {disk} && exec "$@"'
+    wrap = ("unshare", "-rm", "sh", "-c", mount, "sh")
+    line = _search_quietly_failing_to_track(tmp_path, f"sqlite:///{disk}/mlflow.db", wrap)
+    assert "cannot be written" in line and "disk is full" in line

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.errors import StoreError, redact
-from autoprec.tracking import ROLE_TAG, absolute_sqlite_uri
+from autoprec.tracking import ROLE_TAG, Tracker, absolute_sqlite_uri
 
 STUDY_ID_ATTR = "autoprec.study_id"  # Optuna study attribute: the study's random id
 SUMMARY_KEY = "optuna_study"  # summary.json: {"storage": ..., "study_id": ...}
@@ -96,11 +96,13 @@ def refuse_other_study(
         )
 
 
-def of_parent_run(client: Any, study: str) -> StudyIdentity | None:
-    """The study that the MLflow parent run of ``study`` came from (None if there is no
-    parent run yet, or the tracking store cannot be read now: its writer says so)."""
+def of_parent_run(tracker: Tracker) -> StudyIdentity | None:
+    """The study that the MLflow parent run of the tracker's study came from (None if
+    there is no parent run yet, or the tracking store cannot be read now: the tracker's
+    writer says so, in one line)."""
     try:
-        experiment = client.get_experiment_by_name(study)
+        client = tracker.client
+        experiment = client.get_experiment_by_name(tracker.study)
         if experiment is None:
             return None
         runs = client.search_runs(

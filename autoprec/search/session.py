@@ -75,6 +75,7 @@ from autoprec.tracking import FLUSH_WAIT_S, Tracker, absolute_sqlite_uri
 from autoprec.trial import Budget, EarlyStopping
 
 PROFILE_ATTR = "profile"  # study attribute: the ranking the groups and guidance use
+BASELINE_RUN = "baseline-fp32"  # the MLflow child run of the fp32 baseline
 CONFIRMED_ATTR = "confirmed_step_time_ms"  # study attribute: side-by-side re-timings
 # Default per-trial time limit: this many times the fp32 baseline's trial, at least
 # TRIAL_TIMEOUT_MIN_S (fp16 can be 20x slower than fp32 where it has no native kernels).
@@ -413,10 +414,13 @@ class Session:
         return ServingTrials(prepared.task, prepared.backend, served, reference, prepared.serving)
 
     def catch_up(self) -> None:
-        """Have MLflow catch up with the study: trials an earlier run measured but could
-        not log (its tracking store was down, or it died first), and the runs of trials
-        that never finished, closed as KILLED."""
+        """Have MLflow catch up with the study: the baseline and trials an earlier run
+        measured but could not log (its tracking store was down or lost, or it died
+        first), and the runs of trials that never finished, closed as KILLED."""
         logs, killed = [], {}
+        if self.baseline is not None and self.study.user_attrs.get("baseline") is not None:
+            tags = {"autoprec.role": "baseline"}
+            logs.append(trial_log("baseline", BASELINE_RUN, self.space, self.baseline, tags))
         for t in self.study.get_trials(deepcopy=False):
             if RECORD_ATTR in t.user_attrs and t.state.is_finished():
                 logs.append(logged_trial(t, self.space, self.prepared.feasibility))
@@ -438,14 +442,14 @@ class Session:
             result = result_of(stored["result"])
             return TrialRecord("baseline", policy, result, 0.0, True)
         tags = {"autoprec.role": "baseline"}
-        tracker.start_trial("baseline", "baseline-fp32", tags)
+        tracker.start_trial("baseline", BASELINE_RUN, tags)
         try:
             result = self.trials.measure(policy)
         except BaseException:
             tracker.kill_trial("baseline", "interrupted during the baseline")
             raise
         record = TrialRecord("baseline", policy, result, 0.0, True)
-        tracker.log_trial(trial_log("baseline", "baseline-fp32", self.space, record, tags))
+        tracker.log_trial(trial_log("baseline", BASELINE_RUN, self.space, record, tags))
         if result.state != "complete":
             what = "train" if prepared.serving is None else "serve"
             raise AutoprecError(
@@ -564,7 +568,7 @@ def _refuse_records_of_another_study(
     Optuna study than the one of that name in ``storage`` (or than a new one)."""
     current = StudyIdentity.of(prepared.config.storage, stored_study_id(storage, prepared.study))
     refuse_other_study(prepared.study, str(prepared.out_dir), outputs, current)
-    parent = of_parent_run(tracker.client, prepared.study)
+    parent = of_parent_run(tracker)
     refuse_other_study(prepared.study, "its MLflow parent run", parent, current)
 
 
