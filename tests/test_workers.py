@@ -137,7 +137,8 @@ def test_a_trial_that_raises_runs_out_of_memory_or_hangs_fails_and_the_search_go
     assert len(failed) == 7
     assert all(c.data.tags["reason"] for c in failed)
     timed = [t for t in result.summary["trials"] if t["number"] in hung]
-    assert all(t["metrics"]["run_time_s"] < 10 for t in timed)
+    # Cut off by the 2 s limit (the hang never ends by itself); generous for a loaded machine.
+    assert all(t["metrics"]["run_time_s"] < 60 for t in timed)
 
 
 def _search_command(tmp: Path, study: str, trials: int, sigint: bool = False) -> list[str]:
