@@ -406,6 +406,18 @@ class Lease:
                 self._write()
 
 
+def _give_id(study: optuna.Study) -> None:
+    """The study's random id (`autoprec.search.identity`), written once: on sqlite under
+    the database's lock file; on a server, as a lease is, read back after a settle, so
+    that of two processes creating the study at once, both read the same last writer."""
+    storage = _relational(study)
+    with storage.exclusive() if storage is not None else contextlib.nullcontext(False) as exact:
+        if STUDY_ID_ATTR not in study.user_attrs:
+            study.set_user_attr(STUDY_ID_ATTR, new_study_id())
+    if not exact:
+        time.sleep(_SETTLE_S)
+
+
 def _relational(study: optuna.Study) -> _Storage | None:
     """The study's own storage, when it is ours (under Optuna's cache)."""
     storage = study._storage  # Optuna keeps no public reference to it
@@ -483,7 +495,7 @@ def open_study(
         for key, value in settings.items():
             study.set_user_attr(key, value)
     if STUDY_ID_ATTR not in study.user_attrs:  # new, or made before studies had ids
-        study.set_user_attr(STUDY_ID_ATTR, new_study_id())
+        _give_id(study)
     if study.metric_names is None:  # optuna-dashboard then names the Pareto plot's axes
         serving = settings.get("mode") == "inference"
         study.set_metric_names(list(SERVING_OBJECTIVES if serving else OBJECTIVES))
