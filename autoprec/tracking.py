@@ -621,4 +621,7 @@ def load_best_policy(study: str, tracking_uri: str = DEFAULT_TRACKING_URI) -> Po
 
 
 def _first_line(error: BaseException) -> str:
-    return redact(first_line(error) or type(error).__name__)
+    """The line of an error that says what went wrong, password redacted (SQLAlchemy puts
+    a line on where the flush happened before the database's own message)."""
+    lines = [line for line in str(error).splitlines() if not line.startswith("(raised as")]
+    return redact((lines[0][:300] if lines else "") or type(error).__name__)
