@@ -204,6 +204,7 @@ def test_sigkill_mid_trial_then_resume_keeps_every_finished_trial(in_tmp):
     assert sorted(t["number"] for t in summary["trials"]) == sorted([*after, killed])
     (entry,) = [t for t in summary["trials"] if t["number"] == killed]
     assert entry["state"] == "failed" and "heartbeat" in entry["reason"], entry
+    assert not entry["counted"] and sum(t["counted"] for t in summary["trials"]) == 5
     assert not entry["pareto"] and not entry["feasible"]
 
 

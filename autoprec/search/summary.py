@@ -100,6 +100,7 @@ def summarize(
             "number": r.number,
             "state": r.result.state,
             "reason": r.result.reason,
+            "counted": r.number not in cut,  # in the budget: measured to an end
             "anchor": trials[r.number].user_attrs.get("anchor") if r.number in trials else None,
             "guided": trials[r.number].user_attrs.get("guided") if r.number in trials else None,
             "params": space.flat_params(r.policy),
