@@ -66,7 +66,10 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module 'autoprec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
+    module = importlib.import_module(_WHERE[name])
+    # ``autoprec.search`` is the package itself, callable: ``autoprec.search(...)`` runs a
+    # search and ``autoprec.search.Callbacks`` is its class, whatever was imported first.
+    value = module if module.__name__ == f"{__name__}.{name}" else getattr(module, name)
     globals()[name] = value
     return value
 

@@ -575,6 +575,17 @@ def _ui(args: argparse.Namespace) -> int:
     return serve(command, env, f"{base}/health", ready)
 
 
+def _check_study_names(args: argparse.Namespace) -> None:
+    """Every command's ``--study`` names a folder under the runs directory: checked as a
+    search checks it, before anything is read or written, so that none leads outside."""
+    from autoprec.search.config import check_study_name
+
+    studies = getattr(args, "study", None)
+    for study in studies if isinstance(studies, list) else [studies]:
+        if study is not None:
+            check_study_name(study)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handler = {
@@ -588,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         "ui": _ui,
     }[args.command]
     try:
+        _check_study_names(args)
         return handler(args)
     except AutoprecError as error:
         print(f"autoprec {args.command}: error: {redact(str(error))}", file=sys.stderr)

@@ -1,15 +1,24 @@
-"""Reading the files a user hands autoprec (policies, spaces), one way everywhere.
+"""Files autoprec reads and writes, one way everywhere.
 
-A policy or space file may come from a shared runs folder or an MLflow artifact, so it
-is read as untrusted data: its size is checked before anything is parsed (PyYAML takes
-about 14 s and 180 MB per MB of YAML), it must be UTF-8 text, it is parsed with
+Reading: a policy or space file may come from a shared runs folder or an MLflow artifact,
+so it is read as untrusted data: its size is checked before anything is parsed (PyYAML
+takes about 14 s and 180 MB per MB of YAML), it must be UTF-8 text, it is parsed with
 ``yaml.safe_load``'s constructors (no Python objects), a key given twice in one mapping
 is refused rather than silently overridden by the last one, and anchors may not expand
 it past `MAX_YAML_VALUES` values. Every failure is one line naming the file.
+
+Writing: summary.json, best_policy.yaml and profile.json are rewritten by every run of a
+study; a crash, a full disk or a Ctrl-C in the middle of a plain rewrite would leave half
+a file where the last good one was. So each is written to a temporary file beside its
+target and renamed over it (`os.replace` is atomic within one file system): a reader
+finds the old file or the new one, never a mix.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +120,26 @@ def _expanded_size(data: Any) -> int:
         elif isinstance(value, list):
             stack.extend(value)
     return count
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` through a temporary file in the same
+    folder, renamed over ``path`` once complete; on any error ``path`` is left as it was
+    and the temporary file is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = data.encode() if isinstance(data, str) else data
+    temporary = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial"
+    # Created as open() would create it (0666 less the umask), not 0600 as mkstemp does.
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(payload)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    return path

@@ -39,7 +39,7 @@ from torch import nn
 
 from autoprec.devices import INFERENCE_DTYPES, Backend, autocast_behaviour, device_kind, get_backend
 from autoprec.errors import PolicyError
-from autoprec.files import load_yaml, parse_yaml
+from autoprec.files import load_yaml, parse_yaml, write_atomic
 from autoprec.placement import Placement, announce, place, within
 from autoprec.precision import Plan, Precision, RegionSpec
 from autoprec.scaling import LossScale
@@ -242,10 +242,8 @@ class Policy:
         return cls.from_dict(parse_yaml(text, source, PolicyError), source)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_yaml())
-        return path
+        """The policy as YAML at ``path``, replaced whole (never half written)."""
+        return write_atomic(path, self.to_yaml())
 
     # -- landing on a model --------------------------------------------------------------
 

@@ -63,6 +63,7 @@ from torch import nn
 
 from autoprec.devices import DTYPES, Backend, get_backend
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
+from autoprec.files import write_atomic
 from autoprec.policy import LOW_PRECISION
 from autoprec.precision import Installed, Plan, RegionSpec
 from autoprec.tasks import Task, check_task, load_task
@@ -166,10 +167,8 @@ class Profile:
         return data
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        return path
+        """The profile as JSON at ``path``, replaced whole (never half written)."""
+        return write_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

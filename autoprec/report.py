@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from autoprec.files import write_atomic
 from autoprec.gains import gains_line, speed_words
 from autoprec.inference.scenarios import SCENARIOS
 from autoprec.selection import TIME_TIE
@@ -377,7 +378,7 @@ def render_report(summary: dict[str, Any], out_dir: Path) -> list[Path]:
 </body></html>
 """
     report = out_dir / "report.html"
-    report.write_text(page)
+    write_atomic(report, page)
     return [report, *plots]
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import io
 import logging
 import math
@@ -105,10 +106,43 @@ def mlflow_client(uri: str) -> MlflowClient:
 
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # Its database layer logs every failed write with a traceback, and every failed
+    # connection (ten, over 100 s) with a retry line; the Tracker says so in one line.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     uri = absolute_sqlite_uri(uri)
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    if urlparse(uri).scheme.split("+")[0] in ("postgresql", "mysql"):
+        _probe_database(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+def _probe_database(uri: str) -> None:
+    """Connect once, with a short timeout: a database server that is not there raises at
+    once, instead of after MLflow's ten attempts to create its engine."""
+    import sqlalchemy
+    from sqlalchemy.pool import NullPool
+
+    engine = sqlalchemy.create_engine(
+        uri, poolclass=NullPool, connect_args={"connect_timeout": HTTP_TIMEOUT_S}
+    )
+    try:
+        with engine.connect():
+            pass
+    finally:
+        engine.dispose()
+
+
+def _unwritable(error: BaseException) -> bool:
+    """Whether a write failed because the store cannot take writes now (a full disk, a
+    read-only file), which retrying later may fix, not because the write was wrong."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+        return True
+    text = str(error).lower()
+    return any(
+        words in text
+        for words in ("disk is full", "readonly database", "read-only", "no space left")
+    )
 
 
 def _credentials_to_environment(uri: str) -> str:
@@ -172,6 +206,8 @@ class Tracker:
         self._experiment_id: str | None = None
         self._parent_id: str | None = None
         self._children: dict[str, str] = {}  # key -> run id, of the runs found or made here
+        # The parent run's tags naming the Optuna study it records (set by the session).
+        self.parent_tags: dict[str, str] = {}
         self._jobs: queue.Queue[_Job] = queue.Queue()
         self._down_since: float | None = None
         self._stopping = threading.Event()
@@ -198,15 +234,18 @@ class Tracker:
             try:
                 job.work()
             except Exception as error:
-                if self._reachable():
+                unwritable = _unwritable(error)
+                if not unwritable and self._reachable():
                     self.warn(f"MLflow: could not {job.what} ({first_line(error)}); skipped")
                     return
                 if self._down_since is None:
                     self._down_since = time.monotonic()
+                    what = "cannot be written" if unwritable else "is unreachable"
                     self.warn(
-                        f"the MLflow tracking store {self.shown_uri} is unreachable "
-                        f"({first_line(error)}); the trials go on, recorded in the Optuna "
-                        "study, and are logged to MLflow once it answers again"
+                        f"the MLflow tracking store {self.shown_uri} {what} "
+                        f"({_first_line(error)}); the trials go on, recorded in the Optuna "
+                        "study, and are logged to MLflow once it answers again (or by the "
+                        "next run of this study)"
                     )
                 if self._stopping.wait(wait_s):
                     return  # the search is over: the next run of the study catches up
@@ -241,7 +280,7 @@ class Tracker:
         """Flush, then stop retrying; whether every write was done. What was not is
         written by the next run of the study."""
         done = self.flush(timeout_s)
-        if not done:
+        if not done and self._down_since is None:  # (a store that is down was said so)
             pending = self._jobs.unfinished_tasks
             self.warn(
                 f"{pending} MLflow write(s) could not be done now; the next run of this "
@@ -301,7 +340,7 @@ class Tracker:
                 found = self.client.create_run(
                     self._experiment(),
                     run_name=f"search-{self.study}",
-                    tags={ROLE_TAG: "parent", STUDY_TAG: self.study},
+                    tags={ROLE_TAG: "parent", STUDY_TAG: self.study, **self.parent_tags},
                 )
             self._parent_id = found.info.run_id
         return self._parent_id
@@ -329,15 +368,17 @@ class Tracker:
 
     def start_parent(self, params: dict[str, Any]) -> None:
         """The study's parent run, RUNNING, with the search settings as params."""
-        from mlflow.entities import Param
+        from mlflow.entities import Param, RunTag
 
         def work() -> None:
             run_id = self._parent()
             self.client.update_run(run_id, status="RUNNING")
-            logged = self.client.get_run(run_id).data.params
-            fresh = [Param(k, str(v)) for k, v in params.items() if k not in logged]
-            if fresh:
-                self.client.log_batch(run_id, params=fresh)
+            data = self.client.get_run(run_id).data
+            fresh = [Param(k, str(v)) for k, v in params.items() if k not in data.params]
+            # A parent made before runs named their study gets the tags (never replaced).
+            tags = [RunTag(k, v) for k, v in self.parent_tags.items() if k not in data.tags]
+            if fresh or tags:
+                self.client.log_batch(run_id, params=fresh, tags=tags)
 
         self._later("open the study's parent run", work)
 
@@ -586,4 +627,7 @@ def load_best_policy(study: str, tracking_uri: str = DEFAULT_TRACKING_URI) -> Po
 
 
 def _first_line(error: BaseException) -> str:
-    return redact(first_line(error) or type(error).__name__)
+    """The line of an error that says what went wrong, password redacted (SQLAlchemy puts
+    a line on where the flush happened before the database's own message)."""
+    lines = [line for line in str(error).splitlines() if not line.startswith("(raised as")]
+    return redact((lines[0][:300] if lines else "") or type(error).__name__)

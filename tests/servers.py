@@ -42,8 +42,10 @@ def _as_postgres(command: list[str]) -> list[str]:
 
 
 def _wait_for(
-    check, what: str, process: subprocess.Popen, log: Path | None = None, timeout_s: float = 90
+    check, what: str, process: subprocess.Popen, log: Path | None = None, timeout_s: float = 300
 ) -> None:
+    """Wait until ``check()`` holds; the bound is generous (an MLflow server with its
+    workers takes about a minute on 2 idle cores), it only stops a server that hangs."""
     deadline = time.monotonic() + timeout_s
     while not check():
         said = log.read_text()[-2000:] if log is not None else ""

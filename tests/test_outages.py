@@ -57,19 +57,36 @@ class Search:
             command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         self.lines: list[tuple[float, str]] = []
-        self.stdout = ""
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self._stdout: list[str] = []
+        # Each pipe has one reader, to its end: were stderr also read by communicate(),
+        # the lines it took (on a loaded machine, the last ones) would be missing here.
+        self._readers = [
+            threading.Thread(target=self._read_stderr, daemon=True),
+            threading.Thread(target=self._read_stdout, daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
 
-    def _read(self) -> None:
+    def _read_stderr(self) -> None:
         assert self.process.stderr is not None
         for line in self.process.stderr:
             self.lines.append((time.monotonic(), line.rstrip()))
 
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        self._stdout.extend(self.process.stdout)
+
     def finish(self, timeout_s: float = 600) -> int:
-        self.stdout, _ = self.process.communicate(timeout=timeout_s)
-        self._reader.join(timeout=10)
+        """Wait for the search to end and for every line it wrote to be read."""
+        self.process.wait(timeout=timeout_s)
+        for reader in self._readers:
+            reader.join(timeout=timeout_s)
+            assert not reader.is_alive(), "a pipe of the search stayed open after it ended"
         return self.process.returncode
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self._stdout)
 
     def said(self, words: str) -> list[tuple[float, str]]:
         return [(t, line) for t, line in self.lines if words in line]
@@ -113,10 +130,12 @@ def test_a_tracking_server_killed_mid_search_stalls_nothing_and_loses_nothing(tm
         server.kill()
         killed_at = time.monotonic()
         recorded_at_kill = len(_recorded(storage, "outage"))
-        # Within about 30 s, one line says so, and the trials go on in Optuna.
-        _wait(lambda: search.said("unreachable"), 45, "warning", search)
+        # Within about 30 s on an idle machine, one line says so, and the trials go on in
+        # Optuna. The bound is generous for a loaded machine, yet far below MLflow's own
+        # retries (7 with exponential backoff, minutes per request), which autoprec bounds.
+        _wait(lambda: search.said("unreachable"), 180, "warning", search)
         (warned_at, warning), *_ = search.said("unreachable")
-        assert warned_at - killed_at < 35, warning
+        assert warned_at - killed_at < 180, warning
         assert "trials go on" in warning
         _wait(
             lambda: len(_recorded(storage, "outage")) >= recorded_at_kill + 2,
@@ -153,7 +172,9 @@ def test_a_postgres_restart_mid_search_loses_no_trial_and_makes_none_twice(tmp_p
         search = Search(tmp_path, *args)
         _wait(lambda: len(_recorded(storage, "pg")) >= 2, 300, "2 trials", search)
         server.stop(immediate=immediate)
-        time.sleep(3)  # the search meets the outage
+        # The search meets the outage at its next storage call, however long the trial
+        # it is in takes on a loaded machine.
+        _wait(lambda: search.said("Optuna storage is unreachable"), 300, "outage", search)
         server.start()
         assert search.finish() == 0, search.stderr[-3000:]
         recorded = _recorded(storage, "pg")
@@ -161,8 +182,8 @@ def test_a_postgres_restart_mid_search_loses_no_trial_and_makes_none_twice(tmp_p
         assert len({t.user_attrs[CLAIM_ATTR] for t in recorded}) == 8  # none twice
         trials = optuna.load_study(study_name="pg", storage=storage).trials
         assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
-        if search.said("Optuna storage is unreachable"):  # met it mid-call: said both ways
-            assert search.said("Optuna storage answers again")
+        assert len(search.said("Optuna storage is unreachable")) == 1, search.stderr[-3000:]
+        assert len(search.said("Optuna storage answers again")) == 1, search.stderr[-3000:]
 
 
 @requires_postgres

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import optuna
 import pytest
@@ -180,15 +182,29 @@ def test_ctrl_c_keeps_what_was_measured_and_the_study_continues(tmp_path, monkey
         autoprec.search(task, trials=4, steps=12, study="cc", device="cpu", callbacks=Armed())
     summary = json.loads((tmp_path / "runs/cc/summary.json").read_text())
     assert summary["interrupted"] is True
-    assert len(summary["trials"]) == 2
+    # The two measured, and the one cut off: listed as failed, not counted.
+    assert [t["counted"] for t in summary["trials"]] == [True, True, False]
     assert caught.value.result.summary_path.resolve() == tmp_path / "runs/cc/summary.json"
     assert (tmp_path / "runs/cc/best_policy.yaml").is_file()
     study = optuna.load_study(study_name="cc", storage=f"sqlite:///{tmp_path}/runs/optuna.db")
     cut = [t for t in study.trials if t.user_attrs.get("interrupted")]
     assert len(cut) == 1 and cut[0].state == optuna.trial.TrialState.FAIL
+    listed = summary["trials"][-1]
+    assert listed["number"] == cut[0].number and listed["state"] == "failed"
+    assert "interrupted" in listed["reason"]
     anchor = cut[0].user_attrs["anchor"]
 
     task.model = build  # continue: only what is missing runs, the cut anchor included
     again = autoprec.search(task, trials=4, steps=12, study="cc", device="cpu")
-    assert len(again.summary["trials"]) == 4 and again.summary["interrupted"] is False
+    assert sum(t["counted"] for t in again.summary["trials"]) == 4
+    assert len(again.summary["trials"]) == 5 and again.summary["interrupted"] is False
     assert anchor in {t["anchor"] for t in again.summary["trials"]}
+
+
+def test_autoprec_search_is_the_callable_package_in_a_fresh_process():
+    # As the README's Python API reads; it depended on what the process had imported.
+    probe = "import autoprec; assert callable(autoprec.search); print(autoprec.search.Callbacks)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "Callbacks" in done.stdout, done.stderr[-2000:]

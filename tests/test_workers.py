@@ -3,7 +3,6 @@ runs out of memory or hangs; a search killed with SIGKILL and resumed."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
@@ -138,7 +137,8 @@ def test_a_trial_that_raises_runs_out_of_memory_or_hangs_fails_and_the_search_go
     assert len(failed) == 7
     assert all(c.data.tags["reason"] for c in failed)
     timed = [t for t in result.summary["trials"] if t["number"] in hung]
-    assert all(t["metrics"]["run_time_s"] < 10 for t in timed)
+    # Cut off by the 2 s limit (the hang never ends by itself); generous for a loaded machine.
+    assert all(t["metrics"]["run_time_s"] < 60 for t in timed)
 
 
 def _search_command(tmp: Path, study: str, trials: int, sigint: bool = False) -> list[str]:
@@ -172,33 +172,14 @@ def _search_command(tmp: Path, study: str, trials: int, sigint: bool = False) ->
 def test_sigkill_mid_trial_then_resume_keeps_every_finished_trial(in_tmp):
     storage = f"sqlite:///{in_tmp}/runs/optuna.db"
     command = _search_command(in_tmp, "kill", trials=5)
-    process = subprocess.Popen(
-        command, cwd=in_tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    deadline = time.monotonic() + 300
     killed = None
-    while time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.2)
-        study = _peek(in_tmp, "kill")
-        if study is None:
-            continue
-        # A trial that started under half a second ago: it is still running at the kill.
-        now = datetime.datetime.now()
-        running = [
-            t
-            for t in study.trials
-            if t.state == TrialState.RUNNING
-            and CLAIM_ATTR in t.user_attrs
-            and (now - t.datetime_start).total_seconds() < 0.5
-        ]
-        if len(_recorded(study)) >= 2 and running:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait()
-            killed = running[0].number
+    for _ in range(5):  # until the kill lands mid-trial, however slow the machine
+        killed = _sigkill_mid_trial(command, in_tmp)
+        if killed is not None:
             break
-    assert killed is not None, process.communicate()[0].decode()[-2000:]
-    before = {t.number: t.user_attrs[RECORD_ATTR] for t in _recorded(study)}
+    assert killed is not None
     study = optuna.load_study(study_name="kill", storage=storage)
+    before = {t.number: t.user_attrs[RECORD_ATTR] for t in _recorded(study)}
     assert study.trials[killed].state == TrialState.RUNNING  # nobody has looked yet
 
     resumed = subprocess.run(command, cwd=in_tmp, capture_output=True, text=True, timeout=600)
@@ -218,8 +199,39 @@ def test_sigkill_mid_trial_then_resume_keeps_every_finished_trial(in_tmp):
         assert "heartbeat" in cut_run.data.tags["reason"]
     measured = [c for c in children if c.info.status in ("FINISHED", "FAILED")]
     assert {c.data.tags[KEY_TAG] for c in measured} == {"baseline"} | {str(n) for n in after}
+    # The summary lists every trial: the killed one too, failed with the reason.
     summary = json.loads((in_tmp / "runs/kill/summary.json").read_text())
-    assert sorted(t["number"] for t in summary["trials"]) == sorted(after)
+    assert sorted(t["number"] for t in summary["trials"]) == sorted([*after, killed])
+    (entry,) = [t for t in summary["trials"] if t["number"] == killed]
+    assert entry["state"] == "failed" and "heartbeat" in entry["reason"], entry
+    assert not entry["counted"] and sum(t["counted"] for t in summary["trials"]) == 5
+    assert not entry["pareto"] and not entry["feasible"]
+
+
+def _sigkill_mid_trial(command: list[str], folder: Path) -> int | None:
+    """Run the search until it has recorded 2 trials and is running a third, SIGKILL it,
+    and return the number of the trial it was running then, as the study says after the
+    kill (None if the kill fell between two trials)."""
+    process = subprocess.Popen(
+        command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    deadline = time.monotonic() + 600
+    while process.poll() is None:
+        assert time.monotonic() < deadline, "no trial running after 2 recorded within 600 s"
+        time.sleep(0.2)
+        study = _peek(folder, "kill")
+        if study is None or len(_recorded(study)) < 2:
+            continue
+        if any(t.state == TrialState.RUNNING and CLAIM_ATTR in t.user_attrs for t in study.trials):
+            os.kill(process.pid, signal.SIGKILL)
+            break
+    output = process.communicate()[0].decode()
+    assert process.returncode == -signal.SIGKILL, output[-2000:]
+    study = _peek(folder, "kill")
+    running = [
+        t for t in study.trials if t.state == TrialState.RUNNING and CLAIM_ATTR in t.user_attrs
+    ]
+    return running[0].number if running else None
 
 
 @pytest.mark.slow
@@ -248,7 +260,12 @@ def test_ctrl_c_stops_the_workers_and_writes_what_was_measured(in_tmp):
     assert cut and all(t.state == TrialState.FAIL for t in cut)
     summary = json.loads((in_tmp / "runs/cc/summary.json").read_text())
     assert summary["interrupted"] is True
-    assert len(summary["trials"]) == len(_recorded(study)) >= 2
+    assert len(_recorded(study)) >= 2
+    # Every trial that ran: the recorded ones, and the ones cut off, failed with the reason.
+    listed = {t["number"]: t for t in summary["trials"]}
+    claimed_cut = {t.number for t in cut if CLAIM_ATTR in t.user_attrs}
+    assert set(listed) == {t.number for t in _recorded(study)} | claimed_cut
+    assert all("interrupted" in listed[n]["reason"] for n in claimed_cut)
     assert (in_tmp / "runs/cc/best_policy.yaml").is_file()
     _, children = _runs_of(f"sqlite:///{in_tmp}/runs/mlflow.db", "cc")
     killed = {c.data.tags[KEY_TAG] for c in children if c.info.status == "KILLED"}

@@ -16,6 +16,7 @@ from torch import nn
 
 from autoprec import Policy
 from autoprec.errors import AutoprecError
+from autoprec.files import write_atomic
 
 LOW_DTYPES = ("fp16", "bf16")
 COMMENT_WIDTH = 92
@@ -49,7 +50,7 @@ def out_folder(out_dir: str | Path) -> Path:
 
 def write(path: Path, text: str) -> Path:
     try:
-        path.write_text(text)
+        write_atomic(path, text)
     except OSError as error:
         raise ExportError(f"{path}: cannot write ({error.strerror or error})") from None
     return path

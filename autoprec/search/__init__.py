@@ -29,9 +29,10 @@ from typing import Any
 from autoprec.policy import Policy
 from autoprec.search.config import SearchConfig
 from autoprec.search.events import Callbacks
+from autoprec.search.identity import SUMMARY_KEY
 from autoprec.search.loop import run_trials
 from autoprec.search.serving import FP32_CHECKPOINT, ServingTrials, save_served_model
-from autoprec.search.session import Prepared, Session, prepare
+from autoprec.search.session import Prepared, Session, identity_of, prepare
 from autoprec.search.summary import by_batch_size, numeric, summarize, write_outputs
 from autoprec.search.workers import run_workers
 from autoprec.space import SearchSpace
@@ -169,6 +170,8 @@ def _finish(
         "trial_timeout_s": session.trial_limit_s,
     }
     summary["mlflow_parent_run_id"] = tracker.parent_id
+    # Which Optuna study this is: a search with another --storage refuses these outputs.
+    summary[SUMMARY_KEY] = identity_of(session.study, config.storage).to_dict()
     summary["interrupted"] = interrupted
     summary["profile"] = (
         None

@@ -32,6 +32,14 @@ from autoprec.inference.scenarios import AS_SELECTION
 from autoprec.profile import Profile, profile_task
 from autoprec.search.config import SearchConfig, check_study_name, check_tolerance
 from autoprec.search.events import Callbacks
+from autoprec.search.identity import (
+    STUDY_ID_ATTR,
+    StudyIdentity,
+    of_outputs,
+    of_parent_run,
+    refuse_other_storage,
+    refuse_other_study,
+)
 from autoprec.search.loop import (
     POLL_S,
     TrialContext,
@@ -56,6 +64,7 @@ from autoprec.search.studies import (
     make_sampler,
     open_storage,
     open_study,
+    stored_study_id,
     worker_id,
 )
 from autoprec.search.summary import candidates
@@ -66,6 +75,7 @@ from autoprec.tracking import FLUSH_WAIT_S, Tracker, absolute_sqlite_uri
 from autoprec.trial import Budget, EarlyStopping
 
 PROFILE_ATTR = "profile"  # study attribute: the ranking the groups and guidance use
+BASELINE_RUN = "baseline-fp32"  # the MLflow child run of the fp32 baseline
 CONFIRMED_ATTR = "confirmed_step_time_ms"  # study attribute: side-by-side re-timings
 # Default per-trial time limit: this many times the fp32 baseline's trial, at least
 # TRIAL_TIMEOUT_MIN_S (fp16 can be 20x slower than fp32 where it has no native kernels).
@@ -271,8 +281,16 @@ class Session:
             config.tracking_uri, prepared.study, Path(config.runs_dir), callbacks.warning
         )  # it names its store in messages with the password redacted
         storage_url = absolute_sqlite_uri(config.storage)
-        if storage_url.startswith("sqlite:///"):
-            Path(storage_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        database = _sqlite_file(storage_url, Path(config.runs_dir))
+        # Outputs of a study in another storage are refused before this one is touched.
+        outputs = of_outputs(prepared.out_dir)
+        refuse_other_storage(
+            prepared.study,
+            str(prepared.out_dir),
+            outputs,
+            StudyIdentity.of(storage_url, None).storage,
+        )
+        created = database is not None and not database.exists()
         try:
             storage = open_storage(
                 storage_url, config.heartbeat_s, _on_stale(tracker), callbacks.warning
@@ -282,10 +300,14 @@ class Session:
             raise StoreError(f"Optuna storage {where}: {redact(first_line(error))}") from None
         sampler = make_sampler(config.sampler, config.seed, config.trials, worker)
         try:
+            _refuse_records_of_another_study(prepared, tracker, storage, outputs)
             study = open_study(prepared.study, storage, sampler, prepared.settings)
         except BaseException:  # a study of other settings: leave the database as it was
             storage.engine.dispose()
+            if created and database is not None:
+                _remove_sqlite(database)
             raise
+        tracker.parent_tags = identity_of(study, storage_url).tags()
         fail_stale(study)
         return cls(prepared, tracker, study, callbacks)
 
@@ -392,10 +414,13 @@ class Session:
         return ServingTrials(prepared.task, prepared.backend, served, reference, prepared.serving)
 
     def catch_up(self) -> None:
-        """Have MLflow catch up with the study: trials an earlier run measured but could
-        not log (its tracking store was down, or it died first), and the runs of trials
-        that never finished, closed as KILLED."""
+        """Have MLflow catch up with the study: the baseline and trials an earlier run
+        measured but could not log (its tracking store was down or lost, or it died
+        first), and the runs of trials that never finished, closed as KILLED."""
         logs, killed = [], {}
+        if self.baseline is not None and self.study.user_attrs.get("baseline") is not None:
+            tags = {"autoprec.role": "baseline"}
+            logs.append(trial_log("baseline", BASELINE_RUN, self.space, self.baseline, tags))
         for t in self.study.get_trials(deepcopy=False):
             if RECORD_ATTR in t.user_attrs and t.state.is_finished():
                 logs.append(logged_trial(t, self.space, self.prepared.feasibility))
@@ -417,14 +442,14 @@ class Session:
             result = result_of(stored["result"])
             return TrialRecord("baseline", policy, result, 0.0, True)
         tags = {"autoprec.role": "baseline"}
-        tracker.start_trial("baseline", "baseline-fp32", tags)
+        tracker.start_trial("baseline", BASELINE_RUN, tags)
         try:
             result = self.trials.measure(policy)
         except BaseException:
             tracker.kill_trial("baseline", "interrupted during the baseline")
             raise
         record = TrialRecord("baseline", policy, result, 0.0, True)
-        tracker.log_trial(trial_log("baseline", "baseline-fp32", self.space, record, tags))
+        tracker.log_trial(trial_log("baseline", BASELINE_RUN, self.space, record, tags))
         if result.state != "complete":
             what = "train" if prepared.serving is None else "serve"
             raise AutoprecError(
@@ -510,6 +535,46 @@ class Session:
         confirmed = dict(zip(keys, times_ms, strict=True))
         self.study.set_user_attr(CONFIRMED_ATTR, confirmed)
         return confirmed
+
+
+def _sqlite_file(storage_url: str, runs_dir: Path) -> Path | None:
+    """The database file of a sqlite storage (None for a server). Its folder must exist,
+    except the runs directory, which is made: a typo in --storage creates nothing."""
+    if not storage_url.startswith("sqlite:///") or storage_url.endswith(":memory:"):
+        return None
+    database = Path(storage_url.removeprefix("sqlite:///"))
+    if not database.parent.is_dir():
+        if database.parent.resolve() != runs_dir.resolve():
+            raise StoreError(
+                f"--storage {redact(storage_url)!r}: the folder {database.parent} does not exist"
+            )
+        database.parent.mkdir(parents=True, exist_ok=True)
+    return database
+
+
+def _remove_sqlite(database: Path) -> None:
+    """A sqlite file this search made before it refused to go on, and its companions."""
+    for suffix in ("", "-wal", "-shm", ".queue.lock"):
+        Path(f"{database}{suffix}").unlink(missing_ok=True)
+
+
+def _refuse_records_of_another_study(
+    prepared: Prepared,
+    tracker: Tracker,
+    storage: optuna.storages.BaseStorage,
+    outputs: StudyIdentity | None,
+) -> None:
+    """A StoreError if runs/<study>/ or the study's MLflow parent run came from another
+    Optuna study than the one of that name in ``storage`` (or than a new one)."""
+    current = StudyIdentity.of(prepared.config.storage, stored_study_id(storage, prepared.study))
+    refuse_other_study(prepared.study, str(prepared.out_dir), outputs, current)
+    parent = of_parent_run(tracker)
+    refuse_other_study(prepared.study, "its MLflow parent run", parent, current)
+
+
+def identity_of(study: optuna.Study, storage_url: str) -> StudyIdentity:
+    """The study's identity, as summary.json and its MLflow parent run record it."""
+    return StudyIdentity.of(storage_url, study.user_attrs.get(STUDY_ID_ATTR))
 
 
 def _on_stale(tracker: Tracker) -> Callable[[optuna.Study, FrozenTrial], None]:

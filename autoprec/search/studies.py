@@ -44,6 +44,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autoprec.errors import StoreError, first_line
 from autoprec.search.config import HEARTBEAT_INTERVAL_S
+from autoprec.search.identity import STUDY_ID_ATTR, new_study_id
 
 RECORD_ATTR = "autoprec"  # user attribute: the trial's policy and result, once measured
 CLAIM_ATTR = "autoprec.claim"  # user attribute: the key of the policy the trial measures
@@ -83,6 +84,9 @@ class _Storage(optuna.storages.RDBStorage):
     def __init__(self, url: str, warn: Callable[[str], None] = print, **kwargs: Any) -> None:
         self.warn = warn
         self.outage_since: float | None = None
+        # Threads of one process (the trial loop, a lease's renewal) meet one outage:
+        # it begins and ends once, and each is said once.
+        self.outage_lock = threading.Lock()
         super().__init__(url, **kwargs)
         database = sqlalchemy.engine.make_url(url).database
         on_file = url.startswith("sqlite") and database not in (None, "", ":memory:")
@@ -144,6 +148,24 @@ def _connection_lost(error: BaseException) -> bool:
     return isinstance(error, optuna.exceptions.StorageInternalError) and isinstance(cause, lost)
 
 
+def _outage_goes_on(storage: _Storage, error: BaseException) -> None:
+    """A call found the database out of reach: the outage begins (said once), or has
+    lasted too long (a StoreError)."""
+    with storage.outage_lock:
+        now = time.monotonic()
+        if storage.outage_since is None:
+            storage.outage_since = now
+            storage.warn(
+                f"the Optuna storage is unreachable ({first_line(error, 200)}); "
+                f"trying again for up to {STORAGE_OUTAGE_S:.0f} s (Ctrl-C to stop)"
+            )
+        elif now - storage.outage_since > STORAGE_OUTAGE_S:
+            raise StoreError(
+                f"the Optuna storage was unreachable for {STORAGE_OUTAGE_S:.0f} s "
+                f"({first_line(error, 200)}); run the same command again to continue"
+            ) from None
+
+
 def _retrying(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method`` of the storage, tried again while the database is out of reach: one
     warning when it goes, one when it answers again, a StoreError after STORAGE_OUTAGE_S.
@@ -161,24 +183,15 @@ def _retrying(method: Callable[..., Any]) -> Callable[..., Any]:
                 if not _connection_lost(error):
                     raise
                 self.scoped_session.remove()  # the next try starts on a fresh session
-                now = time.monotonic()
-                if self.outage_since is None:
-                    self.outage_since = now
-                    self.warn(
-                        f"the Optuna storage is unreachable ({first_line(error, 200)}); "
-                        f"trying again for up to {STORAGE_OUTAGE_S:.0f} s (Ctrl-C to stop)"
-                    )
-                elif now - self.outage_since > STORAGE_OUTAGE_S:
-                    raise StoreError(
-                        f"the Optuna storage was unreachable for {STORAGE_OUTAGE_S:.0f} s "
-                        f"({first_line(error, 200)}); run the same command again to continue"
-                    ) from None
+                _outage_goes_on(self, error)
                 time.sleep(wait_s)
                 wait_s = min(2 * wait_s, 30.0)
                 continue
             if self.outage_since is not None:
-                self.outage_since = None
-                self.warn("the Optuna storage answers again; the search goes on")
+                with self.outage_lock:
+                    if self.outage_since is not None:
+                        self.outage_since = None
+                        self.warn("the Optuna storage answers again; the search goes on")
             return result
 
     return retried
@@ -393,6 +406,18 @@ class Lease:
                 self._write()
 
 
+def _give_id(study: optuna.Study) -> None:
+    """The study's random id (`autoprec.search.identity`), written once: on sqlite under
+    the database's lock file; on a server, as a lease is, read back after a settle, so
+    that of two processes creating the study at once, both read the same last writer."""
+    storage = _relational(study)
+    with storage.exclusive() if storage is not None else contextlib.nullcontext(False) as exact:
+        if STUDY_ID_ATTR not in study.user_attrs:
+            study.set_user_attr(STUDY_ID_ATTR, new_study_id())
+    if not exact:
+        time.sleep(_SETTLE_S)
+
+
 def _relational(study: optuna.Study) -> _Storage | None:
     """The study's own storage, when it is ours (under Optuna's cache)."""
     storage = study._storage  # Optuna keeps no public reference to it
@@ -421,6 +446,18 @@ def make_sampler(name: str, seed: int, trials: int, worker: int = 0) -> optuna.s
     return optuna.samplers.TPESampler(
         seed=seed, n_startup_trials=max(4, trials // 3), multivariate=True, constant_liar=True
     )
+
+
+def stored_study_id(storage: optuna.storages.BaseStorage, name: str) -> str | None:
+    """The id of the storage's study of that name (None: no such study, or one made before
+    studies had ids)."""
+    where = getattr(storage, "url", "the Optuna storage")
+    try:
+        summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
+    except Exception as error:
+        raise StoreError(f"Optuna storage {where}: {first_line(error)}") from None
+    existing = {s.study_name: s for s in summaries}.get(name)
+    return None if existing is None else existing.user_attrs.get(STUDY_ID_ATTR)
 
 
 def open_study(
@@ -457,6 +494,8 @@ def open_study(
     if existing is None:
         for key, value in settings.items():
             study.set_user_attr(key, value)
+    if STUDY_ID_ATTR not in study.user_attrs:  # new, or made before studies had ids
+        _give_id(study)
     if study.metric_names is None:  # optuna-dashboard then names the Pareto plot's axes
         serving = settings.get("mode") == "inference"
         study.set_metric_names(list(SERVING_OBJECTIVES if serving else OBJECTIVES))

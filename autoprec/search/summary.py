@@ -13,14 +13,20 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
+from autoprec.errors import AutoprecError
+from autoprec.files import write_atomic
 from autoprec.inference.measure import InferenceResult
 from autoprec.policy import Policy
 from autoprec.search.records import Feasibility, Result, TrialRecord, record_of
-from autoprec.search.studies import finished
+from autoprec.search.studies import CLAIM_ATTR, RECORD_ATTR, STEPPED_BACK_ATTR, finished
 from autoprec.selection import TIME_TIE, Candidate, pareto_front, select_best
 from autoprec.space import SearchSpace
 from autoprec.trial import TrialResult
+
+INTERRUPTED = "interrupted (Ctrl-C) before it ended; not counted"
+KILLED = "its process stopped before the trial ended (killed?): failed by heartbeat; not counted"
 
 
 def candidates(
@@ -81,6 +87,8 @@ def summarize(
     run_ids = run_ids or {}
     trials = {t.number: t for t in finished(study)}
     records = [record_of(t, feasibility) for t in trials.values()]
+    cut = cut_off(study, space, type(baseline.result))
+    trials.update({t.number: t for t in study.get_trials(deepcopy=False) if t.number in cut})
     front_keys = {c.key for c in pareto_front(candidates([baseline, *records], confirmed))}
     best = best_record(records, baseline, prefer, confirmed)
 
@@ -92,6 +100,7 @@ def summarize(
             "number": r.number,
             "state": r.result.state,
             "reason": r.result.reason,
+            "counted": r.number not in cut,  # in the budget: measured to an end
             "anchor": trials[r.number].user_attrs.get("anchor") if r.number in trials else None,
             "guided": trials[r.number].user_attrs.get("guided") if r.number in trials else None,
             "params": space.flat_params(r.policy),
@@ -135,7 +144,7 @@ def summarize(
         "accuracy_tolerance": feasibility.tolerance,
         "prefer": prefer,
         "baseline": entry(baseline),
-        "trials": [entry(r) for r in records],
+        "trials": [entry(r) for r in sorted([*records, *cut.values()], key=lambda r: r.number)],
         "pareto_front": [
             k for k in [baseline.number, *(r.number for r in records)] if k in front_keys
         ],
@@ -145,6 +154,27 @@ def summarize(
         "advice": (getattr(baseline.result, "telemetry", None) or {}).get("warnings", []),
         "trial_time_s": baseline.result.run_time_s + sum(r.result.run_time_s for r in records),
     }
+
+
+def cut_off(
+    study: optuna.Study, space: SearchSpace, result_type: type[Result]
+) -> dict[int, TrialRecord]:
+    """Trials that began to measure a policy (they claimed it) and never recorded a result:
+    interrupted by Ctrl-C, or their process killed (failed by heartbeat). Not counted in
+    the budget, and listed as failed with the reason, so that summary.json lists every
+    trial that ran."""
+    cut = {}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+        attrs = t.user_attrs
+        if CLAIM_ATTR not in attrs or RECORD_ATTR in attrs or STEPPED_BACK_ATTR in attrs:
+            continue
+        try:
+            policy = space.policy(t.params)
+        except (AutoprecError, KeyError, ValueError):  # asked under another space
+            continue
+        reason = INTERRUPTED if attrs.get("interrupted") else KILLED
+        cut[t.number] = TrialRecord(t.number, policy, result_type("failed", reason), None, False)
+    return cut
 
 
 def by_batch_size(
@@ -218,5 +248,5 @@ def write_outputs(summary: dict[str, Any], policy: Policy, out_dir: Path) -> tup
     out_dir.mkdir(parents=True, exist_ok=True)
     policy_path = policy.save(out_dir / "best_policy.yaml")
     summary_path = out_dir / "summary.json"
-    summary_path.write_text(json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
+    write_atomic(summary_path, json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
     return policy_path, summary_path
