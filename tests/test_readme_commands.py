@@ -72,8 +72,8 @@ HANDLED: dict[str, Handling] = {
     "autoprec search --mode inference --scenario server --batch-sizes 1,64": SEARCH,
     "autoprec search --mode inference --scenario critical --checkpoint my_weights.pt": SEARCH,
     "autoprec export --study digits-mlp-edge": Handling(),
-    "autoprec search --task my_task.py:make_task --trials 200 --steps 300 --workers 8 "
-    "--devices npu:0-7": Handling(budget=("--trials", "--steps"), npus=8, draws=True),
+    "autoprec search --task my_task.py:make_task --study my-task-npu --trials 200 --steps 300 "
+    "--workers 8 --devices npu:0-7": Handling(budget=("--trials", "--steps"), npus=8, draws=True),
     "autoprec search --task my_task.py:make_task --study resnet-npu --trials 400 --steps 300 "
     "--storage postgresql://autoprec@db.example/optuna --tracking-uri http://10.0.0.5:5000 "
     "--workers 8 --devices npu:0-7": Handling(
@@ -352,7 +352,8 @@ def test_every_readme_command_runs_as_typed(tmp_path):
         machine = Machine({"autoprec@db.example": host, "http://10.0.0.5:5000": tracking})
         folder = tmp_path / "user"
         folder.mkdir()
-        for step in readme_steps():
+        steps = readme_steps()  # the files a command names are written before any command
+        for step in sorted(steps, key=lambda s: s.kind != "file"):
             run_step(step, folder, machine, pty_=False)
             if step.kind == "command":
                 run_step(step, folder, machine, pty_=True)
