@@ -66,7 +66,10 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module 'autoprec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
+    module = importlib.import_module(_WHERE[name])
+    # A name that is its own package (``search``) is the package, which is callable, so
+    # that ``autoprec.search.Callbacks`` resolves as well as ``autoprec.search(...)``.
+    value = module if module.__name__ == f"autoprec.{name}" else getattr(module, name)
     globals()[name] = value
     return value
 

@@ -5,6 +5,8 @@ or kills a study."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import mlflow
 import pytest
@@ -85,3 +87,18 @@ def test_ctrl_c_in_a_display_still_stops_the_search(in_tmp, tiny_task):
     config = autoprec.SearchConfig(trials=3, steps=6, device="cpu", study="tiny", confirm_top=0)
     with pytest.raises(KeyboardInterrupt):
         autoprec.search(tiny_task, config=config, callbacks=CtrlC())
+
+
+def test_callbacks_are_reachable_as_the_readme_writes_them():
+    """``class Log(autoprec.search.Callbacks)`` in a fresh process, as README's Python API
+    section writes it; and ``autoprec.search`` still runs a search when called."""
+    code = (
+        "import autoprec\n"
+        "class Log(autoprec.search.Callbacks):\n"
+        "    pass\n"
+        "assert callable(autoprec.search)\n"
+        "from autoprec.search import search\n"
+        "assert autoprec.search.search is search\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
