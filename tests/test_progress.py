@@ -28,6 +28,7 @@ def _best_postfix(stderr: str) -> str:
     return stderr.rsplit("best ", 1)[1].split("]", 1)[0]
 
 
+@pytest.mark.slow  # the README test's quick runs check the same bar
 def test_the_serving_bar_shows_the_latency_of_the_best(in_tmp, capsys):
     config = autoprec.SearchConfig(
         trials=2, steps=12, device="cpu", mode="inference", scenario="edge", confirm_top=0
@@ -38,6 +39,7 @@ def test_the_serving_bar_shows_the_latency_of_the_best(in_tmp, capsys):
     assert _parent_status(in_tmp, "digits-mlp-edge") == "FINISHED"
 
 
+@pytest.mark.slow  # the README test's quick runs check the same bar
 def test_the_training_bar_shows_the_step_time_of_the_best(in_tmp, tiny_task, capsys):
     config = autoprec.SearchConfig(trials=2, steps=6, device="cpu", confirm_top=0)
     autoprec.search(tiny_task, config=config, callbacks=Progress(enabled=True))
