@@ -1,4 +1,4 @@
-"""The ``autoprec`` command: search, profile, best, resolve, report, compare, ui.
+"""The ``autoprec`` command: search, profile, best, resolve, report, compare, ui, export.
 
 Bad input of any kind ends with one line on stderr and exit status 2.
 """
@@ -24,10 +24,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None (those options say in words what they default to)."""
+    """Shows defaults, except None (those options say in words what they default to) and
+    the False of a switch."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
+        if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
 
@@ -35,14 +36,28 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="autoprec",
-        description="Find the per-layer precision policy (fp32/fp16/bf16 and loss scaling) "
-        "that trains as well as fp32 with the least time or memory.",
+        description="Find the per-layer precision policy that trains as well as fp32 "
+        "(fp32/fp16/bf16 and loss scaling) or serves as accurately as fp32 (fp32/fp16/bf16/"
+        "int8, --mode inference) with the least time or memory.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_search(commands)
     _add_other_commands(commands)
     _add_export(commands)
     return parser
+
+
+def _version() -> str:
+    """The installed package's version, as pip knows it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autoprec")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def _add_export(commands: Any) -> None:
@@ -60,7 +75,7 @@ def _add_export(commands: Any) -> None:
         "exactly what the policy says, a note on stderr says what it approximates.",
         formatter_class=_DefaultsFormatter,
     )
-    e.add_argument("--study", required=True)
+    e.add_argument("--study", required=True, help="the study to export (under --runs-dir)")
     e.add_argument(
         "--format",
         choices=FORMATS,
@@ -284,17 +299,23 @@ def _add_other_commands(commands: Any) -> None:
     pr.add_argument("--study", default=None, help="study name (default: the task's name)")
     pr.add_argument("--device", default="auto", help="as for search")
     pr.add_argument("--steps", type=int, default=3, help="fp32 training steps watched")
-    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--seed", type=int, default=0, help="seed of the weights and data order")
     pr.add_argument("--top", type=int, default=20, help="rows of the printed ranking")
-    pr.add_argument("--runs-dir", default="runs")
-    pr.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI)
-    b = commands.add_parser("best", help="print a study's best policy (from MLflow)")
-    b.add_argument("--study", required=True)
-    b.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI)
+    pr.add_argument("--runs-dir", default="runs", help="where runs/<study>/profile.json goes")
+    pr.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow tracking URI")
+    b = commands.add_parser(
+        "best", help="print a study's best policy (from MLflow)", formatter_class=_DefaultsFormatter
+    )
+    b.add_argument("--study", required=True, help="the study whose best policy to print")
+    b.add_argument(
+        "--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow store the search used"
+    )
     b.add_argument("--json", action="store_true", help="print JSON instead of YAML")
 
     r = commands.add_parser(
-        "resolve", help="show the dtype each layer of a task's model runs in under a policy"
+        "resolve",
+        help="show the dtype each layer of a task's model runs in under a policy",
+        formatter_class=_DefaultsFormatter,
     )
     r.add_argument("--policy", required=True, help="policy YAML file")
     r.add_argument("--task", default=DEFAULT_TASK, help="task whose model to resolve against")
@@ -316,8 +337,9 @@ def _add_other_commands(commands: Any) -> None:
     rep = commands.add_parser(
         "report",
         help="write runs/<study>/report.html and PNG plots, and log them to the MLflow parent",
+        formatter_class=_DefaultsFormatter,
     )
-    rep.add_argument("--study", required=True)
+    rep.add_argument("--study", required=True, help="the study to report on (under --runs-dir)")
     rep.add_argument("--runs-dir", default="runs", help="where the search wrote its outputs")
     rep.add_argument(
         "--tracking-uri",
@@ -325,11 +347,15 @@ def _add_other_commands(commands: Any) -> None:
         help="MLflow store to log to (default: the one the search used)",
     )
 
-    cmp_ = commands.add_parser("compare", help="compare two or more studies on one page")
+    cmp_ = commands.add_parser(
+        "compare",
+        help="compare two or more studies on one page",
+        formatter_class=_DefaultsFormatter,
+    )
     cmp_.add_argument(
         "--study", action="append", required=True, help="a study to compare (give two or more)"
     )
-    cmp_.add_argument("--runs-dir", default="runs")
+    cmp_.add_argument("--runs-dir", default="runs", help="where the searches wrote their outputs")
     cmp_.add_argument(
         "--out", default=None, help="HTML file (default: runs/compare-<studies>.html)"
     )

@@ -12,6 +12,15 @@ class Measured:
     """A mixin for result dataclasses; ``METRICS`` names the fields that are metrics."""
 
     METRICS: ClassVar[tuple[str, ...]] = ()
+    # The time the search minimises, by its metric name, and what a person calls it.
+    TIME_METRIC: ClassVar[str] = ""
+    TIME_LABEL: ClassVar[str] = ""
+
+    @property
+    def time_ms(self) -> float | None:
+        """The time the search minimises (``TIME_METRIC``), so that callers need not know
+        which kind of result they hold."""
+        return getattr(self, self.TIME_METRIC)
 
     def metrics(self) -> dict[str, float]:
         """The numeric metrics that were measured (None and non-finite values left out)."""

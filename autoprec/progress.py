@@ -11,7 +11,7 @@ from autoprec.errors import redact
 from autoprec.profile import Profile
 from autoprec.search.events import Callbacks
 from autoprec.search.events import Progress as Standing
-from autoprec.search.records import TrialRecord
+from autoprec.search.records import Result, TrialRecord
 from autoprec.search.summary import best_record
 
 
@@ -98,7 +98,18 @@ class Progress(Callbacks):
 
     def _show_best(self, progress: Standing) -> None:
         best = best_record(progress.records, progress.baseline, progress.prefer)
-        self.bar.set_postfix_str(
-            f"best {best.number}: {best.result.step_time_ms:.2f} ms, "
-            f"{best.result.peak_memory_mb:.2f} MB, acc {best.result.accuracy:.3f}"
-        )
+        self.bar.set_postfix_str(f"best {best.number}: {best_figures(best.result)}")
+
+
+def best_figures(result: Result) -> str:
+    """The figures the bar shows for the best so far: the result's own time metric
+    (latency when serving, step time when training), its memory and its accuracy."""
+
+    def number(value: float | None, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    return (
+        f"{result.TIME_LABEL} {number(result.time_ms, '.2f')} ms, "
+        f"{number(result.peak_memory_mb, '.2f')} MB, "
+        f"acc {number(result.accuracy, '.3f')}"
+    )

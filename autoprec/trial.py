@@ -98,10 +98,8 @@ class TrialResult(Measured):
         "run_time_s",
     )
 
-    @property
-    def time_ms(self) -> float | None:
-        """The time the search minimises: the median training step."""
-        return self.step_time_ms
+    TIME_METRIC = "step_time_ms"  # the median training step
+    TIME_LABEL = "step"
 
 
 @dataclass(frozen=True)

@@ -95,10 +95,8 @@ class InferenceResult(Measured):
         "run_time_s",
     )
 
-    @property
-    def time_ms(self) -> float | None:
-        """The time the search minimises: the median latency at the scenario's batch."""
-        return self.latency_p50_ms
+    TIME_METRIC = "latency_p50_ms"  # the median latency at the scenario's batch
+    TIME_LABEL = "latency"
 
 
 @dataclass(frozen=True)

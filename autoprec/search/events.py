@@ -76,3 +76,44 @@ class Callbacks:
         """Something the user should know that does not stop the search (a tracking
         store that went away, say); logged to the ``autoprec`` logger here."""
         logging.getLogger("autoprec").warning(message)
+
+
+class Guarded(Callbacks):
+    """Another `Callbacks` whose errors never stop the search: a progress display or a
+    user's callback that raises is reported once per event as a warning, and the study
+    goes on (a broken display once crashed every serving search, and marked the parent
+    run of a finished study KILLED). Ctrl-C and other non-``Exception`` errors pass."""
+
+    def __init__(self, inner: Callbacks) -> None:
+        self.inner = inner
+        self.failed: set[str] = set()
+
+    def _call(self, event: str, *args: Any) -> None:
+        try:
+            getattr(self.inner, event)(*args)
+        except Exception as error:
+            if event in self.failed:
+                return
+            self.failed.add(event)
+            name = type(self.inner).__name__
+            self.warning(f"{name}.{event} failed ({error!r}); the search goes on")
+
+    def warning(self, message: str) -> None:
+        try:
+            self.inner.warning(message)
+        except Exception:  # the display cannot say it either: the log still can
+            logging.getLogger("autoprec").warning(message)
+
+
+def _guarded(event: str) -> Any:
+    def call(self: Guarded, *args: Any) -> None:
+        self._call(event, *args)
+
+    call.__name__ = event
+    call.__doc__ = getattr(Callbacks, event).__doc__
+    return call
+
+
+for _event in (name for name in vars(Callbacks) if not name.startswith("_")):
+    if _event != "warning":
+        setattr(Guarded, _event, _guarded(_event))

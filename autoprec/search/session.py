@@ -31,7 +31,7 @@ from autoprec.inference.measure import Reference
 from autoprec.inference.scenarios import AS_SELECTION
 from autoprec.profile import Profile, profile_task
 from autoprec.search.config import SearchConfig, check_study_name, check_tolerance
-from autoprec.search.events import Callbacks
+from autoprec.search.events import Callbacks, Guarded
 from autoprec.search.identity import (
     STUDY_ID_ATTR,
     StudyIdentity,
@@ -276,7 +276,7 @@ class Session:
         """Both stores, reachable before either is written to; the study created or
         continued; trials whose process died failed, and their runs closed."""
         config = prepared.config
-        callbacks = callbacks or Callbacks()
+        callbacks = Guarded(callbacks or Callbacks())
         tracker = Tracker(
             config.tracking_uri, prepared.study, Path(config.runs_dir), callbacks.warning
         )  # it names its store in messages with the password redacted

@@ -1,0 +1,363 @@
+"""What README.md tells a user to type is what is tested: every ``autoprec ...`` line of
+its ```bash blocks runs as typed, with the progress bar on, both piped and in a
+pseudo-terminal (where tqdm draws), and must exit 0; its ```python blocks marked
+``<!-- runnable ... -->`` run as written, and one whose first line is ``# name.py`` is
+written to that file. A README line this file does not handle fails
+`test_every_readme_command_is_handled`.
+
+Only what a line leaves open or what this machine lacks is changed, each in `HANDLED`:
+- budgets: ``--trials`` and ``--steps`` of a search are made small (set, or added where the
+  line leaves them at their defaults);
+- hosts: ``db.example`` and ``10.0.0.5:5000`` become a local PostgreSQL server and
+  ``mlflow server`` (tests/servers.py);
+- NPUs: ``npu:0-7`` runs on the torch_npu stand-in with 8 devices (tests/npu_standin);
+- ``autoprec ui`` gets a free ``--port``, is asked for its page, then stopped with Ctrl-C.
+Files a line names (``my_task.py``, ``my_weights.pt``) are made by the README's own
+snippets, run before it in the README's order.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import pty
+import re
+import select
+import shlex
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests import npu_standin
+from tests.servers import free_port, mlflow_server, postgres, postgres_bin
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+RUNNABLE = "<!-- runnable"  # the marker line before a ```python block that runs as written
+SMALL = {"--trials": "2", "--steps": "12"}
+GUARD_S = 900  # a hung command fails the test rather than hold CI; never a measured time
+
+
+@dataclass(frozen=True)
+class Handling:
+    """How one README line runs here: the budget made small (``budget`` flags set to
+    ``SMALL``), the hosts swapped, the NPU stand-in, or as a server stopped by Ctrl-C."""
+
+    budget: tuple[str, ...] = ()
+    servers: bool = False  # --storage / --tracking-uri on local PostgreSQL and MLflow
+    npus: int = 0  # devices of the torch_npu stand-in
+    serves: bool = False  # runs until Ctrl-C; it must answer HTTP first
+    draws: bool = False  # a search: its progress bar must show the best so far
+
+
+SEARCH = Handling(budget=("--trials", "--steps"), draws=True)
+HANDLED: dict[str, Handling] = {
+    "autoprec search": SEARCH,
+    "autoprec search --task digits-cnn --prefer memory": SEARCH,
+    "autoprec search --task my_task.py:make_task --trials 30 --steps 100 --device auto": SEARCH,
+    "autoprec report --study digits-mlp": Handling(),
+    "autoprec compare --study digits-mlp --study digits-cnn": Handling(),
+    "autoprec ui": Handling(serves=True),
+    "autoprec search --task digits-overflow --trials 20 --steps 60 --prefer memory": SEARCH,
+    "autoprec profile --task digits-overflow": Handling(),
+    "autoprec search --mode inference --scenario edge": SEARCH,
+    "autoprec search --mode inference --scenario server --batch-sizes 1,64": SEARCH,
+    "autoprec search --mode inference --scenario critical --checkpoint my_weights.pt": SEARCH,
+    "autoprec export --study digits-mlp-edge": Handling(),
+    "autoprec search --task my_task.py:make_task --study my-task-npu --trials 200 --steps 300 "
+    "--workers 8 --devices npu:0-7": Handling(budget=("--trials", "--steps"), npus=8, draws=True),
+    "autoprec search --task my_task.py:make_task --study resnet-npu --trials 400 --steps 300 "
+    "--storage postgresql://autoprec@db.example/optuna --tracking-uri http://10.0.0.5:5000 "
+    "--workers 8 --devices npu:0-7": Handling(
+        budget=("--trials", "--steps"), servers=True, npus=8, draws=True
+    ),
+}
+FAST = ("autoprec search", "autoprec search --mode inference --scenario edge")
+
+
+# -- what the README says -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing the README has a user do, in its order: a command, a Python snippet to
+    run, or a file to write (a ```python block whose first line is ``# name.py``)."""
+
+    kind: str  # "command", "python" or "file"
+    text: str
+    name: str = ""
+
+
+def _blocks(text: str) -> list[tuple[str, str, str]]:
+    """(language, body, the line before the block) of every fenced code block."""
+    found = re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)
+    return [(m[1], m[2], text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()) for m in found]
+
+
+def _commands(body: str) -> list[str]:
+    """The ``autoprec ...`` commands of a bash block: continuation lines joined, comments
+    dropped, each command of a ``&&`` chain on its own."""
+    commands = []
+    for line in body.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        command: list[str] = []
+        for word in [*words, "&&"]:
+            if word != "&&":
+                command.append(word)
+                continue
+            if command[:1] == ["autoprec"]:
+                commands.append(" ".join(command))
+            command = []
+    return commands
+
+
+def readme_steps() -> list[Step]:
+    steps = []
+    for language, body, before in _blocks(README.read_text()):
+        if language == "bash":
+            steps += [Step("command", c) for c in _commands(body)]
+        elif language == "python" and (name := re.match(r"# (\w+\.py)\n", body)):
+            steps.append(Step("file", body, name[1]))
+        elif language == "python" and before.startswith(RUNNABLE):
+            steps.append(Step("python", body))
+    return steps
+
+
+def readme_commands() -> list[str]:
+    return list(dict.fromkeys(s.text for s in readme_steps() if s.kind == "command"))
+
+
+# -- how a line runs here ---------------------------------------------------------------
+
+
+@dataclass
+class Machine:
+    """What this machine puts in place of what it lacks."""
+
+    hosts: dict[str, str] = field(default_factory=dict)  # README's host -> local server
+
+    def argv(self, command: str, handling: Handling) -> list[str]:
+        for theirs, ours in self.hosts.items():
+            command = command.replace(theirs, ours)
+        words = shlex.split(command)[1:]
+        for flag in handling.budget:
+            if flag in words:
+                words[words.index(flag) + 1] = SMALL[flag]
+            else:
+                words += [flag, SMALL[flag]]
+        if handling.serves:
+            words += ["--port", str(free_port())]
+        return [*_autoprec(), *words]
+
+    def env(self, handling: Handling) -> dict[str, str]:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(_python_path()), "COLUMNS": "100"}
+        if handling.npus:
+            env = npu_standin.subprocess_env(NPU_STANDIN_DEVICES=str(handling.npus))
+        return env
+
+
+def _python_path() -> list[str]:
+    return [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+
+
+def _autoprec() -> list[str]:
+    """The ``autoprec`` command as installed beside this Python (as a user runs it)."""
+    script = Path(sys.executable).with_name("autoprec")
+    if script.is_file():
+        return [str(script)]
+    found = shutil.which("autoprec")
+    return [found] if found else [sys.executable, "-m", "autoprec.cli"]
+
+
+def run_piped(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=GUARD_S)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _start_in_pty(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
+    """The command on a new pseudo-terminal of 100 columns (stdin, stdout and stderr), as in
+    a terminal window; its terminal's master end."""
+    master, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    process = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdin=child, stdout=child, stderr=child, start_new_session=True
+    )
+    os.close(child)
+    return process, master
+
+
+def _read_all(process: subprocess.Popen, master: int) -> str:
+    """What the terminal shows until the command closes it (read as it comes: a full
+    terminal would block the command)."""
+    chunks = []
+    deadline = time.monotonic() + GUARD_S
+    while time.monotonic() < deadline:
+        if select.select([master], [], [], 1.0)[0]:
+            try:
+                data = os.read(master, 1 << 16)
+            except OSError:  # EIO: every end of the terminal on the command's side closed
+                break
+            if not data:
+                break
+            chunks.append(data)
+    os.close(master)
+    process.wait(timeout=60)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def run_in_pty(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    process, master = _start_in_pty(argv, cwd, env)
+    try:
+        output = _read_all(process, master)
+    finally:
+        _stop(process)
+    return process.returncode, output
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+
+
+def serve_then_ctrl_c(argv: list[str], cwd: Path, env: dict[str, str], pty_: bool) -> str:
+    """A server line (``autoprec ui``): it must answer HTTP on its port, and a Ctrl-C (SIGINT
+    to its process group, as a terminal sends it) must end it."""
+    port = argv[argv.index("--port") + 1]
+    if pty_:
+        process, master = _start_in_pty(argv, cwd, env)
+    else:
+        process = subprocess.Popen(
+            argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + GUARD_S
+        while not _answers(f"http://127.0.0.1:{port}/"):
+            assert process.poll() is None, f"{argv} exited with {process.returncode}"
+            assert time.monotonic() < deadline, f"{argv}: no page in {GUARD_S} s"
+            time.sleep(1)
+        os.killpg(process.pid, signal.SIGINT)
+        if pty_:
+            output = _read_all(process, master)
+        else:
+            output = process.communicate(timeout=120)[0].decode(errors="replace")
+    finally:
+        _stop(process)
+    # Ctrl-C is how a server is meant to end: 130 (interrupted), or 0 if it exits cleanly;
+    # a traceback of autoprec's own would be status 1. (MLflow's workers, stopped by the
+    # same Ctrl-C, may print what they like.)
+    assert process.returncode in (0, 130), output[-3000:]
+    return output
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+def run_step(step: Step, folder: Path, machine: Machine, pty_: bool) -> None:
+    """One README step in ``folder``, as a user takes it."""
+    if step.kind == "file":
+        (folder / step.name).write_text(step.text)
+        return
+    env = machine.env(Handling())
+    if step.kind == "python":
+        code, output = (run_in_pty if pty_ else run_piped)(
+            [sys.executable, "-c", step.text], folder, env
+        )
+        assert code == 0, f"README snippet failed:\n{step.text}\n{output[-3000:]}"
+        return
+    handling = HANDLED[step.text]
+    argv, env = machine.argv(step.text, handling), machine.env(handling)
+    if handling.serves:
+        serve_then_ctrl_c(argv, folder, env, pty_)
+        return
+    code, output = (run_in_pty if pty_ else run_piped)(argv, folder, env)
+    where = "in a terminal" if pty_ else "piped"
+    assert code == 0, f"`{step.text}` ({where}) exited {code}:\n{output[-4000:]}"
+    assert "Traceback" not in output, output[-4000:]
+    if handling.draws:  # the bar, with the best so far by the mode's own time
+        label = "latency" if "--mode inference" in step.text else "step"
+        assert f": {label} " in output and " ms, " in output, f"no bar:\n{output[-2000:]}"
+
+
+# -- the tests --------------------------------------------------------------------------
+
+
+def test_every_readme_command_is_handled():
+    commands = readme_commands()
+    assert len(commands) >= 10, commands  # the parser still finds the README's commands
+    unhandled = [c for c in commands if c not in HANDLED]
+    assert unhandled == [], f"README commands this test does not run: {unhandled}"
+    stale = [c for c in HANDLED if c not in commands]
+    assert stale == [], f"handled but no longer in the README: {stale}"
+    assert set(FAST) <= set(commands)
+
+
+def test_the_parser_joins_continuations_and_chains():
+    body = "pip install x && autoprec search   # note\nautoprec search --a 1 \\\n    --b 2\n"
+    assert _commands(body) == ["autoprec search", "autoprec search --a 1 --b 2"]
+
+
+def test_the_readme_snippets_that_run_are_found():
+    steps = readme_steps()
+    assert [s.name for s in steps if s.kind == "file"] == ["my_task.py"]
+    snippets = [s.text for s in steps if s.kind == "python"]
+    assert any("load_best_policy" in s and "prec.step(optimizer)" in s for s in snippets)
+
+
+@pytest.mark.parametrize(
+    ("command", "pty_"),
+    [
+        pytest.param(FAST[0], False, id="search-piped"),
+        pytest.param(FAST[1], True, id="serving-terminal"),
+        pytest.param(FAST[0], True, id="search-terminal", marks=pytest.mark.slow),
+        pytest.param(FAST[1], False, id="serving-piped", marks=pytest.mark.slow),
+    ],
+)
+def test_the_first_commands_run_as_typed(command, pty_, tmp_path):
+    """The default search and the serving search, each in a fresh folder, one piped and one
+    in a terminal in the quick subset, the other two ways in the slow one; after the default
+    search, the Quick start's own loop (move 2) runs as written on the policy it found."""
+    machine = Machine()
+    run_step(Step("command", command), tmp_path, machine, pty_)
+    if command == "autoprec search":
+        loop = next(s for s in readme_steps() if s.kind == "python")
+        run_step(loop, tmp_path, machine, pty_)
+        assert (tmp_path / "my_weights.pt").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(postgres_bin() is None, reason="PostgreSQL is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("psycopg") is None, reason="psycopg is missing")
+def test_every_readme_command_runs_as_typed(tmp_path):
+    """Every step of the README in its order, in one folder (later lines use what earlier
+    ones made), each command piped and then again in a terminal (which continues the
+    study, as rerunning a command does)."""
+    with (
+        postgres(("optuna", "mlflow")) as pg,
+        mlflow_server(f"{pg}/mlflow", tmp_path / "artifacts") as tracking,
+    ):
+        host = pg.removeprefix("postgresql://")
+        machine = Machine({"autoprec@db.example": host, "http://10.0.0.5:5000": tracking})
+        folder = tmp_path / "user"
+        folder.mkdir()
+        steps = readme_steps()  # the files a command names are written before any command
+        for step in sorted(steps, key=lambda s: s.kind != "file"):
+            run_step(step, folder, machine, pty_=False)
+            if step.kind == "command":
+                run_step(step, folder, machine, pty_=True)
