@@ -160,6 +160,12 @@ class Precision:
         """Unscale gradients in place before clipping them; True if any overflowed."""
         return self.scaler.unscale_(optimizer)
 
+    def unscale_once_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale unless this iteration did already: for integrations whose hooks unscale
+        before the user's own clipping may ask again (``unscale_`` twice raises, as in torch)."""
+        if not self.scaler.unscaled(optimizer):
+            self.scaler.unscale_(optimizer)
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale, and step unless gradients overflowed; returns whether it stepped. The
         scale is updated once all of this iteration's optimizers have stepped."""

@@ -191,7 +191,7 @@ class PolicyPrecision(LightningPrecision):
         # In manual optimization self.clip_gradients comes before optimizer.step: unscale
         # first (a no-op when optimizer_step has unscaled already).
         if clip_val > 0 and not self._skipping_step:
-            self._applied.apply().unscale_(optimizer)
+            self._applied.apply().unscale_once_(optimizer)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     def state_dict(self) -> dict[str, Any]:
