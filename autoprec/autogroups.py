@@ -49,6 +49,7 @@ FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 _FAMILY_TYPES = dict(FAMILIES)
 _NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+_NORM_NAME = re.compile(r"Norm(\d+d)?$")  # LayerNorm, RMSNorm, BatchNorm2d, T5LayerNorm
 
 
 @dataclass(frozen=True)
@@ -334,7 +335,12 @@ def _related(a: str, b: str) -> bool:
 
 
 def _family(module: nn.Module) -> str:
+    """The module's type family: by its classes' names, and for the norms of other
+    libraries and users (``LlamaRMSNorm``, ``T5LayerNorm``: plain ``nn.Module``
+    subclasses) by a class name that ends in ``Norm``."""
     class_names = {cls.__name__ for cls in type(module).__mro__}
+    if any(_NORM_NAME.search(name) for name in class_names):
+        return "norms"
     for family, types in FAMILIES:
         if not types or class_names.intersection(types):
             return family

@@ -36,7 +36,14 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec.devices import INFERENCE_DTYPES, Backend, autocast_behaviour, device_kind, get_backend
+from autoprec.devices import (
+    INFERENCE_DTYPES,
+    Backend,
+    autocast_behaviour,
+    device_kind,
+    failing_dtypes,
+    get_backend,
+)
 from autoprec.errors import PolicyError
 from autoprec.precision import Plan, Precision, RegionSpec
 from autoprec.scaling import LossScale
@@ -245,9 +252,12 @@ class Policy:
             behaviour = autocast_behaviour(kind, module)
             if behaviour == "fp32":
                 continue  # no region: autocast keeps it in fp32 anyway
-            dtype = dtype or self.default
+            named, dtype = dtype is not None, dtype or self.default
             chosen[name] = dtype
-            if behaviour == "input" and dtype != "fp32":
+            if dtype != "fp32" and (behaviour == "cast" or (behaviour == "input" and named)):
+                # A rule that names it decides it: its inputs are cast. Under the default
+                # it runs as plain autocast runs it, in the dtype its input arrives in;
+                # a module that runs only on cast inputs gets them cast whatever says it.
                 follows_input.add(name)
             weight[dtype] += sum(p.numel() for p in module.parameters(recurse=False))
 
@@ -372,24 +382,49 @@ class Policy:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def resolve(
-        self, model: nn.Module, device: str | torch.device | Backend | None = None
+        self,
+        model: nn.Module,
+        device: str | torch.device | Backend | None = None,
+        example: Any = None,
     ) -> dict[str, str]:
-        """Every leaf module with parameters mapped to the dtype it really runs in on the
-        device kind of ``device`` (default: where the model's parameters are). Leaves
-        without parameters (ReLU, dropout, pooling) run in their input's dtype, which the
-        data decides, and are not listed."""
-        return self.plan(model, device).leaf_dtypes
+        """Every leaf module with parameters mapped to the dtype it runs in on the device
+        kind of ``device`` (default: where the model's parameters are).
+
+        With ``example`` (a batch as the task gives it, or an `autoprec.tasks.Batch`), and
+        the model on a device of that kind, this is what one forward of it under the
+        policy shows: each leaf's output dtype,
+        as forward hooks see it; the classes of leaves it meets are watched first
+        (`autoprec.observe.learn`), so later calls without an example know them too.
+        Without one, it is the plan's word: the device tables and what was watched so far;
+        a leaf that runs in its input's dtype and that no rule names is reported in the
+        default's dtype there. Leaves without parameters (ReLU, dropout, pooling) are not
+        listed."""
+        here = get_backend(_device_of(model))
+        if example is None or device_kind(device, model) != here.kind:
+            return self.plan(model, device).leaf_dtypes  # nothing to watch on that device
+        from autoprec.observe import learn, observed_dtypes
+
+        backend = here
+        run = _runner(example, backend)
+        learn(model, run, backend)
+        guess = self.plan(model, backend).leaf_dtypes
+        seen = observed_dtypes(model, self, run, backend)
+        return {name: seen.get(name, dtype) for name, dtype in guess.items()}
 
     def layer_table(
         self,
         model: nn.Module,
         device: str | torch.device | Backend | None = None,
         inference: bool = False,
+        example: Any = None,
     ) -> list[dict[str, Any]]:
         """Each leaf module with parameters: name, type, parameter count and the dtype it
-        runs in (``inference``: the dtype its weights are served in)."""
+        runs in (``inference``: the dtype its weights are served in; ``example``: as
+        ``resolve`` observes it on that batch)."""
         modules = dict(model.named_modules())
-        resolved = self.resolve_inference(model) if inference else self.resolve(model, device)
+        resolved = (
+            self.resolve_inference(model) if inference else self.resolve(model, device, example)
+        )
         return [
             {
                 "name": name or "(model)",
@@ -405,10 +440,14 @@ class Policy:
         model: nn.Module,
         device: str | torch.device | Backend | None = None,
         inference: bool = False,
+        example: Any = None,
     ) -> float:
-        """Share of the model's parameters that run in fp16 or bf16 (or, served, int8)."""
+        """Share of the model's parameters that run in fp16 or bf16 (or, served, int8);
+        ``example``: as ``resolve`` observes it on that batch."""
         modules = dict(model.named_modules())
-        resolved = self.resolve_inference(model) if inference else self.resolve(model, device)
+        resolved = (
+            self.resolve_inference(model) if inference else self.resolve(model, device, example)
+        )
         total = low = 0
         for name, dtype in resolved.items():
             count = _own_parameters(modules[name])
@@ -431,7 +470,34 @@ class Policy:
         unsupported = sorted(d for d in set(plan.leaf_dtypes.values()) if not backend.supports(d))
         if unsupported:
             raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
+        _refuse_failing(model, plan, backend)
         return Precision(model, plan, self.loss_scale, backend)
+
+
+def _refuse_failing(model: nn.Module, plan: Plan, backend: Backend) -> None:
+    """A leaf put in a dtype it was seen to fail in on this device kind (an LSTM in fp16
+    on the CPU: oneDNN has no such kernel) is refused before anything runs."""
+    modules = dict(model.named_modules())
+    for name, dtype in plan.leaf_dtypes.items():
+        reason = failing_dtypes(backend.kind, modules[name]).get(dtype)
+        if reason is not None:
+            raise PolicyError(
+                f"{name} ({type(modules[name]).__name__}): cannot run in {dtype} on "
+                f"{backend.kind}: {reason}"
+            )
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _runner(example: Any, backend: Backend) -> Any:
+    """``model -> outputs`` for an example batch, on the backend's device."""
+    from autoprec.tasks.base import Batch
+
+    batch = example if isinstance(example, Batch) else Batch.of(example)
+    return batch.to(backend.device).run
 
 
 def _own_parameters(module: nn.Module) -> int:

@@ -45,7 +45,14 @@ import yaml
 from torch import nn
 
 from autoprec.autogroups import build_groups
-from autoprec.devices import DTYPES, INFERENCE_DTYPES, Backend, autocast_behaviour, device_kind
+from autoprec.devices import (
+    DTYPES,
+    INFERENCE_DTYPES,
+    Backend,
+    autocast_behaviour,
+    device_kind,
+    failing_dtypes,
+)
 from autoprec.errors import PolicyError, SpaceError
 from autoprec.policy import Policy, Rule, int8_capable, parameterised_leaves
 from autoprec.scaling import MODES, LossScale
@@ -286,6 +293,8 @@ class SearchSpace:
             kept = _with_int8_where_it_fits(kept, assigned, model)
             # The fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend): searched for serving.
             space = replace(space, switch={"cuda": "tf32", "npu": "hf32"}.get(kind))
+        else:
+            kept = _without_failing_dtypes(kept, assigned, model, kind)
         return replace(space, groups=tuple(kept))
 
     def assignment(
@@ -535,6 +544,21 @@ def searched_leaves(
     if inference:
         return leaves
     return [(n, m) for n, m in leaves if autocast_behaviour(kind, m) != "fp32"]
+
+
+def _without_failing_dtypes(
+    groups: list[Group], assignment: dict[str, str], model: nn.Module, kind: str
+) -> list[Group]:
+    """Each group without the dtypes some layer of it was seen to fail in on this device
+    kind (`autoprec.observe.learn`: an LSTM in fp16 on the CPU), so that no policy the space
+    offers crashes for a combination the device cannot run."""
+    modules = dict(model.named_modules())
+    failing: dict[str, set[str]] = {g.name: set() for g in groups}
+    for name, group in assignment.items():
+        failing[group].update(failing_dtypes(kind, modules[name]))
+    return [
+        replace(g, dtypes=tuple(d for d in g.dtypes if d not in failing[g.name])) for g in groups
+    ]
 
 
 def _with_int8_where_it_fits(

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
 from torch import nn
 
+import autoprec
 from autoprec import Policy, Rule
+from autoprec.devices import autocast_behaviour
+from tests.contract_tasks import make_lstm_task
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -85,3 +89,23 @@ def test_hooks_registered_after_apply_see_what_the_module_computed():
     seen.clear()
     model(torch.randn(2, 8))
     assert seen == [torch.float32, torch.float32]
+
+
+@pytest.mark.slow
+def test_an_lstm_runs_in_every_low_dtype_the_space_offers_and_trials_do_not_crash(
+    tmp_path, monkeypatch
+):
+    """On the CPU an LSTM under autocast fails on the fp32 input an embedding hands it;
+    once watched, the plan casts its input (as the profile does), so every trial runs."""
+    monkeypatch.chdir(tmp_path)
+    task = make_lstm_task()
+    result = autoprec.search(task, trials=6, steps=12, study="lstm", device="cpu")
+    summary = json.loads((tmp_path / "runs/lstm/summary.json").read_text())
+    assert autocast_behaviour("cpu", nn.LSTM(2, 2)) == "cast"
+    tried = {t["policy"]["default"] for t in summary["trials"]} | {
+        r["dtype"] for t in summary["trials"] for r in t["policy"].get("rules", [])
+    }
+    assert {"fp16", "bf16"} <= tried
+    failed = [t for t in summary["trials"] if t["state"] == "failed"]
+    assert not failed, [t["reason"] for t in failed]
+    assert result.best_policy.resolve(task.model(), "cpu")  # the chosen policy applies

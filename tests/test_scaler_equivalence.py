@@ -123,11 +123,26 @@ def test_state_dict_carries_the_settings_and_loads_into_gradscaler():
     assert back.settings.growth_interval == 3
 
 
+class Residual(nn.Module):
+    """A pre-norm residual block: LayerNorm reads the fp32 residual stream, as in a
+    transformer (on the CPU, plain autocast runs it in fp32 there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 32)
+        self.norm = nn.LayerNorm(32)
+        self.mlp = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).float()
+        h = h + self.mlp(self.norm(h)).float()
+        return self.head(h)
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5)
-    )
+    return Residual()
 
 
 def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
