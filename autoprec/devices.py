@@ -92,6 +92,13 @@ def record_failure(kind: str, cls: type, dtype: str, reason: str) -> None:
     _FAILS.setdefault((kind, cls), {})[dtype] = reason.splitlines()[0][:300] if reason else ""
 
 
+def forget_watched(kind: str) -> None:
+    """Forget what was watched on this device kind (a stand-in device's tests start anew)."""
+    for store in (_LEARNED, _FAILS):
+        for key in [k for k in store if k[0] == kind]:
+            del store[key]
+
+
 def learned_behaviour(kind: str, cls: type) -> str | None:
     """What was observed for ``cls`` on this device kind (None: not watched yet)."""
     return _LEARNED.get((kind, cls))

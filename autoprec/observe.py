@@ -95,7 +95,7 @@ def _behaviour(
     ``cast`` or ``region`` (see `autoprec.devices.autocast_behaviour`); raises what running
     it in ``low`` with its inputs cast down raises (forward or backward)."""
     args, kwargs = inputs
-    trial = copy.deepcopy(module)
+    trial = _bare_copy(module)
     with torch.autocast(kind, dtype=DTYPES[low]):
         cast_args, cast_kwargs = cast_floats((args, kwargs), DTYPES[low])
         cast_down = trial(*cast_args, **cast_kwargs)
@@ -115,6 +115,25 @@ def _behaviour(
     if down == low:
         return "input"
     return None
+
+
+def _bare_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` without the hooks anyone put on it (theirs must not see the
+    watched runs)."""
+    trial = copy.deepcopy(module)
+    for name in (
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+    ):
+        hooks = getattr(trial, name, None)
+        if hooks is not None:
+            hooks.clear()
+    return trial
 
 
 def _floats(output: Any) -> list[torch.Tensor]:

@@ -252,12 +252,12 @@ class Policy:
             behaviour = autocast_behaviour(kind, module)
             if behaviour == "fp32":
                 continue  # no region: autocast keeps it in fp32 anyway
-            named, dtype = dtype is not None, dtype or self.default
+            dtype = dtype or self.default
             chosen[name] = dtype
-            if dtype != "fp32" and (behaviour == "cast" or (behaviour == "input" and named)):
-                # A rule that names it decides it: its inputs are cast. Under the default
-                # it runs as plain autocast runs it, in the dtype its input arrives in;
-                # a module that runs only on cast inputs gets them cast whatever says it.
+            if dtype != "fp32" and (behaviour == "cast" or (behaviour == "input" and self.rules)):
+                # In a policy with rules, the policy decides it: its inputs are cast. A
+                # uniform policy is plain autocast: it runs in the dtype its input arrives
+                # in. A module that runs only on cast inputs gets them cast either way.
                 follows_input.add(name)
             weight[dtype] += sum(p.numel() for p in module.parameters(recurse=False))
 
@@ -396,9 +396,10 @@ class Policy:
         as forward hooks see it; the classes of leaves it meets are watched first
         (`autoprec.observe.learn`), so later calls without an example know them too.
         Without one, it is the plan's word: the device tables and what was watched so far;
-        a leaf that runs in its input's dtype and that no rule names is reported in the
-        default's dtype there. Leaves without parameters (ReLU, dropout, pooling) are not
-        listed."""
+        under a uniform policy (plain autocast) a leaf that runs in its input's dtype is
+        reported in the policy's dtype, which holds where its input comes from a layer of
+        that dtype (not from an fp32 residual stream: pass an example). Leaves without
+        parameters (ReLU, dropout, pooling) are not listed."""
         here = get_backend(_device_of(model))
         if example is None or device_kind(device, model) != here.kind:
             return self.plan(model, device).leaf_dtypes  # nothing to watch on that device
@@ -444,16 +445,10 @@ class Policy:
     ) -> float:
         """Share of the model's parameters that run in fp16 or bf16 (or, served, int8);
         ``example``: as ``resolve`` observes it on that batch."""
-        modules = dict(model.named_modules())
         resolved = (
             self.resolve_inference(model) if inference else self.resolve(model, device, example)
         )
-        total = low = 0
-        for name, dtype in resolved.items():
-            count = _own_parameters(modules[name])
-            total += count
-            low += count if dtype != "fp32" else 0
-        return low / total if total else 0.0
+        return share_of_parameters(model, resolved)
 
     def apply(
         self, model: nn.Module, device: str | torch.device | Backend | None = None
@@ -472,6 +467,19 @@ class Policy:
             raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
         _refuse_failing(model, plan, backend)
         return Precision(model, plan, self.loss_scale, backend)
+
+
+def tied_leaves(model: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of leaves with parameters that share a parameter (a tied embedding and
+    head), each in module order: a conversion gives them one dtype, or quantizes one of
+    them to int8, so a search space keeps each group in one group."""
+    owners: dict[int, list[str]] = {}
+    for name, module in parameterised_leaves(model):
+        for parameter in module.parameters(recurse=False):
+            names = owners.setdefault(id(parameter), [])
+            if name not in names:
+                names.append(name)
+    return sorted({tuple(names) for names in owners.values() if len(names) > 1})
 
 
 def _refuse_failing(model: nn.Module, plan: Plan, backend: Backend) -> None:
@@ -498,6 +506,17 @@ def _runner(example: Any, backend: Backend) -> Any:
 
     batch = example if isinstance(example, Batch) else Batch.of(example)
     return batch.to(backend.device).run
+
+
+def share_of_parameters(model: nn.Module, dtypes: dict[str, str]) -> float:
+    """Share of the parameters of the leaves in ``dtypes`` that are not fp32 there."""
+    modules = dict(model.named_modules())
+    total = low = 0
+    for name, dtype in dtypes.items():
+        count = _own_parameters(modules[name])
+        total += count
+        low += count if dtype != "fp32" else 0
+    return low / total if total else 0.0
 
 
 def _own_parameters(module: nn.Module) -> int:

@@ -12,9 +12,8 @@ overflow where none of its children does). Per module and low dtype it records
   (flushed to zero);
 - the deviation test: on one fixed batch (the first, at most ``DEVIATION_SAMPLES``
   samples of it), after the training steps, a forward pass and the fp32 loss with that
-  module alone in the dtype (run as a policy naming that module alone runs it: under the
-  backend's autocast, its inputs cast only where it runs in its input's dtype, its
-  outputs cast back to fp32),
+  module alone in the dtype (its floating inputs cast to the dtype, run under the
+  backend's autocast, its outputs cast back to fp32, as a policy region does),
   compared with the fp32 forward: the relative deviation of the loss and the relative
   L2 deviation of the model's output. Forward only, without gradients. The slice keeps
   the test cheap (one forward per module and dtype); overflow that the slice misses
@@ -63,8 +62,8 @@ import torch
 from torch import nn
 
 from autoprec.devices import DTYPES, Backend, get_backend
-from autoprec.errors import AutoprecError, DeviceError, PolicyError, TaskError, first_line
-from autoprec.policy import LOW_PRECISION, Policy, Rule
+from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
+from autoprec.policy import LOW_PRECISION
 from autoprec.precision import Installed, Plan, RegionSpec
 from autoprec.tasks import Task, check_task, load_task
 from autoprec.tasks.base import Batch, logits_of
@@ -121,6 +120,18 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: non-finite floats become the strings "inf", "-inf" and "nan"."""
         return _encode(asdict(self))
+
+    def max_gradient(self) -> float | None:
+        """The largest finite parameter or output gradient magnitude any module saw in
+        the fp32 steps (None where the profile recorded none): what a loss scale
+        multiplies."""
+        values = [
+            value
+            for module in self.modules
+            for kind, value in module.max_abs.items()
+            if kind in ("grad", "param_grad") and math.isfinite(value) and value > 0
+        ]
+        return max(values) if values else None
 
     @classmethod
     def from_dict(cls, data: Any) -> Profile:
@@ -453,10 +464,11 @@ def _deviation(
     seed: int,
     reference: tuple[torch.Tensor, float],
 ) -> dict[str, Any]:
-    """Loss and output deviation from fp32 with module ``name`` alone in ``dtype``, run as
-    a policy that names it alone runs it (the same plan: inputs cast only where the module
-    runs in its input's dtype, outputs cast back to fp32)."""
-    installed = Installed(model, _alone(model, name, dtype, backend), backend.kind)
+    """Loss and output deviation from fp32 with module ``name`` alone in ``dtype``: its
+    inputs cast to the dtype and its outputs cast back, through the same regions a policy
+    installs."""
+    region = RegionSpec(name, dtype, around="fp32", cast_inputs=True)
+    installed = Installed(model, Plan(backend.kind, "fp32", (region,), {}), backend.kind)
     try:
         outputs, loss = _forward(task, model, batch, seed)
     except Exception as error:  # an op without a kernel for this dtype, say
@@ -473,17 +485,6 @@ def _deviation(
         "output_deviation": float(torch.linalg.vector_norm(outputs - reference_outputs))
         / max(norm, 1e-12),
     }
-
-
-def _alone(model: nn.Module, name: str, dtype: str, backend: Backend) -> Plan:
-    """The plan of a policy that puts module ``name`` (and what is below it) in ``dtype``
-    and the rest in fp32; a module the policy cannot name (no parameters below it) gets
-    the region such a policy would give it."""
-    try:
-        return Policy(rules=(Rule(dtype, patterns=(name,)),), default="fp32").plan(model, backend)
-    except PolicyError:
-        region = RegionSpec(name, dtype, around="fp32")
-        return Plan(backend.kind, "fp32", (region,), {})
 
 
 # -- combining -----------------------------------------------------------------------------

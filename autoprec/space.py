@@ -54,7 +54,7 @@ from autoprec.devices import (
     failing_dtypes,
 )
 from autoprec.errors import PolicyError, SpaceError
-from autoprec.policy import Policy, Rule, int8_capable, parameterised_leaves
+from autoprec.policy import Policy, Rule, int8_capable, parameterised_leaves, tied_leaves
 from autoprec.scaling import MODES, LossScale
 
 if TYPE_CHECKING:
@@ -160,6 +160,9 @@ class SearchSpace:
     inference: bool = False  # fitted for serving: weights converted, int8 possible
     switch: str | None = None  # serving on CUDA or Ascend: "tf32" or "hf32" is searched too
     head: str | None = None  # fitted: the group of the model's last layer, when it has others
+    # fitted for serving: (leaf, group) for each leaf sharing a parameter with an earlier
+    # leaf, which takes the dtype of that leaf's group (one tensor has one dtype)
+    ties: tuple[tuple[str, str], ...] = ()
 
     # -- reading -------------------------------------------------------------------------
 
@@ -257,11 +260,16 @@ class SearchSpace:
         riskiest modules of ``profile`` as groups of their own; a space with groups
         written by hand ignores the profile."""
         kind = device_kind(device, model)
-        space = replace(self, inference=inference)
+        followers = _tie_followers(model) if inference else {}
+        space = replace(self, inference=inference, ties=tuple((f, "") for f in followers))
         if self.auto is not None:
             specs = build_groups(
                 model,
-                searched_leaves(model, kind, inference),
+                [
+                    leaf
+                    for leaf in searched_leaves(model, kind, inference)
+                    if leaf[0] not in followers
+                ],
                 self.auto.max_groups,
                 self.auto.own_groups,
                 profile,
@@ -287,8 +295,12 @@ class SearchSpace:
                 f"{self.source}: no group matches any module of {type(model).__name__}"
             )
         assigned = space.assignment(model, kind)
-        last = next(reversed(assigned.values()))  # the output layer: registered last
-        space = replace(space, head=last if len(kept) > 1 else None)
+        ties = tuple((f, assigned[leader]) for f, leader in followers.items() if leader in assigned)
+        # The output layer is registered last; a head tied to the embedding is in its group.
+        group_of = {**assigned, **dict(ties)}
+        order = [n for n, _ in searched_leaves(model, kind, inference) if n in group_of]
+        last = group_of[order[-1]]
+        space = replace(space, head=last if len(kept) > 1 else None, ties=ties)
         if inference:
             kept = _with_int8_where_it_fits(kept, assigned, model)
             # The fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend): searched for serving.
@@ -304,7 +316,10 @@ class SearchSpace:
         the device kind) mapped to the group that takes it, first match wins; leaves that
         no group takes are left out (they stay fp32)."""
         assigned = {}
+        followers = {leaf for leaf, _ in self.ties}
         for name, module in searched_leaves(model, device_kind(device, model), self.inference):
+            if name in followers:
+                continue  # it takes the dtype of the leaf it shares a parameter with
             for group in self.groups:
                 if group.rule.matches(name, module):
                     assigned[name] = group.name
@@ -372,6 +387,8 @@ class SearchSpace:
                 sorted(self.loss_scale.choices.items()),
             ],
         }
+        if self.ties:  # only where there are any: older studies keep their fingerprint
+            content["ties"] = self.ties
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:12]
 
     # -- from Optuna parameters to a policy ----------------------------------------------
@@ -404,7 +421,11 @@ class SearchSpace:
     def policy(self, params: Mapping[str, Any]) -> Policy:
         """The policy for a set of parameter values (missing loss-scale values take the
         low end of their range, or none when no group is fp16)."""
-        rules = tuple(replace(g.rule, dtype=params[f"dtype.{g.name}"]) for g in self.groups)
+        tied = tuple(
+            Rule(params[f"dtype.{group}"], patterns=(leaf,), name=f"tied.{group}")
+            for leaf, group in self.ties
+        )
+        rules = tied + tuple(replace(g.rule, dtype=params[f"dtype.{g.name}"]) for g in self.groups)
         mode = params.get("loss_scale.mode", "none")
         if mode == "none" or "fp16" not in {r.dtype for r in rules}:
             loss_scale = LossScale()
@@ -544,6 +565,11 @@ def searched_leaves(
     if inference:
         return leaves
     return [(n, m) for n, m in leaves if autocast_behaviour(kind, m) != "fp32"]
+
+
+def _tie_followers(model: nn.Module) -> dict[str, str]:
+    """Each leaf that shares a parameter with an earlier leaf, mapped to the first one."""
+    return {name: group[0] for group in tied_leaves(model) for name in group[1:]}
 
 
 def _without_failing_dtypes(

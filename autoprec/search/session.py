@@ -480,6 +480,7 @@ class Session:
             self.prepared.prefer,
             self.prepared.model,
             self.prepared.backend,
+            max_gradient=self.profile.max_gradient(),
         )
 
     def measured(self) -> list[TrialRecord]:
