@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -335,10 +334,20 @@ def _add_other_commands(commands: Any) -> None:
         "--out", default=None, help="HTML file (default: runs/compare-<studies>.html)"
     )
 
-    u = commands.add_parser("ui", help="open the MLflow UI on the local store")
-    u.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI)
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=int, default=5000)
+    u = commands.add_parser(
+        "ui",
+        help="serve the MLflow UI and print the URL of a study's runs table",
+        description="Start mlflow ui (one worker) on the tracking store and print a URL that "
+        "opens the study's runs table: the trials flat, their metrics, dtypes and outcome as "
+        "columns. Ctrl-C (or SIGTERM) stops the server and its workers.",
+        formatter_class=_DefaultsFormatter,
+    )
+    u.add_argument(
+        "--study", default=None, help="the study to open (default: the one searched last)"
+    )
+    u.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow tracking URI")
+    u.add_argument("--host", default="127.0.0.1", help="address the UI listens on")
+    u.add_argument("--port", type=int, default=5000, help="port the UI listens on")
 
 
 def _search(args: argparse.Namespace) -> int:
@@ -443,7 +452,8 @@ def _resolve(args: argparse.Namespace) -> int:
     rows += [[r["name"], r["type"], str(r["params"]), r["dtype"]] for r in table]
     print(text_table(rows))
     print(f"{where}; low-precision share of parameters: {share:.0%}")
-    print(f"loss scale: {policy.loss_scale.to_dict()}")
+    if not serving:  # serving converts weights and trains nothing: no loss to scale
+        print(f"loss scale: {policy.loss_scale.to_dict()}")
     return 0
 
 
@@ -544,25 +554,32 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _ui(args: argparse.Namespace) -> int:
+    from autoprec.server_process import check_port_free, serve
     from autoprec.tracking import check_tracking_uri
+    from autoprec.ui import check_store_exists, find_runs_view, write_runs_view
 
     check_tracking_uri(args.tracking_uri)
+    check_store_exists(args.tracking_uri)
     mlflow = shutil.which("mlflow")
     if mlflow is None:
         raise AutoprecError("the 'mlflow' command is not on PATH; install mlflow")
-    command = [
-        mlflow,
-        "ui",
-        "--backend-store-uri",
-        args.tracking_uri,
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-    ]
-    print(f"MLflow UI on http://{args.host}:{args.port} (Ctrl-C to stop)", file=sys.stderr)
+    view = find_runs_view(args.tracking_uri, args.study)
+    check_port_free(args.host, args.port)
+    if view is not None:
+        write_runs_view(args.tracking_uri, view)
+    command = [mlflow, "ui", "--backend-store-uri", args.tracking_uri]
+    command += ["--host", args.host, "--port", str(args.port), "--workers", "1"]
+    shown = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    shown = f"[{shown}]" if ":" in shown else shown
+    base = f"http://{shown}:{args.port}"
+    print(f"starting the MLflow UI on {base} ...", file=sys.stderr, flush=True)
+
+    def ready() -> None:
+        where = f"study {view.study}: {base}{view.path}" if view else f"no study yet: {base}"
+        print(f"MLflow UI: {where} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    return subprocess.call(command, env=env)
+    return serve(command, env, f"{base}/health", ready)
 
 
 def main(argv: list[str] | None = None) -> int:

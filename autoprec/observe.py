@@ -167,7 +167,11 @@ def learn(model: nn.Module, run: Any, device: str | torch.device | Backend | Non
 
 
 def observed_dtypes(
-    model: nn.Module, policy: Policy, run: Any, device: str | torch.device | Backend | None
+    model: nn.Module,
+    policy: Policy,
+    run: Any,
+    device: str | torch.device | Backend | None,
+    module: str | None = None,
 ) -> dict[str, str]:
     """Each leaf with parameters that ``run(model)`` calls, mapped to the dtype of the
     first floating tensor it returns under ``policy`` (what forward hooks see)."""
@@ -181,7 +185,7 @@ def observed_dtypes(
                 seen.setdefault(name, dtype)
 
         handles.append(module.register_forward_hook(hook))
-    prec = policy.apply(model, device)
+    prec = policy.apply(model, device, module)
     try:
         with torch.no_grad(), _evaluating(model), prec.autocast():
             run(model)

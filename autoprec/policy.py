@@ -26,6 +26,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,18 +46,37 @@ from autoprec.devices import (
     get_backend,
 )
 from autoprec.errors import PolicyError
+from autoprec.placement import Placement, announce, place, within
 from autoprec.precision import Plan, Precision, RegionSpec
 from autoprec.scaling import LossScale
 
 LOW_PRECISION = ("fp16", "bf16")
 _POLICY_FIELDS = ("name", "default", "rules", "loss_scale", "switches")
 _RULE_FIELDS = ("name", "patterns", "types", "dtype")
+# What a policy or rule name may hold: what the search names things with (``uniform-fp16``,
+# ``t007 fc1=bf16 scale=dynamic:65536.0``, ``h.0-1.attn``), and no quote, newline or shell
+# character, since names end up in generated files and logs. Exporters quote them anyway.
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.,:=+\- ]{0,200}")
 
 
 def _check_dtype(value: Any, where: str) -> str:
     if value not in INFERENCE_DTYPES:
         raise PolicyError(
             f"{where}: unknown dtype {value!r} (expected fp32, fp16, bf16, or int8 for serving)"
+        )
+    return value
+
+
+def _check_name(value: Any, where: str) -> str | None:
+    """A policy's or rule's name as read from a file: None, or a string of `_SAFE_NAME`."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise PolicyError(f"{where}: expected a string")
+    if not _SAFE_NAME.fullmatch(value):
+        raise PolicyError(
+            f"{where}: {value[:40]!r}{'...' if len(value) > 40 else ''} is not a safe name "
+            "(up to 200 letters, digits, spaces and _ . , : = + -)"
         )
     return value
 
@@ -138,9 +158,7 @@ class Rule:
         types = _string_list(data["types"], f"{where}.types") if "types" in data else ()
         if not patterns and not types:
             raise PolicyError(f"{where}: needs patterns, types or both")
-        name = data.get("name")
-        if name is not None and not isinstance(name, str):
-            raise PolicyError(f"{where}.name: expected a string")
+        name = _check_name(data.get("name"), f"{where}.name")
         return cls(_check_dtype(data["dtype"], f"{where}.dtype"), patterns, types, name)
 
 
@@ -154,6 +172,9 @@ class Policy:
     """Ordered (patterns/types -> dtype) rules, a default dtype, loss scaling and switches.
 
     ``tf32`` (CUDA) and ``hf32`` (Ascend) are None to leave the device's setting as is.
+    ``serving``: the policy converts weights for serving, where nothing is trained and no
+    loss is scaled, so its YAML has no ``loss_scale``; a YAML without one reads back so
+    (which changes only how it is written again).
     """
 
     rules: tuple[Rule, ...] = ()
@@ -162,6 +183,7 @@ class Policy:
     tf32: bool | None = None
     hf32: bool | None = None
     name: str | None = None
+    serving: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_dtype(self.default, "default")
@@ -183,7 +205,8 @@ class Policy:
             data["name"] = self.name
         data["default"] = self.default
         data["rules"] = [rule.to_dict() for rule in self.rules]
-        data["loss_scale"] = self.loss_scale.to_dict()
+        if not self.serving or self.loss_scale.enabled:  # a scale set is never dropped
+            data["loss_scale"] = self.loss_scale.to_dict()
         switches = {k: v for k, v in (("tf32", self.tf32), ("hf32", self.hf32)) if v is not None}
         if switches:
             data["switches"] = switches
@@ -211,12 +234,11 @@ class Policy:
             for key, value in switches.items():
                 if value is not None and not isinstance(value, bool):
                     raise PolicyError(f"switches.{key}: expected true, false or null")
-            name = data.get("name")
-            if name is not None and not isinstance(name, str):
-                raise PolicyError("name: expected a string")
+            name = _check_name(data.get("name"), "name")
         except PolicyError as error:
             raise PolicyError(f"{source}: {error}") from None
-        return cls(rules, default, loss_scale, switches.get("tf32"), switches.get("hf32"), name)
+        tf32, hf32 = switches.get("tf32"), switches.get("hf32")
+        return cls(rules, default, loss_scale, tf32, hf32, name, serving="loss_scale" not in data)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -239,11 +261,42 @@ class Policy:
 
     # -- landing on a model --------------------------------------------------------------
 
-    def plan(self, model: nn.Module, device: str | torch.device | Backend | None = None) -> Plan:
+    def plan(
+        self,
+        model: nn.Module,
+        device: str | torch.device | Backend | None = None,
+        module: str | None = None,
+    ) -> Plan:
         """Where the regions go on this model, for the device kind of ``device`` (default:
         where the model's parameters are); raises PolicyError for a rule that matches no
-        module with parameters."""
-        kind = device_kind(device, model)
+        module with parameters. On a model that holds the searched one (a LightningModule's
+        ``self.net``), the policy lands on the submodule where every rule matches, or on the
+        one ``module`` names (`autoprec.placement`); the layers around it stay fp32."""
+        placement = self._placement(model, module)
+        inner = self._plan(placement.module, device_kind(device, model))
+        if placement.on_root:
+            return inner
+        return within(inner, placement.name, [name for name, _ in parameterised_leaves(model)])
+
+    def _placement(self, model: nn.Module, module: str | None) -> Placement:
+        """Where on ``model`` the policy lands: a submodule that its parent calls (the
+        region in the outer dtype goes on its forward) on which every rule matches."""
+
+        def fits(candidate: nn.Module) -> bool:
+            if candidate is not model and not is_called(candidate):
+                return False
+            leaves = parameterised_leaves(candidate)
+            return all(any(rule.matches(n, m) for n, m in leaves) for rule in self.rules)
+
+        placement = place(model, fits, module)
+        if not placement.on_root and not is_called(placement.module):
+            raise PolicyError(
+                f"module={placement.name!r}: a {type(placement.module).__name__} is not called "
+                "by its parent; name the model the policy was found on"
+            )
+        return placement
+
+    def _plan(self, model: nn.Module, kind: str) -> Plan:
         self._refuse_int8()
         chosen: dict[str, str] = {}
         follows_input: set[str] = set()
@@ -385,31 +438,31 @@ class Policy:
         self,
         model: nn.Module,
         device: str | torch.device | Backend | None = None,
+        module: str | None = None,
         example: Any = None,
     ) -> dict[str, str]:
         """Every leaf module with parameters mapped to the dtype it runs in on the device
-        kind of ``device`` (default: where the model's parameters are).
+        kind of ``device`` (default: where the model's parameters are); ``module``: as in
+        `plan`.
 
         With ``example`` (a batch as the task gives it, or an `autoprec.tasks.Batch`), and
         the model on a device of that kind, this is what one forward of it under the
-        policy shows: each leaf's output dtype,
-        as forward hooks see it; the classes of leaves it meets are watched first
-        (`autoprec.observe.learn`), so later calls without an example know them too.
-        Without one, it is the plan's word: the device tables and what was watched so far;
-        under a uniform policy (plain autocast) a leaf that runs in its input's dtype is
-        reported in the policy's dtype, which holds where its input comes from a layer of
-        that dtype (not from an fp32 residual stream: pass an example). Leaves without
-        parameters (ReLU, dropout, pooling) are not listed."""
+        policy shows: each leaf's output dtype, as forward hooks see it; the classes of
+        leaves it meets are watched first (`autoprec.observe.learn`), so later calls
+        without an example know them too. Without one, it is the plan's word: the device
+        tables and what was watched so far; under a uniform policy (plain autocast) a leaf
+        that runs in its input's dtype is reported in the policy's dtype, which holds where
+        its input comes from a layer of that dtype (not from an fp32 residual stream: pass
+        an example). Leaves without parameters (ReLU, dropout, pooling) are not listed."""
         here = get_backend(_device_of(model))
         if example is None or device_kind(device, model) != here.kind:
-            return self.plan(model, device).leaf_dtypes  # nothing to watch on that device
+            return self.plan(model, device, module).leaf_dtypes  # nothing to watch there
         from autoprec.observe import learn, observed_dtypes
 
-        backend = here
-        run = _runner(example, backend)
-        learn(model, run, backend)
-        guess = self.plan(model, backend).leaf_dtypes
-        seen = observed_dtypes(model, self, run, backend)
+        run = _runner(example, here)
+        learn(model, run, here)
+        guess = self.plan(model, here, module).leaf_dtypes
+        seen = observed_dtypes(model, self, run, here, module)
         return {name: seen.get(name, dtype) for name, dtype in guess.items()}
 
     def layer_table(
@@ -424,7 +477,9 @@ class Policy:
         ``resolve`` observes it on that batch)."""
         modules = dict(model.named_modules())
         resolved = (
-            self.resolve_inference(model) if inference else self.resolve(model, device, example)
+            self.resolve_inference(model)
+            if inference
+            else self.resolve(model, device, example=example)
         )
         return [
             {
@@ -446,26 +501,36 @@ class Policy:
         """Share of the model's parameters that run in fp16 or bf16 (or, served, int8);
         ``example``: as ``resolve`` observes it on that batch."""
         resolved = (
-            self.resolve_inference(model) if inference else self.resolve(model, device, example)
+            self.resolve_inference(model)
+            if inference
+            else self.resolve(model, device, example=example)
         )
         return share_of_parameters(model, resolved)
 
     def apply(
-        self, model: nn.Module, device: str | torch.device | Backend | None = None
+        self,
+        model: nn.Module,
+        device: str | torch.device | Backend | None = None,
+        module: str | None = None,
     ) -> Precision:
         """Install the per-layer dtypes on ``model`` and return its Precision object.
 
-        ``device`` defaults to the device the model's parameters are on.
+        ``device`` defaults to the device the model's parameters are on. On a model that
+        holds the searched one, the policy lands on the submodule where every rule matches
+        (``module="net"`` names it where several do), and one line on the ``autoprec``
+        logger says which.
         """
         if device is None:
             first = next(model.parameters(), None)
             device = first.device if first is not None else "cpu"
         backend = get_backend(device)
-        plan = self.plan(model, backend)
+        placement = self._placement(model, module)
+        plan = self.plan(model, backend, placement.name)
         unsupported = sorted(d for d in set(plan.leaf_dtypes.values()) if not backend.supports(d))
         if unsupported:
             raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
         _refuse_failing(model, plan, backend)
+        announce(placement, self.name, len(parameterised_leaves(placement.module)))
         return Precision(model, plan, self.loss_scale, backend)
 
 

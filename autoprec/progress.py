@@ -37,8 +37,8 @@ class Progress(Callbacks):
         top = ", ".join(f"{m.name} ({m.reason})" for m in profile.modules[:3])
         _say(f"riskiest: {top}; profile in {path}")
 
-    def training_fp32(self) -> None:
-        _say("training the fp32 model once (kept as runs/<study>/fp32.pt) ...")
+    def training_fp32(self, path: Path) -> None:
+        _say(f"training the fp32 model once (kept as {path}) ...")
 
     def baseline(self) -> None:
         _say("running the fp32 baseline ...")

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from autoprec.gains import gains_line, speed_words
 from autoprec.inference.scenarios import SCENARIOS
 from autoprec.selection import TIME_TIE
 from autoprec.space import policy_label
@@ -86,29 +87,6 @@ def front_table(summary: dict[str, Any]) -> str:
         )
         notes.append(f"~ CPU memory is an estimate: {counted}")
     return "\n".join(text + notes)
-
-
-def gains_line(summary: dict[str, Any]) -> str:
-    """E.g. ``best: trial 7 - 1.90x faster, 48% less memory, accuracy -0.2 pt vs fp32``."""
-    best = summary["best"]
-    if best["number"] == "baseline":
-        return "best: the fp32 baseline - no policy in this search beat it under the preference"
-    speedup = best["speedup_vs_fp32"]
-    saving = best["memory_saving_vs_fp32"]
-    drop_pt = 100.0 * best["metrics"].get("accuracy_drop", 0.0)
-    speed = speed_words(speedup)
-    trial = f"trial {best['number']}"
-    if serving(summary):  # latency at the batch size served; an anchor said by name
-        speed += f" at batch {serving_batch_size(summary)}"
-        trial += f" ({best['anchor']})" if best.get("anchor") else ""
-    memory = f"{abs(saving) * 100:.0f}% {'less' if saving >= 0 else 'more'} memory"
-    change_pt = -drop_pt + 0.0  # no "-0.0"
-    return f"best: {trial} - {speed}, {memory}, accuracy {change_pt:+.1f} pt vs fp32"
-
-
-def speed_words(speedup: float) -> str:
-    """A time ratio (fp32's over this one) as people say it: ``1.90x faster``, ``1.60x slower``."""
-    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
 
 
 # -- the HTML report and its plots ------------------------------------------------------

@@ -456,6 +456,7 @@ class SearchSpace:
             loss_scale=loss_scale,
             tf32=switches["tf32"],
             hf32=switches["hf32"],
+            serving=self.inference,
         )
 
     def uniform_params(self, dtype: str) -> dict[str, Any]:

@@ -474,13 +474,19 @@ class Tracker:
 
         self._later("tag the Pareto front", work)
 
-    def log_model_folder(self, folder: Path, name: str = "model") -> None:
+    def log_model_folder(
+        self, folder: Path, name: str = "model", tags: dict[str, str] | None = None
+    ) -> None:
         """An MLflow model folder (``mlflow.pytorch.save_model``'s) as the parent run's
-        artifact ``name``: ``mlflow.pyfunc.load_model("runs:/<parent>/model")`` loads it."""
-        self._later(
-            "log the served model",
-            lambda: self.client.log_artifacts(self._parent(), str(folder), name),
-        )
+        artifact ``name``: ``mlflow.pyfunc.load_model("runs:/<parent>/model")`` loads it.
+        ``tags`` on the parent say how it is saved (whether loading it unpickles)."""
+
+        def work() -> None:
+            self.client.log_artifacts(self._parent(), str(folder), name)
+            for key, value in (tags or {}).items():
+                self.client.set_tag(self._parent(), key, value)
+
+        self._later("log the served model", work)
 
     def log_files(self, run_id: str, files: list[Path], folder: str) -> None:
         """Attach files to a run under ``folder`` (the report on the parent run), now."""

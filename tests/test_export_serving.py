@@ -117,6 +117,7 @@ def test_torch_dynamic_int8_gets_no_program_and_says_how_to(tmp_path):
     assert len(notes) == 1 and "torchao" in notes[0] and "rebuilt()" in notes[0]
     assert "# NOTE: no program.pt2: torch's dynamic int8" in files["load_model.py"].read_text()
     loader = module_from(files["load_model.py"])
+    assert not hasattr(loader, "exported")  # only what the export wrote
     served = outputs(load_inference_model(model, policy, int8="dynamic"), batch)
     assert torch.equal(outputs(loader.rebuilt(load_task("digits-mlp").model()), batch), served)
     other = load_inference_model(load_task("digits-mlp").model(), policy, int8="dynamic")
@@ -140,6 +141,34 @@ def test_model_format_without_an_example_writes_no_program(tmp_path):
     files, notes = export_quietly(MIXED, "model", tmp_path, model=model)
     assert "program.pt2" not in files
     assert notes == ["no example input: no program.pt2 (rebuilt() converts the weights)"]
+
+
+class Branching(torch.nn.Module):
+    """A model whose output decides its path: torch.export cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y if y.sum() > 0 else -y
+
+
+def test_a_model_without_a_program_gets_no_exported(tmp_path):
+    model = Branching().eval()
+    policy = Policy.uniform("bf16")
+    files, notes = export_quietly(policy, "model", tmp_path, model=model, example=torch.ones(2, 4))
+    assert "program.pt2" not in files
+    assert len(notes) == 1 and notes[0].startswith("no program.pt2: torch.export failed")
+    loader = module_from(files["load_model.py"])
+    assert (
+        not hasattr(loader, "exported") and "exported()" not in files["load_model.py"].read_text()
+    )
+    other = Branching()
+    served = loader.rebuilt(other)
+    x = torch.randn(5, 4)
+    assert torch.equal(served(x), load_inference_model(model, policy)(x))
 
 
 def test_model_format_needs_a_model(tmp_path):

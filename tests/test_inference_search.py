@@ -125,6 +125,11 @@ def test_the_chosen_model_is_an_mlflow_model(edge):
     logged = summary["inference"]["mlflow_model"]
     assert logged["logged"], logged
     mlflow.set_tracking_uri(f"sqlite:///{folder}/runs/mlflow.db")  # MLflow caches by URI
+    # Loading it unpickles nothing (pt2, or dynamic int8 rebuilt), and the parent says so.
+    assert logged["format"] in ("pt2", "autoprec-rebuilt") and logged["unpickles"] is False
+    tags = mlflow.MlflowClient().get_run(summary["mlflow_parent_run_id"]).data.tags
+    assert tags["autoprec.model_format"] == logged["format"]
+    assert tags["autoprec.model_unpickles"] == "false"
     model = mlflow.pyfunc.load_model(logged["uri"])
     assert model.metadata.metadata["autoprec_policy"] == summary["best"]["policy"]
     task = load_task(TASK)

@@ -13,6 +13,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from autoprec import Policy
+from autoprec.errors import PolicyError
+from autoprec.tasks import load_task
+from tests.contract_tasks import make_tiny_task
 
 pl = pytest.importorskip(
     "lightning.pytorch", reason="the Lightning integration needs: pip install 'autoprec[lightning]'"
@@ -200,3 +203,148 @@ def test_fabric_loop_runs_the_policy_and_keeps_the_scale(tmp_path):
     again = PolicyFabricPrecision(policy)
     fabric.load(tmp_path / "state.ckpt", {"precision": again}, strict=False)
     assert again.state_dict() == plugin.state_dict()
+
+
+# -- a LightningModule that holds the searched model -----------------------------------------
+
+# What a search on digits-mlp writes: rules that name the task model's own layers.
+DIGITS_POLICY = {
+    "name": "digits-found",
+    "default": "bf16",
+    "rules": [
+        {"name": "fc2", "patterns": ["fc2"], "dtype": "fp16"},
+        {"name": "head", "patterns": ["head"], "dtype": "fp32"},
+    ],
+    "loss_scale": DYNAMIC,
+}
+
+
+def digits_loader(batches: int = 4) -> DataLoader:
+    """The digits-mlp task's own first batches."""
+    stream = iter(load_task("digits-mlp").train_data(0))
+    x, labels = zip(*(next(stream) for _ in range(batches)), strict=True)
+    return DataLoader(TensorDataset(torch.cat(x), torch.cat(labels)), batch_size=64)
+
+
+class Classifier(pl.LightningModule):
+    """A user's LightningModule around the searched model(s): ``self.net`` (and, with
+    ``teacher``, a second copy of it, which makes the policy's place ambiguous)."""
+
+    def __init__(self, teacher: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        task = load_task("digits-mlp")
+        self.net = task.model()
+        self.teacher = task.model() if teacher else None
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, labels = batch
+        loss = F.cross_entropy(self.net(x).float(), labels)
+        if self.teacher is not None:
+            loss = loss + F.mse_loss(self.teacher(x).float(), self.net(x).float().detach())
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def searched_dtypes(policy: Policy, prefix: str) -> dict[str, torch.dtype]:
+    """The dtype of each layer of the task model as the policy resolves it there, named as
+    it sits in the wrapper."""
+    resolved = policy.resolve(load_task("digits-mlp").model(), "cpu")
+    return {f"{prefix}.{name}": DTYPES[dtype] for name, dtype in resolved.items()}
+
+
+def own_forwards(model: nn.Module) -> list[str]:
+    """Modules whose forward is replaced (a region installed)."""
+    return [name for name, module in model.named_modules() if "forward" in module.__dict__]
+
+
+def test_policy_found_on_the_wrapped_task_model_trains_in_its_dtypes(tmp_path, caplog):
+    policy = Policy.from_dict(DIGITS_POLICY)
+    expected = searched_dtypes(policy, "net")
+    assert set(expected.values()) == {torch.bfloat16, torch.float16, torch.float32}
+    model = Classifier()
+    seen = record_dtypes(model, list(expected))
+    with caplog.at_level("WARNING", logger="autoprec"):
+        trainer(tmp_path, PolicyPrecision(policy), max_steps=16).fit(model, digits_loader())
+    assert seen == {name: {dtype} for name, dtype in expected.items()}
+    assert sum(model.losses[-4:]) < 0.6 * sum(model.losses[:4]), model.losses
+    lines = [r.getMessage() for r in caplog.records if r.name == "autoprec"]
+    assert lines == [
+        "autoprec: policy digits-found applied to submodule 'net' (Sequential, 5 layers)"
+    ]
+    assert own_forwards(model) == []  # the regions came off when fit ended
+
+
+def test_two_fitting_submodules_ask_for_module_and_module_settles_it(tmp_path):
+    policy = Policy.from_dict(DIGITS_POLICY)
+    with pytest.raises(PolicyError, match=r"several submodules of Classifier \('net', 'teacher'\)"):
+        trainer(tmp_path, PolicyPrecision(policy), max_steps=1).fit(
+            Classifier(teacher=True), digits_loader()
+        )
+
+    model = Classifier(teacher=True)
+    expected = searched_dtypes(policy, "teacher")
+    teacher = record_dtypes(model, list(expected))
+    student = record_dtypes(model, [name.replace("teacher.", "net.") for name in expected])
+    plugin = PolicyPrecision(policy, module="teacher")
+    trainer(tmp_path / "named", plugin, max_steps=2).fit(model, digits_loader())
+    assert teacher == {name: {dtype} for name, dtype in expected.items()}
+    assert all(dtypes == {torch.float32} for dtypes in student.values()), student
+
+
+def test_fabric_applies_the_policy_to_the_wrapped_model_and_removes_it(tmp_path):
+    policy = Policy.from_dict(DIGITS_POLICY)
+    expected = searched_dtypes(policy, "net")
+    wrapper = Classifier()
+    seen = record_dtypes(wrapper, list(expected))
+    plugin = PolicyFabricPrecision(policy)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model, optimizer = fabric.setup(wrapper, torch.optim.Adam(wrapper.parameters(), lr=1e-2))
+    for x, labels in digits_loader(batches=2):
+        optimizer.zero_grad()
+        fabric.backward(F.cross_entropy(model(x).float(), labels))
+        optimizer.step()
+    assert seen == {name: {dtype} for name, dtype in expected.items()}
+    assert own_forwards(wrapper) == ["net", "net.fc1", "net.norm1", "net.norm2", "net.head"]
+    plugin.teardown()
+    assert own_forwards(wrapper) == []
+
+
+class TinyTaskModule(pl.LightningModule):
+    """The tiny task's model (tests/contract_tasks.py) held as ``self.net``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = make_tiny_task().model()
+
+    def training_step(self, batch, batch_idx):
+        x, labels = batch
+        return F.cross_entropy(self.net(x).float(), labels)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def test_the_policies_of_a_real_search_land_on_the_searched_model_inside(tmp_path, finished):
+    _, result = finished
+    policies = [Policy.from_dict(trial["policy"]) for trial in result.summary["trials"]]
+    policies = [policy for policy in policies if policy.rules] + [result.best_policy]
+    assert len(policies) > 1  # the search wrote rules naming the task model's layers
+    stream = make_tiny_task().train_data(0)
+    x, labels = zip(*(next(stream) for _ in range(2)), strict=True)
+    data = DataLoader(TensorDataset(torch.cat(x), torch.cat(labels)), batch_size=32)
+    for i, policy in enumerate(policies):
+        resolved = policy.resolve(make_tiny_task().model(), "cpu")
+        model = TinyTaskModule()
+        seen = record_dtypes(model, [f"net.{name}" for name in resolved])
+        trainer(tmp_path / str(i), PolicyPrecision(policy), max_steps=2).fit(model, data)
+        assert seen == {f"net.{name}": {DTYPES[dtype]} for name, dtype in resolved.items()}
+        assert own_forwards(model) == []

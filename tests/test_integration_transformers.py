@@ -12,6 +12,7 @@ import torch
 
 import autoprec
 from autoprec import Policy
+from autoprec.errors import PolicyError
 from autoprec.tasks import load_task
 
 transformers = pytest.importorskip("transformers")
@@ -184,3 +185,51 @@ def test_every_step_overflowing_is_skipped_with_the_scheduler_step(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not trainer.optimizer.state  # AdamW never stepped
     assert trainer.lr_scheduler.last_epoch == 0  # nor did the LR schedule
+
+
+class Wrapped(torch.nn.Module):
+    """A user's module around the searched model, as the Trainer is given it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def test_a_wrapped_model_trains_with_the_policy_on_the_model_inside(tmp_path, caplog):
+    task = load_task("tiny-bert")
+    policy = mixed("tiny-bert", DYNAMIC)
+    torch.manual_seed(0)
+    inner = task.model()
+    expected = {f"model.{leaf}": dtype for leaf, dtype in policy.resolve(inner, "cpu").items()}
+    model = Wrapped(inner)
+    assert policy.resolve(model, "cpu") == expected
+    seen = record_dtypes(model, list(expected))
+    args = arguments(tmp_path, "tiny-bert", 3)
+    with caplog.at_level("WARNING", logger="autoprec"):
+        trainer = PolicyTrainer(model=model, args=args, train_dataset=examples(task), policy=policy)
+    trainer.train()
+    assert seen == {leaf: {DTYPES[dtype]} for leaf, dtype in expected.items()}
+    assert [r.getMessage() for r in caplog.records if r.name == "autoprec"] == [
+        "autoprec: policy mixed applied to submodule 'model' (BertForSequenceClassification, "
+        f"{len(expected)} layers)"
+    ]
+    trainer.precision.remove()
+    assert [name for name, m in model.named_modules() if "forward" in m.__dict__] == []
+
+
+def test_two_fitting_models_ask_for_module(tmp_path):
+    task = load_task("tiny-bert")
+    pair = torch.nn.ModuleDict({"student": task.model(), "teacher": task.model()})
+    model = Wrapped(pair)  # the Trainer never calls it here: the policy is refused first
+    args = arguments(tmp_path, "tiny-bert", 1)
+    policy = mixed("tiny-bert", DYNAMIC)
+    with pytest.raises(PolicyError, match=r"\('model.student', 'model.teacher'\)"):
+        PolicyTrainer(model=model, args=args, policy=policy)
+    trainer = PolicyTrainer(model=model, args=args, policy=policy, module="model.teacher")
+    resolved = trainer.precision.plan.leaf_dtypes
+    teacher = {d for leaf, d in resolved.items() if leaf.startswith("model.teacher.")}
+    assert teacher == {"fp16", "bf16", "fp32"}
+    assert {d for leaf, d in resolved.items() if leaf.startswith("model.student.")} == {"fp32"}

@@ -11,6 +11,8 @@ from torch import nn
 from autoprec import LossScale, Policy, Rule, load_policy
 from autoprec.errors import PolicyError
 
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
 
 def mlp() -> nn.Module:
     return nn.Sequential(
@@ -234,3 +236,97 @@ def test_low_precision_regions_inside_fp32_hand_fp32_to_the_next_layer(low):
     assert dtypes["fc1"] == dtype and outputs["fc1"].dtype == dtype
     assert dtypes["block.fc"] == torch.float32
     assert dtypes["head"] == torch.float32
+
+
+class Holder(nn.Module):
+    """A user's module around the searched model, with a layer of its own."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.extra = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.extra(self.model(x))
+
+
+def output_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """Forward hooks on every leaf with parameters: the dtype each one computed in."""
+    seen: dict[str, torch.dtype] = {}
+    for name, module in model.named_modules():
+        if next(module.children(), None) is None and next(module.parameters(), None) is not None:
+            module.register_forward_hook(
+                lambda m, args, out, name=name: seen.__setitem__(name, out.dtype)
+            )
+    return seen
+
+
+@pytest.mark.parametrize("wrap", [Holder, nn.DataParallel], ids=["holder", "dataparallel"])
+def test_apply_on_a_wrapper_lands_on_the_searched_model(wrap, caplog):
+    torch.manual_seed(0)
+    bare, x = mlp(), torch.randn(4, 8)
+    wrapper = wrap(mlp())
+    inner = "module" if wrap is nn.DataParallel else "model"
+    wrapper.get_submodule(inner).load_state_dict(bare.state_dict())
+    expected = {f"{inner}.{leaf}": dtype for leaf, dtype in MIXED.resolve(bare, "cpu").items()}
+    if wrap is Holder:
+        expected["extra"] = "fp32"  # not the policy's: left as it was
+    assert MIXED.resolve(wrapper, "cpu") == expected
+    seen = output_dtypes(wrapper)
+    with caplog.at_level("WARNING", logger="autoprec"):
+        reference = MIXED.apply(bare)
+        prec = MIXED.apply(wrapper)
+    with reference.autocast():
+        want = bare(x)
+    with prec.autocast():
+        got = wrapper.get_submodule(inner)(x)
+        wrapper(x)
+    assert torch.equal(got, want)  # the same numbers as on the model itself
+    assert seen == {name: DTYPES[dtype] for name, dtype in expected.items()}
+    lines = [r.getMessage() for r in caplog.records if r.name == "autoprec"]
+    assert lines == [  # nothing said for the bare model
+        f"autoprec: policy mixed applied to submodule {inner!r} (Sequential, 4 layers)"
+    ]
+    prec.remove()
+    assert [name for name, m in wrapper.named_modules() if "forward" in m.__dict__] == []
+    seen.clear()
+    wrapper(x)
+    assert set(seen.values()) == {torch.float32}
+
+
+def test_two_fitting_submodules_are_named_and_module_picks_one():
+    pair = nn.ModuleDict({"student": mlp(), "teacher": mlp()})
+    with pytest.raises(
+        PolicyError,
+        match=r"^the policy fits several submodules of ModuleDict \('student', 'teacher'\): "
+        r'pass module="student"',
+    ):
+        MIXED.apply(pair)
+    prec = MIXED.apply(pair, module="teacher")
+    regions = [name for name, m in pair.named_modules() if "forward" in m.__dict__]
+    assert regions == ["teacher", "teacher.fc1", "teacher.norm", "teacher.head"]
+    assert {d for name, d in prec.plan.leaf_dtypes.items() if name.startswith("student.")} == {
+        "fp32"
+    }
+    with pytest.raises(PolicyError, match=r"^module='tutor': ModuleDict has no such submodule"):
+        MIXED.apply(pair, module="tutor")
+    with pytest.raises(PolicyError, match=r"rules\[1\] \(patterns block\): matches no module"):
+        MIXED.apply(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))
+
+
+def test_a_container_that_its_parent_never_calls_is_not_a_place():
+    parts = nn.ModuleDict(dict(mlp().named_children()))  # the layers, without their forward
+    holder = nn.ModuleDict({"parts": parts})
+    with pytest.raises(PolicyError, match=r"rules\[1\] \(patterns block\): matches no module"):
+        MIXED.apply(holder)
+    with pytest.raises(PolicyError, match=r"^module='parts': a ModuleDict is not called"):
+        MIXED.apply(holder, module="parts")
+
+
+def test_an_unnamed_policy_is_announced_as_the_policy(caplog):
+    unnamed = Policy(rules=MIXED.rules, default="fp16")
+    with caplog.at_level("WARNING", logger="autoprec"):
+        unnamed.apply(Holder(mlp())).remove()
+    assert [r.getMessage() for r in caplog.records if r.name == "autoprec"] == [
+        "autoprec: the policy applied to submodule 'model' (Sequential, 4 layers)"
+    ]

@@ -14,8 +14,9 @@ is one function and one module; ``export_policy`` picks one by name:
 - ``torchao`` (serving): ``torchao_config.py``, the int8 layers as a ``FqnToConfig``.
 
 A format that cannot say exactly what the policy says warns (``ExportWarning``) and writes the
-same text in its file's header. The Ascend formats follow the documented formats only: neither
-torch_npu nor ATC ran here.
+same text in its file's header. Every value written into a generated file is quoted, and no
+export overwrites a file it did not write (``.autoprec-export.json`` records what it wrote).
+The Ascend formats follow the documented formats only: neither torch_npu nor ATC ran here.
 """
 
 from __future__ import annotations

@@ -66,6 +66,19 @@ def comment(text: str, first: str = "# ", rest: str = "# ") -> list[str]:
     return textwrap.wrap(text, COMMENT_WIDTH, initial_indent=first, subsequent_indent=rest)
 
 
+def policy_label(policy: Policy) -> str:
+    """The policy's name as generated files show it: quoted (``repr``), so that no name, even
+    one that skipped ``load_policy``'s check, can end a comment or a string there."""
+    return f"policy {policy.name!r}" if policy.name else "policy (unnamed)"
+
+
+def docstring(lines: Iterable[str]) -> list[str]:
+    """``lines`` as a Python docstring that cannot end early: backslashes and double quotes
+    escaped, whatever values the text holds."""
+    escaped = "\n".join(lines).replace("\\", "\\\\").replace('"', '\\"')
+    return ['"""' + escaped, '"""']
+
+
 def note_lines(notes: Iterable[str]) -> list[str]:
     """The notes for a file's header, so that a reader of the file sees what the warning
     said."""

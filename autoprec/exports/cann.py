@@ -31,19 +31,23 @@ from autoprec.exports._common import (
     names,
     note_lines,
     one_low_dtype,
-    out_folder,
+    policy_label,
     require,
     warn,
     write,
 )
+from autoprec.exports._owned import export_folder, record_written
 
 MODEL_FILE = "model.onnx"
 KEEP_FILE = "keep_dtype.cfg"
 COMMAND_FILE = "atc_command.sh"
+FILES = (MODEL_FILE, KEEP_FILE, COMMAND_FILE)
 # The oldest opset that keeps LayerNormalization one node (one name to keep); the newer ones
 # torch defaults to add nothing these models need.
 OPSET = 17
 _REPEATED_CALL = re.compile(r"_\d+$")  # a scope entered again: relu, relu_1, relu_2
+# A chip name (Ascend910B3): written into the shell script, so nothing a shell expands.
+_SOC_VERSION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 MODE_REASONS = {
     "origin": (
@@ -244,8 +248,13 @@ def export_cann(
     ``soc_version`` (e.g. ``Ascend910B3``) is the script's default for ``$SOC_VERSION``."""
     require(model, "a model (the fp32 module to export)", "cann")
     require(example, "an example input (e.g. the task's first training batch)", "cann")
+    if soc_version is not None and not _SOC_VERSION.fullmatch(soc_version):
+        raise ExportError(
+            f"format 'cann': soc_version {soc_version[:40]!r} is not a chip name (letters, "
+            "digits, _ . -; e.g. Ascend910B3)"
+        )
     assert model is not None
-    folder = out_folder(out_dir)
+    folder = export_folder(out_dir, FILES)
     plan = one_low_dtype(policy, model, device, "ATC")
     onnx = _onnx()
     onnx_path = export_onnx(model, example, folder / MODEL_FILE, opset_version)
@@ -277,7 +286,7 @@ def export_cann(
     lines = [
         "#!/usr/bin/env bash",
         *comment(
-            f"autoprec policy {policy.name or '(unnamed)'}: compile {MODEL_FILE} to an offline "
+            f"autoprec {policy_label(policy)}: compile {MODEL_FILE} to an offline "
             "model for Ascend inference with ATC (CANN). Written from CANN's documented ATC "
             "options; ATC was not run here (no Ascend toolkit)."
         ),
@@ -302,4 +311,4 @@ def export_cann(
     command_path = write(folder / COMMAND_FILE, "\n".join(lines) + "\n")
     command_path.chmod(0o755)
     warn(notes)
-    return [onnx_path, keep_path, command_path]
+    return record_written(folder, [onnx_path, keep_path, command_path], FILES)

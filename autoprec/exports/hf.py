@@ -28,14 +28,16 @@ from autoprec.exports._common import (
     names,
     note_lines,
     one_low_dtype,
-    out_folder,
+    policy_label,
     require,
     warn,
     write,
 )
+from autoprec.exports._owned import export_folder, record_written
 
 LIST_FILE = "keep_in_fp32_modules.json"
 SNIPPET_FILE = "load_transformers.py"
+FILES = (LIST_FILE, SNIPPET_FILE)
 ATTRIBUTE = "_keep_in_fp32_modules_strict"
 TORCH_DTYPES = {"fp16": "torch.float16", "bf16": "torch.bfloat16", None: "torch.float32"}
 
@@ -124,7 +126,14 @@ def selected(keys: Iterable[str], entries: Iterable[str]) -> set[str]:
 
 
 def _import_line(model: nn.Module) -> str:
+    """Where the snippet imports the model's class from; its names are code there, so they
+    must be Python names."""
     cls = type(model)
+    if not all(part.isidentifier() for part in (cls.__name__, *cls.__module__.split("."))):
+        raise ExportError(
+            f"format 'transformers': {cls.__module__}.{cls.__name__!r} is not an importable "
+            "class name"
+        )
     try:
         import transformers
 
@@ -153,7 +162,7 @@ def export_transformers(
             f"format 'transformers': {type(model).__name__} is not a transformers "
             "PreTrainedModel (from_pretrained reads the keep lists)"
         )
-    folder = out_folder(out_dir)
+    folder = export_folder(out_dir, FILES)
     cls = type(model).__name__
     plan = one_low_dtype(policy, model, device, "from_pretrained")
     dtype = TORCH_DTYPES[plan.low]
@@ -189,7 +198,7 @@ def export_transformers(
             f"({names(fp32_layers)}) load in fp32, every other layer in {dtype}."
         )
     lines = [
-        *comment(f"autoprec policy {policy.name or '(unnamed)'} for {cls}.from_pretrained: {what}"),
+        *comment(f"autoprec {policy_label(policy)} for {cls}.from_pretrained: {what}"),
         *comment(
             f"{ATTRIBUTE} (transformers 4.54 and later) applies to fp16 and bf16 loads alike; "
             "each entry selects exactly those layers' parameters, checked against the model."
@@ -202,13 +211,15 @@ def export_transformers(
         "import torch",
         _import_line(model),
         "",
-        f"{cls}.{ATTRIBUTE} = {json.dumps(listed, indent=4)}",
-        f"model = {cls}.from_pretrained({json.dumps(checkpoint)}, dtype={dtype})",
+        f"{cls}.{ATTRIBUTE} = [",
+        *(f"    {entry!r}," for entry in listed),
+        "]",
+        f"model = {cls}.from_pretrained({checkpoint!r}, dtype={dtype})",
     ]
     list_path = write(folder / LIST_FILE, json.dumps({ATTRIBUTE: listed}, indent=2) + "\n")
     snippet = write(folder / SNIPPET_FILE, "\n".join(lines) + "\n")
     warn(notes)
-    return [list_path, snippet]
+    return record_written(folder, [list_path, snippet], FILES)
 
 
 def _tied_across_dtypes(model: nn.Module, dtypes: dict[str, str]) -> str:

@@ -9,15 +9,25 @@ Written from torch_npu's documented API (shared/NPU.md); no Ascend chip ran it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from torch import nn
 
 from autoprec import Policy
-from autoprec.exports._common import comment, names, note_lines, out_folder, warn, write
+from autoprec.exports._common import (
+    comment,
+    names,
+    note_lines,
+    policy_label,
+    warn,
+    write,
+)
+from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
 
 SETTINGS_FILE = "npu_settings.py"
+FILES = (SETTINGS_FILE, POLICY_FILE)
 KEEP_ORIGIN = "must_keep_origin_dtype"
 FP32_TO_FP16 = "allow_fp32_to_fp16"
 
@@ -84,8 +94,8 @@ def _hf32_lines(hf32: bool | None) -> list[str]:
             f"HF32 {'on' if hf32 else 'off'}, as the policy says (policy.apply sets the same "
             "while it is installed; these lines also cover code outside it, e.g. evaluation)."
         ),
-        f"torch.npu.matmul.allow_hf32 = {hf32}",
-        f"torch.npu.conv.allow_hf32 = {hf32}",
+        f"torch.npu.matmul.allow_hf32 = {hf32!r}",
+        f"torch.npu.conv.allow_hf32 = {hf32!r}",
     ]
 
 
@@ -97,11 +107,11 @@ def export_torch_npu(
     model is optional: with it, the mode is chosen from the dtypes each layer really runs
     in on the NPU; without it, from the policy's rules (never less safe, sometimes stricter).
     """
-    folder = out_folder(out_dir)
+    folder = export_folder(out_dir, FILES)
     mode, reason, notes = precision_mode(policy, model)
     header = [
         *comment(
-            f"autoprec policy {policy.name or '(unnamed)'} for a torch_npu (Ascend) training "
+            f"autoprec {policy_label(policy)} for a torch_npu (Ascend) training "
             "script. Paste these lines where the script has built `model` (fp32, on the NPU), "
             f"and keep {POLICY_FILE} beside the script (or change its path below). Written "
             "from torch_npu's documented API; it was not run here (no Ascend chip)."
@@ -122,13 +132,13 @@ def export_torch_npu(
         "",
         "import autoprec",
         "",
-        f'torch.npu.set_option({{"ACL_PRECISION_MODE": "{mode}"}})',
+        f"torch.npu.set_option({json.dumps({'ACL_PRECISION_MODE': mode})})",
         *_hf32_lines(policy.hf32),
         "",
-        f'policy = autoprec.load_policy("{POLICY_FILE}")',
+        f"policy = autoprec.load_policy({json.dumps(POLICY_FILE)})",
         'prec = policy.apply(model, device="npu")  # then: with prec.autocast(): ...',
     ]
     path = write(folder / SETTINGS_FILE, "\n".join([*header, "", *body]) + "\n")
     written = [path, *export_yaml(policy, folder)]
     warn(notes)
-    return written
+    return record_written(folder, written, FILES)

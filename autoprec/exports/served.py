@@ -13,7 +13,8 @@ writes both ways to it:
 - ``fp32.pt`` (the fp32 state dict, untouched) and ``policy.yaml``: what
   ``autoprec.load_inference_model`` converts again, for any batch shape, and what a later
   search starts from.
-- ``load_model.py``: both, as code (``exported()``, ``rebuilt()``).
+- ``load_model.py``: both, as code (``exported()``, where a program was written, and
+  ``rebuilt()``); every value in it quoted, the weights loaded with ``weights_only=True``.
 
 torch's own dynamic int8 (``int8: dynamic``, the CPU default) holds its weights in packed
 TorchScript objects that ``torch.export`` cannot trace; such a policy gets no program, and a
@@ -36,13 +37,15 @@ from autoprec.errors import first_line
 from autoprec.exports._common import (
     ExportError,
     comment,
+    docstring,
     example_inputs,
     note_lines,
-    out_folder,
+    policy_label,
     require,
     warn,
     write,
 )
+from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
 from autoprec.inference.convert import has_torch_dynamic_int8
 from autoprec.structures import map_tensors, tensors, to_device
@@ -51,6 +54,7 @@ PROGRAM_FILE = "program.pt2"
 WEIGHTS_FILE = "fp32.pt"
 SERVED_FILE = "served.pt"
 SNIPPET_FILE = "load_model.py"
+FILES = (PROGRAM_FILE, WEIGHTS_FILE, SERVED_FILE, POLICY_FILE, SNIPPET_FILE)
 MAX_DEVIATION = 1e-3  # the program against the converted model, relative to its outputs' scale
 
 
@@ -72,7 +76,7 @@ def export_model(
 
     require(model, "a model (the trained fp32 module)", "model")
     assert model is not None
-    folder = out_folder(out_dir)
+    folder = export_folder(out_dir, FILES)
     backend = get_backend(device)
     converted = convert_policy(model, policy, backend, int8)
     notes: list[str] = []
@@ -99,7 +103,7 @@ def export_model(
     text = snippet(policy, task, backend.kind, method, call)
     written.append(write(folder / SNIPPET_FILE, "\n".join([*note_lines(notes), text])))
     warn(notes)
-    return written
+    return record_written(folder, written, FILES)
 
 
 def exported_program(
@@ -219,8 +223,9 @@ def _call_line(inputs: tuple[tuple[Any, ...], dict[str, Any]], free_batch: bool)
 def snippet(
     policy: Policy, task: str | None, device: str, int8: str | None, call: str | None
 ) -> str:
-    """``load_model.py``: ``exported()`` (the program, called as ``call`` says; None: no
-    program) and ``rebuilt()`` (the weights converted again by autoprec)."""
+    """``load_model.py``: ``exported()`` where a program was written (called as ``call``
+    says; None: no program, and no ``exported()``) and ``rebuilt()`` (the weights converted
+    again by autoprec). Every value in it is quoted; the weights load without unpickling."""
     build = (
         f"model = load_task({task!r}).model()"
         if task
@@ -233,11 +238,15 @@ def snippet(
         if call
         else f"No {PROGRAM_FILE} was written (see the NOTE above): use rebuilt()."
     )
-    lines = [
-        f'"""Serve the model as autoprec policy {policy.name or "(unnamed)"} says, on {device}.',
+    exported = [
+        "def exported() -> torch.nn.Module:",
+        f"    return torch.export.load(HERE / {PROGRAM_FILE!r}).module()",
         "",
-        *comment(program_doc, "", ""),
-        '"""',
+        "",
+    ]
+    head = f"Serve the model as autoprec {policy_label(policy)} says, on {device!r}."
+    lines = [
+        *docstring([head, "", *comment(program_doc, "", "")]),
         "",
         "from pathlib import Path",
         "",
@@ -246,10 +255,7 @@ def snippet(
         "HERE = Path(__file__).resolve().parent",
         "",
         "",
-        "def exported() -> torch.nn.Module:",
-        f'    return torch.export.load(HERE / "{PROGRAM_FILE}").module()',
-        "",
-        "",
+        *(exported if call else []),
         "def rebuilt(model: torch.nn.Module | None = None) -> torch.nn.Module:",
         f'    """The fp32 weights ({WEIGHTS_FILE}) converted as {POLICY_FILE} says; model: an',
         '    instance of the fp32 model class, its weights replaced by the saved ones."""',
@@ -258,8 +264,9 @@ def snippet(
         "",
         "    if model is None:",
         f"        {build}",
-        f'    model.load_state_dict(torch.load(HERE / "{WEIGHTS_FILE}", map_location="cpu"))',
-        f'    policy = autoprec.load_policy(HERE / "{POLICY_FILE}")',
+        f"    weights = torch.load(HERE / {WEIGHTS_FILE!r}, map_location='cpu', weights_only=True)",
+        "    model.load_state_dict(weights)",
+        f"    policy = autoprec.load_policy(HERE / {POLICY_FILE!r})",
         "    return autoprec.load_inference_model(",
         f"        model, policy, device={device!r}, int8={int8!r}",
         "    )",

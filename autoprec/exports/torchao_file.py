@@ -26,16 +26,19 @@ from autoprec import Policy
 from autoprec.exports._common import (
     ExportError,
     comment,
+    docstring,
     names,
     note_lines,
-    out_folder,
+    policy_label,
     require,
     warn,
     write,
 )
-from autoprec.exports.yaml_file import export_yaml
+from autoprec.exports._owned import export_folder, record_written
+from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
 
 CONFIG_FILE = "torchao_config.py"
+FILES = (CONFIG_FILE, POLICY_FILE)
 CONFIGS = {
     "torchao-weight-only": "Int8WeightOnlyConfig",
     "torchao-dynamic": "Int8DynamicActivationInt8WeightConfig",
@@ -57,6 +60,7 @@ def export_torchao(
         raise ExportError(
             f"format 'torchao': unknown int8 method {method!r} (expected {', '.join(CONFIGS)})"
         )
+    folder = export_folder(out_dir, FILES)
     resolved = policy.resolve_inference(model)
     int8_layers = [name for name, dtype in resolved.items() if dtype == "int8"]
     linear = [name for name in int8_layers if isinstance(model.get_submodule(name), nn.Linear)]
@@ -68,16 +72,19 @@ def export_torchao(
     notes = _notes(resolved, int8_layers, linear, method)
     config = CONFIGS[method]
     lines = [
-        f'"""autoprec policy {policy.name or "(unnamed)"}: its {len(linear)} int8 layer(s) as '
-        "a torchao FqnToConfig.",
-        "",
-        *comment(
-            f"quantize(model) quantizes them in place with {config}() (int8 method "
-            f"{method}); every other layer is left as it is.",
-            "",
-            "",
+        *docstring(
+            [
+                f"autoprec {policy_label(policy)}: its {len(linear)} int8 layer(s) as a "
+                "torchao FqnToConfig.",
+                "",
+                *comment(
+                    f"quantize(model) quantizes them in place with {config}() (int8 method "
+                    f"{method!r}); every other layer is left as it is.",
+                    "",
+                    "",
+                ),
+            ]
         ),
-        '"""',
         "",
         *note_lines(notes),
         "",
@@ -100,9 +107,9 @@ def export_torchao(
         "    return model",
         "",
     ]
-    path = write(out_folder(out_dir) / CONFIG_FILE, "\n".join(lines))
+    path = write(folder / CONFIG_FILE, "\n".join(lines))
     warn(notes)
-    return [path, *export_yaml(policy, out_dir)]
+    return record_written(folder, [path, *export_yaml(policy, folder)], FILES)
 
 
 def _notes(

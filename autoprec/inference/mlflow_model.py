@@ -9,9 +9,12 @@ in the order the metadata's ``inputs`` names them; ``labels`` are left out (a se
 computes no loss). The signature has a free batch dimension.
 
 It is saved as ``pt2`` (``torch.export``: loading it needs torch alone) where the model
-exports, else as ``pickle`` (loading it needs autoprec importable, for the casts between
-layers): torch's own dynamic int8, the CPU's default, packs its weights in objects
-``torch.export`` cannot trace.
+exports. torch's own dynamic int8, the CPU's default, packs its weights in objects
+``torch.export`` cannot trace; such a model is saved as ``autoprec-rebuilt`` (data only: the
+fp32 weights, the policy and the task's name, rebuilt and converted at load by
+`autoprec.inference.mlflow_rebuilt`, nothing unpickled). Only where the task has no name or
+file (a Task object given to ``search``) is it pickled, and the search says so in a warning,
+in the metadata (``unpickles``) and in the parent run's tags.
 """
 
 from __future__ import annotations
@@ -23,17 +26,20 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from autoprec.errors import AutoprecError, first_line
 from autoprec.inference.convert import has_torch_dynamic_int8
+from autoprec.inference.mlflow_rebuilt import FORMAT, write_data
 from autoprec.policy import Policy
 from autoprec.structures import tensors
 from autoprec.tasks.base import Batch, logits_of
 
 EXAMPLE_SAMPLES = 4
+_LOADER = "autoprec.inference.mlflow_rebuilt"
 
 
 class ServedModel(nn.Module):
@@ -77,8 +83,8 @@ def served_inputs(batch: Batch) -> tuple[list[str], list[torch.Tensor]]:
 
 @contextlib.contextmanager
 def _quiet(logger: str) -> Iterator[None]:
-    """MLflow's advice against pickle, logged as a warning: the module docstring says why
-    pickle is used, and only where pt2 cannot be."""
+    """MLflow's advice against pickle, logged as a warning: pickle is the last resort (see
+    the module docstring), and the search's own warning says so."""
     log = logging.getLogger(logger)
     level = log.level
     log.setLevel(logging.ERROR)
@@ -88,18 +94,28 @@ def _quiet(logger: str) -> Iterator[None]:
         log.setLevel(level)
 
 
+PICKLE_NOTE = (
+    "saved with pickle: loading it runs whatever the artifact store holds, so only load it "
+    "from a store no one else can write"
+)
+
+
 def save_mlflow_model(
-    converted: nn.Module, batch: Batch, policy: Policy, path: Path, int8: str | None
+    converted: nn.Module,
+    batch: Batch,
+    policy: Policy,
+    path: Path,
+    int8: str | None,
+    fp32: nn.Module | None = None,
+    task_spec: str | None = None,
 ) -> str:
     """Save ``converted`` (a served model on the CPU, where MLflow's pyfunc runs it; see
     `autoprec.inference.convert`) as an MLflow model folder at ``path`` (replaced), with
     ``batch`` as its input example and the policy in its metadata and beside it. Returns
-    the serialization format used; raises AutoprecError with the reason where it cannot be
-    saved."""
-    import mlflow.pytorch
-    from mlflow.models.signature import ModelSignature
-    from mlflow.types.schema import Schema, TensorSpec
-
+    the serialization format used: ``pt2`` where it exports, else ``autoprec-rebuilt``
+    (``fp32``, the model it was converted from, and ``task_spec``, the task's name or file,
+    rebuilt at load: nothing unpickled), else ``pickle``. Raises AutoprecError with the
+    reason where it cannot be saved."""
     try:
         names, values = served_inputs(batch)
     except AutoprecError as error:
@@ -113,15 +129,20 @@ def save_mlflow_model(
     with torch.inference_mode():
         output = wrapped(example).float().numpy()
     array = example.numpy()
-    signature = ModelSignature(
-        inputs=Schema([TensorSpec(array.dtype, (-1, *array.shape[1:]))]),
-        outputs=Schema([TensorSpec(output.dtype, (-1, *output.shape[1:]))]),
-    )
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
     if int8 is not None and int8.startswith("torchao"):
         import torchao
 
         requirements.append(f"torchao=={torchao.__version__.split('+')[0]}")
+    formats = [] if has_torch_dynamic_int8(converted) else ["pt2"]
+    if fp32 is not None and task_spec is not None:
+        formats.append(FORMAT)
+    formats.append("pickle")
+    common = {
+        "signature": _signature(array, output),
+        "input_example": array,
+        "pip_requirements": requirements,
+    }
     metadata = {
         "autoprec_policy": policy.to_dict(),
         "int8": int8,
@@ -129,25 +150,20 @@ def save_mlflow_model(
         "inputs_stacked_on_dim_1": stacked,
     }
     errors = []
-    formats = ["pickle"] if has_torch_dynamic_int8(converted) else ["pt2", "pickle"]
     folder = Path(tempfile.mkdtemp())
     try:
         policy_file = policy.save(folder / "policy.yaml")
+        data = None
+        if fp32 is not None and task_spec is not None:
+            state = fp32.state_dict()
+            data = write_data(folder / "rebuilt", state, policy, task_spec, int8, names, stacked)
         for fmt in formats:
-            shutil.rmtree(path, ignore_errors=True)
+            common["metadata"] = {**metadata, "serialization": fmt, "unpickles": fmt == "pickle"}
             try:
-                with warnings.catch_warnings(), _quiet("mlflow.pytorch"):
-                    warnings.simplefilter("ignore")  # MLflow's and the tracer's, not the user's
-                    mlflow.pytorch.save_model(
-                        wrapped,
-                        str(path),
-                        signature=signature,
-                        input_example=array,
-                        serialization_format=fmt,
-                        pip_requirements=requirements,
-                        metadata=metadata,
-                        extra_files=[str(policy_file)],
-                    )
+                if fmt == FORMAT:
+                    _save_rebuilt(path, data, common)
+                else:
+                    _save_pytorch(path, wrapped, fmt, policy_file, common)
                 return fmt
             except Exception as error:
                 errors.append(f"{fmt}: {type(error).__name__}: {first_line(error, 160)}")
@@ -155,3 +171,43 @@ def save_mlflow_model(
         shutil.rmtree(folder, ignore_errors=True)
     shutil.rmtree(path, ignore_errors=True)
     raise AutoprecError("the model could not be saved for MLflow (" + "; ".join(errors) + ")")
+
+
+def _signature(array: Any, output: Any) -> Any:
+    """One array in, one out, both with a free batch dimension."""
+    from mlflow.models.signature import ModelSignature
+    from mlflow.types.schema import Schema, TensorSpec
+
+    return ModelSignature(
+        inputs=Schema([TensorSpec(array.dtype, (-1, *array.shape[1:]))]),
+        outputs=Schema([TensorSpec(output.dtype, (-1, *output.shape[1:]))]),
+    )
+
+
+def _save_pytorch(
+    path: Path, wrapped: nn.Module, fmt: str, policy_file: Path, common: dict[str, Any]
+) -> None:
+    """MLflow's PyTorch flavour, ``fmt`` pt2 or pickle, the policy beside it."""
+    import mlflow.pytorch
+
+    shutil.rmtree(path, ignore_errors=True)
+    with warnings.catch_warnings(), _quiet("mlflow.pytorch"):
+        warnings.simplefilter("ignore")  # MLflow's and the tracer's, not the user's
+        mlflow.pytorch.save_model(
+            wrapped,
+            str(path),
+            serialization_format=fmt,
+            extra_files=[str(policy_file)],
+            **common,
+        )
+
+
+def _save_rebuilt(path: Path, data: Path | None, common: dict[str, Any]) -> None:
+    """A pyfunc of data only, which `autoprec.inference.mlflow_rebuilt` loads."""
+    import mlflow.pyfunc
+
+    assert data is not None
+    shutil.rmtree(path, ignore_errors=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mlflow.pyfunc.save_model(str(path), loader_module=_LOADER, data_path=str(data), **common)

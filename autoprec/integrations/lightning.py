@@ -1,9 +1,10 @@
 """A policy as a Lightning precision plugin: ``Trainer(plugins=[PolicyPrecision(policy)])``.
 
-The plugin applies the policy's regions to the LightningModule, runs every step (training,
-validation, test, predict) in the policy's autocast, scales the loss, unscales gradients
-before Lightning clips them, skips the optimizer step when they overflowed, and carries the
-loss-scale state in the checkpoint. `PolicyFabricPrecision` does the same for Fabric.
+The plugin applies the policy's regions to the LightningModule (or to the searched model it
+holds, `autoprec.placement`), runs every step (training, validation, test, predict) in the
+policy's autocast, scales the loss, unscales gradients before Lightning clips them, skips the
+optimizer step when they overflowed, and carries the loss-scale state in the checkpoint.
+`PolicyFabricPrecision` does the same for Fabric.
 
 Master weights stay fp32, so the plugin reports Lightning's ``precision="32-true"``. Written
 for the ``lightning`` package (2.2 or later), single-device strategies; DDP is expected to work
@@ -35,14 +36,16 @@ except ImportError:
 
 
 class _Applied:
-    """The policy, the module it lands on, and its Precision while applied.
+    """The policy, the module it is applied to (``submodule``: the dotted name of the part it
+    lands on, None to find it), and its Precision while applied.
 
     Loss-scale state that arrives before the policy is applied (a checkpoint restored early)
     or outlives its removal (a teardown between ``fit`` and ``test``) is kept here, so that
     the scale goes on where it was."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, submodule: str | None) -> None:
         self.policy = policy
+        self.submodule = submodule
         self.module: nn.Module | None = None
         self.precision: Precision | None = None
         self.state: dict[str, Any] | None = None
@@ -57,7 +60,7 @@ class _Applied:
         if self.precision is None:
             if self.module is None:
                 raise ValueError("the policy has no module to apply to: set the module up first")
-            self.precision = self.policy.apply(self.module)
+            self.precision = self.policy.apply(self.module, module=self.submodule)
             if self.state is not None:
                 self.precision.load_state_dict(self.state)
         return self.precision
@@ -93,11 +96,14 @@ class _Applied:
 
 class PolicyPrecision(LightningPrecision):
     """Trains a LightningModule under an autoprec policy; pass it as ``plugins=[...]`` and
-    leave ``Trainer(precision=...)`` out (Lightning refuses both at once)."""
+    leave ``Trainer(precision=...)`` out (Lightning refuses both at once).
 
-    def __init__(self, policy: Policy) -> None:
+    The policy lands on the submodule it was found on (the searched model, ``self.net``),
+    found by its rules; ``module="net"`` names it where several submodules fit."""
+
+    def __init__(self, policy: Policy, module: str | None = None) -> None:
         super().__init__()
-        self._applied = _Applied(policy)
+        self._applied = _Applied(policy, module)
         self._skipping_step = False
 
     def __repr__(self) -> str:
@@ -212,11 +218,12 @@ class PolicyFabricPrecision(FabricPrecision):
     Fabric moves the module after ``convert_module`` and has no hook after that, so the policy
     is applied at the first forward (or backward), on the module's device then. Fabric saves
     no precision state by itself: put the plugin in the state, ``fabric.save(path, {...,
-    "precision": plugin})``, and ``fabric.load`` restores it."""
+    "precision": plugin})``, and ``fabric.load`` restores it. ``module``: as in
+    `PolicyPrecision`."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, module: str | None = None) -> None:
         super().__init__()
-        self._applied = _Applied(policy)
+        self._applied = _Applied(policy, module)
 
     def __repr__(self) -> str:
         return f"PolicyFabricPrecision(policy={self._applied.policy.name or 'unnamed'!r})"

@@ -68,7 +68,10 @@ class _PrecisionScaler:
 
 class PolicyTrainer(transformers.Trainer):
     """A Trainer that trains its model under an autoprec policy; every other argument is the
-    Trainer's. ``precision`` is the applied `autoprec.Precision` (its ``loss_scale``, say)."""
+    Trainer's. ``precision`` is the applied `autoprec.Precision` (its ``loss_scale``, say).
+
+    On a model that wraps the searched one, the policy lands on the submodule it was found
+    on, found by its rules; ``module="model"`` names it where several submodules fit."""
 
     def __init__(
         self,
@@ -76,6 +79,7 @@ class PolicyTrainer(transformers.Trainer):
         args: Any = None,
         *more: Any,
         policy: Policy,
+        module: str | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(policy, Policy):
@@ -106,7 +110,7 @@ class PolicyTrainer(transformers.Trainer):
         self.policy = policy
         # The Trainer has placed the model on args.device by now (unless a sharding backend
         # places it later): the regions and the autocast are for that device's kind.
-        self.precision = policy.apply(self.model, self.args.device)
+        self.precision = policy.apply(self.model, self.args.device, module=module)
         self.accelerator.scaler = _PrecisionScaler(self.precision)
 
     def autocast_smart_context_manager(

@@ -159,6 +159,7 @@ def _finish(
         "trials": config.trials,
         "sampler": config.sampler,
         "prefer": config.prefer or prepared.prefer,
+        "confirm_top": config.confirm_top,
         "accuracy_tolerance": prepared.tolerance,
         "storage": config.public()["storage"],
         "tracking_uri": config.public()["tracking_uri"],
@@ -210,16 +211,24 @@ def _finish(
 def _served_model(session: Session, policy: Policy) -> dict[str, Any]:
     """The chosen model saved as an MLflow model and logged on the parent run; where it
     cannot be, one warning and the reason in the summary."""
+    from autoprec.inference.mlflow_model import PICKLE_NOTE
+
     assert isinstance(session.trials, ServingTrials)
-    folder, said = save_served_model(session.trials, policy, session.prepared.out_dir)
+    prepared = session.prepared
+    folder, said = save_served_model(session.trials, policy, prepared.out_dir, prepared.task_spec)
     if folder is None:
         session.tracker.warn(f"the chosen model was not logged as an MLflow model: {said}")
         return {"logged": False, "reason": said}
-    session.tracker.log_model_folder(folder)
+    if said == "pickle":
+        session.tracker.warn(f"the chosen MLflow model is {PICKLE_NOTE}")
+    unpickles = said == "pickle"
+    tags = {"autoprec.model_format": said, "autoprec.model_unpickles": str(unpickles).lower()}
+    session.tracker.log_model_folder(folder, tags=tags)
     parent = session.tracker.parent_id
     return {
         "logged": True,
         "format": said,
+        "unpickles": unpickles,
         "path": str(folder),
         "uri": None if parent is None else f"runs:/{parent}/model",
     }

@@ -42,9 +42,9 @@ class Callbacks:
     def profiled(self, profile: Profile, path: Path) -> None:
         """The profile is done and written to ``path``."""
 
-    def training_fp32(self) -> None:
+    def training_fp32(self, path: Path) -> None:
         """A serving search trains the fp32 model it converts (once per study, when no
-        checkpoint was given)."""
+        checkpoint was given) and keeps it at ``path``."""
 
     def baseline(self) -> None:
         """The fp32 baseline begins (once per study)."""

@@ -10,7 +10,6 @@ owns the fp32 model the trials convert: the user's checkpoint (``--checkpoint`` 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from autoprec.devices import Backend
+from autoprec.digest import file_sha256
 from autoprec.errors import DeviceError, TaskError, first_line
 from autoprec.inference.convert import default_int8_method, int8_unavailable_reason
 from autoprec.inference.measure import InferenceResult, Reference, time_side_by_side, timing_batch
@@ -129,11 +129,7 @@ def load_checkpoint(model: nn.Module, path: Path, task: Task) -> nn.Module:
 
 
 def _digest(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as data:
-        for chunk in iter(lambda: data.read(1 << 20), b""):
-            sha.update(chunk)
-    return sha.hexdigest()[:16]
+    return file_sha256(path)[:16]
 
 
 def fp32_model(
@@ -143,7 +139,7 @@ def fp32_model(
     budget: Budget,
     out_dir: Path,
     may_train: bool,
-    training: Callable[[], None] = lambda: None,
+    training: Callable[[Path], None] = lambda path: None,
 ) -> nn.Module:
     """The trained fp32 model the trials convert: the user's checkpoint, else the study's
     ``fp32.pt``, else (where ``may_train``: the process setting the study up) the task's
@@ -157,7 +153,7 @@ def fp32_model(
         return load_checkpoint(model, kept, task)
     if not may_train:
         raise TaskError(f"task {task.name!r}: no fp32 checkpoint at {kept} yet")
-    training()
+    training(kept)
     model, _ = train_fp32(task, backend, budget)
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = kept.with_suffix(".pt.partial")
@@ -216,11 +212,12 @@ class ServingTrials:
 
 
 def save_served_model(
-    trials: ServingTrials, policy: Policy, out_dir: Path
+    trials: ServingTrials, policy: Policy, out_dir: Path, task_spec: str | None = None
 ) -> tuple[Path | None, str]:
     """The chosen policy's model, converted for the CPU (where MLflow's pyfunc runs it),
     saved as an MLflow model in ``out_dir/mlflow_model``: the folder and the format used,
-    or None and the reason it could not be saved."""
+    or None and the reason it could not be saved. ``task_spec`` (the task's name or file)
+    lets a model that does not export be rebuilt at load rather than pickled."""
     from autoprec.devices import get_backend
     from autoprec.errors import AutoprecError
     from autoprec.inference.mlflow_model import save_mlflow_model
@@ -235,8 +232,18 @@ def save_served_model(
     try:
         converted = convert_policy(trials.model, policy, cpu, int8)  # a copy, on the CPU
         batch = trials.task.batch(next(iter(trials.task.val_data())))
-        return path, save_mlflow_model(converted, batch, policy, path, int8)
+        spec = None if task_spec is None else _absolute_task_file(task_spec)
+        return path, save_mlflow_model(converted, batch, policy, path, int8, trials.model, spec)
     except AutoprecError as error:
         return None, first_line(error)
     except Exception as error:  # the MLflow model is an extra: a failure is one warning
         return None, f"{type(error).__name__}: {first_line(error)}"
+
+
+def _absolute_task_file(spec: str) -> str:
+    """A task spec that names the same task from any folder: ``file.py:attr`` with the
+    file's absolute path; a built-in name or ``package.module:attr`` as it is."""
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py"):
+        return f"{Path(target).resolve()}:{attr}"
+    return spec
