@@ -177,14 +177,14 @@ def observed_dtypes(
     first floating tensor it returns under ``policy`` (what forward hooks see)."""
     seen: dict[str, str] = {}
     handles = []
-    for name, module in _leaves(model):
+    for name, leaf in _leaves(model):
 
-        def hook(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
+        def hook(leaf: nn.Module, args: Any, output: Any, name: str = name) -> None:
             dtype = first_floating_dtype(output)
             if dtype is not None:
                 seen.setdefault(name, dtype)
 
-        handles.append(module.register_forward_hook(hook))
+        handles.append(leaf.register_forward_hook(hook))
     prec = policy.apply(model, device, module)
     try:
         with torch.no_grad(), _evaluating(model), prec.autocast():

@@ -113,6 +113,9 @@ class Group:
     rule: Rule
     dtypes: tuple[str, ...]
     optional: bool = False
+    # fitted for serving, where only some of its layers can be int8 (a decoder block's
+    # Linear layers beside its norms): the layers int8 takes; the others stay fp32
+    int8_leaves: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -425,7 +428,7 @@ class SearchSpace:
             Rule(params[f"dtype.{group}"], patterns=(leaf,), name=f"tied.{group}")
             for leaf, group in self.ties
         )
-        rules = tied + tuple(replace(g.rule, dtype=params[f"dtype.{g.name}"]) for g in self.groups)
+        rules = tied + tuple(rule for g in self.groups for rule in _group_rules(g, params))
         mode = params.get("loss_scale.mode", "none")
         if mode == "none" or "fp16" not in {r.dtype for r in rules}:
             loss_scale = LossScale()
@@ -568,6 +571,18 @@ def searched_leaves(
     return [(n, m) for n, m in leaves if autocast_behaviour(kind, m) != "fp32"]
 
 
+def _group_rules(group: Group, params: Mapping[str, Any]) -> tuple[Rule, ...]:
+    """The rules a group's chosen dtype gives: one, or for int8 in a group only some of
+    whose layers can take it, int8 for those and fp32 for the rest of the group."""
+    dtype = params[f"dtype.{group.name}"]
+    if dtype == "int8" and group.int8_leaves:
+        return (
+            Rule("int8", patterns=group.int8_leaves, name=group.name),
+            replace(group.rule, dtype="fp32", name=f"{group.name}.kept"),
+        )
+    return (replace(group.rule, dtype=dtype),)
+
+
 def _tie_followers(model: nn.Module) -> dict[str, str]:
     """Each leaf that shares a parameter with an earlier leaf, mapped to the first one."""
     return {name: group[0] for group in tied_leaves(model) for name in group[1:]}
@@ -591,17 +606,24 @@ def _without_failing_dtypes(
 def _with_int8_where_it_fits(
     groups: list[Group], assignment: dict[str, str], model: nn.Module
 ) -> list[Group]:
-    """int8 offered to the groups whose layers can all be int8, and to no other."""
+    """int8 offered to the groups with a layer that can be int8 (Linear, Conv1D); in a
+    group where only some can (a decoder block with its norms), int8 takes those and
+    the others stay fp32."""
     modules = dict(model.named_modules())
-    capable = {g.name: True for g in groups}
+    capable: dict[str, list[str]] = {g.name: [] for g in groups}
+    others: dict[str, int] = {g.name: 0 for g in groups}
     for leaf, group in assignment.items():
-        capable[group] = capable[group] and int8_capable(modules[leaf])
+        if int8_capable(modules[leaf]):
+            capable[group].append(leaf)
+        else:
+            others[group] += 1
     fitted = []
     for group in groups:
         dtypes = tuple(d for d in group.dtypes if d != "int8")
+        leaves = tuple(capable[group.name]) if others[group.name] else ()
         if capable[group.name]:
             dtypes = (*dtypes, "int8")
-        fitted.append(replace(group, dtypes=dtypes))
+        fitted.append(replace(group, dtypes=dtypes, int8_leaves=leaves))
     return fitted
 
 
