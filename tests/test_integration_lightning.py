@@ -198,6 +198,11 @@ def test_fabric_loop_runs_the_policy_and_keeps_the_scale(tmp_path):
     assert seen == {"net.0": {torch.float16}, "net.2": {torch.bfloat16}, "net.4": {torch.float32}}
     assert sum(losses[-4:]) < 0.6 * sum(losses[:4]), losses
     assert plugin.loss_scale != DYNAMIC["init_scale"]
+    # Outputs come back in fp32, as Fabric's MixedPrecision hands them.
+    low = PolicyFabricPrecision(Policy.uniform("bf16"))
+    bf16_model = Fabric(accelerator="cpu", devices=1, plugins=[low]).setup(MLP())
+    assert bf16_model(next(iter(loader()))[0]).dtype == torch.float32
+    low.teardown()
 
     fabric.save(tmp_path / "state.ckpt", {"model": model, "precision": plugin})
     again = PolicyFabricPrecision(policy)
