@@ -47,8 +47,8 @@ FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("linears", ("Linear", "Bilinear")),
     ("other", ()),
 )
-_FAMILY_TYPES = dict(FAMILIES)
 _NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+_NORM_NAME = re.compile(r"Norm(\d+d)?$")  # LayerNorm, RMSNorm, BatchNorm2d, T5LayerNorm
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,12 @@ def build_groups(
         names.append(_unique(name, names))
         return GroupSpec(names[-1], tuple(patterns), tuple(types))
 
+    # A family's rule names its own classes and those of the leaves found in it (a norm
+    # of another library's or the user's own is a norm by its name, not by its base).
+    family_types = {
+        family: types and (*types, *_named_only(leaves, family, types))
+        for family, types in FAMILIES
+    }
     groups = [spec(f"risk.{name}", (name,)) for name in own]
     budget = max_groups - len(own)
     if len(rows) > budget:  # too few groups for every role: the roles of a block merge
@@ -133,10 +139,10 @@ def build_groups(
                 places = [f"{place}.{row.role}" for place in segment.places]
                 groups.append(spec(f"{label}.{row.role}", places))
             elif row.block is not None:
-                types = _FAMILY_TYPES[row.role]
+                types = family_types[row.role]
                 groups.append(spec(f"{label}.{row.role}", segment.places, types))
             else:
-                types = _FAMILY_TYPES[row.role]
+                types = family_types[row.role]
                 groups.append(spec(f"{row.role}.{label}", segment.places, types))
     return groups
 
@@ -333,8 +339,27 @@ def _related(a: str, b: str) -> bool:
     return _covers(a, b) or _covers(b, a)
 
 
+def _named_only(
+    leaves: Sequence[tuple[str, nn.Module]], family: str, types: tuple[str, ...]
+) -> list[str]:
+    """Classes of ``leaves`` in ``family`` by their name alone (no base in ``types``)."""
+    return sorted(
+        {
+            type(m).__name__
+            for _, m in leaves
+            if _family(m) == family
+            and not {c.__name__ for c in type(m).__mro__}.intersection(types)
+        }
+    )
+
+
 def _family(module: nn.Module) -> str:
+    """The module's type family: by its classes' names, and for the norms of other
+    libraries and users (``LlamaRMSNorm``, ``T5LayerNorm``: plain ``nn.Module``
+    subclasses) by a class name that ends in ``Norm``."""
     class_names = {cls.__name__ for cls in type(module).__mro__}
+    if any(_NORM_NAME.search(name) for name in class_names):
+        return "norms"
     for family, types in FAMILIES:
         if not types or class_names.intersection(types):
             return family

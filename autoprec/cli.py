@@ -457,13 +457,18 @@ def _resolve(args: argparse.Namespace) -> int:
     from autoprec.tasks import check_task, load_task
 
     policy = load_policy(args.policy)
-    model = check_task(load_task(args.task))
+    task = load_task(args.task)
+    model = check_task(task)
     kind = get_backend(args.device).kind if args.device == "auto" else device_kind(args.device)
     serving = args.mode == "inference" or (args.mode is None and policy.serving_only)
+    # On this machine's own device kind, what runs is watched on one batch of the task.
+    watched = not serving and kind == get_backend("auto").kind
+    example = task.batch(next(iter(task.val_data()))) if watched else None
     try:
-        table = policy.layer_table(model, kind, inference=serving)
-        share = policy.low_precision_share(model, kind, inference=serving)
+        table = policy.layer_table(model, kind, inference=serving, example=example)
+        share = policy.low_precision_share(model, kind, inference=serving, example=example)
         where = "served" if serving else f"on {kind}"
+        where += " (watched on one batch)" if watched else ""
         if not serving:
             plan = policy.plan(model, kind)
             where += f": outer region {plan.outer_dtype}; own regions: {len(plan.regions)}"

@@ -76,9 +76,48 @@ def device_kind(
     return kind
 
 
+# What watching real modules run found (autoprec.observe.learn), per device kind and module
+# class: it overrides the tables above, which stay the first guess for classes not seen.
+_LEARNED: dict[tuple[str, type], str] = {}
+_FAILS: dict[tuple[str, type], dict[str, str]] = {}
+
+
+def record_behaviour(kind: str, cls: type, behaviour: str) -> None:
+    """Record how autocast was seen to treat modules of ``cls`` on this device kind."""
+    _LEARNED[(kind, cls)] = behaviour
+
+
+def record_failure(kind: str, cls: type, dtype: str, reason: str) -> None:
+    """Record that modules of ``cls`` were seen to fail in ``dtype`` on this device kind."""
+    _FAILS.setdefault((kind, cls), {})[dtype] = reason.splitlines()[0][:300] if reason else ""
+
+
+def forget_watched(kind: str) -> None:
+    """Forget what was watched on this device kind (a stand-in device's tests start anew)."""
+    for store in (_LEARNED, _FAILS):
+        for key in [k for k in store if k[0] == kind]:
+            del store[key]
+
+
+def learned_behaviour(kind: str, cls: type) -> str | None:
+    """What was observed for ``cls`` on this device kind (None: not watched yet)."""
+    return _LEARNED.get((kind, cls))
+
+
+def failing_dtypes(kind: str, module: torch.nn.Module) -> dict[str, str]:
+    """The low dtypes this module was seen to fail in on this device kind, with why."""
+    return dict(_FAILS.get((kind, type(module)), {}))
+
+
 def autocast_behaviour(kind: str, module: torch.nn.Module) -> str:
-    """``"fp32"``, ``"input"`` or ``"region"``: whether autocast on this device kind runs
-    the module in fp32 whatever the region, in its input's dtype, or in the region's."""
+    """``"fp32"``, ``"input"``, ``"cast"`` or ``"region"``: whether autocast on this
+    device kind runs the module in fp32 whatever the region, in its input's dtype, only on
+    inputs already cast to the region's dtype (so a plan casts them), or in the region's;
+    as observed where the module's class was watched (`autoprec.observe.learn`), else from
+    the tables."""
+    learned = _LEARNED.get((kind, type(module)))
+    if learned is not None:
+        return learned
     names = {cls.__name__ for cls in type(module).__mro__}
     if names & FIXED_FP32[kind]:
         return "fp32"

@@ -29,6 +29,11 @@ class DeviceError(AutoprecError):
     """A device was asked for that is not there, or cannot run a requested dtype."""
 
 
+class LoopError(AutoprecError, RuntimeError):
+    """A training loop called the precision hooks out of order (unscaled or stepped one
+    optimizer twice in an iteration), where torch's GradScaler raises a RuntimeError too."""
+
+
 class StoreError(AutoprecError):
     """An Optuna or MLflow store cannot be used, or does not hold what was asked for."""
 

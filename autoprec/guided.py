@@ -148,6 +148,27 @@ class _Strategy:
         return [n for n in order if low in by_name[n].dtypes and _high(by_name[n]) != low]
 
 
+# Headroom the start scale leaves below fp16's largest value (gradients grow as training
+# goes on): 2**-4 of it.
+_START_HEADROOM_LOG2 = 4
+
+
+def fp16_start_scale_log2(space: SearchSpace, max_gradient: float | None) -> int | None:
+    """The dynamic loss scale's start (log2) for the guided search's fp16 probes: the
+    largest that keeps the largest gradient the profile saw ``2**-4`` under fp16's
+    65504, within the space's ``init_scale_log2`` range, and never above torch's 2**16.
+    A short trial then does not spend its first steps backing off from a scale that
+    overflows (torch's default start costs one skipped step per halving), and the probes
+    measure which layers are at risk. None: keep the space's default (no profile, or no
+    such range)."""
+    bounds = space.loss_scale.ranges.get("init_scale_log2")
+    if max_gradient is None or not math.isfinite(max_gradient) or max_gradient <= 0 or not bounds:
+        return None
+    safe = math.floor(math.log2(65504.0 / max_gradient)) - _START_HEADROOM_LOG2
+    low, high = bounds
+    return int(min(max(safe, low), high, 16))
+
+
 def _high(group: Group) -> str:
     return next(d for d in _HIGH_FIRST if d in group.dtypes)
 
@@ -168,8 +189,12 @@ class GuidedStrategy(_Strategy):
         prefer: str = "speed",
         model: nn.Module | None = None,
         device: Any = None,
+        max_gradient: float | None = None,
     ) -> None:
         super().__init__(space, model, device)
+        start = fp16_start_scale_log2(space, max_gradient)
+        if start is not None:
+            self._fp16_scaling["loss_scale.init_scale_log2"] = start
         if prefer not in PREFERENCES:
             raise AutoprecError(f"prefer: expected one of {', '.join(PREFERENCES)}, got {prefer!r}")
         names = [g.name for g in self.groups]
@@ -211,7 +236,16 @@ class GuidedStrategy(_Strategy):
                 return math.inf
             return preference_score(measured[dtype], self.prefer, best)
 
-        return sorted(self.low_dtypes, key=lambda d: (score(d), self.low_dtypes.index(d)))
+        def feasible(dtype: str) -> bool:
+            outcome = seeds[dtype]
+            return outcome is not None and outcome.feasible
+
+        # A dtype whose uniform seed was feasible first: bisecting one whose seed failed
+        # measures why it failed (a scaler's start-up, say) before which layers are at risk.
+        return sorted(
+            self.low_dtypes,
+            key=lambda d: (not feasible(d), score(d), self.low_dtypes.index(d)),
+        )
 
     def _bisect(
         self, low: str, order: list[str], known: dict[str, _Outcome], busy: set[str | None]

@@ -37,7 +37,14 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec.devices import INFERENCE_DTYPES, Backend, autocast_behaviour, device_kind, get_backend
+from autoprec.devices import (
+    INFERENCE_DTYPES,
+    Backend,
+    autocast_behaviour,
+    device_kind,
+    failing_dtypes,
+    get_backend,
+)
 from autoprec.errors import PolicyError
 from autoprec.files import load_yaml, parse_yaml, write_atomic
 from autoprec.placement import Placement, announce, place, within
@@ -293,7 +300,10 @@ class Policy:
                 continue  # no region: autocast keeps it in fp32 anyway
             dtype = dtype or self.default
             chosen[name] = dtype
-            if behaviour == "input" and dtype != "fp32":
+            if dtype != "fp32" and (behaviour == "cast" or (behaviour == "input" and self.rules)):
+                # In a policy with rules, the policy decides it: its inputs are cast. A
+                # uniform policy is plain autocast: it runs in the dtype its input arrives
+                # in. A module that runs only on cast inputs gets them cast either way.
                 follows_input.add(name)
             weight[dtype] += sum(p.numel() for p in module.parameters(recurse=False))
 
@@ -422,23 +432,48 @@ class Policy:
         model: nn.Module,
         device: str | torch.device | Backend | None = None,
         module: str | None = None,
+        example: Any = None,
     ) -> dict[str, str]:
-        """Every leaf module with parameters mapped to the dtype it really runs in on the
-        device kind of ``device`` (default: where the model's parameters are). Leaves
-        without parameters (ReLU, dropout, pooling) run in their input's dtype, which the
-        data decides, and are not listed. ``module``: as in `plan`."""
-        return self.plan(model, device, module).leaf_dtypes
+        """Every leaf module with parameters mapped to the dtype it runs in on the device
+        kind of ``device`` (default: where the model's parameters are); ``module``: as in
+        `plan`.
+
+        With ``example`` (a batch as the task gives it, or an `autoprec.tasks.Batch`), and
+        the model on a device of that kind, this is what one forward of it under the
+        policy shows: each leaf's output dtype, as forward hooks see it; the classes of
+        leaves it meets are watched first (`autoprec.observe.learn`), so later calls
+        without an example know them too. Without one, it is the plan's word: the device
+        tables and what was watched so far; under a uniform policy (plain autocast) a leaf
+        that runs in its input's dtype is reported in the policy's dtype, which holds where
+        its input comes from a layer of that dtype (not from an fp32 residual stream: pass
+        an example). Leaves without parameters (ReLU, dropout, pooling) are not listed."""
+        here = get_backend(_device_of(model))
+        if example is None or device_kind(device, model) != here.kind:
+            return self.plan(model, device, module).leaf_dtypes  # nothing to watch there
+        from autoprec.observe import learn, observed_dtypes
+
+        run = _runner(example, here)
+        learn(model, run, here)
+        guess = self.plan(model, here, module).leaf_dtypes
+        seen = observed_dtypes(model, self, run, here, module)
+        return {name: seen.get(name, dtype) for name, dtype in guess.items()}
 
     def layer_table(
         self,
         model: nn.Module,
         device: str | torch.device | Backend | None = None,
         inference: bool = False,
+        example: Any = None,
     ) -> list[dict[str, Any]]:
         """Each leaf module with parameters: name, type, parameter count and the dtype it
-        runs in (``inference``: the dtype its weights are served in)."""
+        runs in (``inference``: the dtype its weights are served in; ``example``: as
+        ``resolve`` observes it on that batch)."""
         modules = dict(model.named_modules())
-        resolved = self.resolve_inference(model) if inference else self.resolve(model, device)
+        resolved = (
+            self.resolve_inference(model)
+            if inference
+            else self.resolve(model, device, example=example)
+        )
         return [
             {
                 "name": name or "(model)",
@@ -454,16 +489,16 @@ class Policy:
         model: nn.Module,
         device: str | torch.device | Backend | None = None,
         inference: bool = False,
+        example: Any = None,
     ) -> float:
-        """Share of the model's parameters that run in fp16 or bf16 (or, served, int8)."""
-        modules = dict(model.named_modules())
-        resolved = self.resolve_inference(model) if inference else self.resolve(model, device)
-        total = low = 0
-        for name, dtype in resolved.items():
-            count = _own_parameters(modules[name])
-            total += count
-            low += count if dtype != "fp32" else 0
-        return low / total if total else 0.0
+        """Share of the model's parameters that run in fp16 or bf16 (or, served, int8);
+        ``example``: as ``resolve`` observes it on that batch."""
+        resolved = (
+            self.resolve_inference(model)
+            if inference
+            else self.resolve(model, device, example=example)
+        )
+        return share_of_parameters(model, resolved)
 
     def apply(
         self,
@@ -487,8 +522,59 @@ class Policy:
         unsupported = sorted(d for d in set(plan.leaf_dtypes.values()) if not backend.supports(d))
         if unsupported:
             raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
+        _refuse_failing(model, plan, backend)
         announce(placement, self.name, len(parameterised_leaves(placement.module)))
         return Precision(model, plan, self.loss_scale, backend)
+
+
+def tied_leaves(model: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of leaves with parameters that share a parameter (a tied embedding and
+    head), each in module order: a conversion gives them one dtype, or quantizes one of
+    them to int8, so a search space keeps each group in one group."""
+    owners: dict[int, list[str]] = {}
+    for name, module in parameterised_leaves(model):
+        for parameter in module.parameters(recurse=False):
+            names = owners.setdefault(id(parameter), [])
+            if name not in names:
+                names.append(name)
+    return sorted({tuple(names) for names in owners.values() if len(names) > 1})
+
+
+def _refuse_failing(model: nn.Module, plan: Plan, backend: Backend) -> None:
+    """A leaf put in a dtype it was seen to fail in on this device kind (an LSTM in fp16
+    on the CPU: oneDNN has no such kernel) is refused before anything runs."""
+    modules = dict(model.named_modules())
+    for name, dtype in plan.leaf_dtypes.items():
+        reason = failing_dtypes(backend.kind, modules[name]).get(dtype)
+        if reason is not None:
+            raise PolicyError(
+                f"{name} ({type(modules[name]).__name__}): cannot run in {dtype} on "
+                f"{backend.kind}: {reason}"
+            )
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _runner(example: Any, backend: Backend) -> Any:
+    """``model -> outputs`` for an example batch, on the backend's device."""
+    from autoprec.tasks.base import Batch
+
+    batch = example if isinstance(example, Batch) else Batch.of(example)
+    return batch.to(backend.device).run
+
+
+def share_of_parameters(model: nn.Module, dtypes: dict[str, str]) -> float:
+    """Share of the parameters of the leaves in ``dtypes`` that are not fp32 there."""
+    modules = dict(model.named_modules())
+    total = low = 0
+    for name, dtype in dtypes.items():
+        count = _own_parameters(modules[name])
+        total += count
+        low += count if dtype != "fp32" else 0
+    return low / total if total else 0.0
 
 
 def _own_parameters(module: nn.Module) -> int:

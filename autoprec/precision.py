@@ -70,8 +70,9 @@ class Region:
     An fp32 region casts its floating inputs up and disables autocast. A low-precision
     region enters autocast in its dtype, and with ``cast_inputs`` casts its floating
     inputs down first (for modules that run in their input's dtype). Where a
-    low-precision region sits inside fp32 surroundings, `Precision` casts its outputs
-    back up with a forward hook, so that hooks on the module itself see what it computed.
+    low-precision region sits inside surroundings of another dtype (fp32, or the other low
+    dtype), `Precision` casts its outputs up to fp32 with a forward hook, so that hooks on
+    the module itself see what it computed.
     """
 
     def __init__(self, forward: Any, device_type: str, dtype: str, cast_inputs: bool) -> None:
@@ -94,6 +95,18 @@ def _upcast_outputs(module: nn.Module, args: Any, outputs: Any) -> Any:
     return cast_floats(outputs, torch.float32)
 
 
+def _upcast_last(module: nn.Module) -> list[Any]:
+    """A forward hook that casts the module's outputs up to fp32, kept the last of its
+    forward hooks on every call, so hooks the user registers later (before or after
+    ``apply``) still see what the module computed."""
+    upcast = module.register_forward_hook(_upcast_outputs)
+
+    def keep_last(*_: Any) -> None:
+        module._forward_hooks.move_to_end(upcast.id)
+
+    return [upcast, module.register_forward_pre_hook(keep_last)]
+
+
 class Installed:
     """Regions installed on a model's modules, removable in one call."""
 
@@ -106,8 +119,10 @@ class Installed:
             previous = module.__dict__.get("forward")
             module.forward = Region(module.forward, device_type, spec.dtype, spec.cast_inputs)
             self._forwards.append((module, previous))
-            if spec.dtype != "fp32" and spec.around == "fp32":
-                self._hooks.append(module.register_forward_hook(_upcast_outputs))
+            if spec.dtype != "fp32" and spec.around != spec.dtype:
+                # Surroundings of another dtype may not take these outputs (autocast's cat
+                # refuses fp16 beside bf16): hand them on in fp32, which every region takes.
+                self._hooks.extend(_upcast_last(module))
 
     def remove(self) -> None:
         for handle in self._hooks:
@@ -159,6 +174,12 @@ class Precision:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale gradients in place before clipping them; True if any overflowed."""
         return self.scaler.unscale_(optimizer)
+
+    def unscale_once_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale unless this iteration did already: for integrations whose hooks unscale
+        before the user's own clipping may ask again (``unscale_`` twice raises, as in torch)."""
+        if not self.scaler.unscaled(optimizer):
+            self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale, and step unless gradients overflowed; returns whether it stepped. The

@@ -122,6 +122,18 @@ class Profile:
         """JSON-safe: non-finite floats become the strings "inf", "-inf" and "nan"."""
         return _encode(asdict(self))
 
+    def max_gradient(self) -> float | None:
+        """The largest finite parameter or output gradient magnitude any module saw in
+        the fp32 steps (None where the profile recorded none): what a loss scale
+        multiplies."""
+        values = [
+            value
+            for module in self.modules
+            for kind, value in module.max_abs.items()
+            if kind in ("grad", "param_grad") and math.isfinite(value) and value > 0
+        ]
+        return max(values) if values else None
+
     @classmethod
     def from_dict(cls, data: Any) -> Profile:
         try:

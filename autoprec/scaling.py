@@ -13,16 +13,18 @@ Three modes:
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
-from autoprec.errors import PolicyError
+from autoprec.errors import LoopError, PolicyError
 
 MODES = ("none", "static", "dynamic")
+_FLOAT32_MAX = torch.finfo(torch.float32).max  # the scale is a float32, as in torch
 _DYNAMIC_FIELDS = (
     "init_scale",
     "growth_factor",
@@ -49,10 +51,14 @@ class LossScale:
         problems = []
         if self.mode not in MODES:
             problems.append(f"mode: unknown mode {self.mode!r} (expected none, static or dynamic)")
-        if not (math.isfinite(self.init_scale) and self.init_scale > 0):
-            problems.append(f"init_scale: must be a positive number, got {self.init_scale!r}")
-        if not self.growth_factor > 1:
-            problems.append(f"growth_factor: must be above 1, got {self.growth_factor!r}")
+        if not 0 < self.init_scale <= _FLOAT32_MAX:
+            problems.append(
+                f"init_scale: must be a positive float32 number, got {self.init_scale!r}"
+            )
+        if not (math.isfinite(self.growth_factor) and self.growth_factor > 1):
+            problems.append(
+                f"growth_factor: must be a finite number above 1, got {self.growth_factor!r}"
+            )
         if not 0 < self.backoff_factor < 1:
             problems.append(f"backoff_factor: must be between 0 and 1, got {self.backoff_factor!r}")
         if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
@@ -110,53 +116,100 @@ def _number(value: Any, where: str) -> float:
     return float(value)
 
 
+class _Stage(enum.Enum):
+    """Where one optimizer is in the iteration, as GradScaler's ``OptState``."""
+
+    READY = "ready"
+    UNSCALED = "unscaled"
+    STEPPED = "stepped"
+
+
+@dataclass
+class _OptimizerState:
+    stage: _Stage = _Stage.READY
+    found_inf: bool = False
+
+
 class LossScaler:
     """Scales the loss, unscales gradients in place, and decides whether a step is taken.
 
-    The scale lives on the host: deciding to skip a step needs one host sync per step
-    anyway (torch's GradScaler makes the same sync in ``step``).
+    The arithmetic is torch.amp.GradScaler's, op for op: the scale is a float32 tensor,
+    unscaling multiplies by its reciprocal taken in float64, and the update is torch's own
+    ``_amp_update_scale_`` (growth that would reach inf is refused, the scale may fall to 0
+    without raising). So with ``hysteresis: 1`` and ``min_scale: 0`` the scale, the skipped
+    steps and the gradients equal GradScaler's bit for bit, whatever the factors. The scale
+    lives on the host: deciding to skip a step needs one host sync per step anyway (torch's
+    GradScaler makes the same sync in ``step``). Each optimizer goes ready, unscaled,
+    stepped, as in GradScaler: unscaling or stepping it twice in one iteration raises.
     """
 
     def __init__(self, settings: LossScale) -> None:
         self.settings = settings
-        self.scale = float(settings.init_scale) if settings.enabled else 1.0
-        self._clean_steps = 0
+        initial = settings.init_scale if settings.enabled else 1.0
+        self._scale = torch.full((), initial, dtype=torch.float32)
+        self._growth_tracker = torch.zeros((), dtype=torch.int32)
         self._overflows_in_a_row = 0
-        self._unscaled: set[int] = set()
-        self._found_inf: dict[int, bool] = {}
+        self._optimizers: dict[int, _OptimizerState] = defaultdict(_OptimizerState)
+
+    @property
+    def scale(self) -> float:
+        """The current scale, a float32 value (1.0 without scaling)."""
+        return float(self._scale)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        # A float32 scale times a float32 loss: the product GradScaler.scale computes.
         return loss * self.scale if self.settings.enabled else loss
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
         """Divide the optimizer's gradients by the scale; True if any is inf or NaN."""
-        key = id(optimizer)
         if not self.settings.enabled:
             return False
-        if key in self._unscaled:
-            return self._found_inf[key]
+        state = self._optimizers[id(optimizer)]
+        if state.stage is _Stage.UNSCALED:
+            raise LoopError(
+                "unscale_() has already been called on this optimizer since the last update()"
+            )
+        if state.stage is _Stage.STEPPED:
+            raise LoopError("unscale_() is being called after step()")
+        state.found_inf = self._unscale_grads(optimizer)
+        state.stage = _Stage.UNSCALED
+        return state.found_inf
+
+    def _unscale_grads(self, optimizer: torch.optim.Optimizer) -> bool:
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
                     groups[(param.grad.device, param.grad.dtype)].append(param.grad)
+        inv_scale = self._scale.double().reciprocal().float()
         found = []
-        for (device, _), grads in groups.items():
-            found_inf = torch.zeros(1, device=device)
-            inv_scale = torch.full((1,), 1.0 / self.scale, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-            found.append(found_inf.to("cpu", non_blocking=False))
-        overflow = bool(torch.cat(found).sum().item()) if found else False
-        self._unscaled.add(key)
-        self._found_inf[key] = overflow
-        return overflow
+        with torch.no_grad():
+            for (device, _), grads in groups.items():
+                found_inf = torch.zeros((), device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    grads, found_inf, inv_scale.to(device)
+                )
+                found.append(found_inf.to("cpu"))
+        return bool(torch.stack(found).sum().item()) if found else False
+
+    def unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s gradients were unscaled in this iteration already."""
+        return self._optimizers.get(id(optimizer), _OptimizerState()).stage is not _Stage.READY
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale if needed, then step unless gradients overflowed. Returns whether it stepped."""
-        overflow = self.unscale_(optimizer)
-        if not overflow:
+        if not self.settings.enabled:
             optimizer.step()
-        return not overflow
+            return True
+        state = self._optimizers[id(optimizer)]
+        if state.stage is _Stage.STEPPED:
+            raise LoopError("step() has already been called since the last update()")
+        if state.stage is _Stage.READY:
+            self.unscale_(optimizer)
+        if not state.found_inf:
+            optimizer.step()
+        state.stage = _Stage.STEPPED
+        return not state.found_inf
 
     @property
     def at_floor(self) -> bool:
@@ -169,34 +222,57 @@ class LossScaler:
 
     def update(self) -> bool:
         """Adjust the scale after the optimizers of this iteration stepped; True on overflow."""
-        overflow = any(self._found_inf.values())
-        self._unscaled.clear()
-        self._found_inf.clear()
-        if self.settings.mode != "dynamic":
-            return overflow
+        overflow = any(state.found_inf for state in self._optimizers.values())
+        self._optimizers.clear()
+        if self.settings.mode == "dynamic":
+            self._update_dynamic(overflow)
+        return overflow
+
+    def _update_dynamic(self, overflow: bool) -> None:
         s = self.settings
+        backoff = s.backoff_factor
         if overflow:
-            self._clean_steps = 0
             self._overflows_in_a_row += 1
-            if self._overflows_in_a_row >= s.hysteresis:
-                self.scale = max(self.scale * s.backoff_factor, s.min_scale)
+            if self._overflows_in_a_row < s.hysteresis:
+                backoff = 1.0  # hold the scale; the clean-step count still restarts
+            else:
                 self._overflows_in_a_row = 0
         else:
             self._overflows_in_a_row = 0
-            self._clean_steps += 1
-            if self._clean_steps >= s.growth_interval:
-                self.scale *= s.growth_factor
-                self._clean_steps = 0
-        return overflow
+        found_inf = torch.full((), float(overflow))
+        torch._amp_update_scale_(
+            self._scale,
+            self._growth_tracker,
+            found_inf,
+            s.growth_factor,
+            backoff,
+            s.growth_interval,
+        )
+        if s.min_scale > 0:
+            self._scale.clamp_(min=s.min_scale)
 
     def state_dict(self) -> dict[str, Any]:
+        """The scale, the clean-step count and every setting; the keys GradScaler's
+        ``state_dict`` has come with its names, so either can load the other's."""
         return {
             "scale": self.scale,
-            "clean_steps": self._clean_steps,
+            "growth_factor": self.settings.growth_factor,
+            "backoff_factor": self.settings.backoff_factor,
+            "growth_interval": self.settings.growth_interval,
+            "_growth_tracker": int(self._growth_tracker),
+            "mode": self.settings.mode,
+            "init_scale": self.settings.init_scale,
+            "hysteresis": self.settings.hysteresis,
+            "min_scale": self.settings.min_scale,
             "overflows_in_a_row": self._overflows_in_a_row,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale = float(state["scale"])
-        self._clean_steps = int(state["clean_steps"])
-        self._overflows_in_a_row = int(state["overflows_in_a_row"])
+        """Restore what ``state_dict`` (or GradScaler's, or an older autoprec's) holds; the
+        settings it carries replace this scaler's, as GradScaler's ``load_state_dict`` does."""
+        settings = {k: state[k] for k in ("mode", *_DYNAMIC_FIELDS) if k in state}
+        self.settings = replace(self.settings, **settings)
+        self._scale.fill_(float(state["scale"]))
+        tracker = state.get("_growth_tracker", state.get("clean_steps", 0))
+        self._growth_tracker.fill_(int(tracker))
+        self._overflows_in_a_row = int(state.get("overflows_in_a_row", 0))

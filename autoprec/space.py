@@ -44,10 +44,17 @@ import torch
 from torch import nn
 
 from autoprec.autogroups import build_groups
-from autoprec.devices import DTYPES, INFERENCE_DTYPES, Backend, autocast_behaviour, device_kind
+from autoprec.devices import (
+    DTYPES,
+    INFERENCE_DTYPES,
+    Backend,
+    autocast_behaviour,
+    device_kind,
+    failing_dtypes,
+)
 from autoprec.errors import PolicyError, SpaceError
 from autoprec.files import load_yaml
-from autoprec.policy import Policy, Rule, int8_capable, parameterised_leaves
+from autoprec.policy import Policy, Rule, int8_capable, parameterised_leaves, tied_leaves
 from autoprec.scaling import MODES, LossScale
 
 if TYPE_CHECKING:
@@ -106,6 +113,9 @@ class Group:
     rule: Rule
     dtypes: tuple[str, ...]
     optional: bool = False
+    # fitted for serving, where only some of its layers can be int8 (a decoder block's
+    # Linear layers beside its norms): the layers int8 takes; the others stay fp32
+    int8_leaves: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -153,6 +163,9 @@ class SearchSpace:
     inference: bool = False  # fitted for serving: weights converted, int8 possible
     switch: str | None = None  # serving on CUDA or Ascend: "tf32" or "hf32" is searched too
     head: str | None = None  # fitted: the group of the model's last layer, when it has others
+    # fitted for serving: (leaf, group) for each leaf sharing a parameter with an earlier
+    # leaf, which takes the dtype of that leaf's group (one tensor has one dtype)
+    ties: tuple[tuple[str, str], ...] = ()
 
     # -- reading -------------------------------------------------------------------------
 
@@ -252,11 +265,16 @@ class SearchSpace:
         kind = device_kind(device, model)
         if not inference:
             self._refuse_int8()
-        space = replace(self, inference=inference)
+        followers = _tie_followers(model) if inference else {}
+        space = replace(self, inference=inference, ties=tuple((f, "") for f in followers))
         if self.auto is not None:
             specs = build_groups(
                 model,
-                searched_leaves(model, kind, inference),
+                [
+                    leaf
+                    for leaf in searched_leaves(model, kind, inference)
+                    if leaf[0] not in followers
+                ],
                 self.auto.max_groups,
                 self.auto.own_groups,
                 profile,
@@ -282,12 +300,18 @@ class SearchSpace:
                 f"{self.source}: no group matches any module of {type(model).__name__}"
             )
         assigned = space.assignment(model, kind)
-        last = next(reversed(assigned.values()))  # the output layer: registered last
-        space = replace(space, head=last if len(kept) > 1 else None)
+        ties = tuple((f, assigned[leader]) for f, leader in followers.items() if leader in assigned)
+        # The output layer is registered last; a head tied to the embedding is in its group.
+        group_of = {**assigned, **dict(ties)}
+        order = [n for n, _ in searched_leaves(model, kind, inference) if n in group_of]
+        last = group_of[order[-1]]
+        space = replace(space, head=last if len(kept) > 1 else None, ties=ties)
         if inference:
             kept = _with_int8_where_it_fits(kept, assigned, model)
             # The fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend): searched for serving.
             space = replace(space, switch={"cuda": "tf32", "npu": "hf32"}.get(kind))
+        else:
+            kept = _without_failing_dtypes(kept, assigned, model, kind)
         return replace(space, groups=tuple(kept))
 
     def _refuse_int8(self) -> None:
@@ -309,7 +333,10 @@ class SearchSpace:
         the device kind) mapped to the group that takes it, first match wins; leaves that
         no group takes are left out (they stay fp32)."""
         assigned = {}
+        followers = {leaf for leaf, _ in self.ties}
         for name, module in searched_leaves(model, device_kind(device, model), self.inference):
+            if name in followers:
+                continue  # it takes the dtype of the leaf it shares a parameter with
             for group in self.groups:
                 if group.rule.matches(name, module):
                     assigned[name] = group.name
@@ -377,6 +404,8 @@ class SearchSpace:
                 sorted(self.loss_scale.choices.items()),
             ],
         }
+        if self.ties:  # only where there are any: older studies keep their fingerprint
+            content["ties"] = self.ties
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:12]
 
     # -- from Optuna parameters to a policy ----------------------------------------------
@@ -409,7 +438,11 @@ class SearchSpace:
     def policy(self, params: Mapping[str, Any]) -> Policy:
         """The policy for a set of parameter values (missing loss-scale values take the
         low end of their range, or none when no group is fp16)."""
-        rules = tuple(replace(g.rule, dtype=params[f"dtype.{g.name}"]) for g in self.groups)
+        tied = tuple(
+            Rule(params[f"dtype.{group}"], patterns=(leaf,), name=f"tied.{group}")
+            for leaf, group in self.ties
+        )
+        rules = tied + tuple(rule for g in self.groups for rule in _group_rules(g, params))
         mode = params.get("loss_scale.mode", "none")
         if mode == "none" or "fp16" not in {r.dtype for r in rules}:
             loss_scale = LossScale()
@@ -552,20 +585,59 @@ def searched_leaves(
     return [(n, m) for n, m in leaves if autocast_behaviour(kind, m) != "fp32"]
 
 
+def _group_rules(group: Group, params: Mapping[str, Any]) -> tuple[Rule, ...]:
+    """The rules a group's chosen dtype gives: one, or for int8 in a group only some of
+    whose layers can take it, int8 for those and fp32 for the rest of the group."""
+    dtype = params[f"dtype.{group.name}"]
+    if dtype == "int8" and group.int8_leaves:
+        return (
+            Rule("int8", patterns=group.int8_leaves, name=group.name),
+            replace(group.rule, dtype="fp32", name=f"{group.name}.kept"),
+        )
+    return (replace(group.rule, dtype=dtype),)
+
+
+def _tie_followers(model: nn.Module) -> dict[str, str]:
+    """Each leaf that shares a parameter with an earlier leaf, mapped to the first one."""
+    return {name: group[0] for group in tied_leaves(model) for name in group[1:]}
+
+
+def _without_failing_dtypes(
+    groups: list[Group], assignment: dict[str, str], model: nn.Module, kind: str
+) -> list[Group]:
+    """Each group without the dtypes some layer of it was seen to fail in on this device
+    kind (`autoprec.observe.learn`: an LSTM in fp16 on the CPU), so that no policy the space
+    offers crashes for a combination the device cannot run."""
+    modules = dict(model.named_modules())
+    failing: dict[str, set[str]] = {g.name: set() for g in groups}
+    for name, group in assignment.items():
+        failing[group].update(failing_dtypes(kind, modules[name]))
+    return [
+        replace(g, dtypes=tuple(d for d in g.dtypes if d not in failing[g.name])) for g in groups
+    ]
+
+
 def _with_int8_where_it_fits(
     groups: list[Group], assignment: dict[str, str], model: nn.Module
 ) -> list[Group]:
-    """int8 offered to the groups whose layers can all be int8, and to no other."""
+    """int8 offered to the groups with a layer that can be int8 (Linear, Conv1D); in a
+    group where only some can (a decoder block with its norms), int8 takes those and
+    the others stay fp32."""
     modules = dict(model.named_modules())
-    capable = {g.name: True for g in groups}
+    capable: dict[str, list[str]] = {g.name: [] for g in groups}
+    others: dict[str, int] = {g.name: 0 for g in groups}
     for leaf, group in assignment.items():
-        capable[group] = capable[group] and int8_capable(modules[leaf])
+        if int8_capable(modules[leaf]):
+            capable[group].append(leaf)
+        else:
+            others[group] += 1
     fitted = []
     for group in groups:
         dtypes = tuple(d for d in group.dtypes if d != "int8")
+        leaves = tuple(capable[group.name]) if others[group.name] else ()
         if capable[group.name]:
             dtypes = (*dtypes, "int8")
-        fitted.append(replace(group, dtypes=dtypes))
+        fitted.append(replace(group, dtypes=dtypes, int8_leaves=leaves))
     return fitted
 
 

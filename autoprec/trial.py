@@ -10,6 +10,7 @@ ends it as ``pruned`` and an exception as ``failed``, with the reason kept.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import statistics
 import time
@@ -23,7 +24,8 @@ import torch
 from autoprec.devices import Backend
 from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.measured import Measured
-from autoprec.policy import Policy
+from autoprec.observe import learn, observed_dtypes
+from autoprec.policy import Policy, share_of_parameters
 from autoprec.precision import Precision
 from autoprec.structures import cast_floats
 from autoprec.tasks import Task
@@ -254,12 +256,13 @@ class _Run:
         self.model.train()
         self.optimizer = task.make_optimizer(self.model.parameters())
         self.scheduler = task.make_scheduler(self.optimizer)
+        share = _observed_share(task, policy, self.model, backend)
         self.prec = policy.apply(self.model, backend)
         self.meter = backend.memory_meter()
         self.result = TrialResult(
             "complete",
             peak_memory_is_estimate=self.meter.is_estimate,
-            low_precision_share=policy.low_precision_share(self.model, backend),
+            low_precision_share=share,
             switches=dict(self.prec.switches),
         )
         self.meter.start(self.model)
@@ -413,6 +416,38 @@ def _dtype_of(name: str | None, layer_dtypes: dict[str, str]) -> str:
     if not below:
         return "its input's dtype"
     return below.pop() if len(below) == 1 else "mixed"
+
+
+def _observed_share(task: Task, policy: Policy, model: torch.nn.Module, backend: Backend) -> float:
+    """The share of parameters that run in low precision, as one forward of the task's
+    first validation batch under the policy shows it (the trial's random stream kept)."""
+    with torch.random.fork_rng(devices=[]):
+        example = _first_batch(task).to(backend.device)
+        resolved = policy.resolve(model, backend)
+        resolved.update(observed_dtypes(model, policy, example.run, backend))
+    return share_of_parameters(model, resolved)
+
+
+def _first_batch(task: Task) -> Batch:
+    raw = next(iter(task.val_data()), None)
+    if raw is None:
+        raise TaskError(f"task {task.name!r}: val_data yielded no batch")
+    return task.batch(raw)
+
+
+def watch_layers(task: Task, model: torch.nn.Module, backend: Backend) -> Batch:
+    """Watch one forward of ``model`` (or a copy on the backend's device) on the task's
+    first validation batch, so that the plan, the space and the profile know how autocast
+    treats each of its layers there (`autoprec.observe.learn`); returns that batch, on the
+    device."""
+    with torch.random.fork_rng(devices=[]):  # a trial's random stream stays its own
+        example = _first_batch(task).to(backend.device)
+        first = next(model.parameters(), None)
+        on_device = first is None or first.device == backend.device
+        probe = model if on_device else copy.deepcopy(model).to(backend.device)
+        with backend.selected():
+            learn(probe, example.run, backend)
+    return example
 
 
 def _forward(model: torch.nn.Module, prec: Precision, batch: Batch) -> None:

@@ -119,3 +119,42 @@ def trapped() -> autoprec.Task:
 
     task.model = model
     return task
+
+
+def make_lstm_task(name: str = "lstm") -> autoprec.Task:
+    """Embedding + LSTM over token sequences: is token 3 in the sequence? On the CPU,
+    oneDNN's LSTM runs in fp16 or bf16 only on inputs already in that dtype, and the
+    embedding before it always hands it fp32."""
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(4, 32, (512, 12), generator=generator)
+    labels = torch.randint(0, 2, (512,), generator=generator)
+    where = torch.randint(0, 12, (512,), generator=generator)
+    tokens[labels == 1, where[labels == 1]] = 3
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.lstm = nn.LSTM(16, 32, batch_first=True)
+            self.head = nn.Linear(32, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out, _ = self.lstm(self.embed(x))
+            return self.head(out.max(dim=1).values)
+
+    def train_data(seed: int):
+        g = torch.Generator().manual_seed(seed)
+        while True:
+            order = torch.randperm(384, generator=g)
+            for i in range(0, 384 - 32 + 1, 32):
+                index = order[i : i + 32]
+                yield tokens[index], labels[index]
+
+    return autoprec.Task(
+        name,
+        Net,
+        train_data,
+        lambda: [(tokens[384:], labels[384:])],
+        F.cross_entropy,
+        optimizer=lambda params: torch.optim.Adam(params, lr=1e-2),
+    )

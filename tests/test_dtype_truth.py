@@ -17,13 +17,23 @@ import torch
 from torch import nn
 
 from autoprec import Policy, Rule
+from autoprec.autogroups import _family
 from autoprec.devices import DTYPES, FIXED_FP32, FOLLOWS_INPUT, autocast_behaviour
 from autoprec.policy import parameterised_leaves
-from autoprec.space import load_space
+from autoprec.space import load_space, searched_leaves
 from autoprec.tasks import load_task
 from tests.contract_tasks import make_tiny_task
 
-TASKS = ["digits-mlp", "digits-cnn", "digits-overflow", "digits-resnet", "tiny-gpt2", "tiny-bert"]
+TASKS = [
+    "digits-mlp",
+    "digits-cnn",
+    "digits-overflow",
+    "digits-resnet",
+    "tiny-gpt2",
+    "tiny-bert",
+    "tiny-llama",
+    "tiny-t5",
+]
 
 
 def _task(name):
@@ -82,7 +92,7 @@ def test_every_leaf_runs_in_the_dtype_resolve_reports_on_the_cpu(task_name, low)
     model = task.model().eval()
     batch = task.batch(next(iter(task.train_data(0))))
     for index, policy in enumerate(_policies(model, low, seed=_seed(task_name))):
-        resolved = policy.resolve(model, "cpu")
+        resolved = policy.resolve(model, "cpu", example=batch)
         actual = _actual_dtypes(model, policy, batch)
         assert actual, "no leaf ran"
         wrong = {
@@ -227,3 +237,86 @@ def test_the_random_policies_are_the_same_in_every_process():
         for hash_seed in (1, 2, 3)
     }
     assert len(seeds) == 1, seeds
+
+
+class UpcastingNorm(nn.Module):
+    """A norm of a user's own, as transformers' RMSNorms are: it computes in fp32 inside
+    and returns fp32, whatever autocast or its input says."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class Scaler(nn.Module):
+    """A layer of a user's own that follows its input: a per-channel scale."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain.to(x.dtype)
+
+
+def _custom_model() -> nn.Module:
+    return nn.Sequential(
+        OrderedDict(
+            fc1=nn.Linear(8, 16),
+            norm=UpcastingNorm(16),
+            scale=Scaler(16),
+            fc2=nn.Linear(16, 16),
+            ln=nn.LayerNorm(16),
+            head=nn.Linear(16, 3),
+        )
+    )
+
+
+class _Example:
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def run(self, module):
+        return module(self.x)
+
+
+@pytest.mark.parametrize("low", ["bf16", "fp16"])
+def test_modules_of_a_users_own_are_watched_not_guessed(low):
+    torch.manual_seed(0)
+    model = _custom_model()
+    batch = (torch.randn(4, 8), torch.zeros(4, dtype=torch.long))
+    example = _Example(batch[0])
+    leaves = [name for name, _ in parameterised_leaves(model)]
+    policies = [
+        *_policies(model, low, seed=7),
+        Policy(rules=(Rule(low, patterns=tuple(leaves)),)),  # every layer named
+    ]
+    for index, policy in enumerate(policies):
+        resolved = policy.resolve(model, "cpu", example=batch)
+        actual = _actual_dtypes(model, policy, example)
+        assert {n: DTYPES[d] for n, d in resolved.items()} == actual, f"policy {index}"
+    # Once watched, the upcasting norm is known to run in fp32 whatever a policy says, so
+    # no space offers it a choice; the scale that follows its input is offered one.
+    assert autocast_behaviour("cpu", model.norm) == "fp32"
+    assert autocast_behaviour("cpu", model.scale) == "input"
+    searched = [name for name, _ in searched_leaves(model, "cpu")]
+    assert "norm" not in searched and "scale" in searched
+
+
+def test_transformers_norms_are_fp32_and_grouped_as_norms_once_watched():
+    pytest.importorskip("transformers")
+    for name, norm_class in (("tiny-llama", "LlamaRMSNorm"), ("tiny-t5", "T5LayerNorm")):
+        task = load_task(name)
+        model = task.model()
+        batch = next(iter(task.val_data()))
+        resolved = Policy.uniform("bf16").resolve(model, "cpu", example=batch)
+        norms = [n for n, m in model.named_modules() if type(m).__name__ == norm_class]
+        assert norms and all(resolved[n] == "fp32" for n in norms)
+        assert not any(n in dict(searched_leaves(model, "cpu")) for n in norms)
+        assert _family(next(m for m in model.modules() if type(m).__name__ == norm_class)) == (
+            "norms"
+        )

@@ -372,3 +372,46 @@ def test_fallback_with_pruned_singles_falls_back_in_model_order_and_never_repeat
     accumulated = [kept_fp32(p) for p, phase in proposals if phase == "accumulate"]
     assert accumulated == [set(NAMES[:k]) for k in range(2, 8)]
     assert not any(oracle(p).feasible for p, _ in proposals)  # only all-fp32 would do
+
+
+def test_a_dtype_whose_uniform_seed_was_feasible_is_bisected_first():
+    """fp16 and bf16 tie on memory; uniform fp16 was infeasible (a scaler's start-up, say),
+    uniform bf16 feasible: the bisection goes to bf16, not through fp16 probes first."""
+    space = make_space(("fp32", "fp16", "bf16"))
+    strategy = GuidedStrategy(space, NAMES, prefer="memory")
+    metrics = {"accuracy": 0.9, "peak_memory_mb": 50.0, "step_time_ms": 10.0}
+    history = [
+        Observation(space.uniform_params("bf16"), "complete", True, metrics),
+        Observation(strategy._params(strategy._assign("fp16", set())), "complete", False, metrics),
+    ]
+    history.insert(
+        0, Observation(strategy._params(strategy._assign("bf16", set())), "complete", True, metrics)
+    )
+    known = {strategy._key(o.params): _outcome(o) for o in history}
+    assert strategy._dtype_order(known)[0] == "bf16"
+
+
+def _outcome(observation: Observation):
+    from autoprec.guided import _Outcome
+
+    return _Outcome(bool(observation.feasible), dict(observation.metrics))
+
+
+@pytest.mark.parametrize(
+    ("max_gradient", "expected"),
+    [
+        (None, None),  # no profile: the space's default start
+        (1e-9, 16),  # tiny gradients: torch's 2**16 at most
+        (1.0, 11),  # 65504 / 1 = 2**15.99: 2**15, less 2**4 of headroom
+        (1e6, 8),  # huge gradients: the space's lowest start
+    ],
+)
+def test_fp16_probes_start_their_scale_where_the_profiles_gradients_allow(max_gradient, expected):
+    from autoprec.guided import fp16_start_scale_log2
+
+    space = make_space(("fp32", "fp16"))
+    assert fp16_start_scale_log2(space, max_gradient) == expected
+    strategy = GuidedStrategy(space, NAMES, max_gradient=max_gradient)
+    seed = strategy._params(strategy._assign("fp16", set()))
+    if expected is not None:
+        assert seed["loss_scale.init_scale_log2"] == expected

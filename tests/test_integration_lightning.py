@@ -198,6 +198,11 @@ def test_fabric_loop_runs_the_policy_and_keeps_the_scale(tmp_path):
     assert seen == {"net.0": {torch.float16}, "net.2": {torch.bfloat16}, "net.4": {torch.float32}}
     assert sum(losses[-4:]) < 0.6 * sum(losses[:4]), losses
     assert plugin.loss_scale != DYNAMIC["init_scale"]
+    # Outputs come back in fp32, as Fabric's MixedPrecision hands them.
+    low = PolicyFabricPrecision(Policy.uniform("bf16"))
+    bf16_model = Fabric(accelerator="cpu", devices=1, plugins=[low]).setup(MLP())
+    assert bf16_model(next(iter(loader()))[0]).dtype == torch.float32
+    low.teardown()
 
     fabric.save(tmp_path / "state.ckpt", {"model": model, "precision": plugin})
     again = PolicyFabricPrecision(policy)
@@ -348,3 +353,44 @@ def test_the_policies_of_a_real_search_land_on_the_searched_model_inside(tmp_pat
         trainer(tmp_path / str(i), PolicyPrecision(policy), max_steps=2).fit(model, data)
         assert seen == {f"net.{name}": {DTYPES[dtype]} for name, dtype in resolved.items()}
         assert own_forwards(model) == []
+
+
+class NormedMLP(MLP):
+    """A pre-norm residual MLP: LayerNorm reads the fp32 stream (on the CPU, bf16-mixed runs
+    it in fp32 there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 64)
+        self.norm = nn.LayerNorm(64)
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).float()
+        return self.head(h + self.net(self.norm(h)).float())
+
+
+def test_uniform_bf16_is_lightnings_bf16_mixed(tmp_path):
+    """PolicyPrecision with uniform bf16 and Lightning's precision="bf16-mixed" on the same
+    model and data: the same losses step by step and the same weights, bit for bit."""
+    runs = []
+    for plugin in (None, PolicyPrecision(Policy.uniform("bf16"))):
+        module = NormedMLP()
+        settings = {"precision": "bf16-mixed"} if plugin is None else {"plugins": [plugin]}
+        pl.Trainer(
+            max_steps=12,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            **settings,
+        ).fit(module, loader())
+        runs.append((module.losses, copy.deepcopy(module.state_dict())))
+    (own_losses, own_weights), (losses, weights) = runs
+    assert len(losses) == 12 and losses == own_losses
+    for key, tensor in own_weights.items():
+        torch.testing.assert_close(weights[key], tensor, rtol=0, atol=0)

@@ -233,3 +233,30 @@ def test_two_fitting_models_ask_for_module(tmp_path):
     teacher = {d for leaf, d in resolved.items() if leaf.startswith("model.teacher.")}
     assert teacher == {"fp16", "bf16", "fp32"}
     assert {d for leaf, d in resolved.items() if leaf.startswith("model.student.")} == {"fp32"}
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-bert"])
+def test_uniform_bf16_is_the_trainers_own_bf16(tmp_path, name):
+    """PolicyTrainer with uniform bf16 and transformers' Trainer(bf16=True) on the same model
+    and data: the same losses step by step and the same final weights, bit for bit."""
+    task = load_task(name)
+    data, steps = examples(task, 2), 6
+    runs = []
+    for own in (True, False):
+        torch.manual_seed(0)
+        model = task.model()
+        if own:
+            args = arguments(tmp_path / "own", name, steps, bf16=True)
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        else:
+            args = arguments(tmp_path / "policy", name, steps)
+            trainer = PolicyTrainer(
+                model=model, args=args, train_dataset=data, policy=Policy.uniform("bf16")
+            )
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
+    (own_losses, own_weights), (losses, weights) = runs
+    assert len(losses) == steps and losses == own_losses
+    for key, tensor in own_weights.items():
+        torch.testing.assert_close(weights[key], tensor, rtol=0, atol=0)

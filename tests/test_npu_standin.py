@@ -22,7 +22,7 @@ from torch import nn
 
 import autoprec
 from autoprec import Policy, Rule
-from autoprec.devices import NPUBackend, get_backend, npu_available
+from autoprec.devices import NPUBackend, forget_watched, get_backend, npu_available
 from autoprec.errors import DeviceError, PolicyError
 from autoprec.exports import ExportWarning, export_policy
 from autoprec.exports.npu import precision_mode
@@ -40,9 +40,11 @@ def torch_npu() -> Iterator[ModuleType]:
 
 @pytest.fixture
 def standin(torch_npu):
-    """The stand-in machine, fresh for each test: one Ascend910B3, torch_npu's defaults."""
+    """The stand-in machine, fresh for each test: one Ascend910B3, torch_npu's defaults.
+    What a search watched on it (CPU kernels under an NPU's name) is forgotten after."""
     torch_npu.STANDIN.reset()
-    return torch_npu.STANDIN
+    yield torch_npu.STANDIN
+    forget_watched("npu")
 
 
 def cli(*args: str, cwd, **settings: str) -> subprocess.CompletedProcess:

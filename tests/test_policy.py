@@ -139,17 +139,21 @@ def test_patterns_cover_descendants_and_types_cover_subclasses():
     assert resolved["0"] == "bf16"
 
 
-def test_uniform_policy_installs_no_region_but_input_casts():
+def test_uniform_policy_is_plain_autocast_and_a_rule_that_names_a_layer_decides_it():
     model = _blocky()  # linears only
     assert Policy.uniform("bf16").plan(model).regions == ()
     prec = Policy.uniform("bf16").apply(model, "cpu")
     assert not any("forward" in m.__dict__ for m in model.modules())
     prec.remove()
-    # On the CPU, LayerNorm runs in its input's dtype: its input is cast, so that it runs
-    # in bf16 even where its input arrives in fp32. CUDA keeps it in fp32: nothing to do.
-    plan = Policy.uniform("bf16").plan(mlp(), "cpu")
+    # On the CPU, LayerNorm runs in its input's dtype. A uniform policy leaves it so, as
+    # plain autocast does; a rule that names it casts its input, so that it runs in bf16
+    # even where its input arrives in fp32. CUDA keeps it in fp32: nothing to do.
+    assert Policy.uniform("bf16").plan(mlp(), "cpu").regions == ()
+    named = Policy(rules=(Rule("bf16", types=("LayerNorm",)),), default="bf16")
+    plan = named.plan(mlp(), "cpu")
     assert [(r.name, r.dtype, r.cast_inputs) for r in plan.regions] == [("norm", "bf16", True)]
     assert Policy.uniform("bf16").plan(mlp(), "cuda").regions == ()
+    assert named.plan(mlp(), "cuda").regions == ()
 
 
 def _blocky() -> nn.Module:

@@ -83,7 +83,14 @@ def test_state_dict_round_trip():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"mode": "auto"}, {"init_scale": 0.0}, {"growth_factor": 1.0}, {"hysteresis": 0}],
+    [
+        {"mode": "auto"},
+        {"init_scale": 0.0},
+        {"init_scale": 1e39},  # inf as the float32 scale
+        {"growth_factor": 1.0},
+        {"growth_factor": float("inf")},
+        {"hysteresis": 0},
+    ],
 )
 def test_invalid_settings(kwargs):
     with pytest.raises(PolicyError, match=r"^loss_scale\."):

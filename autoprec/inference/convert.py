@@ -35,7 +35,7 @@ from torch import nn
 
 from autoprec.devices import DTYPES, INFERENCE_DTYPES, Backend, get_backend
 from autoprec.errors import DeviceError, PolicyError, TaskError, first_line
-from autoprec.policy import int8_capable, is_called, parameterised_leaves
+from autoprec.policy import int8_capable, is_called, parameterised_leaves, tied_leaves
 from autoprec.structures import cast_floats
 
 INT8_METHODS = ("dynamic", "torchao-dynamic", "torchao-weight-only")
@@ -166,19 +166,6 @@ def _checked_int8(dtypes: dict[str, str], backend: Backend, int8: str | None) ->
     if reason is not None:
         raise DeviceError(f"{reason} (device {backend.name})")
     return int8 or default_int8_method(backend.kind)
-
-
-def tied_leaves(model: nn.Module) -> list[tuple[str, ...]]:
-    """Groups of leaves with parameters that share a parameter (a tied embedding and
-    head): a conversion gives them one dtype, or quantizes one of them to int8, so a
-    search space should keep each group in one group."""
-    owners: dict[int, list[str]] = {}
-    for name, module in parameterised_leaves(model):
-        for parameter in module.parameters(recurse=False):
-            names = owners.setdefault(id(parameter), [])
-            if name not in names:
-                names.append(name)
-    return sorted({tuple(names) for names in owners.values() if len(names) > 1})
 
 
 def _check_tied(model: nn.Module, dtypes: dict[str, str]) -> None:

@@ -58,13 +58,27 @@ class ServedModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inputs = x.unbind(1) if self.stacked else (x,)
         if self.keywords:
-            outputs = self.model(**dict(zip(self.keywords, inputs, strict=True)))
+            named = dict(zip(self.keywords, inputs, strict=True))
+            outputs = self.model(**named, **self._decoder_start(inputs[0]))
         else:
             outputs = self.model(*inputs)
         logits = logits_of(outputs)
         if logits is not None:
             return logits
         return next(t for t in tensors(outputs) if t.is_floating_point())
+
+    def _decoder_start(self, first: torch.Tensor) -> dict[str, torch.Tensor]:
+        """An encoder-decoder (T5, BART) needs decoder inputs, which a served request does
+        not carry (training fed them from the labels): its decoder starts from its start
+        token, so the served logits are those of the first output token."""
+        config = getattr(self.model, "config", None)
+        if not getattr(config, "is_encoder_decoder", False) or "decoder_input_ids" in (
+            self.keywords
+        ):
+            return {}
+        start = getattr(config, "decoder_start_token_id", None)
+        start = 0 if start is None else int(start)
+        return {"decoder_input_ids": torch.full((first.shape[0], 1), start, device=first.device)}
 
 
 def served_inputs(batch: Batch) -> tuple[list[str], list[torch.Tensor]]:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from autoprec import Policy, Precision
+from autoprec.structures import cast_floats
 
 try:
     import lightning.pytorch as pl
@@ -197,7 +198,7 @@ class PolicyPrecision(LightningPrecision):
         # In manual optimization self.clip_gradients comes before optimizer.step: unscale
         # first (a no-op when optimizer_step has unscaled already).
         if clip_val > 0 and not self._skipping_step:
-            self._applied.apply().unscale_(optimizer)
+            self._applied.apply().unscale_once_(optimizer)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     def state_dict(self) -> dict[str, Any]:
@@ -249,6 +250,11 @@ class PolicyFabricPrecision(FabricPrecision):
         if self._applied.module is None:
             return contextlib.nullcontext()
         return self._applied.apply().autocast()
+
+    def convert_output(self, data: Any) -> Any:
+        """The model's floating outputs in fp32 (containers kept), as Fabric's
+        MixedPrecision hands them back: a loss computed without ``.float()`` is fp32."""
+        return cast_floats(data, torch.get_default_dtype())
 
     def backward(
         self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any

@@ -182,8 +182,10 @@ def _finish(
         ]
     )
     best_policy = Policy.from_dict(summary["best"]["policy"])
+    serving = prepared.serving is not None
+    example = None if serving else prepared.task.batch(next(iter(prepared.task.val_data())))
     summary["best"]["layers"] = best_policy.layer_table(
-        prepared.model, prepared.backend, inference=prepared.serving is not None
+        prepared.model, prepared.backend, inference=serving, example=example
     )
     if isinstance(session.trials, ServingTrials):
         summary["inference"]["mlflow_model"] = _served_model(session, best_policy)

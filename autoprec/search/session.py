@@ -72,7 +72,7 @@ from autoprec.selection import rank_key
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
 from autoprec.tasks import Task, check_task, check_task_data, load_task
 from autoprec.tracking import FLUSH_WAIT_S, Tracker, absolute_sqlite_uri
-from autoprec.trial import Budget, EarlyStopping
+from autoprec.trial import Budget, EarlyStopping, watch_layers
 
 PROFILE_ATTR = "profile"  # study attribute: the ranking the groups and guidance use
 BASELINE_RUN = "baseline-fp32"  # the MLflow child run of the fp32 baseline
@@ -139,16 +139,19 @@ class Prepared:
     def fitted(self, profile: Profile | None) -> SearchSpace:
         """The space fitted to the model, the device and (in a ``groups: auto`` space) the
         profile's riskiest modules."""
-        return _fit(self.unfitted, self.model, profile, self.backend, self.serving)
+        return _fit(self.unfitted, self.task, self.model, profile, self.backend, self.serving)
 
 
 def _fit(
     space: SearchSpace,
+    task: Task,
     model: nn.Module,
     profile: Profile | None,
     backend: Backend,
     serving: Serving | None,
 ) -> SearchSpace:
+    if serving is None:  # training runs under autocast: watch how it treats these layers
+        watch_layers(task, model, backend)
     supported = {d for d in DTYPES if backend.supports(d)}
     if serving is not None and serving.int8 is not None:
         supported.add("int8")
@@ -192,7 +195,7 @@ def prepare(
     serving = None
     if config.mode == "inference":
         serving = serving_of(config, task, model, backend)
-    fitted = _fit(space, model, None, backend, serving)  # to a profile later
+    fitted = _fit(space, task, model, None, backend, serving)  # to a profile later
     feasibility, prefer, study = _choice(config, task, fitted, serving)
     return Prepared(
         config,
@@ -502,6 +505,7 @@ class Session:
             self.prepared.prefer,
             self.prepared.model,
             self.prepared.backend,
+            max_gradient=self.profile.max_gradient(),
         )
 
     def measured(self) -> list[TrialRecord]:

@@ -285,6 +285,18 @@ def _tiny_bert() -> Task:
     return tiny_bert()
 
 
+def _tiny_llama() -> Task:
+    from autoprec.tasks.hf import tiny_llama
+
+    return tiny_llama()
+
+
+def _tiny_t5() -> Task:
+    from autoprec.tasks.hf import tiny_t5
+
+    return tiny_t5()
+
+
 BUILTIN_TASKS: dict[str, Callable[[], Task]] = {
     "digits-mlp": digits_mlp,
     "digits-cnn": digits_cnn,
@@ -294,5 +306,7 @@ BUILTIN_TASKS: dict[str, Callable[[], Task]] = {
     # transformers models, behind the optional extra [hf]
     "tiny-gpt2": _tiny_gpt2,
     "tiny-bert": _tiny_bert,
+    "tiny-llama": _tiny_llama,
+    "tiny-t5": _tiny_t5,
 }
 DEFAULT_TASK = "digits-mlp"

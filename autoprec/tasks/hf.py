@@ -6,6 +6,12 @@ downloads), fed as transformers' Trainer feeds a model, with data generated from
   computes its own loss (``loss=None``), scored by next-token accuracy.
 - ``tiny-bert``: a 2-layer BERT classifying variable-length, padded sequences (does the
   sequence hold the marker token?), fed dict batches with an attention mask and labels.
+- ``tiny-llama``: a 2-layer Llama (RMSNorm, rotary embeddings, SwiGLU, grouped-query
+  attention, the head tied to the embedding) learning the same synthetic language.
+- ``tiny-t5``: a T5 encoder-decoder (T5LayerNorm, relative position buckets, the head
+  tied to the shared embedding) answering tiny-bert's question in a word: the padded
+  sequence and its mask go to the encoder, the one-token answer is the label (the model
+  shifts the labels right for its decoder).
 
 They need the optional extra: ``pip install -e '.[hf]'``.
 """
@@ -30,6 +36,7 @@ BERT_BATCH = 32
 BERT_LENGTHS = (8, 24)  # shortest and longest sequence, [CLS] included
 PAD, CLS, MARKER = 0, 1, 2  # token ids of tiny-bert's special tokens
 VAL_BATCHES = 4
+YES, NO = 3, 4  # tiny-t5's answer tokens
 
 
 def _transformers() -> Any:
@@ -156,6 +163,93 @@ def tiny_bert() -> Task:
         loss=None,
         metric="accuracy",
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+    )
+
+
+# -- tiny-llama --------------------------------------------------------------------------
+
+
+def tiny_llama_model() -> nn.Module:
+    transformers = _transformers()
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=GPT2_LENGTH,
+        tie_word_embeddings=True,
+        use_cache=False,
+        bos_token_id=CLS,
+        eos_token_id=CLS,
+        pad_token_id=PAD,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def tiny_llama() -> Task:
+    """A 2-layer Llama (64 wide, RMSNorm, rotary, SwiGLU, tied head) learning the synthetic
+    language of tiny-gpt2."""
+    _transformers()
+    successors = _language()
+
+    def make(generator: torch.Generator) -> dict[str, torch.Tensor]:
+        return _gpt2_batch(successors, generator)
+
+    return Task(
+        "tiny-llama",
+        tiny_llama_model,
+        lambda seed: _forever(make, seed),
+        lambda: _held_out(make),
+        loss=None,
+        metric="next_token_accuracy",
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
+    )
+
+
+# -- tiny-t5 -----------------------------------------------------------------------------
+
+
+def _t5_batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """tiny-bert's padded sequences, answered in words: the one-token target says whether
+    the marker occurs (cross-attention must find it wherever it is)."""
+    batch = _bert_batch(generator)
+    answer = torch.where(batch["labels"] == 1, YES, NO)
+    return {**batch, "labels": answer[:, None]}
+
+
+def tiny_t5_model() -> nn.Module:
+    transformers = _transformers()
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        use_cache=False,
+        pad_token_id=PAD,
+        eos_token_id=CLS,
+        decoder_start_token_id=PAD,
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def tiny_t5() -> Task:
+    """A T5 encoder-decoder (2 + 2 layers, 64 wide) saying whether a marker occurs."""
+    _transformers()
+    return Task(
+        "tiny-t5",
+        tiny_t5_model,
+        lambda seed: _forever(_t5_batch, seed),
+        lambda: _held_out(_t5_batch),
+        loss=None,
+        metric="accuracy",
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
     )
 
 

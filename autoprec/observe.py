@@ -1,0 +1,196 @@
+"""What really runs, observed: the device tables in `autoprec.devices` are a first guess,
+and one watched forward of the real model on a real batch replaces it.
+
+Name lists cannot cover every module: transformers' own norms (``LlamaRMSNorm``,
+``T5LayerNorm``) are plain ``nn.Module`` subclasses that upcast inside and return fp32,
+and users write layers of their own. So `learn` runs each leaf with parameters alone, on
+the inputs it received in one fp32 forward of the model, under autocast in each low dtype
+the device supports: once with those inputs cast down and once as they came (fp32). What
+its output's dtype is then tells how autocast treats the module on this device kind; a
+module that runs only on inputs already cast (oneDNN's LSTM on the CPU) always gets them
+cast, and a forward or backward that fails even so tells that the dtype cannot run there.
+The findings are recorded per device kind and module class
+(`autoprec.devices.record_behaviour`), so every fresh copy of the model, the plan, the
+space and the profile follow the same rule.
+
+`observed_dtypes` reads, for one policy, the dtype of each leaf's output in one forward
+under that policy: the truth `Policy.resolve(model, device, example=batch)` reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autoprec.devices import (
+    DTYPES,
+    Backend,
+    get_backend,
+    learned_behaviour,
+    record_behaviour,
+    record_failure,
+)
+from autoprec.structures import cast_floats, tensors
+
+if TYPE_CHECKING:
+    from autoprec.policy import Policy
+
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def first_floating_dtype(output: Any) -> str | None:
+    """The dtype name of the first floating tensor in a (nested) output, if any."""
+    floating = _floats(output)
+    return _NAMES.get(floating[0].dtype) if floating else None
+
+
+def _leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from autoprec.policy import parameterised_leaves
+
+    return parameterised_leaves(model)
+
+
+def _capture_inputs(
+    model: nn.Module, run: Any, wanted: list[tuple[str, nn.Module]]
+) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Each wanted leaf's first (args, kwargs), from one fp32 forward without gradients."""
+    captured: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    handles = []
+    for name, module in wanted:
+
+        def hook(module: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+            captured.setdefault(name, (args, kwargs))
+
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad(), _evaluating(model):
+            run(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """Eval mode for a watched forward (no running statistics updated, no dropout drawn),
+    then the mode the model was in."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
+def _behaviour(
+    module: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], kind: str, low: str
+) -> str | None:
+    """How autocast in ``low`` treats ``module`` on this device kind: ``fp32``, ``input``,
+    ``cast`` or ``region`` (see `autoprec.devices.autocast_behaviour`); raises what running
+    it in ``low`` with its inputs cast down raises (forward or backward)."""
+    args, kwargs = inputs
+    trial = _bare_copy(module)
+    with torch.autocast(kind, dtype=DTYPES[low]):
+        cast_args, cast_kwargs = cast_floats((args, kwargs), DTYPES[low])
+        cast_down = trial(*cast_args, **cast_kwargs)
+    backward = [t for t in _floats(cast_down) if t.requires_grad]
+    if backward:
+        torch.stack([t.float().sum() for t in backward]).sum().backward()
+    down = first_floating_dtype(cast_down)
+    if down == "fp32":
+        return "fp32"
+    try:
+        with torch.no_grad(), torch.autocast(kind, dtype=DTYPES[low]):
+            given = first_floating_dtype(trial(*args, **kwargs))
+    except Exception:  # runs only on inputs already in the dtype: an LSTM on the CPU
+        return "cast" if down == low else None
+    if given == low:
+        return "region"
+    if down == low:
+        return "input"
+    return None
+
+
+def _bare_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` without the hooks anyone put on it (theirs must not see the
+    watched runs)."""
+    trial = copy.deepcopy(module)
+    for name in (
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+    ):
+        hooks = getattr(trial, name, None)
+        if hooks is not None:
+            hooks.clear()
+    return trial
+
+
+def _floats(output: Any) -> list[torch.Tensor]:
+    return [t for t in tensors(output) if t.is_floating_point()]
+
+
+def learn(model: nn.Module, run: Any, device: str | torch.device | Backend | None) -> None:
+    """Watch ``run(model)`` (one forward on a real batch) and record, for each class of
+    leaf with parameters not yet known on this device kind, how autocast treats it and
+    which low dtypes cannot run it. ``model`` is left as it was."""
+    backend = device if isinstance(device, Backend) else get_backend(device or "cpu")
+    kind = backend.kind
+    wanted = [(n, m) for n, m in _leaves(model) if learned_behaviour(kind, type(m)) is None]
+    if not wanted:
+        return
+    lows = [d for d in ("bf16", "fp16") if backend.supports(d)]
+    captured = _capture_inputs(model, run, wanted)
+    for name, module in wanted:
+        if name not in captured or learned_behaviour(kind, type(module)) is not None:
+            continue
+        found = None
+        for low in lows:
+            try:
+                behaviour = _behaviour(module, captured[name], kind, low)
+            except Exception as error:  # any failure of the library's kernel is the finding
+                record_failure(kind, type(module), low, f"{type(error).__name__}: {error}")
+                continue
+            found = found or behaviour
+        if found is not None:
+            record_behaviour(kind, type(module), found)
+
+
+def observed_dtypes(
+    model: nn.Module,
+    policy: Policy,
+    run: Any,
+    device: str | torch.device | Backend | None,
+    module: str | None = None,
+) -> dict[str, str]:
+    """Each leaf with parameters that ``run(model)`` calls, mapped to the dtype of the
+    first floating tensor it returns under ``policy`` (what forward hooks see)."""
+    seen: dict[str, str] = {}
+    handles = []
+    for name, leaf in _leaves(model):
+
+        def hook(leaf: nn.Module, args: Any, output: Any, name: str = name) -> None:
+            dtype = first_floating_dtype(output)
+            if dtype is not None:
+                seen.setdefault(name, dtype)
+
+        handles.append(leaf.register_forward_hook(hook))
+    prec = policy.apply(model, device, module)
+    try:
+        with torch.no_grad(), _evaluating(model), prec.autocast():
+            run(model)
+    finally:
+        prec.remove()
+        for handle in handles:
+            handle.remove()
+    return seen
