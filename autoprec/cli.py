@@ -491,10 +491,10 @@ def without_password(uri: str | None) -> str | None:
     return f"{scheme}://{rest.split('@', 1)[1]}"
 
 
-def _read_summary(runs_dir: str, study: str) -> dict[str, Any]:
+def _read_summary(runs_dir: str, study: str, whole: bool = True) -> dict[str, Any]:
     from autoprec.search.summary_file import read_summary
 
-    return read_summary(Path(runs_dir) / study / "summary.json", study)
+    return read_summary(Path(runs_dir) / study / "summary.json", study, whole)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -522,9 +522,9 @@ def _export(args: argparse.Namespace) -> int:
     from autoprec.search.serving import FP32_CHECKPOINT, load_checkpoint
     from autoprec.tasks import check_task, load_task
 
-    summary = _read_summary(args.runs_dir, args.study)
-    settings = summary.get("settings", {})
-    serving = summary.get("mode") == "inference"
+    summary = _read_summary(args.runs_dir, args.study, whole=False)  # mode and settings
+    settings = summary["settings"]
+    serving = summary["mode"] == "inference"
     fmt = args.format or ("model" if serving else "yaml")
     if fmt in SERVING_FORMATS and not serving:
         raise AutoprecError(

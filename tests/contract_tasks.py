@@ -32,12 +32,7 @@ def make_tiny_task(name: str = "tiny", hidden: int = 32) -> autoprec.Task:
         )
 
     def train_data(seed: int):
-        g = torch.Generator().manual_seed(seed)
-        while True:
-            order = torch.randperm(384, generator=g)
-            for i in range(0, 384 - 32 + 1, 32):
-                index = order[i : i + 32]
-                yield inputs[index], labels[index]
+        return _epochs(inputs, labels, seed)
 
     def val_data():
         return [(inputs[384:], labels[384:])]
@@ -142,19 +137,21 @@ def make_lstm_task(name: str = "lstm") -> autoprec.Task:
             out, _ = self.lstm(self.embed(x))
             return self.head(out.max(dim=1).values)
 
-    def train_data(seed: int):
-        g = torch.Generator().manual_seed(seed)
-        while True:
-            order = torch.randperm(384, generator=g)
-            for i in range(0, 384 - 32 + 1, 32):
-                index = order[i : i + 32]
-                yield tokens[index], labels[index]
-
     return autoprec.Task(
         name,
         Net,
-        train_data,
+        lambda seed: _epochs(tokens, labels, seed),
         lambda: [(tokens[384:], labels[384:])],
         F.cross_entropy,
         optimizer=lambda params: torch.optim.Adam(params, lr=1e-2),
     )
+
+
+def _epochs(inputs: torch.Tensor, labels: torch.Tensor, seed: int):
+    """Batches of 32 from the first 384 examples, reshuffled each epoch, for ever."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(384, generator=g)
+        for i in range(0, 384 - 32 + 1, 32):
+            index = order[i : i + 32]
+            yield inputs[index], labels[index]

@@ -169,7 +169,7 @@ SERVE = [*SEARCH, "--mode", "inference"]
         (["resolve", "--policy", "latin1.yaml"], "not UTF-8 text"),
         (["resolve", "--policy", "a_folder.yaml"], "is a folder"),
         (["report", "--study", "list"], "summary.json: the top level: expected a mapping"),
-        (["report", "--study", "empty"], "summary.json: study: expected a string"),
+        (["report", "--study", "empty"], "summary.json: mode: expected training or inference"),
         (["report", "--study", "nosettings"], "settings: expected a mapping, got nothing"),
         (["report", "--study", "trials"], "trials: expected a list"),
         (["report", "--study", "row"], "trials[0]: expected a mapping"),
@@ -178,7 +178,7 @@ SERVE = [*SEARCH, "--mode", "inference"]
         (["report", "--study", "deep"], "summary.json: nested too deeply"),
         (["export", "--study", "list"], "summary.json: the top level"),
         (["export", "--study", "nosettings"], "settings: expected a mapping"),
-        (["compare", "--study", "empty", "--study", "row"], "study: expected a string"),
+        (["compare", "--study", "empty", "--study", "row"], "mode: expected training or inference"),
         (["ui", "--port", "99999"], "--port 99999: expected a port from 1 to 65535"),
     ],
 )

@@ -91,8 +91,9 @@ class MLP(pl.LightningModule):
 
 
 def trainer(tmp_path, plugin, max_steps: int, **kwargs) -> pl.Trainer:
+    """A quiet CPU Trainer with ``plugin`` (None: Lightning's own, as ``kwargs`` say)."""
     return pl.Trainer(
-        plugins=[plugin],
+        plugins=[] if plugin is None else [plugin],
         max_steps=max_steps,
         accelerator="cpu",
         logger=False,
@@ -378,17 +379,8 @@ def test_uniform_bf16_is_lightnings_bf16_mixed(tmp_path):
     runs = []
     for plugin in (None, PolicyPrecision(Policy.uniform("bf16"))):
         module = NormedMLP()
-        settings = {"precision": "bf16-mixed"} if plugin is None else {"plugins": [plugin]}
-        pl.Trainer(
-            max_steps=12,
-            accelerator="cpu",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-            **settings,
-        ).fit(module, loader())
+        own = {"precision": "bf16-mixed"} if plugin is None else {}
+        trainer(tmp_path, plugin, 12, **own).fit(module, loader())
         runs.append((module.losses, copy.deepcopy(module.state_dict())))
     (own_losses, own_weights), (losses, weights) = runs
     assert len(losses) == 12 and losses == own_losses

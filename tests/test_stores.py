@@ -28,7 +28,8 @@ _WRITE_WITH_A_FULL_DISK = textwrap.dedent(
     from autoprec.search.summary import write_outputs
 
     out = Path(sys.argv[1])
-    policy = Policy.from_dict({"name": "big-" + "x" * 6000, "default": "fp16"})
+    rules = [{"patterns": [f"layer{i}"], "dtype": "bf16"} for i in range(400)]
+    policy = Policy.from_dict({"name": "big", "default": "fp16", "rules": rules})
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
     try:

@@ -25,8 +25,9 @@ class _Shape(AutoprecError):
     """A field of summary.json is missing or of the wrong type (the message names it)."""
 
 
-def read_summary(path: Path, study: str) -> dict[str, Any]:
-    """summary.json of ``study`` at ``path``, checked (see `check_summary`)."""
+def read_summary(path: Path, study: str, whole: bool = True) -> dict[str, Any]:
+    """summary.json of ``study`` at ``path``, checked (see `check_summary`); with
+    ``whole=False``, only what an export reads: the mode and the settings."""
     if not path.exists():
         raise AutoprecError(f"study {study!r}: no {path} (run autoprec search first)")
     text = read_text(path, AutoprecError, MAX_SUMMARY_BYTES)
@@ -37,23 +38,28 @@ def read_summary(path: Path, study: str) -> dict[str, Any]:
     except RecursionError:
         raise AutoprecError(f"{path}: nested too deeply to be a summary") from None
     try:
-        check_summary(data)
+        check_summary(data) if whole else _check_header(data)
     except _Shape as error:
         raise AutoprecError(f"{path}: {error} (not a summary autoprec search wrote)") from None
     return data
 
 
-def check_summary(data: Any) -> None:
-    """Raise with the first field of a summary that the report or an export would trip
-    on: the top-level fields, every row (baseline, trials, best) and the settings."""
+def _check_header(data: Any) -> None:
+    """The top level, the mode and the settings: what every reader of a summary reads."""
     _expect(data, dict, "the top level")
-    _expect(data.get("study"), str, "study")
     if data.get("mode") not in ("training", "inference"):
         raise _Shape(f"mode: expected training or inference, got {data.get('mode')!r}")
-    dtypes = INFERENCE_DTYPES if data["mode"] == "inference" else tuple(DTYPES)
     _expect(data.get("settings"), dict, "settings")
     for key in ("task_spec", "checkpoint", "int8", "device", "device_name", "tracking_uri"):
         _expect(data["settings"].get(key), (str, type(None)), f"settings.{key}")
+
+
+def check_summary(data: Any) -> None:
+    """Raise with the first field of a summary that the report or an export would trip
+    on: the top-level fields, every row (baseline, trials, best) and the settings."""
+    _check_header(data)
+    _expect(data.get("study"), str, "study")
+    dtypes = INFERENCE_DTYPES if data["mode"] == "inference" else tuple(DTYPES)
     _expect(data.get("accuracy_tolerance"), _NUMBER, "accuracy_tolerance")
     _expect(data.get("prefer"), str, "prefer")
     _expect(data.get("peak_memory_is_estimate", False), bool, "peak_memory_is_estimate")

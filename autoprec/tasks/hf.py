@@ -100,6 +100,11 @@ def tiny_gpt2_model() -> nn.Module:
 
 def tiny_gpt2() -> Task:
     """A 4-layer GPT-2 (64 wide) learning a synthetic language, transformers style."""
+    return _language_task("tiny-gpt2", tiny_gpt2_model)
+
+
+def _language_task(name: str, model: Callable[[], nn.Module]) -> Task:
+    """A causal language model learning the synthetic language, transformers style."""
     _transformers()
     successors = _language()
 
@@ -107,8 +112,8 @@ def tiny_gpt2() -> Task:
         return _gpt2_batch(successors, generator)
 
     return Task(
-        "tiny-gpt2",
-        tiny_gpt2_model,
+        name,
+        model,
         lambda seed: _forever(make, seed),
         lambda: _held_out(make),
         loss=None,
@@ -191,21 +196,7 @@ def tiny_llama_model() -> nn.Module:
 def tiny_llama() -> Task:
     """A 2-layer Llama (64 wide, RMSNorm, rotary, SwiGLU, tied head) learning the synthetic
     language of tiny-gpt2."""
-    _transformers()
-    successors = _language()
-
-    def make(generator: torch.Generator) -> dict[str, torch.Tensor]:
-        return _gpt2_batch(successors, generator)
-
-    return Task(
-        "tiny-llama",
-        tiny_llama_model,
-        lambda seed: _forever(make, seed),
-        lambda: _held_out(make),
-        loss=None,
-        metric="next_token_accuracy",
-        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
-    )
+    return _language_task("tiny-llama", tiny_llama_model)
 
 
 # -- tiny-t5 -----------------------------------------------------------------------------
