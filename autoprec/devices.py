@@ -116,8 +116,12 @@ def autocast_behaviour(kind: str, module: torch.nn.Module) -> str:
     as observed where the module's class was watched (`autoprec.observe.learn`), else from
     the tables."""
     learned = _LEARNED.get((kind, type(module)))
-    if learned is not None:
-        return learned
+    return learned if learned is not None else table_behaviour(kind, module)
+
+
+def table_behaviour(kind: str, module: torch.nn.Module) -> str:
+    """What the tables above say of the module on this device kind (the first guess, before
+    anything was watched): ``"fp32"``, ``"input"`` or ``"region"``."""
     names = {cls.__name__ for cls in type(module).__mro__}
     if names & FIXED_FP32[kind]:
         return "fp32"

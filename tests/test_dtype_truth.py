@@ -18,7 +18,13 @@ from torch import nn
 
 from autoprec import Policy, Rule
 from autoprec.autogroups import _family
-from autoprec.devices import DTYPES, FIXED_FP32, FOLLOWS_INPUT, autocast_behaviour
+from autoprec.devices import (
+    DTYPES,
+    FIXED_FP32,
+    FOLLOWS_INPUT,
+    autocast_behaviour,
+    table_behaviour,
+)
 from autoprec.policy import parameterised_leaves
 from autoprec.space import load_space, searched_leaves
 from autoprec.tasks import load_task
@@ -184,17 +190,17 @@ def test_autocast_tables_follow_torch_per_device_lists():
     # layer_norm and group_norm in fp32; the CPU list has neither, nor batch_norm anywhere.
     for kind in ("cuda", "npu"):
         assert {"LayerNorm", "GroupNorm", "Embedding", "EmbeddingBag"} <= FIXED_FP32[kind]
-        assert autocast_behaviour(kind, nn.LayerNorm(4)) == "fp32"
-        assert autocast_behaviour(kind, nn.GroupNorm(2, 4)) == "fp32"
-        assert autocast_behaviour(kind, nn.BatchNorm1d(4)) == "input"
-        assert autocast_behaviour(kind, nn.InstanceNorm2d(4, affine=True)) == "input"
+        assert table_behaviour(kind, nn.LayerNorm(4)) == "fp32"
+        assert table_behaviour(kind, nn.GroupNorm(2, 4)) == "fp32"
+        assert table_behaviour(kind, nn.BatchNorm1d(4)) == "input"
+        assert table_behaviour(kind, nn.InstanceNorm2d(4, affine=True)) == "input"
     assert FIXED_FP32["cpu"] == {"Embedding", "EmbeddingBag"}
     for module in (nn.LayerNorm(4), nn.GroupNorm(2, 4), nn.BatchNorm2d(4), nn.RMSNorm(4)):
-        assert autocast_behaviour("cpu", module) == "input"
+        assert table_behaviour("cpu", module) == "input"
     for kind in ("cpu", "cuda", "npu"):
-        assert autocast_behaviour(kind, nn.Embedding(4, 4)) == "fp32"
+        assert table_behaviour(kind, nn.Embedding(4, 4)) == "fp32"
         for module in (nn.Linear(4, 4), nn.Conv2d(1, 1, 1), nn.LSTM(4, 4)):
-            assert autocast_behaviour(kind, module) == "region"
+            assert table_behaviour(kind, module) == "region"
         assert "_NormBase" in FOLLOWS_INPUT[kind]
 
 
@@ -211,7 +217,7 @@ def test_the_cpu_table_is_what_cpu_autocast_does(low):
         (nn.Conv2d(3, 4, 3), torch.randn(2, 3, 8, 8)),
     ]
     for module, x in cases:
-        behaviour = autocast_behaviour("cpu", module)
+        behaviour = table_behaviour("cpu", module)
         for given in (torch.float32, low):
             with torch.autocast("cpu", dtype=low):
                 out = module(x.to(given))
