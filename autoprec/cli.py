@@ -463,7 +463,7 @@ def _resolve(args: argparse.Namespace) -> int:
     serving = args.mode == "inference" or (args.mode is None and policy.serving_only)
     # On this machine's own device kind, what runs is watched on one batch of the task.
     watched = not serving and kind == get_backend("auto").kind
-    example = task.batch(next(iter(task.val_data()))) if watched else None
+    example = task.first_val_batch() if watched else None
     try:
         table = policy.layer_table(model, kind, inference=serving, example=example)
         share = policy.low_precision_share(model, kind, inference=serving, example=example)
@@ -550,7 +550,7 @@ def _export(args: argparse.Namespace) -> int:
             )
         if Path(weights).is_file():
             model = load_checkpoint(model, Path(weights), task)
-        example = task.batch(next(iter(task.val_data())))
+        example = task.first_val_batch()
     device = args.device or (settings.get("device", "cpu") if fmt in SERVING_FORMATS else None)
     out = Path(args.out or folder / f"export-{fmt}")
     with warnings.catch_warnings(record=True) as caught:

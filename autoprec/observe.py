@@ -39,6 +39,7 @@ from autoprec.structures import cast_floats, tensors
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy
+    from autoprec.tasks.base import Task
 
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
@@ -194,3 +195,16 @@ def observed_dtypes(
         for handle in handles:
             handle.remove()
     return seen
+
+
+def watch_task(task: Task, model: nn.Module, backend: Backend) -> None:
+    """`learn` from one forward of ``model`` (or a copy on the backend's device) on the
+    task's first validation batch, so that the plan, the space and the profile know how
+    autocast treats each of its layers there; the caller's random stream is kept."""
+    with torch.random.fork_rng(devices=[]):
+        example = task.first_val_batch().to(backend.device)
+        first = next(model.parameters(), None)
+        on_device = first is None or first.device == backend.device
+        probe = model if on_device else copy.deepcopy(model).to(backend.device)
+        with backend.selected():
+            learn(probe, example.run, backend)

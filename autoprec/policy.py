@@ -513,10 +513,7 @@ class Policy:
         (``module="net"`` names it where several do), and one line on the ``autoprec``
         logger says which.
         """
-        if device is None:
-            first = next(model.parameters(), None)
-            device = first.device if first is not None else "cpu"
-        backend = get_backend(device)
+        backend = get_backend(_device_of(model) if device is None else device)
         placement = self._placement(model, module)
         plan = self.plan(model, backend, placement.name)
         unsupported = sorted(d for d in set(plan.leaf_dtypes.values()) if not backend.supports(d))

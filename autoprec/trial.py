@@ -10,7 +10,6 @@ ends it as ``pruned`` and an exception as ``failed``, with the reason kept.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import statistics
 import time
@@ -24,7 +23,7 @@ import torch
 from autoprec.devices import Backend
 from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.measured import Measured
-from autoprec.observe import learn, observed_dtypes
+from autoprec.observe import observed_dtypes
 from autoprec.policy import Policy, share_of_parameters
 from autoprec.precision import Precision
 from autoprec.structures import cast_floats
@@ -422,32 +421,10 @@ def _observed_share(task: Task, policy: Policy, model: torch.nn.Module, backend:
     """The share of parameters that run in low precision, as one forward of the task's
     first validation batch under the policy shows it (the trial's random stream kept)."""
     with torch.random.fork_rng(devices=[]):
-        example = _first_batch(task).to(backend.device)
+        example = task.first_val_batch().to(backend.device)
         resolved = policy.resolve(model, backend)
         resolved.update(observed_dtypes(model, policy, example.run, backend))
     return share_of_parameters(model, resolved)
-
-
-def _first_batch(task: Task) -> Batch:
-    raw = next(iter(task.val_data()), None)
-    if raw is None:
-        raise TaskError(f"task {task.name!r}: val_data yielded no batch")
-    return task.batch(raw)
-
-
-def watch_layers(task: Task, model: torch.nn.Module, backend: Backend) -> Batch:
-    """Watch one forward of ``model`` (or a copy on the backend's device) on the task's
-    first validation batch, so that the plan, the space and the profile know how autocast
-    treats each of its layers there (`autoprec.observe.learn`); returns that batch, on the
-    device."""
-    with torch.random.fork_rng(devices=[]):  # a trial's random stream stays its own
-        example = _first_batch(task).to(backend.device)
-        first = next(model.parameters(), None)
-        on_device = first is None or first.device == backend.device
-        probe = model if on_device else copy.deepcopy(model).to(backend.device)
-        with backend.selected():
-            learn(probe, example.run, backend)
-    return example
 
 
 def _forward(model: torch.nn.Module, prec: Precision, batch: Batch) -> None:

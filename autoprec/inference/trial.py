@@ -23,7 +23,7 @@ from autoprec.inference.measure import (
     latency_ms,
     measure_inference,
 )
-from autoprec.policy import Policy, parameterised_leaves
+from autoprec.policy import Policy, parameterised_leaves, share_of_parameters
 from autoprec.tasks import Task
 
 
@@ -35,14 +35,9 @@ def convert_policy(
 
 
 def low_precision_share(model: nn.Module, layer_dtypes: dict[str, str]) -> float:
-    """Share of the model's parameters served below fp32."""
-    modules = dict(parameterised_leaves(model))
-    total = low = 0
-    for name, module in modules.items():
-        count = sum(p.numel() for p in module.parameters(recurse=False))
-        total += count
-        low += count if layer_dtypes.get(name, "fp32") != "fp32" else 0
-    return low / total if total else 0.0
+    """Share of the model's parameters served below fp32 (leaves not named: fp32)."""
+    served = {name: layer_dtypes.get(name, "fp32") for name, _ in parameterised_leaves(model)}
+    return share_of_parameters(model, served)
 
 
 def run_inference_trial(

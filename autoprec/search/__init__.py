@@ -183,7 +183,7 @@ def _finish(
     )
     best_policy = Policy.from_dict(summary["best"]["policy"])
     serving = prepared.serving is not None
-    example = None if serving else prepared.task.batch(next(iter(prepared.task.val_data())))
+    example = None if serving else prepared.task.first_val_batch()
     summary["best"]["layers"] = best_policy.layer_table(
         prepared.model, prepared.backend, inference=serving, example=example
     )

@@ -97,7 +97,7 @@ def serving_of(config: SearchConfig, task: Task, model: nn.Module, backend: Back
     checkpoint = None if given is None else Path(given)
     if checkpoint is not None:
         load_checkpoint(model, checkpoint, task)  # checked now, loaded again when used
-        batch = task.batch(next(iter(task.val_data())))
+        batch = task.first_val_batch()
         with torch.no_grad():
             refuse_nan_outputs(task, batch.run(model), f"with the weights of {checkpoint}")
     check_batch_sizes(task, sizes)
@@ -267,7 +267,7 @@ def save_served_model(
     path = out_dir / MLFLOW_MODEL_DIR
     try:
         converted = convert_policy(trials.model, policy, cpu, int8)  # a copy, on the CPU
-        batch = trials.task.batch(next(iter(trials.task.val_data())))
+        batch = trials.task.first_val_batch()
         spec = None if task_spec is None else _absolute_task_file(task_spec)
         return path, save_mlflow_model(converted, batch, policy, path, int8, trials.model, spec)
     except AutoprecError as error:

@@ -29,6 +29,7 @@ from autoprec.errors import AutoprecError, StoreError, first_line, redact
 from autoprec.guided import GuidedStrategy
 from autoprec.inference.measure import Reference
 from autoprec.inference.scenarios import AS_SELECTION
+from autoprec.observe import watch_task
 from autoprec.profile import Profile, profile_task
 from autoprec.search.config import SearchConfig, check_study_name, check_tolerance
 from autoprec.search.events import Callbacks, Guarded
@@ -72,7 +73,7 @@ from autoprec.selection import rank_key
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
 from autoprec.tasks import Task, check_task, check_task_data, load_task
 from autoprec.tracking import FLUSH_WAIT_S, Tracker, absolute_sqlite_uri
-from autoprec.trial import Budget, EarlyStopping, watch_layers
+from autoprec.trial import Budget, EarlyStopping
 
 PROFILE_ATTR = "profile"  # study attribute: the ranking the groups and guidance use
 BASELINE_RUN = "baseline-fp32"  # the MLflow child run of the fp32 baseline
@@ -151,7 +152,7 @@ def _fit(
     serving: Serving | None,
 ) -> SearchSpace:
     if serving is None:  # training runs under autocast: watch how it treats these layers
-        watch_layers(task, model, backend)
+        watch_task(task, model, backend)
     supported = {d for d in DTYPES if backend.supports(d)}
     if serving is not None and serving.int8 is not None:
         supported.add("int8")

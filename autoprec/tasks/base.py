@@ -181,6 +181,14 @@ class Task:
         except TaskError as error:
             raise TaskError(f"task {self.name!r}: {error}") from None
 
+    def first_val_batch(self) -> Batch:
+        """The first validation batch, as the model is called with it: the example every
+        watched forward, served-model signature and export reads."""
+        raw = next(iter(self.val_data()), None)
+        if raw is None:
+            raise TaskError(f"task {self.name!r}: val_data yielded no batch")
+        return self.batch(raw)
+
     def make_optimizer(self, params: Any) -> torch.optim.Optimizer:
         if self.optimizer is None:
             return torch.optim.Adam(params, lr=1e-3)
