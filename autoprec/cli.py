@@ -209,7 +209,8 @@ def _add_where(group: Any) -> None:
 
 
 def _add_choice(group: Any) -> None:
-    from autoprec.search.config import PREFERENCES, SAMPLERS
+    from autoprec.search.config import SAMPLERS
+    from autoprec.selection import PREFERENCES
 
     group.add_argument(
         "--accuracy-tolerance",
@@ -380,7 +381,15 @@ def _search(args: argparse.Namespace) -> int:
     from autoprec.progress import Progress
     from autoprec.report import front_table, gains_line
     from autoprec.search import SearchConfig, search
+    from autoprec.trials.serving import ServingConfig
 
+    serving = ServingConfig(
+        scenario=args.scenario,
+        batch_size=args.batch_size,
+        batch_sizes=args.batch_sizes,
+        checkpoint=args.checkpoint,
+        int8=args.int8,
+    )
     config = SearchConfig(
         trials=args.trials,
         steps=args.steps,
@@ -399,11 +408,7 @@ def _search(args: argparse.Namespace) -> int:
         trial_timeout_s=args.trial_timeout,
         heartbeat_s=args.heartbeat,
         mode=args.mode,
-        scenario=args.scenario,
-        batch_size=args.batch_size,
-        batch_sizes=args.batch_sizes,
-        checkpoint=args.checkpoint,
-        int8=args.int8,
+        serving=serving if serving.given() else None,  # --mode inference: the defaults
     )
     result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
     summary = result.summary
@@ -519,8 +524,8 @@ def _export(args: argparse.Namespace) -> int:
 
     from autoprec.exports import SERVING_FORMATS, ExportWarning, export_policy
     from autoprec.policy import load_policy
-    from autoprec.search.serving import FP32_CHECKPOINT, load_checkpoint
     from autoprec.tasks import check_task, load_task
+    from autoprec.trials.serving import FP32_CHECKPOINT, load_checkpoint
 
     summary = _read_summary(args.runs_dir, args.study, whole=False)  # mode and settings
     settings = summary["settings"]

@@ -20,9 +20,7 @@ best child.
 from __future__ import annotations
 
 import contextlib
-import csv
 import errno
-import io
 import logging
 import math
 import os
@@ -39,6 +37,7 @@ from urllib.parse import unquote, urlparse
 
 from autoprec.errors import StoreError, first_line, redact
 from autoprec.policy import Policy
+from autoprec.trials.base import Result, TrialState
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -55,7 +54,6 @@ LOGGED_TAG = "autoprec.logged"  # "true" once a child holds everything its trial
 KIND_TAG = "mlflow.experimentKind"  # MLflow 3: the UI opens a training experiment on runs
 KIND = "custom_model_development"
 POLICY_ARTIFACT = "policy.yaml"
-LAYERS_ARTIFACT = "telemetry_layers.csv"
 MAX_CURVE_POINTS = 400  # per curve, so that one log_batch stays under MLflow's 1000
 BEST_POLICY_ARTIFACT = "best_policy.yaml"
 SUMMARY_ARTIFACT = "summary.json"
@@ -173,7 +171,7 @@ class TrialLog:
     key: str  # the trial number, or "baseline"
     name: str
     params: dict[str, str]
-    result: Any  # a TrialResult, or an InferenceResult of a serving search
+    result: Result  # what the trial measured, in its mode's kind (`Trials.result_type`)
     extra_metrics: dict[str, float]
     tags: dict[str, str]
     policy: Policy
@@ -399,16 +397,15 @@ class Tracker:
         # Every child gets every metric name, NaN where a pruned or failed trial measured
         # nothing, so that MLflow's compare and chart views line up.
         result = log.result
-        values = dict.fromkeys((*type(result).METRICS, "accuracy_drop"), float("nan"))
-        values.update({**result.metrics(), **log.extra_metrics})
-        for size, latency in getattr(result, "latency_by_batch_ms", {}).items():
-            values[f"latency_p50_ms.batch_{size}"] = latency  # a serving study's batch sizes
+        values = dict.fromkeys((*result.METRICS, "accuracy_drop"), float("nan"))
+        values.update({**result.metrics(), **result.extra_metrics(), **log.extra_metrics})
         metrics = [Metric(k, float(v), timestamp_ms, 0) for k, v in values.items()]
-        losses = getattr(result, "losses", [])
-        stride = max(1, -(-len(losses) // MAX_CURVE_POINTS))
-        for step in range(0, len(losses), stride):
-            for key, curve in (("train_loss", losses), ("loss_scale", result.loss_scales)):
-                if math.isfinite(curve[step]):
+        curves = result.curves()
+        length = max((len(curve) for curve in curves.values()), default=0)
+        stride = max(1, -(-length // MAX_CURVE_POINTS))
+        for step in range(0, length, stride):
+            for key, curve in curves.items():
+                if step < len(curve) and math.isfinite(curve[step]):
                     metrics.append(Metric(key, float(curve[step]), timestamp_ms, step))
         logged = self.client.get_run(run_id).data.params
         self.client.log_batch(
@@ -418,12 +415,12 @@ class Tracker:
             tags=[RunTag(k, v) for k, v in log.tags.items()],
         )
         self.client.log_text(run_id, log.policy.to_yaml(), POLICY_ARTIFACT)
-        telemetry = getattr(result, "telemetry", None)
-        layers = telemetry.get("layers") if telemetry else None
-        if layers:
-            self.client.log_text(run_id, layers_csv(layers), LAYERS_ARTIFACT)
+        for name, text in result.artifacts().items():
+            self.client.log_text(run_id, text, name)
         self.client.set_tag(run_id, LOGGED_TAG, "true")
-        self.client.set_terminated(run_id, "FAILED" if result.state == "failed" else "FINISHED")
+        self.client.set_terminated(
+            run_id, "FAILED" if result.state == TrialState.FAILED else "FINISHED"
+        )
 
     def kill_trial(self, key: str, reason: str) -> None:
         """Close the child run of a trial that never finished (interrupted, or its worker
@@ -578,15 +575,6 @@ class Tracker:
                     self.kill_trial(key, reason)
 
         self._later("catch up with the study", work)
-
-
-def layers_csv(layers: list[dict[str, Any]]) -> str:
-    """The per-layer telemetry as CSV, one row per layer."""
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(layers[0]))
-    writer.writeheader()
-    writer.writerows(layers)
-    return buffer.getvalue()
 
 
 def find_parent_run(client: MlflowClient, study: str, uri: str) -> Any:

@@ -12,7 +12,7 @@ from torch import nn
 from autoprec import Policy
 from autoprec.devices import get_backend
 from autoprec.tasks import load_task
-from autoprec.trial import Budget, run_trial
+from autoprec.trials.training import Budget, run_trial
 
 
 def test_digits_resnet_has_resnet50_layout_and_trains():

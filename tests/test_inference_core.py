@@ -21,13 +21,13 @@ from autoprec.inference import (
     measure_inference,
     peak_memory_bytes,
     tied_leaves,
-    time_side_by_side,
     timing_batch,
     weight_bytes,
     weight_dtypes,
 )
 from autoprec.policy import int8_capable, parameterised_leaves
 from autoprec.tasks import load_task
+from autoprec.trials.serving import time_models_side_by_side as time_side_by_side
 
 CPU = get_backend("cpu")
 QUICK = {"timed_calls": 3, "warmup_calls": 1}  # timing is checked for shape, not speed

@@ -27,7 +27,7 @@ from autoprec.errors import DeviceError, PolicyError
 from autoprec.exports import ExportWarning, export_policy
 from autoprec.exports.npu import precision_mode
 from autoprec.tasks import load_task
-from autoprec.trial import Budget, run_trial
+from autoprec.trials.training import Budget, run_trial
 from tests import npu_standin
 
 

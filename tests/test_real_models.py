@@ -22,7 +22,7 @@ from autoprec.devices import get_backend
 from autoprec.errors import TaskError
 from autoprec.space import load_space
 from autoprec.tasks import check_task, check_task_data, load_task
-from autoprec.trial import Budget, run_trial
+from autoprec.trials.training import Budget, run_trial
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ from autoprec import LossScale, Policy
 from autoprec.devices import get_backend
 from autoprec.tasks import load_task
 from autoprec.telemetry import GradientMonitor
-from autoprec.trial import Budget, EarlyStopping, run_trial
+from autoprec.trials.training import Budget, EarlyStopping, run_trial
 
 CPU = get_backend("cpu")
 

@@ -10,7 +10,8 @@ import torch
 import autoprec
 from autoprec import LossScale, Policy, Rule
 from autoprec.devices import get_backend
-from autoprec.trial import Budget, EarlyStopping, run_trial, time_side_by_side
+from autoprec.trials.training import Budget, EarlyStopping, run_trial
+from autoprec.trials.training import time_policies_side_by_side as time_side_by_side
 
 CPU = get_backend("cpu")
 

@@ -72,7 +72,7 @@ def export_model(
     (fp32, trained) on ``device`` as ``policy`` says, int8 layers by ``int8`` (default: the
     device's method). ``example`` is one input batch; without one, no program is written.
     ``task`` (a task's name or file) lets ``load_model.py`` build the model itself."""
-    from autoprec.inference.trial import convert_policy
+    from autoprec.inference.load import convert_policy
 
     require(model, "a model (the trained fp32 module)", "model")
     assert model is not None

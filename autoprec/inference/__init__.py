@@ -12,16 +12,15 @@ from autoprec.inference.convert import (
     weight_bytes,
     weight_dtypes,
 )
+from autoprec.inference.load import load_inference_model
 from autoprec.inference.measure import (
     InferenceResult,
     Reference,
     latency_ms,
     measure_inference,
     peak_memory_bytes,
-    time_side_by_side,
     timing_batch,
 )
-from autoprec.inference.trial import load_inference_model, run_inference_trial
 
 __all__ = [
     "INFERENCE_DTYPES",
@@ -36,9 +35,7 @@ __all__ = [
     "load_inference_model",
     "measure_inference",
     "peak_memory_bytes",
-    "run_inference_trial",
     "tied_leaves",
-    "time_side_by_side",
     "timing_batch",
     "weight_bytes",
     "weight_dtypes",

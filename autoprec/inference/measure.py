@@ -3,7 +3,7 @@
 The fp32 model's outputs are computed once (`Reference.of`); each converted model is then
 scored on the same batches: the task's metric, top-1 agreement with fp32 and the relative
 deviation of its outputs, latency and throughput at a batch size drawn from the
-validation data, and peak memory. Pure, as `autoprec.trial` is: a measurement never raises
+validation data, and peak memory. Pure, as a training trial is: a measurement never raises
 for a problem of the policy (non-finite outputs, a missing kernel): it comes back
 ``failed`` with the reason. Bad input to autoprec raises AutoprecError.
 """
@@ -26,16 +26,15 @@ from torch.overrides import TorchFunctionMode
 from autoprec.devices import Backend
 from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.inference.convert import convert, weight_bytes
-from autoprec.measured import Measured
 from autoprec.structures import cast_floats, map_tensors, tensors
 from autoprec.tasks import Task
 from autoprec.tasks.base import IGNORE_INDEX, Batch, logits_of
 from autoprec.telemetry import first_nonfinite_layer
+from autoprec.trials.base import Feasibility, Measured, TrialState
 
 _MB = 2.0**20
 TIMED_CALLS = 20
 WARMUP_CALLS = 3
-SIDE_BY_SIDE_BLOCK = 10
 
 
 @dataclass
@@ -58,7 +57,7 @@ class InferenceResult(Measured):
     - ``weight_mb``: parameters and buffers, quantized weights as what they hold.
     """
 
-    state: str  # "complete" or "failed"
+    state: TrialState  # complete or failed
     reason: str | None = None
     accuracy: float | None = None
     accuracy_drop: float | None = None
@@ -97,6 +96,23 @@ class InferenceResult(Measured):
 
     TIME_METRIC = "latency_p50_ms"  # the median latency at the scenario's batch
     TIME_LABEL = "latency"
+    MODE = "inference"
+
+    def extra_metrics(self) -> dict[str, float]:
+        """The median latency at every batch size measured."""
+        return {f"latency_p50_ms.batch_{size}": v for size, v in self.latency_by_batch_ms.items()}
+
+    def entry_fields(self) -> dict[str, Any]:
+        return {"switches": {}, "latency_by_batch_ms": self.latency_by_batch_ms}
+
+    def within(self, feasibility: Feasibility) -> bool:
+        """Agreement with fp32's top-1 predictions and deviation of the outputs within
+        the scenario's bounds, where it sets them."""
+        agreement, deviation = self.top1_agreement, self.max_rel_deviation
+        least, most = feasibility.min_top1_agreement, feasibility.max_rel_deviation
+        if least is not None and (agreement is None or agreement < least - 1e-12):
+            return False
+        return most is None or (deviation is not None and deviation <= most)
 
 
 @dataclass(frozen=True)
@@ -145,14 +161,16 @@ def measure_inference(
         with backend.selected():
             batch = timing_batch(task, batch_size, backend)
             result = _measure(task, model, reference, backend)
-            if result.state == "complete":
+            if result.state == TrialState.COMPLETE:
                 _time(result, model, batch, backend, timed_calls, warmup_calls)
     except AutoprecError:
         raise
     except torch.OutOfMemoryError as error:
-        result = InferenceResult("failed", f"out of memory: {first_line(error)}")
+        result = InferenceResult(TrialState.FAILED, f"out of memory: {first_line(error)}")
     except Exception as error:
-        result = InferenceResult("failed", f"{type(error).__name__}: {first_line(error, 500)}")
+        result = InferenceResult(
+            TrialState.FAILED, f"{type(error).__name__}: {first_line(error, 500)}"
+        )
     finally:
         backend.empty_cache()
     result.batch_size = batch_size
@@ -176,13 +194,13 @@ def _measure(
             layer = first_nonfinite_layer(model, partial(batch.run, model))
             where = f"; first non-finite output: {layer}" if layer else ""
             return InferenceResult(
-                "failed", f"non-finite outputs on validation batch {index}{where}"
+                TrialState.FAILED, f"non-finite outputs on validation batch {index}{where}"
             )
     if not math.isfinite(accuracy):
-        return InferenceResult("failed", f"the task's metric returned {accuracy}")
+        return InferenceResult(TrialState.FAILED, f"the task's metric returned {accuracy}")
     agree, scored, deviations = _agreement(task, logits, masks, reference.logits)
     return InferenceResult(
-        "complete",
+        TrialState.COMPLETE,
         accuracy=accuracy,
         accuracy_drop=reference.accuracy - accuracy,
         top1_agreement=agree / max(scored, 1),
@@ -325,7 +343,7 @@ def _time(
     warmup_calls: int,
 ) -> None:
     """Latency percentiles, throughput and peak memory at the batch's size."""
-    times_s = _latencies(model, batch, backend, timed_calls, warmup_calls)
+    times_s = latencies_s(model, batch, backend, timed_calls, warmup_calls)
     result.latency_p50_ms = statistics.median(times_s) * 1000.0
     result.latency_p90_ms = _percentile(times_s, 0.9) * 1000.0
     result.throughput_sps = batch.size * len(times_s) / sum(times_s)
@@ -344,11 +362,13 @@ def latency_ms(
     """Median latency (ms) of one forward at ``batch_size`` samples of the validation data."""
     with backend.selected():
         batch = timing_batch(task, batch_size, backend)
-        return statistics.median(_latencies(model, batch, backend, timed_calls, warmup_calls)) * 1e3
+        return (
+            statistics.median(latencies_s(model, batch, backend, timed_calls, warmup_calls)) * 1e3
+        )
 
 
-def _latencies(
-    model: nn.Module, batch: Batch, backend: Backend, calls: int, warmup_calls: int
+def latencies_s(
+    model: nn.Module, batch: Batch, backend: Backend, calls: int, warmup_calls: int = 0
 ) -> list[float]:
     """Seconds per forward, each between device syncs, after untimed warm-up calls."""
     times_s = []
@@ -369,30 +389,6 @@ def _percentile(values: list[float], share: float) -> float:
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def time_side_by_side(
-    models: Sequence[nn.Module],
-    batch: Batch,
-    backend: Backend,
-    rounds: int = 5,
-    block: int = SIDE_BY_SIDE_BLOCK,
-) -> list[float]:
-    """Median latency (ms) of each model on ``batch``, measured in alternating blocks.
-
-    Separate measurements minutes apart on a shared machine drift by 10-20%; timing the
-    candidates in turn, round after round, exposes them to the same conditions (as
-    `autoprec.trial.time_side_by_side` does for training). Round 0 warms up, untimed."""
-    if rounds < 1 or block < 1:
-        raise AutoprecError(f"rounds and block: must be positive, got {rounds} and {block}")
-    times_s: list[list[float]] = [[] for _ in models]
-    with backend.selected():
-        for round_index in range(rounds + 1):
-            for times, model in zip(times_s, models, strict=True):
-                measured = _latencies(model, batch, backend, block, 0)
-                if round_index > 0:
-                    times += measured
-    return [statistics.median(times) * 1000.0 for times in times_s]
 
 
 def peak_memory_bytes(model: nn.Module, batch: Batch, backend: Backend) -> tuple[int, bool]:

@@ -31,9 +31,8 @@ from autoprec.search.config import SearchConfig
 from autoprec.search.events import Callbacks
 from autoprec.search.identity import SUMMARY_KEY
 from autoprec.search.loop import run_trials
-from autoprec.search.serving import FP32_CHECKPOINT, ServingTrials, save_served_model
 from autoprec.search.session import Prepared, Session, identity_of, prepare
-from autoprec.search.summary import by_batch_size, numeric, summarize, write_outputs
+from autoprec.search.summary import numeric, summarize, write_outputs
 from autoprec.search.workers import run_workers
 from autoprec.space import SearchSpace
 from autoprec.tasks import DEFAULT_TASK, Task
@@ -108,7 +107,7 @@ def _trials_and_confirmation(
         try:
             if session.prepared.workers == 1:
                 if len(session.measured()) < config.trials:
-                    session.warm.ensure()
+                    session.warm_up()
                 run_trials(session.study, session.context(), config.trials, session.callbacks)
             else:
                 run_workers(session, session.prepared.workers)
@@ -150,13 +149,12 @@ def _finish(
         confirmed,
         run_ids,
     )
-    if prepared.serving is not None:
-        summary["inference"] = _serving_summary(session)
-    checkpoint = None if prepared.serving is None else prepared.serving.checkpoint
+    trials = session.trials  # the mode: its part of the summary, and what it leaves behind
+    summary.update(trials.summary_block(session.measured(), session.baseline, prepared.feasibility))
     summary["settings"] = {
         **prepared.settings,
         "task_spec": prepared.task_spec,  # for autoprec export
-        "checkpoint": None if checkpoint is None else str(checkpoint.resolve()),
+        **trials.summary_settings(),
         "trials": config.trials,
         "sampler": config.sampler,
         "prefer": config.prefer or prepared.prefer,
@@ -182,13 +180,10 @@ def _finish(
         ]
     )
     best_policy = Policy.from_dict(summary["best"]["policy"])
-    serving = prepared.serving is not None
-    example = None if serving else prepared.task.first_val_batch()
-    summary["best"]["layers"] = best_policy.layer_table(
-        prepared.model, prepared.backend, inference=serving, example=example
-    )
-    if isinstance(session.trials, ServingTrials):
-        summary["inference"]["mlflow_model"] = _served_model(session, best_policy)
+    summary["best"]["layers"] = trials.layer_table(best_policy, prepared.model)
+    left = trials.leave_behind(best_policy, prepared.out_dir, prepared.task_spec, tracker)
+    for key, extra in left.items():
+        summary[key].update(extra)
     phases_s["tracking_flush"] = time.perf_counter() - mark_s
     summary["wall_time_s"] = time.perf_counter() - started_s
     summary["phase_time_s"] = phases_s  # this invocation's set-up, warm-up and re-timing
@@ -209,52 +204,6 @@ def _finish(
     if interrupted:
         raise SearchInterrupted(result)
     return result
-
-
-def _served_model(session: Session, policy: Policy) -> dict[str, Any]:
-    """The chosen model saved as an MLflow model and logged on the parent run; where it
-    cannot be, one warning and the reason in the summary."""
-    from autoprec.inference.mlflow_model import PICKLE_NOTE
-
-    assert isinstance(session.trials, ServingTrials)
-    prepared = session.prepared
-    folder, said = save_served_model(session.trials, policy, prepared.out_dir, prepared.task_spec)
-    if folder is None:
-        session.tracker.warn(f"the chosen model was not logged as an MLflow model: {said}")
-        return {"logged": False, "reason": said}
-    if said == "pickle":
-        session.tracker.warn(f"the chosen MLflow model is {PICKLE_NOTE}")
-    unpickles = said == "pickle"
-    tags = {"autoprec.model_format": said, "autoprec.model_unpickles": str(unpickles).lower()}
-    session.tracker.log_model_folder(folder, tags=tags)
-    parent = session.tracker.parent_id
-    return {
-        "logged": True,
-        "format": said,
-        "unpickles": unpickles,
-        "path": str(folder),
-        "uri": None if parent is None else f"runs:/{parent}/model",
-    }
-
-
-def _serving_summary(session: Session) -> dict[str, Any]:
-    """What a serving study adds to its summary: the scenario and what it asks, the fp32
-    weights the trials converted, and the best choice at each batch size measured."""
-    serving = session.prepared.serving
-    assert serving is not None and session.baseline is not None
-    feasibility = session.prepared.feasibility
-    checkpoint = serving.checkpoint or session.prepared.out_dir / FP32_CHECKPOINT
-    return {
-        "scenario": serving.scenario.name,
-        "batch_sizes": list(serving.batch_sizes),
-        "int8": serving.int8,
-        "fp32_checkpoint": str(checkpoint),
-        "min_top1_agreement": feasibility.min_top1_agreement,
-        "max_rel_deviation": feasibility.max_rel_deviation,
-        "by_batch_size": by_batch_size(
-            session.measured(), session.baseline, list(serving.batch_sizes)
-        ),
-    }
 
 
 def _run_ids(tracker: Tracker) -> dict[str, str]:

@@ -11,28 +11,27 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import InitVar, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from autoprec.errors import AutoprecError, StoreError, redact
-from autoprec.inference.convert import INT8_METHODS
-from autoprec.inference.scenarios import PREFERENCES as SERVING_PREFERENCES
-from autoprec.inference.scenarios import scenario
-from autoprec.selection import PREFERENCES
 from autoprec.tracking import DEFAULT_TRACKING_URI, check_tracking_uri
+from autoprec.trials import MODES, trials_class
+from autoprec.trials.serving import ServingConfig
 
 DEFAULT_STORAGE = "sqlite:///runs/optuna.db"
 DEFAULT_RUNS_DIR = Path("runs")
 # guided: profile-ranked seeding and bisection (autoprec.guided), then TPE.
 SAMPLERS = ("guided", "tpe", "nsga2", "random")
-MODES = ("training", "inference")
 HEARTBEAT_INTERVAL_S = 10  # the grace before a silent trial is failed: 3 intervals
-MAX_BATCH_SIZE = 65536  # a served batch; the validation samples are repeated to fill it
+# ServingConfig's fields, also taken flat (``SearchConfig(mode="inference", scenario=...)``,
+# ``--scenario``) and nested into ``serving``.
+SERVING_KEYWORDS = ("scenario", "batch_size", "batch_sizes", "checkpoint", "int8")
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SearchConfig:
     """How a search runs.
 
@@ -50,14 +49,13 @@ class SearchConfig:
     - ``trial_timeout_s`` (None: 25x the fp32 baseline's trial, at least 300 s; 0: no
       limit) and ``heartbeat_s`` (a trial silent for 3x this is failed).
     - ``mode``: ``training`` (trials train under each policy) or ``inference`` (trials
-      convert a trained fp32 model's weights and serve it; see `autoprec.inference`),
-      with a ``scenario`` (server, edge, critical, batch: the batch size, preference and
-      tolerance it presets), ``batch_size`` and ``batch_sizes`` (``"1,8,64"``: measured
-      too) overriding it, the fp32 weights from ``checkpoint`` (else the task's, else
-      trained once for ``steps`` and kept as runs/<study>/fp32.pt), and ``int8``
-      (``auto``: where the device has kernels; ``off``; or a method of
-      `autoprec.inference.INT8_METHODS`). ``prefer`` may then also be ``latency`` or
-      ``throughput``; None takes the scenario's (training: speed).
+      convert a trained fp32 model's weights and serve it), one of `autoprec.trials.MODES`
+      (default: inference when ``serving`` is given, else training); ``serving``: the
+      serving settings (`autoprec.trials.serving.ServingConfig`: scenario, batch sizes,
+      checkpoint, int8), whose fields may also be given flat with
+      ``mode="inference"`` (``scenario="edge"``).
+      ``prefer`` may then also be ``latency`` or ``throughput``; None takes the
+      scenario's (training: speed).
     """
 
     trials: int = 12
@@ -77,15 +75,32 @@ class SearchConfig:
     devices: str | Sequence[str] | None = None
     trial_timeout_s: float | None = None
     heartbeat_s: int = HEARTBEAT_INTERVAL_S
-    mode: str = "training"
-    scenario: str | None = None
-    batch_size: int | None = None
-    batch_sizes: str | Sequence[int] | None = None
-    checkpoint: str | Path | None = None
-    int8: str = "auto"
+    mode: str | None = None  # None: inference with ``serving``, else training
+    serving: ServingConfig | None = None
+    # The serving settings given flat, nested into ``serving`` (not kept as fields).
+    scenario: InitVar[str | None] = None
+    batch_size: InitVar[int | None] = None
+    batch_sizes: InitVar[str | Sequence[int] | None] = None
+    checkpoint: InitVar[str | Path | None] = None
+    int8: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self,
+        scenario: str | None,
+        batch_size: int | None,
+        batch_sizes: str | Sequence[int] | None,
+        checkpoint: str | Path | None,
+        int8: str | None,
+    ) -> None:
         object.__setattr__(self, "runs_dir", Path(self.runs_dir))
+        flat = {
+            "scenario": scenario,
+            "batch_size": batch_size,
+            "batch_sizes": batch_sizes,
+            "checkpoint": checkpoint,
+            "int8": int8,
+        }
+        self._nest_serving({k: v for k, v in flat.items() if v is not None})
         _check_positive(self.trials, "--trials", "a positive integer")
         if _not_int(self.steps) or self.steps < 3:
             raise AutoprecError(f"steps: must be an integer of at least 3, got {self.steps!r}")
@@ -120,41 +135,35 @@ class SearchConfig:
         check_storage_url(self.storage)
         check_tracking_uri(self.tracking_uri)
 
+    def _nest_serving(self, flat: dict[str, Any]) -> None:
+        """``serving`` made from the flat serving keywords (on top of a ``serving`` given
+        too; a dict of its fields, as a worker gets it, becomes one), and the mode it
+        implies."""
+        serving = self.serving
+        if isinstance(serving, dict):
+            serving = ServingConfig(**serving)
+        mode = self.mode
+        if mode is None:  # a ServingConfig says the mode; flat keywords need --mode
+            mode = _owner("serving") if serving is not None else "training"
+        if flat:
+            serving = replace(serving or ServingConfig(), **flat)
+        if mode in MODES and MODES[mode][1] == "serving" and serving is None:
+            serving = ServingConfig()
+        object.__setattr__(self, "serving", serving)
+        object.__setattr__(self, "mode", mode)
+
     def _check_mode(self) -> None:
         if self.mode not in MODES:
-            raise AutoprecError(f"--mode: expected training or inference, got {self.mode!r}")
-        serving = self.mode == "inference"
-        allowed = SERVING_PREFERENCES if serving else PREFERENCES
+            raise AutoprecError(f"--mode: expected {' or '.join(MODES)}, got {self.mode!r}")
+        allowed = trials_class(self.mode).preferences
         if self.prefer is not None and self.prefer not in (*allowed, "speed"):
             raise AutoprecError(
                 f"--prefer: expected one of {', '.join(allowed)} for {self.mode}, "
                 f"got {self.prefer!r}"
             )
-        given = [
-            option
-            for option, value in (
-                ("--scenario", self.scenario),
-                ("--batch-size", self.batch_size),
-                ("--batch-sizes", self.batch_sizes),
-                ("--checkpoint", self.checkpoint),
-                ("--int8", None if self.int8 == "auto" else self.int8),
-            )
-            if value is not None
-        ]
-        if given and not serving:
-            raise AutoprecError(f"{given[0]}: only with --mode inference")
-        if self.scenario is not None:
-            scenario(self.scenario)
-        if self.batch_size is not None:
-            _check_positive(self.batch_size, "--batch-size", "a positive integer")
-            if self.batch_size > MAX_BATCH_SIZE:
-                raise AutoprecError(f"--batch-size {self.batch_size}: at most {MAX_BATCH_SIZE}")
-        if self.batch_sizes is not None:
-            parse_batch_sizes(self.batch_sizes)
-        if self.int8 not in ("auto", "off", *INT8_METHODS):
-            raise AutoprecError(
-                f"--int8: expected auto, off or one of {', '.join(INT8_METHODS)}, got {self.int8!r}"
-            )
+        if self.serving is not None and MODES[self.mode][1] != "serving":
+            given = self.serving.given() or ["--mode"]
+            raise AutoprecError(f"{given[0]}: only with --mode {_owner('serving')}")
 
     def public(self) -> dict[str, Any]:
         """The settings as they may be written down or shown (summary.json, the MLflow
@@ -162,20 +171,25 @@ class SearchConfig:
         are only ever written through here; credentials stay in the URLs the stores are
         opened with, or better outside them (PGPASSWORD, ~/.pgpass,
         MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values = self.to_dict()
         for name in ("storage", "tracking_uri"):
             values[name] = redact(values[name])
-        for name in ("runs_dir", "device", "checkpoint"):
+        for name in ("runs_dir", "device"):
             values[name] = None if values[name] is None else str(values[name])
-        if values["batch_sizes"] is not None:
-            values["batch_sizes"] = parse_batch_sizes(values["batch_sizes"])
+        return values
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as keywords that make this config again (``serving`` as a dict of
+        its fields), for a worker process."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["serving"] = None if self.serving is None else self.serving.to_dict()
         return values
 
     @classmethod
     def of(cls, config: SearchConfig | None, settings: dict[str, Any]) -> SearchConfig:
         """``config`` (or the defaults) with ``settings`` given as keywords on top."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(settings) - known)
+        unknown = sorted(set(settings) - known - set(SERVING_KEYWORDS))
         if unknown:
             raise TypeError(f"search() got an unexpected keyword argument {unknown[0]!r}")
         base = config or cls()
@@ -191,20 +205,14 @@ def _check_positive(value: Any, option: str, expected: str) -> None:
         raise AutoprecError(f"{option}: expected {expected}, got {value!r}")
 
 
-def parse_batch_sizes(value: str | Sequence[int]) -> list[int]:
-    """``"1,8,64"`` (or a list) as batch sizes, each a positive integer, no repeats."""
-    items = value.split(",") if isinstance(value, str) else list(value)
-    try:
-        sizes = [int(str(item).strip()) for item in items]
-    except ValueError:
-        sizes = []
-    if not sizes or any(size < 1 for size in sizes) or len(set(sizes)) != len(sizes):
-        raise AutoprecError(
-            f"--batch-sizes {value!r}: expected distinct positive integers, e.g. 1,8,64"
-        )
-    if max(sizes) > MAX_BATCH_SIZE:
-        raise AutoprecError(f"--batch-sizes {value!r}: at most {MAX_BATCH_SIZE} per batch")
-    return sizes
+def _owner(field: str) -> str:
+    """The mode whose own settings are SearchConfig's ``field``."""
+    return next(mode for mode, (_, owned) in MODES.items() if owned == field)
+
+
+# The flat serving keywords are taken by __init__ only: reading them is a mistake.
+for _name in SERVING_KEYWORDS:
+    delattr(SearchConfig, _name)
 
 
 def check_tolerance(tolerance: Any) -> float:

@@ -15,19 +15,19 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
+from optuna.trial import TrialState as OptunaState
 
 from autoprec.devices import Backend
 from autoprec.guided import GuidedStrategy, Observation
-from autoprec.inference.measure import InferenceResult
 from autoprec.policy import Policy
 from autoprec.search.events import Callbacks, Progress
-from autoprec.search.records import Feasibility, Result, TrialRecord, record_of
+from autoprec.search.records import Feasibility, TrialRecord, record_of
 from autoprec.search.studies import (
     CLAIM_ATTR,
     RECORD_ATTR,
@@ -41,36 +41,25 @@ from autoprec.search.studies import (
 from autoprec.space import SearchSpace, policy_label
 from autoprec.tasks import Task
 from autoprec.tracking import Tracker, TrialLog
-from autoprec.trial import Budget, TrialResult, run_trial
+from autoprec.trials.base import Result, Trials, TrialState, run_with_time_limit
 
-R = TypeVar("R", TrialResult, InferenceResult)
 POLL_S = 1.0  # how often a waiting worker reads the study again
 # Sampled policies identical to one already measured are not trained again; after this
 # many in a row the space is taken as exhausted.
 MAX_DUPLICATES_IN_A_ROW = 25
-_STATES = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "failed": TrialState.FAIL}
+# How Optuna records a trial that ended in each state.
+_STATES = {
+    TrialState.COMPLETE: OptunaState.COMPLETE,
+    TrialState.PRUNED: OptunaState.PRUNED,
+    TrialState.FAILED: OptunaState.FAIL,
+}
 
 
-class Trials(Protocol):
-    """What a trial is: train under a policy, or serve the fp32 model converted under it
-    (`autoprec.search.serving`)."""
-
-    def measure(self, policy: Policy) -> Result: ...
-
-    def failed(self, reason: str) -> Result: ...
-
-    def retime(self, policies: list[Policy]) -> list[float]: ...
-
-
-class TrialTimeout(Exception):
-    """Raised inside a trial that ran past its time limit (the trial then fails)."""
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrialContext:
     """What every trial of a study shares: the task, the fitted space, the device, where
     results go, the fp32 baseline they are judged against and when they are feasible,
-    and what a trial is (`TrainingTrials` or `ServingTrials`)."""
+    and what a trial is (the mode's `autoprec.trials.base.Trials`)."""
 
     task: Task
     space: SearchSpace
@@ -94,46 +83,9 @@ class TrialContext:
         records = []
         for t in finished(study):
             if t.number not in self._records:
-                self._records[t.number] = record_of(t, self.feasibility)
+                self._records[t.number] = record_of(t, self.feasibility, self.trials.result_type)
             records.append(self._records[t.number])
         return Progress(len(records), total, records, self.baseline, self.prefer)
-
-
-class WarmUp:
-    """A short untimed run of every dtype the space uses, once per process (per task,
-    device and dtype), so that no trial pays the process's one-time costs (lazy imports,
-    thread pools, allocator growth, first kernels) in its timings; its results are
-    discarded."""
-
-    _warm: ClassVar[set[tuple[str, str, str]]] = set()  # (task, device, dtype) done here
-
-    def __init__(
-        self,
-        task: Task,
-        space: SearchSpace,
-        backend: Backend,
-        budget: Budget,
-        limit_s: float,
-        enabled: bool = True,
-    ) -> None:
-        self.args = (task, space, backend, budget, limit_s)
-        self.enabled = enabled  # serving trials warm up in each measurement instead
-
-    def ensure(self) -> None:
-        if not self.enabled:
-            return
-        task, space, backend, budget, limit_s = self.args
-        short = Budget(steps=min(budget.steps, 2 * budget.untimed_steps + 2), seed=budget.seed)
-        for dtype in sorted({d for g in space.groups for d in g.dtypes}):
-            key = (task.name, backend.name, dtype)
-            if key not in WarmUp._warm:
-                policy = Policy.uniform(dtype)
-                run_with_time_limit(
-                    lambda: run_trial(task, policy, backend, short),  # noqa: B023 (called now)
-                    limit_s,
-                    lambda reason: TrialResult("failed", reason),
-                )
-                WarmUp._warm.add(key)
 
 
 def run_trials(study: optuna.Study, ctx: TrialContext, trials: int, callbacks: Callbacks) -> int:
@@ -175,7 +127,7 @@ def run_trials(study: optuna.Study, ctx: TrialContext, trials: int, callbacks: C
                     continue
                 if verdict.duplicate_of is not None:
                     trial.set_user_attr("duplicate_of", verdict.duplicate_of)
-                    study.tell(trial, state=TrialState.PRUNED)
+                    study.tell(trial, state=OptunaState.PRUNED)
                     duplicates_in_a_row += 1
                     if duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
                         callbacks.exhausted(len(ledger.recorded))
@@ -200,18 +152,18 @@ def _guide(study: optuna.Study, ctx: TrialContext, ledger: Ledger) -> None:
     """Queue the guided strategy's next proposal once the queue is empty (anchors and
     earlier proposals first, so that each proposal knows what came before it)."""
     assert ctx.guide is not None
-    if any(t.state == TrialState.WAITING for t in ledger.trials.values()):
+    if any(t.state == OptunaState.WAITING for t in ledger.trials.values()):
         return
-    history = [Observation(ctx.space.uniform_params("fp32"), "complete", True)]
+    history = [Observation(ctx.space.uniform_params("fp32"), TrialState.COMPLETE, True)]
     for t in ledger.recorded.values():
-        record = record_of(t, ctx.feasibility)
+        record = record_of(t, ctx.feasibility, ctx.trials.result_type)
         history.append(
             Observation(t.params, record.result.state, record.feasible, _objectives(record))
         )
     pending = [
         t.params or t.system_attrs.get("fixed_params", {})
         for t in ledger.trials.values()
-        if t.state in (TrialState.WAITING, TrialState.RUNNING)
+        if t.state in (OptunaState.WAITING, OptunaState.RUNNING)
     ]
     proposal = ctx.guide.propose(history, pending)
     if proposal is not None:
@@ -277,10 +229,12 @@ def trial_log(
     return TrialLog(key, name, space.flat_params(record.policy), result, extra, tags, record.policy)
 
 
-def logged_trial(trial: FrozenTrial, space: SearchSpace, feasibility: Feasibility) -> TrialLog:
+def logged_trial(
+    trial: FrozenTrial, space: SearchSpace, feasibility: Feasibility, result_type: type[Result]
+) -> TrialLog:
     """The child run of a recorded trial, as the trial loop logged it (to write it again
     when the tracking store could not take it then)."""
-    record = record_of(trial, feasibility)
+    record = record_of(trial, feasibility, result_type)
     anchor = trial.user_attrs.get("anchor")
     name = _run_name(trial.number, anchor, space, record.policy)
     return trial_log(str(trial.number), name, space, record, _trial_tags(trial.number, anchor))
@@ -294,7 +248,7 @@ def _tell_and_log(
     ctx: TrialContext,
 ) -> TrialRecord:
     drop = None
-    if result.state == "complete" and result.accuracy is not None:
+    if result.state == TrialState.COMPLETE and result.accuracy is not None:
         drop = ctx.baseline.result.accuracy - result.accuracy
         trial.set_constraint("accuracy_drop", drop - ctx.feasibility.tolerance)
     feasible = ctx.feasibility.judge(result, drop)
@@ -309,7 +263,7 @@ def _tell_and_log(
             "feasible": feasible,
         },
     )
-    if result.state == "complete":
+    if result.state == TrialState.COMPLETE:
         study.tell(trial, [result.accuracy, result.peak_memory_mb, result.time_ms])
     else:
         study.tell(trial, state=_STATES[result.state])
@@ -326,7 +280,7 @@ def _step_back(study: optuna.Study, trial: optuna.Trial, why: str) -> None:
     another worker is measuring the same policy."""
     try:
         trial.set_user_attr(STEPPED_BACK_ATTR, why)
-        study.tell(trial, state=TrialState.FAIL)
+        study.tell(trial, state=OptunaState.FAIL)
     except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
         return
     requeue_anchor(study, trial)
@@ -342,7 +296,7 @@ def _abandon(
     try:
         if interrupted:
             trial.set_user_attr("interrupted", True)
-        study.tell(trial, state=TrialState.FAIL)
+        study.tell(trial, state=OptunaState.FAIL)
     except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
         return  # already told
     reason = "interrupted (Ctrl-C)" if interrupted else f"{type(error).__name__}: {error}"
@@ -380,30 +334,3 @@ def interrupts_held() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
     if caught:
         signal.raise_signal(signal.SIGINT)  # to the handler in force: Python's raises
-
-
-def run_with_time_limit(measure: Callable[[], R], limit_s: float, failed: Callable[[str], R]) -> R:
-    """``measure()``, or ``failed(reason)`` when it runs past ``limit_s`` (0: no limit).
-
-    The limit is a SIGALRM timer, so it needs the main thread (elsewhere there is no
-    limit), and it strikes between Python calls: a hang inside one native call is only
-    cut short when that call returns.
-    """
-    if not limit_s or threading.current_thread() is not threading.main_thread():
-        return measure()
-
-    def on_alarm(signum: int, frame: Any) -> None:
-        raise TrialTimeout(f"no result after {limit_s:.0f} s (the per-trial time limit)")
-
-    started_s = time.perf_counter()
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, limit_s)
-    try:
-        result = measure()
-    except TrialTimeout as error:  # struck outside the measurement's own handling
-        result = failed(f"TrialTimeout: {error}")
-        result.run_time_s = time.perf_counter() - started_s
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    return result

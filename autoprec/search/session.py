@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
+from optuna.trial import TrialState as OptunaState
 from torch import nn
 
-from autoprec.devices import DTYPES, Backend, get_backend, parse_devices
+from autoprec.devices import Backend, get_backend, parse_devices
 from autoprec.errors import AutoprecError, StoreError, first_line, redact
 from autoprec.guided import GuidedStrategy
-from autoprec.inference.measure import Reference
-from autoprec.inference.scenarios import AS_SELECTION
-from autoprec.observe import watch_task
-from autoprec.profile import Profile, profile_task
+from autoprec.profile import Profile
 from autoprec.search.config import SearchConfig, check_study_name, check_tolerance
 from autoprec.search.events import Callbacks, Guarded
 from autoprec.search.identity import (
@@ -44,19 +42,11 @@ from autoprec.search.identity import (
 from autoprec.search.loop import (
     POLL_S,
     TrialContext,
-    WarmUp,
     logged_trial,
     requeue_anchor,
     trial_log,
 )
 from autoprec.search.records import Feasibility, TrialRecord, record_of, result_of
-from autoprec.search.serving import (
-    Serving,
-    ServingTrials,
-    TrainingTrials,
-    fp32_model,
-    serving_of,
-)
 from autoprec.search.studies import (
     RECORD_ATTR,
     Lease,
@@ -73,7 +63,9 @@ from autoprec.selection import rank_key
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
 from autoprec.tasks import Task, check_task, check_task_data, load_task
 from autoprec.tracking import FLUSH_WAIT_S, Tracker, absolute_sqlite_uri
-from autoprec.trial import Budget, EarlyStopping
+from autoprec.trials import trials_of
+from autoprec.trials.base import Trials, TrialState
+from autoprec.trials.training import Budget
 
 PROFILE_ATTR = "profile"  # study attribute: the ranking the groups and guidance use
 BASELINE_RUN = "baseline-fp32"  # the MLflow child run of the fp32 baseline
@@ -89,13 +81,14 @@ def default_space_for(task_name: str) -> str:
     return task_name if task_name in builtin_spaces() else DEFAULT_SPACE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Prepared:
     """A search's inputs, loaded and checked; no store has been touched yet.
 
     ``space`` is fitted to the model and the device (without a profile: the fingerprint
     every process of the study must agree on); ``settings`` are what a study is
-    identified by (it refuses to continue with others)."""
+    identified by (it refuses to continue with others); ``trials`` is the search's mode
+    (`autoprec.trials`), which owns everything that differs between modes."""
 
     config: SearchConfig
     task: Task
@@ -111,7 +104,7 @@ class Prepared:
     study: str
     workers: int
     prefer: str  # the selection's: speed, memory or balanced
-    serving: Serving | None = None  # a serving (inference) search's settings
+    trials: Trials
 
     @property
     def tolerance(self) -> float:
@@ -127,7 +120,7 @@ class Prepared:
             "seed": self.budget.seed,
             "device": self.backend.kind,
         }
-        return settings if self.serving is None else {**settings, **self.serving.settings}
+        return {**settings, **self.trials.settings}
 
     @property
     def needs_profile(self) -> bool:
@@ -138,26 +131,9 @@ class Prepared:
         return Path(self.config.runs_dir) / self.study
 
     def fitted(self, profile: Profile | None) -> SearchSpace:
-        """The space fitted to the model, the device and (in a ``groups: auto`` space) the
-        profile's riskiest modules."""
-        return _fit(self.unfitted, self.task, self.model, profile, self.backend, self.serving)
-
-
-def _fit(
-    space: SearchSpace,
-    task: Task,
-    model: nn.Module,
-    profile: Profile | None,
-    backend: Backend,
-    serving: Serving | None,
-) -> SearchSpace:
-    if serving is None:  # training runs under autocast: watch how it treats these layers
-        watch_task(task, model, backend)
-    supported = {d for d in DTYPES if backend.supports(d)}
-    if serving is not None and serving.int8 is not None:
-        supported.add("int8")
-    fitted = space.fit(model, profile, backend, inference=serving is not None)
-    return fitted.restrict(supported)
+        """The space fitted to the model, the device, the mode and (in a ``groups: auto``
+        space) the profile's riskiest modules."""
+        return self.trials.fit(self.unfitted, profile)
 
 
 def prepare(
@@ -193,54 +169,29 @@ def prepare(
     budget = Budget(steps=config.steps, seed=config.seed)
     if check_data:
         check_task_data(task, model, budget.steps, budget.seed)
-    serving = None
-    if config.mode == "inference":
-        serving = serving_of(config, task, model, backend)
-    fitted = _fit(space, task, model, None, backend, serving)  # to a profile later
-    feasibility, prefer, study = _choice(config, task, fitted, serving)
+    trials = trials_of(config.mode, config, task, model, backend, budget)
+    fitted = trials.fit(space, None)  # to a profile later
+    choice = trials.choice(fitted)
+    feasibility = replace(
+        choice.feasibility, tolerance=check_tolerance(choice.feasibility.tolerance)
+    )
     return Prepared(
-        config,
-        task,
-        task_spec,
-        space_spec,
-        model,
-        space,
-        fitted,
-        backend,
-        devices,
-        budget,
-        feasibility,
-        study,
-        workers,
-        prefer,
-        serving,
+        config=config,
+        task=task,
+        task_spec=task_spec,
+        space_spec=space_spec,
+        model=model,
+        unfitted=space,
+        space=fitted,
+        backend=backend,
+        devices=devices,
+        budget=budget,
+        feasibility=feasibility,
+        study=check_study_name(choice.study),
+        workers=workers,
+        prefer=choice.prefer,
+        trials=trials,
     )
-
-
-def _choice(
-    config: SearchConfig, task: Task, space: SearchSpace, serving: Serving | None
-) -> tuple[Feasibility, str, str]:
-    """When a policy is feasible, the selection's preference and the study's name: the
-    settings first, then the scenario's presets (serving) or the space's tolerance."""
-    if serving is None:
-        tolerance = space.accuracy_tolerance
-        feasibility = Feasibility(
-            check_tolerance(
-                tolerance if config.accuracy_tolerance is None else config.accuracy_tolerance
-            )
-        )
-        prefer = config.prefer or "speed"
-        return feasibility, prefer, check_study_name(config.study or task.name)
-    preset = serving.scenario
-    tolerance = preset.accuracy_tolerance
-    if config.accuracy_tolerance is not None:
-        tolerance = config.accuracy_tolerance
-    feasibility = Feasibility(
-        check_tolerance(tolerance), preset.min_top1_agreement, preset.max_rel_deviation
-    )
-    prefer = AS_SELECTION.get(config.prefer or preset.prefer, config.prefer or "speed")
-    study = check_study_name(config.study or f"{task.name}-{preset.name}")
-    return feasibility, prefer, study
 
 
 class Session:
@@ -260,18 +211,15 @@ class Session:
         self.profile: Profile | None = None
         self.space = prepared.space
         self.baseline: TrialRecord | None = None
-        self.trials: TrainingTrials | ServingTrials | None = None
-        config = prepared.config
-        # Until the baseline sets the default, an explicit limit or the minimum applies.
-        limit_s = TRIAL_TIMEOUT_MIN_S if config.trial_timeout_s is None else config.trial_timeout_s
-        self.warm = WarmUp(
-            prepared.task,
-            prepared.space,
-            prepared.backend,
-            prepared.budget,
-            limit_s,
-            enabled=prepared.serving is None,
-        )
+        self.trials: Trials = prepared.trials
+
+    def warm_up(self) -> None:
+        """The mode's warm-up (training: a short run of each dtype), before any timing.
+        Until the baseline sets the default time limit, an explicit one or the minimum
+        applies."""
+        configured = self.prepared.config.trial_timeout_s
+        limit_s = TRIAL_TIMEOUT_MIN_S if configured is None else configured
+        self.trials.warm_up(self.prepared.space, limit_s)
 
     @classmethod
     def open(
@@ -305,7 +253,8 @@ class Session:
         sampler = make_sampler(config.sampler, config.seed, config.trials, worker)
         try:
             _refuse_records_of_another_study(prepared, tracker, storage, outputs)
-            study = open_study(prepared.study, storage, sampler, prepared.settings)
+            objectives = prepared.trials.objectives
+            study = open_study(prepared.study, storage, sampler, prepared.settings, objectives)
         except BaseException:  # a study of other settings: leave the database as it was
             storage.engine.dispose()
             if created and database is not None:
@@ -353,17 +302,11 @@ class Session:
     def _set_up_holding_the_lease(self, parent_params: dict[str, Any]) -> None:
         prepared = self.prepared
         self.tracker.start_parent(parent_params)
-        served = self._serving_model(may_train=True)
+        self.trials.load(prepared.out_dir, True, self.callbacks.training_fp32)
         self.profile = self._stored_profile()
         if prepared.needs_profile and self.profile is None:
             self.callbacks.profiling()
-            self.profile = profile_task(
-                prepared.task,
-                prepared.backend,
-                seed=prepared.budget.seed,
-                model=served,
-                steps=0 if served is not None else 3,
-            )
+            self.profile = self.trials.profile(prepared.budget.seed)
             path = self.profile.save(prepared.out_dir / "profile.json")
             self.tracker.log_profile(self.profile, path)
             self.study.set_user_attr(PROFILE_ATTR, self.profile.brief())
@@ -371,8 +314,8 @@ class Session:
         self.space = prepared.fitted(self.profile)
         if self.study.user_attrs.get("baseline") is None:
             self.callbacks.baseline()
-            self.warm.ensure()
-        self.baseline = self._baseline(served)
+            self.warm_up()
+        self.baseline = self._baseline()
         if not self.study.user_attrs.get("anchors_enqueued"):
             for name, params in self.space.anchors().items():
                 self.study.enqueue_trial(params, user_attrs={"anchor": name})
@@ -390,32 +333,10 @@ class Session:
             raise AutoprecError(
                 f"study {prepared.study!r}: this process's space differs from the study's"
             )
-        served = self._serving_model(may_train=False)
+        self.trials.load(prepared.out_dir, False, self.callbacks.training_fp32)
         self.profile = self._stored_profile()
         self.space = prepared.fitted(self.profile)
-        self.baseline = self._baseline(served)
-
-    def _serving_model(self, may_train: bool) -> nn.Module | None:
-        """The trained fp32 model a serving search converts (None in training)."""
-        prepared = self.prepared
-        if prepared.serving is None:
-            return None
-        return fp32_model(
-            prepared.serving,
-            prepared.task,
-            prepared.backend,
-            prepared.budget,
-            prepared.out_dir,
-            may_train,
-            self.callbacks.training_fp32,
-        )
-
-    def _trials(self, served: nn.Module | None) -> TrainingTrials | ServingTrials:
-        prepared = self.prepared
-        if served is None or prepared.serving is None:
-            return TrainingTrials(prepared.task, prepared.backend, prepared.budget, None)
-        reference = Reference.of(prepared.task, served, prepared.backend)
-        return ServingTrials(prepared.task, prepared.backend, served, reference, prepared.serving)
+        self.baseline = self._baseline()
 
     def catch_up(self) -> None:
         """Have MLflow catch up with the study: the baseline and trials an earlier run
@@ -427,8 +348,10 @@ class Session:
             logs.append(trial_log("baseline", BASELINE_RUN, self.space, self.baseline, tags))
         for t in self.study.get_trials(deepcopy=False):
             if RECORD_ATTR in t.user_attrs and t.state.is_finished():
-                logs.append(logged_trial(t, self.space, self.prepared.feasibility))
-            elif t.state == TrialState.FAIL:
+                logs.append(
+                    logged_trial(t, self.space, self.prepared.feasibility, self.trials.result_type)
+                )
+            elif t.state == OptunaState.FAIL:
                 killed[str(t.number)] = "its trial was failed before its run was closed"
         self.tracker.catch_up(logs, killed)
 
@@ -436,14 +359,13 @@ class Session:
         data = self.study.user_attrs.get(PROFILE_ATTR)
         return None if data is None else Profile.from_dict(data)
 
-    def _baseline(self, served: nn.Module | None) -> TrialRecord:
+    def _baseline(self) -> TrialRecord:
         """The stored fp32 baseline, or (under the set-up lease) a new one."""
         prepared, tracker, study = self.prepared, self.tracker, self.study
-        self.trials = self._trials(served)
         policy = self.space.policy(self.space.uniform_params("fp32"))
         stored = study.user_attrs.get("baseline")
         if stored is not None:
-            result = result_of(stored["result"])
+            result = result_of(stored["result"], self.trials.result_type)
             return TrialRecord("baseline", policy, result, 0.0, True)
         tags = {"autoprec.role": "baseline"}
         tracker.start_trial("baseline", BASELINE_RUN, tags)
@@ -454,10 +376,10 @@ class Session:
             raise
         record = TrialRecord("baseline", policy, result, 0.0, True)
         tracker.log_trial(trial_log("baseline", BASELINE_RUN, self.space, record, tags))
-        if result.state != "complete":
-            what = "train" if prepared.serving is None else "serve"
+        if result.state != TrialState.COMPLETE:
             raise AutoprecError(
-                f"task {prepared.task.name!r}: the fp32 baseline did not {what} "
+                f"task {prepared.task.name!r}: the fp32 baseline did not "
+                f"{self.trials.baseline_verb} "
                 f"({result.reason}); fix the task before searching"
             )
         study.set_user_attr("baseline", {"result": result.to_dict()})
@@ -477,23 +399,19 @@ class Session:
     def context(self, limit_s: float | None = None) -> TrialContext:
         """What every trial of the study shares, after the set-up."""
         prepared, config = self.prepared, self.prepared.config
-        assert self.baseline is not None and self.trials is not None
-        trials = self.trials
-        if isinstance(trials, TrainingTrials) and config.early_stopping:
-            stopping = EarlyStopping.from_baseline(self.baseline.result)
-            trials = TrainingTrials(prepared.task, prepared.backend, prepared.budget, stopping)
+        assert self.baseline is not None
         return TrialContext(
-            prepared.task,
-            self.space,
-            prepared.backend,
-            self.tracker,
-            self.baseline,
-            prepared.feasibility,
-            trials,
-            prepared.model,
-            prepared.prefer,
-            self.trial_limit_s if limit_s is None else limit_s,
-            self._guidance(),
+            task=prepared.task,
+            space=self.space,
+            backend=prepared.backend,
+            tracker=self.tracker,
+            baseline=self.baseline,
+            feasibility=prepared.feasibility,
+            trials=self.trials.judged_against(self.baseline.result, config.early_stopping),
+            model=prepared.model,
+            prefer=prepared.prefer,
+            trial_timeout_s=self.trial_limit_s if limit_s is None else limit_s,
+            guide=self._guidance(),
         )
 
     def _guidance(self) -> GuidedStrategy | None:
@@ -510,7 +428,8 @@ class Session:
         )
 
     def measured(self) -> list[TrialRecord]:
-        return [record_of(t, self.prepared.feasibility) for t in finished(self.study)]
+        feasibility, result_type = self.prepared.feasibility, self.trials.result_type
+        return [record_of(t, feasibility, result_type) for t in finished(self.study)]
 
     # -- the choice ---------------------------------------------------------------------------
 
@@ -521,7 +440,7 @@ class Session:
         prefer = self.prepared.prefer
         if prefer == "memory" or top <= 0:
             return {}
-        assert self.baseline is not None and self.trials is not None
+        assert self.baseline is not None
         records = self.measured()
         base = candidates([self.baseline])[0]
         feasible = [c for c in candidates(records) if c.feasible]
@@ -535,7 +454,7 @@ class Session:
         by_number = {str(r.number): r for r in records}
         policies = [self.baseline.policy, *(by_number[k].policy for k in keys[1:])]
         self.callbacks.confirming(len(keys))
-        self.warm.ensure()
+        self.warm_up()
         times_ms = self.trials.retime(policies)
         confirmed = dict(zip(keys, times_ms, strict=True))
         self.study.set_user_attr(CONFIRMED_ATTR, confirmed)

@@ -51,8 +51,6 @@ CLAIM_ATTR = "autoprec.claim"  # user attribute: the key of the policy the trial
 STEPPED_BACK_ATTR = "stepped_back"  # user attribute: why a trial gave way untrained
 LEASE_TTL_S = 60.0
 STORAGE_OUTAGE_S = 600.0  # how long storage calls are tried again before the search stops
-OBJECTIVES = ("accuracy", "peak_memory_mb", "step_time_ms")
-SERVING_OBJECTIVES = ("accuracy", "peak_memory_mb", "latency_p50_ms")  # at the scenario's batch
 DIRECTIONS = ("maximize", "minimize", "minimize")
 _CREATE_ATTEMPTS = 5
 _SETTLE_S = 1.0  # between writing a lease and reading it back
@@ -465,6 +463,7 @@ def open_study(
     storage: optuna.storages.BaseStorage,
     sampler: optuna.samplers.BaseSampler,
     settings: dict[str, Any],
+    objectives: Sequence[str] = ("accuracy", "peak_memory_mb", "step_time_ms"),
 ) -> optuna.Study:
     """Create the study, or load it when it exists and was run with the same settings
     (kept as study attributes: task, space, steps, seed, device kind)."""
@@ -497,6 +496,5 @@ def open_study(
     if STUDY_ID_ATTR not in study.user_attrs:  # new, or made before studies had ids
         _give_id(study)
     if study.metric_names is None:  # optuna-dashboard then names the Pareto plot's axes
-        serving = settings.get("mode") == "inference"
-        study.set_metric_names(list(SERVING_OBJECTIVES if serving else OBJECTIVES))
+        study.set_metric_names(list(objectives))  # the mode's (`Trials.objectives`)
     return study

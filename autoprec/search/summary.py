@@ -17,13 +17,11 @@ from optuna.trial import TrialState
 
 from autoprec.errors import AutoprecError
 from autoprec.files import write_atomic
-from autoprec.inference.measure import InferenceResult
 from autoprec.policy import Policy
 from autoprec.search.records import Feasibility, Result, TrialRecord, record_of
 from autoprec.search.studies import CLAIM_ATTR, RECORD_ATTR, STEPPED_BACK_ATTR, finished
-from autoprec.selection import TIME_TIE, Candidate, pareto_front, select_best
+from autoprec.selection import Candidate, pareto_front, select_best
 from autoprec.space import SearchSpace
-from autoprec.trial import TrialResult
 
 INTERRUPTED = "interrupted (Ctrl-C) before it ended; not counted"
 KILLED = "its process stopped before the trial ended (killed?): failed by heartbeat; not counted"
@@ -86,7 +84,7 @@ def summarize(
     confirmed = confirmed or {}
     run_ids = run_ids or {}
     trials = {t.number: t for t in finished(study)}
-    records = [record_of(t, feasibility) for t in trials.values()]
+    records = [record_of(t, feasibility, type(baseline.result)) for t in trials.values()]
     cut = cut_off(study, space, type(baseline.result))
     trials.update({t.number: t for t in study.get_trials(deepcopy=False) if t.number in cut})
     front_keys = {c.key for c in pareto_front(candidates([baseline, *records], confirmed))}
@@ -118,13 +116,8 @@ def summarize(
             "pareto": r.number in front_keys,
             "mlflow_run_id": run_ids.get(str(r.number)),
             "peak_memory_is_estimate": r.result.peak_memory_is_estimate,
-            "switches": getattr(r.result, "switches", {}),
-            **(
-                {"latency_by_batch_ms": r.result.latency_by_batch_ms}
-                if isinstance(r.result, InferenceResult)
-                else {}
-            ),
-            "telemetry": _telemetry_brief(r.result),
+            **r.result.entry_fields(),  # switches; a serving trial's latency by batch
+            "telemetry": r.result.telemetry_brief(),
         }
 
     best_entry = entry(best)
@@ -137,7 +130,7 @@ def summarize(
     metric_names = dict.fromkeys((*type(baseline.result).METRICS, "accuracy_drop"))
     return {
         "study": study.study_name,
-        "mode": "inference" if isinstance(baseline.result, InferenceResult) else "training",
+        "mode": baseline.result.MODE,
         "metric_names": list(metric_names),
         "peak_memory_is_estimate": baseline.result.peak_memory_is_estimate,
         "step_times_confirmed": sorted(confirmed),
@@ -151,7 +144,7 @@ def summarize(
         "best": best_entry,
         "duplicates_skipped": duplicates,
         # What fp16 would do to the fp32 baseline's own gradients and activations.
-        "advice": (getattr(baseline.result, "telemetry", None) or {}).get("warnings", []),
+        "advice": baseline.result.advice(),
         "trial_time_s": baseline.result.run_time_s + sum(r.result.run_time_s for r in records),
     }
 
@@ -175,55 +168,6 @@ def cut_off(
         reason = INTERRUPTED if attrs.get("interrupted") else KILLED
         cut[t.number] = TrialRecord(t.number, policy, result_type("failed", reason), None, False)
     return cut
-
-
-def by_batch_size(
-    records: list[TrialRecord], baseline: TrialRecord, batch_sizes: list[int]
-) -> list[dict[str, Any]]:
-    """For each batch size a serving study measured, the feasible policy with the lowest
-    latency there (within TIME_TIE a tie, to less memory): where the best choice flips."""
-    rows = []
-    for size in batch_sizes:
-        key = str(size)
-        pool = [
-            r
-            for r in [baseline, *records]
-            if r.feasible and key in getattr(r.result, "latency_by_batch_ms", {})
-        ]
-        if not pool:
-            continue
-        fastest = min(r.result.latency_by_batch_ms[key] for r in pool)
-        tied = [r for r in pool if r.result.latency_by_batch_ms[key] <= fastest * (1 + TIME_TIE)]
-        best = min(tied, key=lambda r: (r.result.peak_memory_mb, r.result.latency_by_batch_ms[key]))
-        base = baseline.result.latency_by_batch_ms.get(key)
-        rows.append(
-            {
-                "batch_size": size,
-                "best": best.number,
-                "latency_ms": best.result.latency_by_batch_ms[key],
-                "fp32_latency_ms": base,
-                "speedup_vs_fp32": None
-                if not base
-                else base / best.result.latency_by_batch_ms[key],
-            }
-        )
-    return rows
-
-
-def _telemetry_brief(result: Result) -> dict[str, Any]:
-    """The worst layers and the warnings, for summary.json (the full table is in MLflow);
-    none for a serving trial, which trains nothing."""
-    if not isinstance(result, TrialResult):
-        return {}
-    telemetry = result.telemetry or {}
-    return {
-        "grad_underflow_ratio": telemetry.get("grad_underflow_ratio"),
-        "observed_steps": telemetry.get("observed_steps", 0),
-        "worst_layers": telemetry.get("layers", [])[:3],
-        "warnings": telemetry.get("warnings", []),
-        "loss_scale_final": result.loss_scales[-1] if result.loss_scales else None,
-        "loss_scale_min": min(result.loss_scales) if result.loss_scales else None,
-    }
 
 
 def numeric(metrics: dict[str, Any]) -> dict[str, float]:

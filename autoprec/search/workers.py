@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +163,7 @@ def run_worker(spec: WorkerSpec) -> int:
     try:
         session.join()
         if len(finished(session.study)) < config.trials:
-            session.warm.ensure()
+            session.warm_up()
         return run_trials(session.study, session.context(), config.trials, session.callbacks)
     finally:  # what could not be written now is written by the next run of the study
         session.tracker.close()
@@ -177,7 +177,7 @@ def run_workers(session: Session, workers: int) -> None:
     cores = os.cpu_count() or 1
     threads = max(1, cores // workers)  # on the CPU, the workers share its cores
     settings = {
-        **{f.name: getattr(config, f.name) for f in fields(config)},
+        **config.to_dict(),
         "storage": absolute_sqlite_uri(config.storage),
         "tracking_uri": absolute_sqlite_uri(config.tracking_uri),
         "runs_dir": str(Path(config.runs_dir).resolve()),

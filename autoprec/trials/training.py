@@ -1,6 +1,7 @@
-"""One trial: train a task under a policy for a fixed budget and measure it.
+"""Training trials (the default mode): train a task under a policy for a fixed budget and
+measure it; `TrainingTrials` is the mode as the search sees it.
 
-Pure: no Optuna, no MLflow, no global state left behind. Every trial of a search
+A trial is pure: no Optuna, no MLflow, no global state left behind. Every trial of a search
 starts from the task's same initial weights (torch seed), sees the same batches in the
 same order, and is evaluated on the same validation data, so results differ only by
 policy. A trial never raises for a numerical or runtime problem: a non-finite loss
@@ -10,26 +11,48 @@ ends it as ``pruned`` and an exception as ``failed``, with the reason kept.
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import math
 import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from autoprec.devices import Backend
+from autoprec.devices import DTYPES, Backend
 from autoprec.errors import AutoprecError, TaskError, first_line
-from autoprec.measured import Measured
-from autoprec.observe import observed_dtypes
+from autoprec.observe import observed_dtypes, watch_task
 from autoprec.policy import Policy, share_of_parameters
 from autoprec.precision import Precision
+from autoprec.selection import PREFERENCES
 from autoprec.structures import cast_floats
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch
 from autoprec.telemetry import GradientMonitor, first_nonfinite_layer
+from autoprec.trials.base import (
+    SIDE_BY_SIDE_BLOCK,
+    Choice,
+    Feasibility,
+    Measured,
+    Publisher,
+    Result,
+    TrialState,
+    run_with_time_limit,
+    time_side_by_side,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from pathlib import Path
+
+    from torch import nn
+
+    from autoprec.profile import Profile
+    from autoprec.space import SearchSpace
 
 # With loss scaling, a few non-finite losses in a row are survivable: the scaler skips
 # those steps. More than this many in a row means the policy does not train.
@@ -39,8 +62,7 @@ TELEMETRY_EVERY = 10
 # A layer whose share of zero gradients exceeds the fp32 run's by this much is losing
 # its gradients to fp16's range.
 UNDERFLOW_EVIDENCE = 0.50
-# Timed steps per policy and round when candidates are re-timed side by side.
-SIDE_BY_SIDE_BLOCK = 20
+LAYERS_ARTIFACT = "telemetry_layers.csv"  # a trial's per-layer telemetry, in MLflow
 
 
 @dataclass(frozen=True)
@@ -68,7 +90,7 @@ class Budget:
 class TrialResult(Measured):
     """What a trial measured. Metric names are the ones used everywhere (DESIGN.md)."""
 
-    state: str  # "complete", "pruned" or "failed"
+    state: TrialState
     reason: str | None = None
     accuracy: float | None = None
     final_loss: float | None = None
@@ -101,6 +123,43 @@ class TrialResult(Measured):
 
     TIME_METRIC = "step_time_ms"  # the median training step
     TIME_LABEL = "step"
+    MODE = "training"
+
+    def curves(self) -> dict[str, list[float]]:
+        return {"train_loss": self.losses, "loss_scale": self.loss_scales}
+
+    def artifacts(self) -> dict[str, str]:
+        layers = (self.telemetry or {}).get("layers")
+        return {LAYERS_ARTIFACT: layers_csv(layers)} if layers else {}
+
+    def entry_fields(self) -> dict[str, Any]:
+        return {"switches": self.switches}
+
+    def telemetry_brief(self) -> dict[str, Any]:
+        """The worst layers and the warnings (the full table is in MLflow)."""
+        telemetry = self.telemetry or {}
+        scales = self.loss_scales
+        return {
+            "grad_underflow_ratio": telemetry.get("grad_underflow_ratio"),
+            "observed_steps": telemetry.get("observed_steps", 0),
+            "worst_layers": telemetry.get("layers", [])[:3],
+            "warnings": telemetry.get("warnings", []),
+            "loss_scale_final": scales[-1] if scales else None,
+            "loss_scale_min": min(scales) if scales else None,
+        }
+
+    def advice(self) -> list[str]:
+        """What fp16 would do to this (fp32) run's own gradients and activations."""
+        return list((self.telemetry or {}).get("warnings", []))
+
+
+def layers_csv(layers: list[dict[str, Any]]) -> str:
+    """The per-layer telemetry as CSV, one row per layer."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(layers[0]))
+    writer.writeheader()
+    writer.writerows(layers)
+    return buffer.getvalue()
 
 
 @dataclass(frozen=True)
@@ -173,9 +232,11 @@ def run_trial(
     except AutoprecError:
         raise
     except torch.OutOfMemoryError as error:
-        result = TrialResult("failed", f"out of memory: {first_line(error)}")
+        result = TrialResult(TrialState.FAILED, f"out of memory: {first_line(error)}")
     except Exception as error:
-        result = TrialResult("failed", f"{type(error).__name__}: {first_line(error, 500)}"[:500])
+        result = TrialResult(
+            TrialState.FAILED, f"{type(error).__name__}: {first_line(error, 500)}"[:500]
+        )
     finally:
         backend.empty_cache()
     result.run_time_s = time.perf_counter() - started
@@ -198,7 +259,7 @@ def train_fp32(task: Task, backend: Backend, budget: Budget) -> tuple[torch.nn.M
         finally:
             run.prec.remove()
     result.run_time_s = time.perf_counter() - started
-    if result.state != "complete":
+    if result.state != TrialState.COMPLETE:
         raise TaskError(
             f"task {task.name!r}: the fp32 model did not train ({result.reason}); "
             "fix the task, or give a checkpoint"
@@ -231,7 +292,7 @@ def _train_and_evaluate_here(
         for step in range(budget.steps):
             reason = run.step(step, _draw(task, batches, step, budget.steps, backend))
             if reason is not None:
-                run.result.state, run.result.reason = "pruned", reason
+                run.result.state, run.result.reason = TrialState.PRUNED, reason
                 break
         return run.finish()
     finally:
@@ -259,7 +320,7 @@ class _Run:
         self.prec = policy.apply(self.model, backend)
         self.meter = backend.memory_meter()
         self.result = TrialResult(
-            "complete",
+            TrialState.COMPLETE,
             peak_memory_is_estimate=self.meter.is_estimate,
             low_precision_share=share,
             switches=dict(self.prec.switches),
@@ -342,13 +403,13 @@ class _Run:
     def finish(self) -> TrialResult:
         """The measurements, and the accuracy of a trial that completed."""
         result, prec = self.result, self.prec
-        if result.state == "complete" and result.overflow_steps == result.steps_run:
-            result.state = "pruned"
+        if result.state == TrialState.COMPLETE and result.overflow_steps == result.steps_run:
+            result.state = TrialState.PRUNED
             result.reason = (
                 f"overflow: the loss scaler skipped all {result.steps_run} steps "
                 f"(scale now {prec.loss_scale:g})"
             )
-        if result.state == "complete" and self.early_stopping is not None:
+        if result.state == TrialState.COMPLETE and self.early_stopping is not None:
             # A trial that ran to the end can still have lost gradients: say so.
             evidence = _underflow_evidence(prec, self.monitor, self.early_stopping)
             if evidence:
@@ -361,10 +422,10 @@ class _Run:
         finite = [v for v in result.losses if math.isfinite(v)]
         if finite:
             result.final_loss = statistics.fmean(finite[-FINAL_LOSS_WINDOW:])
-        if result.state == "complete":
+        if result.state == TrialState.COMPLETE:
             result.accuracy = _evaluate(self.task, self.model, prec, self.backend)
             if not math.isfinite(result.accuracy):
-                result.state = "failed"
+                result.state = TrialState.FAILED
                 result.reason = f"the task's metric returned {result.accuracy}"
                 result.accuracy = None
         return result
@@ -481,51 +542,58 @@ def _train_step(
     return loss_value, stepped
 
 
-def time_side_by_side(
+def time_policies_side_by_side(
     task: Task, policies: list[Policy], backend: Backend, budget: Budget, rounds: int = 5
 ) -> list[float]:
-    """Median step time (ms) of each policy, measured in alternating blocks.
-
-    Separate trials run minutes apart on a shared machine and drift by 10-20%; timing
-    the candidates in turn, round after round, exposes them to the same conditions.
-    Each policy trains its own copy of the model from the same initial weights.
-    """
+    """Median step time (ms) of each policy, measured in alternating blocks (see
+    `time_side_by_side`). Each policy trains its own copy of the model from the same
+    initial weights, on the same batches."""
     with backend.selected():
-        return _time_side_by_side_here(task, policies, backend, budget, rounds)
-
-
-def _time_side_by_side_here(
-    task: Task, policies: list[Policy], backend: Backend, budget: Budget, rounds: int
-) -> list[float]:
-    runs = []
-    for policy in policies:
-        torch.manual_seed(budget.seed)
-        model = task.model().to(backend.device).train()
-        optimizer = task.make_optimizer(model.parameters())
-        runs.append((policy, model, optimizer, policy.apply(model, backend)))
+        candidates = [_Timed(task, policy, backend, budget) for policy in policies]
     block = max(1, min(SIDE_BY_SIDE_BLOCK, (budget.steps - budget.untimed_steps) // rounds))
     data = iter(task.train_data(budget.seed))
     steps = budget.untimed_steps + block
-    batches = [_draw(task, data, step, steps, backend) for step in range(steps)]
-    times_s: list[list[float]] = [[] for _ in runs]
+    with backend.selected():
+        batches = [_draw(task, data, step, steps, backend) for step in range(steps)]
+    for candidate in candidates:
+        candidate.batches = batches
     try:
-        for round_index in range(rounds + 1):  # round 0 warms up, untimed
-            for times, (policy, model, optimizer, prec) in zip(times_s, runs, strict=True):
-                previous = backend.set_switches(policy.tf32, policy.hf32)
-                for i, step_batches in enumerate(batches):
-                    if round_index == 0 and i >= budget.untimed_steps:
-                        break
-                    if round_index > 0 and i < budget.untimed_steps:
-                        continue
-                    started_s = backend.now_s()
-                    _train_step(task, model, optimizer, prec, step_batches)
-                    if round_index > 0:
-                        times.append(backend.now_s() - started_s)
-                backend.restore_switches(previous)
+        return time_side_by_side(candidates, backend, rounds, block, budget.untimed_steps)
     finally:
-        for _, _, _, prec in reversed(runs):
-            prec.remove()
-    return [statistics.median(times) * 1000.0 for times in times_s]
+        for candidate in reversed(candidates):
+            candidate.prec.remove()
+
+
+class _Timed:
+    """One policy's model, optimizer and precision, trained step by step for timing."""
+
+    def __init__(self, task: Task, policy: Policy, backend: Backend, budget: Budget) -> None:
+        torch.manual_seed(budget.seed)
+        self.task, self.policy, self.backend = task, policy, backend
+        self.model = task.model().to(backend.device).train()
+        self.optimizer = task.make_optimizer(self.model.parameters())
+        self.prec = policy.apply(self.model, backend)
+        self.untimed = budget.untimed_steps
+        self.batches: list[list[Batch]] = []
+
+    def warm_up(self, calls: int) -> None:
+        self._steps(self.batches[:calls])
+
+    def timed(self, calls: int) -> list[float]:
+        return self._steps(self.batches[self.untimed : self.untimed + calls])
+
+    def _steps(self, batches: list[list[Batch]]) -> list[float]:
+        backend = self.backend
+        previous = backend.set_switches(self.policy.tf32, self.policy.hf32)
+        times_s = []
+        try:
+            for step_batches in batches:
+                started_s = backend.now_s()
+                _train_step(self.task, self.model, self.optimizer, self.prec, step_batches)
+                times_s.append(backend.now_s() - started_s)
+        finally:
+            backend.restore_switches(previous)
+        return times_s
 
 
 def _evaluate(task: Task, model: torch.nn.Module, prec: Any, backend: Backend) -> float:
@@ -543,3 +611,135 @@ def _evaluate(task: Task, model: torch.nn.Module, prec: Any, backend: Backend) -
     if count == 0:
         raise TaskError(f"task {task.name!r}: val_data yielded no batches")
     return total / count
+
+
+class TrainingTrials:
+    """The training mode: each trial trains the task under a policy (`run_trial`) and is
+    scored on accuracy, step time and peak memory against fp32 trained the same way."""
+
+    mode: ClassVar[str] = "training"
+    objectives: ClassVar[tuple[str, str, str]] = ("accuracy", "peak_memory_mb", "step_time_ms")
+    result_type: ClassVar[type[Result]] = TrialResult
+    baseline_verb: ClassVar[str] = "train"
+    preferences: ClassVar[tuple[str, ...]] = PREFERENCES
+    # (task, device, dtype) warmed up in this process: once is enough.
+    _warm: ClassVar[set[tuple[str, str, str]]] = set()
+
+    def __init__(
+        self,
+        *,
+        task: Task,
+        model: nn.Module,
+        backend: Backend,
+        budget: Budget,
+        accuracy_tolerance: float | None = None,
+        prefer: str | None = None,
+        study: str | None = None,
+        stopping: EarlyStopping | None = None,
+    ) -> None:
+        self.task, self.model, self.backend, self.budget = task, model, backend, budget
+        self.asked = (accuracy_tolerance, prefer, study)
+        self.stopping = stopping
+
+    @classmethod
+    def of(
+        cls, config: Any, task: Task, model: nn.Module, backend: Backend, budget: Budget
+    ) -> TrainingTrials:
+        """The mode made from a search's settings (`autoprec.search.SearchConfig`)."""
+        return cls(
+            task=task,
+            model=model,
+            backend=backend,
+            budget=budget,
+            accuracy_tolerance=config.accuracy_tolerance,
+            prefer=config.prefer,
+            study=config.study,
+        )
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {}
+
+    def fit(self, space: SearchSpace, profile: Profile | None) -> SearchSpace:
+        """Training runs under autocast: how it treats these layers is watched first."""
+        watch_task(self.task, self.model, self.backend)
+        supported = {d for d in DTYPES if self.backend.supports(d)}
+        return space.fit(self.model, profile, self.backend, inference=False).restrict(supported)
+
+    def choice(self, space: SearchSpace) -> Choice:
+        """The space's tolerance unless one was given; speed first; the task's name."""
+        tolerance, prefer, study = self.asked
+        return Choice(
+            Feasibility(space.accuracy_tolerance if tolerance is None else tolerance),
+            prefer or "speed",
+            study or self.task.name,
+        )
+
+    def load(self, out_dir: Path, may_train: bool, on_training: Callable[[Path], None]) -> None:
+        """Nothing to ready: every trial trains from the task's initial weights."""
+
+    def profile(self, seed: int) -> Profile:
+        from autoprec.profile import profile_task
+
+        return profile_task(self.task, self.backend, seed=seed, steps=3)
+
+    def warm_up(self, space: SearchSpace, limit_s: float) -> None:
+        """A short untimed run of every dtype the space uses, once per process (per task,
+        device and dtype), so that no trial pays the process's one-time costs (lazy
+        imports, thread pools, allocator growth, first kernels) in its timings; its
+        results are discarded. It is cut off at ``limit_s``."""
+        budget = self.budget
+        short = Budget(steps=min(budget.steps, 2 * budget.untimed_steps + 2), seed=budget.seed)
+        for dtype in sorted({d for g in space.groups for d in g.dtypes}):
+            key = (self.task.name, self.backend.name, dtype)
+            if key not in TrainingTrials._warm:
+                policy = Policy.uniform(dtype)
+                run_with_time_limit(
+                    lambda: run_trial(self.task, policy, self.backend, short),  # noqa: B023
+                    limit_s,
+                    self.failed,
+                )
+                TrainingTrials._warm.add(key)
+
+    def judged_against(self, baseline: Result, early_stopping: bool) -> TrainingTrials:
+        """These trials, stopped early when they trail the baseline (``early_stopping``)."""
+        if not early_stopping or not isinstance(baseline, TrialResult):
+            return self
+        tolerance, prefer, study = self.asked
+        return TrainingTrials(
+            task=self.task,
+            model=self.model,
+            backend=self.backend,
+            budget=self.budget,
+            accuracy_tolerance=tolerance,
+            prefer=prefer,
+            study=study,
+            stopping=EarlyStopping.from_baseline(baseline),
+        )
+
+    def measure(self, policy: Policy) -> TrialResult:
+        return run_trial(self.task, policy, self.backend, self.budget, self.stopping)
+
+    def failed(self, reason: str) -> TrialResult:
+        return TrialResult(TrialState.FAILED, reason)
+
+    def retime(self, policies: list[Policy]) -> list[float]:
+        return time_policies_side_by_side(self.task, policies, self.backend, self.budget)
+
+    def layer_table(self, policy: Policy, model: nn.Module) -> list[dict[str, Any]]:
+        """What each layer computes in, as a forward under autocast shows it."""
+        example = self.task.first_val_batch()
+        return policy.layer_table(model, self.backend, inference=False, example=example)
+
+    def summary_settings(self) -> dict[str, Any]:
+        return {"checkpoint": None}
+
+    def summary_block(
+        self, records: Sequence[Any], baseline: Any, feasibility: Feasibility
+    ) -> dict[str, Any]:
+        return {}
+
+    def leave_behind(
+        self, policy: Policy, out_dir: Path, task_spec: str | None, publish: Publisher
+    ) -> dict[str, Any]:
+        return {}

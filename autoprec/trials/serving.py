@@ -1,0 +1,608 @@
+"""Serving trials (``--mode inference``): convert a trained fp32 model's weights under a
+policy and serve it; `ServingTrials` is the mode as the search sees it.
+
+A trial is pure, as the training trial is: no Optuna, no MLflow. The fp32 model is
+converted into a copy (it is never trained, never changed); a policy the model cannot be
+converted to, or that breaks it, comes back ``failed`` with the reason.
+
+The mode owns the fp32 model the trials convert: the user's checkpoint (``--checkpoint``
+or ``Task.checkpoint``), else ``runs/<study>/fp32.pt``, else the task's model trained once
+for ``--steps`` and kept there. That file is the user's safety net: it is never
+overwritten. A finished search leaves the chosen model behind as an MLflow model.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from autoprec.devices import DTYPES, Backend
+from autoprec.digest import file_sha256
+from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
+from autoprec.inference.convert import (
+    INT8_METHODS,
+    convert,
+    default_int8_method,
+    int8_unavailable_reason,
+)
+from autoprec.inference.load import convert_policy, low_precision_share
+from autoprec.inference.measure import (
+    TIMED_CALLS,
+    WARMUP_CALLS,
+    InferenceResult,
+    Reference,
+    check_batch_sizes,
+    latencies_s,
+    latency_ms,
+    measure_inference,
+    timing_batch,
+)
+from autoprec.inference.scenarios import AS_SELECTION, PREFERENCES, Scenario, scenario
+from autoprec.policy import Policy
+from autoprec.selection import TIME_TIE
+from autoprec.tasks import Task
+from autoprec.tasks.base import Batch, refuse_nan_outputs
+from autoprec.trials.base import (
+    SIDE_BY_SIDE_BLOCK,
+    Choice,
+    Feasibility,
+    Publisher,
+    Result,
+    TrialState,
+    time_side_by_side,
+)
+from autoprec.trials.training import Budget, train_fp32
+
+if TYPE_CHECKING:
+    from autoprec.profile import Profile
+    from autoprec.space import SearchSpace
+
+FP32_CHECKPOINT = "fp32.pt"
+MLFLOW_MODEL_DIR = "mlflow_model"  # runs/<study>/, and the parent run's artifact "model"
+MAX_BATCH_SIZE = 65536  # a served batch; the validation samples are repeated to fill it
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingConfig:
+    """A serving search's settings, as given (``SearchConfig.serving``): the ``scenario``
+    (server, edge, critical, batch: the batch size, preference and tolerance it presets;
+    default server), ``batch_size`` and ``batch_sizes`` (``"1,8,64"``: measured too)
+    overriding it, the fp32 weights from ``checkpoint`` (else the task's, else trained
+    once for the search's ``steps`` and kept as runs/<study>/fp32.pt), and ``int8``
+    (``auto``: where the device has kernels; ``off``; or a method of
+    `autoprec.inference.INT8_METHODS`). Checked when made."""
+
+    scenario: str | None = None
+    batch_size: int | None = None
+    batch_sizes: str | Sequence[int] | None = None
+    checkpoint: str | Path | None = None
+    int8: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.scenario is not None:
+            scenario(self.scenario)
+        if self.batch_size is not None:
+            if (
+                isinstance(self.batch_size, bool)
+                or not isinstance(self.batch_size, int)
+                or self.batch_size < 1
+            ):
+                raise AutoprecError(
+                    f"--batch-size: expected a positive integer, got {self.batch_size!r}"
+                )
+            if self.batch_size > MAX_BATCH_SIZE:
+                raise AutoprecError(f"--batch-size {self.batch_size}: at most {MAX_BATCH_SIZE}")
+        if self.batch_sizes is not None:
+            parse_batch_sizes(self.batch_sizes)
+        if self.int8 not in ("auto", "off", *INT8_METHODS):
+            raise AutoprecError(
+                f"--int8: expected auto, off or one of {', '.join(INT8_METHODS)}, got {self.int8!r}"
+            )
+
+    def given(self) -> list[str]:
+        """The options set away from their defaults, as the command line names them."""
+        return [
+            option
+            for option, value in (
+                ("--scenario", self.scenario),
+                ("--batch-size", self.batch_size),
+                ("--batch-sizes", self.batch_sizes),
+                ("--checkpoint", self.checkpoint),
+                ("--int8", None if self.int8 == "auto" else self.int8),
+            )
+            if value is not None
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (for a worker's settings, and the settings shown)."""
+        return {
+            "scenario": self.scenario,
+            "batch_size": self.batch_size,
+            "batch_sizes": None
+            if self.batch_sizes is None
+            else parse_batch_sizes(self.batch_sizes),
+            "checkpoint": None if self.checkpoint is None else str(self.checkpoint),
+            "int8": self.int8,
+        }
+
+
+def parse_batch_sizes(value: str | Sequence[int]) -> list[int]:
+    """``"1,8,64"`` (or a list) as batch sizes, each a positive integer, no repeats."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        sizes = [int(str(item).strip()) for item in items]
+    except ValueError:
+        sizes = []
+    if not sizes or any(size < 1 for size in sizes) or len(set(sizes)) != len(sizes):
+        raise AutoprecError(
+            f"--batch-sizes {value!r}: expected distinct positive integers, e.g. 1,8,64"
+        )
+    if max(sizes) > MAX_BATCH_SIZE:
+        raise AutoprecError(f"--batch-sizes {value!r}: at most {MAX_BATCH_SIZE} per batch")
+    return sizes
+
+
+@dataclass(frozen=True)
+class Serving:
+    """A serving search's settings, settled for the task and the device: the scenario,
+    the batch sizes measured (the first is the scenario's), the int8 method (None: no
+    int8) and the user's fp32 checkpoint."""
+
+    scenario: Scenario
+    batch_sizes: tuple[int, ...]
+    int8: str | None
+    checkpoint: Path | None
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What the study is identified by, besides the training settings."""
+        digest = None if self.checkpoint is None else _digest(self.checkpoint)
+        return {
+            "mode": "inference",
+            "scenario": self.scenario.name,
+            "batch_sizes": list(self.batch_sizes),
+            "int8": self.int8,
+            "checkpoint_sha256": digest,
+        }
+
+
+def serving_of(config: ServingConfig, task: Task, model: nn.Module, backend: Backend) -> Serving:
+    """The serving settings, checked: the int8 method runs on the device, and the
+    checkpoint (if any) fits the model."""
+    preset = scenario(config.scenario or "server")
+    main = config.batch_size or preset.batch_size
+    extra = parse_batch_sizes(config.batch_sizes) if config.batch_sizes is not None else []
+    sizes = (main, *(s for s in extra if s != main))
+    if config.int8 == "off":
+        int8 = None
+    elif config.int8 == "auto":
+        int8 = default_int8_method(backend.kind)
+        if int8 is not None and int8_unavailable_reason(backend.kind, int8) is not None:
+            int8 = None
+    else:
+        reason = int8_unavailable_reason(backend.kind, config.int8)
+        if reason is not None:
+            raise DeviceError(f"--int8 {config.int8}: {reason} (device {backend.name})")
+        int8 = config.int8
+    given = config.checkpoint or getattr(task, "checkpoint", None)
+    checkpoint = None if given is None else Path(given)
+    if checkpoint is not None:
+        load_checkpoint(model, checkpoint, task)  # checked now, loaded again when used
+        batch = task.first_val_batch()
+        with torch.no_grad():
+            refuse_nan_outputs(task, batch.run(model), f"with the weights of {checkpoint}")
+    check_batch_sizes(task, sizes)
+    return Serving(preset, sizes, int8, checkpoint)
+
+
+def load_checkpoint(model: nn.Module, path: Path, task: Task) -> nn.Module:
+    """``model`` with the fp32 weights of ``path`` (a state dict, or a mapping holding one
+    under ``model`` or ``state_dict``); one line naming what does not fit."""
+    where = f"checkpoint {path}"
+    try:
+        with warnings.catch_warnings():  # torch warns about legacy, non-zip files
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise TaskError(f"{where}: no such file") from None
+    except pickle.UnpicklingError as error:
+        if _is_pickle(path):
+            raise TaskError(
+                f"{where}: holds Python objects other than tensors, which autoprec never "
+                "unpickles (torch.load(weights_only=True)); save a state dict of tensors"
+            ) from None
+        raise TaskError(f"{where}: not a torch checkpoint ({first_line(error)})") from None
+    except Exception as error:
+        raise TaskError(f"{where}: not a torch checkpoint ({first_line(error)})") from None
+    if isinstance(state, dict):
+        state = state.get("model", state.get("state_dict", state))
+    if not isinstance(state, dict):
+        raise TaskError(f"{where}: expected a state dict, got {type(state).__name__}")
+    for key, value in state.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise TaskError(
+                f"{where}: entry {key!r} is a {type(value).__name__}, not a tensor "
+                "(expected a state dict of tensors)"
+            )
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [
+        f"{k} {tuple(state[k].shape)} (the model's: {tuple(v.shape)})"
+        for k, v in expected.items()
+        if k in state and hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(v.shape)
+    ]
+    for problem, names in (
+        ("lacks", missing),
+        ("has weights the model lacks:", unexpected),
+        ("has other shapes:", wrong),
+    ):
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise TaskError(
+                f"{where}: does not fit task {task.name!r}'s model: it {problem} "
+                f"{', '.join(names[:3])}{more}"
+            )
+    model.load_state_dict(state)
+    return model
+
+
+def _is_pickle(path: Path) -> bool:
+    """Whether the file is a pickle: torch's zip format, or a bare pickle (protocol 2 or
+    later); weights_only refused what it holds, so it holds more than tensors."""
+    with path.open("rb") as data:
+        start = data.read(4)
+    return start == b"PK\x03\x04" or start[:1] == b"\x80"
+
+
+def _digest(path: Path) -> str:
+    return file_sha256(path)[:16]
+
+
+def fp32_model(
+    serving: Serving,
+    task: Task,
+    backend: Backend,
+    budget: Budget,
+    out_dir: Path,
+    may_train: bool,
+    training: Callable[[Path], None] = lambda path: None,
+) -> nn.Module:
+    """The trained fp32 model the trials convert: the user's checkpoint, else the study's
+    ``fp32.pt``, else (where ``may_train``: the process setting the study up) the task's
+    model trained once and kept there, never overwritten."""
+    torch.manual_seed(budget.seed)
+    model = task.model()
+    if serving.checkpoint is not None:
+        return load_checkpoint(model, serving.checkpoint, task)
+    kept = out_dir / FP32_CHECKPOINT
+    if kept.is_file():
+        return load_checkpoint(model, kept, task)
+    if not may_train:
+        raise TaskError(f"task {task.name!r}: no fp32 checkpoint at {kept} yet")
+    training(kept)
+    model, _ = train_fp32(task, backend, budget)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_suffix(".pt.partial")
+    torch.save(model.state_dict(), partial)
+    partial.rename(kept)  # whole or absent: a crash never leaves half a safety net
+    return model
+
+
+def run_inference_trial(
+    task: Task,
+    policy: Policy,
+    model: nn.Module,
+    backend: Backend,
+    reference: Reference,
+    batch_sizes: Sequence[int],
+    int8: str | None = None,
+    timed_calls: int = TIMED_CALLS,
+    warmup_calls: int = WARMUP_CALLS,
+) -> InferenceResult:
+    """Convert ``model`` (fp32, trained) under ``policy``, score it against ``reference``
+    and time it at each of ``batch_sizes`` (the first is the scenario's); never raises for
+    a problem of the policy."""
+    started = time.perf_counter()
+    previous = backend.set_switches(policy.tf32, policy.hf32)
+    try:
+        layer_dtypes = policy.resolve_inference(model)
+        converted = convert(model, layer_dtypes, backend, int8)
+        result = measure_inference(
+            task, converted, reference, backend, batch_sizes[0], timed_calls, warmup_calls
+        )
+        if result.state == TrialState.COMPLETE:
+            result.latency_by_batch_ms[str(batch_sizes[0])] = float(result.latency_p50_ms or 0)
+            for size in batch_sizes[1:]:
+                result.latency_by_batch_ms[str(size)] = latency_ms(
+                    converted, task, backend, size, timed_calls, warmup_calls
+                )
+        result.low_precision_share = low_precision_share(model, layer_dtypes)
+    except AutoprecError as error:  # a policy this model cannot be served in
+        result = InferenceResult(TrialState.FAILED, first_line(error, 500))
+    except Exception as error:
+        result = InferenceResult(
+            TrialState.FAILED, f"{type(error).__name__}: {first_line(error, 500)}"
+        )
+    finally:
+        backend.restore_switches(previous)
+    result.batch_size = batch_sizes[0]
+    result.run_time_s = time.perf_counter() - started
+    return result
+
+
+def time_models_side_by_side(
+    models: Sequence[nn.Module],
+    batch: Batch,
+    backend: Backend,
+    rounds: int = 5,
+    block: int = SIDE_BY_SIDE_BLOCK,
+) -> list[float]:
+    """Median latency (ms) of each model on ``batch``, measured in alternating blocks of
+    ``block`` forwards (see `time_side_by_side`)."""
+    return time_side_by_side([_Served(m, batch, backend) for m in models], backend, rounds, block)
+
+
+class _Served:
+    """One converted model, timed forward by forward on one batch."""
+
+    def __init__(self, model: nn.Module, batch: Batch, backend: Backend) -> None:
+        self.model, self.batch, self.backend = model, batch, backend
+
+    def warm_up(self, calls: int) -> None:
+        latencies_s(self.model, self.batch, self.backend, calls, 0)
+
+    def timed(self, calls: int) -> list[float]:
+        return latencies_s(self.model, self.batch, self.backend, calls, 0)
+
+
+class ServingTrials:
+    """The serving mode: each trial converts the trained fp32 model under a policy and
+    serves it (`run_inference_trial`), scored on agreement with fp32, latency at the
+    scenario's batch size and memory."""
+
+    mode: ClassVar[str] = "inference"
+    objectives: ClassVar[tuple[str, str, str]] = (
+        "accuracy",
+        "peak_memory_mb",
+        "latency_p50_ms",  # at the scenario's batch
+    )
+    result_type: ClassVar[type[Result]] = InferenceResult
+    baseline_verb: ClassVar[str] = "serve"
+    preferences: ClassVar[tuple[str, ...]] = PREFERENCES
+
+    def __init__(
+        self,
+        *,
+        task: Task,
+        model: nn.Module,
+        backend: Backend,
+        budget: Budget,
+        serving: Serving,
+        accuracy_tolerance: float | None = None,
+        prefer: str | None = None,
+        study: str | None = None,
+    ) -> None:
+        self.task, self.model, self.backend, self.budget = task, model, backend, budget
+        self.serving = serving
+        self.asked = (accuracy_tolerance, prefer, study)
+        self.fp32: nn.Module | None = None  # the trained model, once `load` readied it
+        self.reference: Reference | None = None
+        self.out_dir: Path | None = None
+
+    @classmethod
+    def of(
+        cls, config: Any, task: Task, model: nn.Module, backend: Backend, budget: Budget
+    ) -> ServingTrials:
+        """The mode made from a search's settings (``config.serving``, checked here
+        against the task and the device)."""
+        return cls(
+            task=task,
+            model=model,
+            backend=backend,
+            budget=budget,
+            serving=serving_of(config.serving or ServingConfig(), task, model, backend),
+            accuracy_tolerance=config.accuracy_tolerance,
+            prefer=config.prefer,
+            study=config.study,
+        )
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.serving.settings
+
+    def fit(self, space: SearchSpace, profile: Profile | None) -> SearchSpace:
+        """Weights are converted: every layer's may be, int8 too where it runs."""
+        supported = {d for d in DTYPES if self.backend.supports(d)}
+        if self.serving.int8 is not None:
+            supported.add("int8")
+        return space.fit(self.model, profile, self.backend, inference=True).restrict(supported)
+
+    def choice(self, space: SearchSpace) -> Choice:
+        """The settings first, then the scenario's presets; the study is named after the
+        task and the scenario."""
+        tolerance, prefer, study = self.asked
+        preset = self.serving.scenario
+        feasibility = Feasibility(
+            preset.accuracy_tolerance if tolerance is None else tolerance,
+            preset.min_top1_agreement,
+            preset.max_rel_deviation,
+        )
+        chosen = AS_SELECTION.get(prefer or preset.prefer, prefer or "speed")
+        return Choice(feasibility, chosen, study or f"{self.task.name}-{preset.name}")
+
+    def load(self, out_dir: Path, may_train: bool, on_training: Callable[[Path], None]) -> None:
+        """The trained fp32 model the trials convert, and its outputs to compare with."""
+        self.out_dir = out_dir
+        self.fp32 = fp32_model(
+            self.serving, self.task, self.backend, self.budget, out_dir, may_train, on_training
+        )
+        self.reference = Reference.of(self.task, self.fp32, self.backend)
+
+    def _loaded(self) -> tuple[nn.Module, Reference]:
+        if self.fp32 is None or self.reference is None:
+            raise AutoprecError("serving trials: the fp32 model was not loaded (call load)")
+        return self.fp32, self.reference
+
+    def profile(self, seed: int) -> Profile:
+        """The trained model's risks (trains nothing: it serves)."""
+        from autoprec.profile import profile_task
+
+        model, _ = self._loaded()
+        return profile_task(self.task, self.backend, seed=seed, model=model, steps=0)
+
+    def warm_up(self, space: SearchSpace, limit_s: float) -> None:
+        """Nothing here: each measurement warms up before it times (``WARMUP_CALLS``)."""
+
+    def judged_against(self, baseline: Result, early_stopping: bool) -> ServingTrials:
+        """A serving trial is short and trains nothing: none is stopped early."""
+        return self
+
+    def measure(self, policy: Policy) -> InferenceResult:
+        model, reference = self._loaded()
+        serving = self.serving
+        return run_inference_trial(
+            self.task, policy, model, self.backend, reference, serving.batch_sizes, serving.int8
+        )
+
+    def failed(self, reason: str) -> InferenceResult:
+        return InferenceResult(TrialState.FAILED, reason)
+
+    def retime(self, policies: list[Policy]) -> list[float]:
+        """Latency at the scenario's batch size, the policies' models timed in turn."""
+        model, _ = self._loaded()
+        int8 = self.serving.int8
+        models = [convert_policy(model, p, self.backend, int8) for p in policies]
+        batch = timing_batch(self.task, self.serving.batch_sizes[0], self.backend)
+        return time_models_side_by_side(models, batch, self.backend)
+
+    def layer_table(self, policy: Policy, model: nn.Module) -> list[dict[str, Any]]:
+        """The dtype each layer's weights are served in."""
+        return policy.layer_table(model, self.backend, inference=True, example=None)
+
+    def summary_settings(self) -> dict[str, Any]:
+        checkpoint = self.serving.checkpoint
+        return {"checkpoint": None if checkpoint is None else str(checkpoint.resolve())}
+
+    def summary_block(
+        self, records: Sequence[Any], baseline: Any, feasibility: Feasibility
+    ) -> dict[str, Any]:
+        """The scenario and what it asks, the fp32 weights the trials converted, and the
+        best choice at each batch size measured."""
+        serving = self.serving
+        out_dir = self.out_dir or Path(".")
+        checkpoint = serving.checkpoint or out_dir / FP32_CHECKPOINT
+        block = {
+            "scenario": serving.scenario.name,
+            "batch_sizes": list(serving.batch_sizes),
+            "int8": serving.int8,
+            "fp32_checkpoint": str(checkpoint),
+            "min_top1_agreement": feasibility.min_top1_agreement,
+            "max_rel_deviation": feasibility.max_rel_deviation,
+            "by_batch_size": by_batch_size(list(records), baseline, list(serving.batch_sizes)),
+        }
+        return {"inference": block}
+
+    def leave_behind(
+        self, policy: Policy, out_dir: Path, task_spec: str | None, publish: Publisher
+    ) -> dict[str, Any]:
+        """The chosen model saved as an MLflow model and logged on the parent run; where
+        it cannot be, one warning and the reason in the summary."""
+        from autoprec.inference.mlflow_model import PICKLE_NOTE
+
+        folder, said = save_served_model(self, policy, out_dir, task_spec)
+        if folder is None:
+            publish.warn(f"the chosen model was not logged as an MLflow model: {said}")
+            return {"inference": {"mlflow_model": {"logged": False, "reason": said}}}
+        if said == "pickle":
+            publish.warn(f"the chosen MLflow model is {PICKLE_NOTE}")
+        unpickles = said == "pickle"
+        tags = {"autoprec.model_format": said, "autoprec.model_unpickles": str(unpickles).lower()}
+        publish.log_model_folder(folder, tags=tags)
+        parent = publish.parent_id
+        logged = {
+            "logged": True,
+            "format": said,
+            "unpickles": unpickles,
+            "path": str(folder),
+            "uri": None if parent is None else f"runs:/{parent}/model",
+        }
+        return {"inference": {"mlflow_model": logged}}
+
+
+def by_batch_size(
+    records: list[Any], baseline: Any, batch_sizes: list[int]
+) -> list[dict[str, Any]]:
+    """For each batch size a serving study measured, the feasible policy with the lowest
+    latency there (within TIME_TIE a tie, to less memory): where the best choice flips.
+    ``records`` and ``baseline`` are the search's records of `InferenceResult` trials."""
+    rows = []
+    for size in batch_sizes:
+        key = str(size)
+        pool = [
+            r for r in [baseline, *records] if r.feasible and key in r.result.latency_by_batch_ms
+        ]
+        if not pool:
+            continue
+        fastest = min(r.result.latency_by_batch_ms[key] for r in pool)
+        tied = [r for r in pool if r.result.latency_by_batch_ms[key] <= fastest * (1 + TIME_TIE)]
+        best = min(tied, key=lambda r: (r.result.peak_memory_mb, r.result.latency_by_batch_ms[key]))
+        base = baseline.result.latency_by_batch_ms.get(key)
+        rows.append(
+            {
+                "batch_size": size,
+                "best": best.number,
+                "latency_ms": best.result.latency_by_batch_ms[key],
+                "fp32_latency_ms": base,
+                "speedup_vs_fp32": None
+                if not base
+                else base / best.result.latency_by_batch_ms[key],
+            }
+        )
+    return rows
+
+
+def save_served_model(
+    trials: ServingTrials, policy: Policy, out_dir: Path, task_spec: str | None = None
+) -> tuple[Path | None, str]:
+    """The chosen policy's model, converted for the CPU (where MLflow's pyfunc runs it),
+    saved as an MLflow model in ``out_dir/mlflow_model``: the folder and the format used,
+    or None and the reason it could not be saved. ``task_spec`` (the task's name or file)
+    lets a model that does not export be rebuilt at load rather than pickled."""
+    from autoprec.devices import get_backend
+    from autoprec.inference.mlflow_model import save_mlflow_model
+
+    cpu = get_backend("cpu")
+    int8 = trials.serving.int8
+    fp32, _ = trials._loaded()
+    if "int8" in policy.resolve_inference(fp32).values():
+        reason = int8_unavailable_reason("cpu", int8)
+        if reason is not None:
+            return None, f"{reason}, where the MLflow model runs"
+    path = out_dir / MLFLOW_MODEL_DIR
+    try:
+        converted = convert_policy(fp32, policy, cpu, int8)  # a copy, on the CPU
+        batch = trials.task.first_val_batch()
+        spec = None if task_spec is None else _absolute_task_file(task_spec)
+        return path, save_mlflow_model(converted, batch, policy, path, int8, fp32, spec)
+    except AutoprecError as error:
+        return None, first_line(error)
+    except Exception as error:  # the MLflow model is an extra: a failure is one warning
+        return None, f"{type(error).__name__}: {first_line(error)}"
+
+
+def _absolute_task_file(spec: str) -> str:
+    """A task spec that names the same task from any folder: ``file.py:attr`` with the
+    file's absolute path; a built-in name or ``package.module:attr`` as it is."""
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py"):
+        return f"{Path(target).resolve()}:{attr}"
+    return spec
