@@ -1,0 +1,130 @@
+"""A third mode of search is one new module: a `Trials` class (here a trivial one that
+scores a policy by how much of the model it sends below fp32, and trains nothing),
+registered by name in `autoprec.trials.MODES`. The search loop, the session, the records
+and the tracker run it unchanged, and the summary carries its own block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import mlflow
+
+import autoprec
+import autoprec.trials
+from autoprec.policy import Policy
+from autoprec.trials.base import Choice, Feasibility, Measured, TrialState
+
+
+@dataclass
+class CountedResult(Measured):
+    """What a counting trial found: its "time" falls with the share of low-precision layers."""
+
+    state: TrialState
+    reason: str | None = None
+    accuracy: float | None = None
+    peak_memory_mb: float | None = None
+    peak_memory_is_estimate: bool = True
+    counted_time_ms: float | None = None
+    low_share: float = 0.0
+    run_time_s: float = 0.0
+
+    METRICS = ("accuracy", "peak_memory_mb", "counted_time_ms", "low_share")
+    TIME_METRIC = "counted_time_ms"
+    TIME_LABEL = "count"
+    MODE = "counting"
+
+
+class CountingTrials:
+    """Trials that count: a policy's time and memory fall with its share of leaves below
+    fp32, its accuracy stays fp32's."""
+
+    mode: ClassVar[str] = "counting"
+    objectives: ClassVar[tuple[str, str, str]] = ("accuracy", "peak_memory_mb", "counted_time_ms")
+    result_type: ClassVar[type] = CountedResult
+    baseline_verb: ClassVar[str] = "count"
+    preferences: ClassVar[tuple[str, ...]] = ("speed", "memory", "balanced")
+
+    def __init__(self, task, model, backend) -> None:
+        self.task, self.model, self.backend = task, model, backend
+
+    @classmethod
+    def of(cls, config, task, model, backend, budget) -> CountingTrials:
+        return cls(task, model, backend)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"mode": self.mode}
+
+    def fit(self, space, profile):
+        return space.fit(self.model, profile, self.backend)
+
+    def choice(self, space) -> Choice:
+        return Choice(Feasibility(0.0), "speed", f"{self.task.name}-counted")
+
+    def load(self, out_dir: Path, may_train: bool, on_training) -> None:
+        pass
+
+    def profile(self, seed: int):
+        from autoprec.profile import profile_task
+
+        return profile_task(self.task, self.backend, seed=seed, steps=0, model=self.model)
+
+    def warm_up(self, space, limit_s: float) -> None:
+        pass
+
+    def judged_against(self, baseline, early_stopping: bool) -> CountingTrials:
+        return self
+
+    def measure(self, policy: Policy) -> CountedResult:
+        dtypes = list(policy.resolve(self.model, self.backend).values())
+        share = sum(d != "fp32" for d in dtypes) / len(dtypes)
+        return CountedResult(
+            TrialState.COMPLETE,
+            accuracy=0.5,
+            peak_memory_mb=100.0 * (1 - share / 2),
+            counted_time_ms=10.0 * (1 - share / 2),
+            low_share=share,
+        )
+
+    def failed(self, reason: str) -> CountedResult:
+        return CountedResult(TrialState.FAILED, reason)
+
+    def retime(self, policies: list[Policy]) -> list[float]:
+        return [self.measure(p).counted_time_ms for p in policies]
+
+    def layer_table(self, policy: Policy, model) -> list[dict[str, Any]]:
+        return []
+
+    def summary_settings(self) -> dict[str, Any]:
+        return {"checkpoint": None}
+
+    def summary_block(self, records, baseline, feasibility) -> dict[str, Any]:
+        return {"counting": {"counted": len(records)}}
+
+    def leave_behind(self, policy, out_dir: Path, task_spec, publish) -> dict[str, Any]:
+        path = out_dir / "counted.txt"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(policy.to_yaml())
+        return {"counting": {"left": str(path)}}
+
+
+def test_a_third_mode_is_one_module(in_tmp, tiny_task, monkeypatch):
+    monkeypatch.setitem(autoprec.trials.MODES, "counting", (f"{__name__}:CountingTrials", None))
+    result = autoprec.search(
+        tiny_task, mode="counting", trials=3, device="cpu", sampler="random", confirm_top=2
+    )
+    summary = result.summary
+    assert summary["mode"] == "counting" and summary["study"] == "tiny-counted"
+    assert summary["counting"]["counted"] == len(summary["trials"]) == 3
+    assert Path(summary["counting"]["left"]).read_text() == result.best_policy.to_yaml()
+    measured = [summary["baseline"], *summary["trials"]]
+    assert all(e["state"] == "complete" and "counted_time_ms" in e["metrics"] for e in measured)
+    best = summary["best"]
+    fastest = min(e["metrics"]["counted_time_ms"] for e in measured)
+    assert best["metrics"]["counted_time_ms"] == fastest
+    assert summary["baseline"]["metrics"]["low_share"] == 0.0
+    client = mlflow.MlflowClient(f"sqlite:///{in_tmp / 'runs' / 'mlflow.db'}")
+    run = client.get_run(best["mlflow_run_id"])
+    assert run.data.metrics["counted_time_ms"] == fastest
