@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -77,7 +77,7 @@ class InferenceResult(Measured):
     # Median latency at every batch size measured ("1", "8", "64"), the main one among them.
     latency_by_batch_ms: dict[str, float] = field(default_factory=dict)
 
-    METRICS = (
+    METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
         "accuracy_drop",
         "top1_agreement",

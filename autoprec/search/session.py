@@ -169,6 +169,7 @@ def prepare(
     budget = Budget(steps=config.steps, seed=config.seed)
     if check_data:
         check_task_data(task, model, budget.steps, budget.seed)
+    assert config.mode is not None  # settled when the config was made
     trials = trials_of(config.mode, config, task, model, backend, budget)
     fitted = trials.fit(space, None)  # to a profile later
     choice = trials.choice(fitted)

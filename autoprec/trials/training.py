@@ -108,7 +108,7 @@ class TrialResult(Measured):
     switches: dict[str, bool] = field(default_factory=dict)
     telemetry: dict[str, Any] = field(default_factory=dict)
 
-    METRICS = (
+    METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
         "final_loss",
         "step_time_ms",
@@ -497,7 +497,7 @@ def _draw(
     task: Task, batches: Iterator[Any], step: int, steps: int, backend: Backend
 ) -> list[Batch]:
     """The ``task.accumulate`` batches of one optimizer step, on the device."""
-    drawn = []
+    drawn: list[Batch] = []
     for _ in range(task.accumulate):
         raw = next(batches, None)
         if raw is None:
