@@ -8,7 +8,7 @@ For each task, in a fresh folder: a serving search at batch 1 (scenario ``server
 ``--batch-size 1``: lowest latency) that trains the fp32 model once and keeps it as
 ``fp32.pt``, and one at batch 64 (scenario ``batch``: throughput) that converts the same
 fp32 weights. Then, at each search's batch size, the chosen policy's converted model is
-timed side by side (`autoprec.inference.time_side_by_side`: the models in turn, in
+timed side by side (`autoprec.trials.serving.time_models_side_by_side`: the models in turn, in
 alternating blocks) with every feasible uniform anchor of that search (fp32, the
 baseline, included) and with a second fp32 copy, whose ratio to fp32 shows the noise
 of the run. Printed: each search's practitioner table, then one line per task and batch
@@ -28,8 +28,9 @@ from _fresh import fresh_folder
 
 import autoprec
 from autoprec.devices import get_backend
-from autoprec.inference import time_side_by_side, timing_batch
-from autoprec.inference.trial import convert_policy
+from autoprec.inference import timing_batch
+from autoprec.inference.load import convert_policy
+from autoprec.trials.serving import time_models_side_by_side
 from autoprec.report import benchmark_text, gains_line, text_table
 from autoprec.selection import TIME_TIE
 from autoprec.tasks import Task, load_task
@@ -94,7 +95,7 @@ def side_by_side(task: Task, summary: dict[str, Any], rounds: int) -> dict[str, 
         for e in entries
     ]
     batch = timing_batch(task, summary["inference"]["batch_sizes"][0], backend)
-    times_ms = time_side_by_side(models, batch, backend, rounds=rounds)
+    times_ms = time_models_side_by_side(models, batch, backend, rounds=rounds)
     chosen_ms, anchor_ms, copy_ms = times_ms[0], times_ms[1:-1], times_ms[-1]
     fastest = min(range(len(anchors)), key=lambda i: anchor_ms[i])
     best = summary["best"]

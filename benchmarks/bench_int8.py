@@ -4,7 +4,7 @@ Run by hand: ``python benchmarks/bench_int8.py [--threads 1] [--rounds 8] [--nor
 A Linear-heavy model (1024 -> 4096 -> 1024, twice, with GELU: 16.8M parameters) is
 converted by ``autoprec.inference.convert`` to fp32, bf16, fp16 and int8 by each method
 (torch's dynamic quantization, torchao's dynamic-activation and weight-only configs), then
-timed at each batch size with ``time_side_by_side``: the variants alternate in short
+timed at each batch size with ``time_models_side_by_side``: the variants alternate in short
 blocks, so that drift of a shared machine hits them alike; each figure is the median of
 all timed forwards. Printed per variant: latency, its ratio to fp32, weight MB
 (``weight_bytes``) and the largest relative output deviation from fp32 over the batch.
@@ -26,7 +26,7 @@ from torch import nn
 
 from autoprec.devices import get_backend
 from autoprec.inference import INT8_METHODS, convert, int8_available, weight_bytes
-from autoprec.inference.measure import time_side_by_side
+from autoprec.trials.serving import time_models_side_by_side
 from autoprec.tasks.base import Batch
 
 WIDTH, HIDDEN = 1024, 4096
@@ -70,7 +70,9 @@ def int8_table(batch_sizes: list[int], rounds: int, block: int) -> None:
     for size in batch_sizes:
         x = torch.randn(size, WIDTH, generator=torch.Generator().manual_seed(size))
         batch = Batch.of((x, None))
-        columns[size] = time_side_by_side(list(models.values()), batch, backend, rounds, block)
+        columns[size] = time_models_side_by_side(
+            list(models.values()), batch, backend, rounds, block
+        )
         for name in names:
             deviation = max_deviation(models[name], models["fp32"], x)
             deviations[name] = max(deviations.get(name, 0.0), deviation)

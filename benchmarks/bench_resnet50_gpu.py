@@ -34,7 +34,7 @@ from _fresh import fresh_folder
 import autoprec
 from autoprec.devices import get_backend
 from autoprec.tasks import Task, load_task
-from autoprec.trial import Budget, time_side_by_side
+from autoprec.trials.training import Budget, time_policies_side_by_side
 
 CLASSES = 10
 POOL_BATCHES = 16
@@ -125,7 +125,7 @@ def main() -> None:
     else:
         rows.append((f"best (trial {best_trial})", summary["best"]))
     policies = [autoprec.Policy.from_dict(entry["policy"]) for _, entry in rows]
-    times_ms = time_side_by_side(task, policies, backend, Budget(steps=args.steps, seed=0))
+    times_ms = time_policies_side_by_side(task, policies, backend, Budget(steps=args.steps, seed=0))
 
     base = rows[0][1]["metrics"]
     print(

@@ -45,7 +45,7 @@ from autoprec.search.loop import MAX_DUPLICATES_IN_A_ROW
 from autoprec.search.studies import DIRECTIONS, make_sampler
 from autoprec.space import SearchSpace
 from autoprec.tasks import Task
-from autoprec.trial import Budget, EarlyStopping, TrialResult, run_trial
+from autoprec.trials.training import Budget, EarlyStopping, TrialResult, run_trial
 
 CPU = get_backend("cpu")
 

@@ -45,8 +45,9 @@ from torch import nn
 
 import autoprec
 from autoprec.devices import Backend, get_backend
-from autoprec.inference import time_side_by_side, timing_batch
-from autoprec.inference.trial import convert_policy
+from autoprec.inference import timing_batch
+from autoprec.inference.load import convert_policy
+from autoprec.trials.serving import time_models_side_by_side
 from autoprec.report import batch_size_text, benchmark_text, gains_line, render_report, text_table
 from autoprec.selection import TIME_TIE
 from autoprec.tasks import Task, load_task
@@ -113,7 +114,7 @@ def side_by_side(
             Switched(convert_policy(model, p, backend, int8), backend, p) for p in policies.values()
         ]
         batch = timing_batch(task, size, backend)
-        times_ms = time_side_by_side(models, batch, backend, rounds=rounds)
+        times_ms = time_models_side_by_side(models, batch, backend, rounds=rounds)
         found[size] = dict(zip(policies, times_ms, strict=True))
         del models
         backend.empty_cache()
