@@ -11,8 +11,8 @@ everything else stays reachable from its module (``autoprec.trial.run_trial``,
 ``autoprec.search`` is the function that runs a search, whatever was imported before:
 the package of the same name (``autoprec.search.config``, ...) is bound to
 ``autoprec.search`` by Python's import system when one of its modules is imported, and
-this package declines that binding (`_Package`). The function carries the package's
-public names as attributes (``autoprec.search.Callbacks``), as the README writes them.
+this package declines that binding (`_Package`). The function's attributes are the
+package's names (``autoprec.search.Callbacks``, ``autoprec.search.config``).
 """
 
 from __future__ import annotations
@@ -115,8 +115,10 @@ def __getattr__(name: str) -> _Any:
     module = _importlib.import_module(_WHERE[name])
     value = getattr(module, name)
     if name == "search":
-        for public in module.__all__:  # autoprec.search.Callbacks, as the README writes it
-            setattr(value, public, getattr(module, public))
+        # The function's attributes are the names of its package, its globals: what reads
+        # the package through this name still works (autoprec.search.Callbacks, as the
+        # README writes it; autoprec.search.config; import autoprec.search.config as c).
+        value.__dict__ = module.__dict__
     globals()[name] = value
     return value
 

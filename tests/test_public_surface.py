@@ -26,6 +26,7 @@ IMPORT_ORDERS = [
     "import autoprec.search",
     "from autoprec.search.config import SearchConfig",
     "from autoprec.search import config",
+    "import autoprec.search.config as c",
     "import autoprec.search.loop, autoprec.search.summary, autoprec.search.events",
     "from autoprec.search import search",
     "import autoprec.cli",
@@ -42,6 +43,7 @@ assert inspect.isfunction(found), repr(found)
 assert found is package.search is imported, (found, package.search, imported)
 print(",".join(inspect.signature(found).parameters))
 print(found.Callbacks is package.Callbacks, found.SearchConfig is autoprec.SearchConfig)
+print(found.workers is sys.modules["autoprec.search.workers"], found.search is found)
 """
 
 
@@ -50,9 +52,10 @@ def test_autoprec_search_is_the_function_after_any_import_order(first):
     code = f"{first}\n{textwrap.dedent(PROBE)}"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    parameters, attributes = done.stdout.strip().splitlines()
+    parameters, names, modules = done.stdout.strip().splitlines()
     assert parameters.split(",")[:4] == ["task", "space", "config", "callbacks"]
-    assert attributes == "True True"
+    assert names == "True True"  # the package's names, as the README uses them
+    assert modules == "True True"  # its modules too: autoprec.search.workers
 
 
 def test_dir_lists_the_public_names_only():
