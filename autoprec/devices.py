@@ -141,7 +141,7 @@ def npu_available() -> bool:
     npu = getattr(torch, "npu", None)
     try:
         return bool(npu is not None and npu.is_available())
-    except Exception:
+    except Exception:  # torch_npu's probe: never raises (NPU.md)
         return False
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,7 +249,7 @@ class GuidedStrategy(_Strategy):
 
     def _bisect(
         self, low: str, order: list[str], known: dict[str, _Outcome], busy: set[str | None]
-    ) -> Iterator[Proposal]:
+    ) -> Generator[Proposal, None, int | None]:
         """Probe prefixes of ``order`` kept high; returns the smallest feasible prefix
         length once the bracket closes, None while probes are missing or running."""
         n = len(order)

@@ -361,7 +361,7 @@ def _task_errors(task: Task) -> Iterator[None]:
         yield
     except AutoprecError:
         raise
-    except Exception as error:
+    except Exception as error:  # the task's own code: any error is its
         raise TaskError(
             f"task {task.name!r}: the fp32 pass failed ({type(error).__name__}: "
             f"{first_line(error)})"

@@ -174,7 +174,7 @@ def run_trial(
         raise
     except torch.OutOfMemoryError as error:
         result = TrialResult("failed", f"out of memory: {first_line(error)}")
-    except Exception as error:
+    except Exception as error:  # any failure of a trial is its result
         result = TrialResult("failed", f"{type(error).__name__}: {first_line(error, 500)}"[:500])
     finally:
         backend.empty_cache()

@@ -1,6 +1,6 @@
-"""What the export formats share: their error and warning types, the layers a policy runs in
-fp32, one low-precision dtype for formats that know only one, and the notes that say what a
-format approximates."""
+"""What the export formats share: their error and warning types (defined in
+`autoprec.errors`), the layers a policy runs in fp32, one low-precision dtype for formats
+that know only one, and the notes that say what a format approximates."""
 
 from __future__ import annotations
 
@@ -15,21 +15,11 @@ import torch
 from torch import nn
 
 from autoprec import Policy
-from autoprec.errors import AutoprecError
+from autoprec.errors import ExportError, ExportWarning
 from autoprec.files import write_atomic
 
 LOW_DTYPES = ("fp16", "bf16")
 COMMENT_WIDTH = 92
-
-
-class ExportError(AutoprecError):
-    """A policy cannot be exported in the format asked for (a missing model or example
-    input, an unknown format, a model the exporter cannot trace)."""
-
-
-class ExportWarning(UserWarning):
-    """A format cannot express the policy exactly; the message says what it approximates.
-    The same text stands in the header comment of the file written."""
 
 
 def require(value: object, what: str, fmt: str) -> None:

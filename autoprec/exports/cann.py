@@ -96,7 +96,7 @@ def export_onnx(
                 opset_version=opset_version,
                 training=torch.onnx.TrainingMode.PRESERVE,
             )
-    except Exception as error:
+    except Exception as error:  # the ONNX exporter's failures have no common type
         message = (str(error).splitlines() or [""])[0][:200]
         raise ExportError(
             f"format 'cann': the ONNX exporter failed on {type(model).__name__} "

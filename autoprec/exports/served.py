@@ -123,15 +123,15 @@ def exported_program(
     note = None
     try:
         program = _export(converted, args, kwargs, free_batch=True)
-    except Exception:
+    except Exception:  # torch.export's failures have no common type
         note = "the batch size is fixed to the example's: the model did not export with it free"
         try:
             program = _export(converted, args, kwargs, free_batch=False)
-        except Exception as error:
+        except Exception as error:  # torch.export's failures have no common type
             return None, f"torch.export failed ({type(error).__name__}: {first_line(error, 200)})"
     try:
         deviation = _deviation(program, converted, args, kwargs)
-    except Exception as error:
+    except Exception as error:  # the user's model, run as exported
         return None, (
             f"the exported program fails on the example ({type(error).__name__}: "
             f"{first_line(error, 200)})"

@@ -116,7 +116,7 @@ def convert(
     _check_tied(model, dtypes)
     try:
         converted = copy.deepcopy(model)
-    except Exception as error:
+    except Exception as error:  # deepcopy of a user's model: any type
         raise TaskError(f"the model cannot be copied for conversion: {first_line(error)}") from None
     converted.to(backend.device).eval()
     quantized = [name for name, dtype in dtypes.items() if dtype == "int8"]

@@ -178,7 +178,7 @@ def save_mlflow_model(
                 else:
                     _save_pytorch(path, wrapped, fmt, policy_file, common)
                 return fmt
-            except Exception as error:
+            except Exception as error:  # MLflow's save: try the next format
                 errors.append(f"{fmt}: {type(error).__name__}: {first_line(error, 160)}")
     finally:
         shutil.rmtree(folder, ignore_errors=True)

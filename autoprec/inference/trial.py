@@ -71,7 +71,7 @@ def run_inference_trial(
         result.low_precision_share = low_precision_share(model, layer_dtypes)
     except AutoprecError as error:  # a policy this model cannot be served in
         result = InferenceResult("failed", first_line(error, 500))
-    except Exception as error:
+    except Exception as error:  # any failure of a trial is its result
         result = InferenceResult("failed", f"{type(error).__name__}: {first_line(error, 500)}")
     finally:
         backend.restore_switches(previous)

@@ -19,13 +19,12 @@ The modules of this package, in the order a search uses them:
 
 from __future__ import annotations
 
-import sys
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autoprec.errors import SearchInterrupted
 from autoprec.policy import Policy
 from autoprec.search.config import SearchConfig
 from autoprec.search.events import Callbacks
@@ -49,15 +48,6 @@ class SearchResult:
     summary: dict[str, Any]
     best_policy_path: Path
     summary_path: Path
-
-
-class SearchInterrupted(KeyboardInterrupt):
-    """Ctrl-C during the trials: the running trial was recorded as interrupted (failed in
-    Optuna, not counted), and the summary and best policy so far were written."""
-
-    def __init__(self, result: SearchResult) -> None:
-        super().__init__(f"search interrupted; results so far in {result.summary_path}")
-        self.result = result
 
 
 def search(
@@ -266,15 +256,3 @@ def _run_ids(tracker: Tracker) -> dict[str, str]:
         return tracker.run_ids()
     except Exception:  # gone since the flush: the next run of the study catches up
         return {}
-
-
-class _CallablePackage(types.ModuleType):
-    """``autoprec.search`` names this package and the function ``search`` alike: once a
-    submodule such as ``autoprec.search.config`` is imported, Python binds the package
-    to that name, and calling it must still run a search."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> SearchResult:
-        return search(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage

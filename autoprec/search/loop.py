@@ -23,6 +23,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autoprec.devices import Backend
+from autoprec.errors import TrialTimeout
 from autoprec.guided import GuidedStrategy, Observation
 from autoprec.inference.measure import InferenceResult
 from autoprec.policy import Policy
@@ -60,10 +61,6 @@ class Trials(Protocol):
     def failed(self, reason: str) -> Result: ...
 
     def retime(self, policies: list[Policy]) -> list[float]: ...
-
-
-class TrialTimeout(Exception):
-    """Raised inside a trial that ran past its time limit (the trial then fails)."""
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ def load_checkpoint(model: nn.Module, path: Path, task: Task) -> nn.Module:
                 "unpickles (torch.load(weights_only=True)); save a state dict of tensors"
             ) from None
         raise TaskError(f"{where}: not a torch checkpoint ({first_line(error)})") from None
-    except Exception as error:
+    except Exception as error:  # torch.load on a user's file: many types
         raise TaskError(f"{where}: not a torch checkpoint ({first_line(error)})") from None
     if isinstance(state, dict):
         state = state.get("model", state.get("state_dict", state))

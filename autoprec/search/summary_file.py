@@ -14,15 +14,12 @@ from typing import Any
 
 from autoprec.devices import DTYPES, INFERENCE_DTYPES
 from autoprec.errors import AutoprecError
+from autoprec.errors import SummaryError as _Shape
 from autoprec.files import read_text
 
 MAX_SUMMARY_BYTES = 256 * 1024 * 1024  # a 10 000-trial study's summary is about 100 MB
 STATES = ("complete", "pruned", "failed", "running", "interrupted")
 _NUMBER = (int, float)
-
-
-class _Shape(AutoprecError):
-    """A field of summary.json is missing or of the wrong type (the message names it)."""
 
 
 def read_summary(path: Path, study: str, whole: bool = True) -> dict[str, Any]:
