@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,14 @@ def setting_text(name: str, value: Any) -> str:
     return str(value)
 
 
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+def _ms(summary: Summary, entry: Entry) -> float:
+    return _or_nan(summary.time_ms(entry))
+
+
 def render_comparison(summaries: list[Summary | dict[str, Any]], path: Path) -> Path:
     """One page comparing studies (e.g. one model on two devices): baseline and chosen
     policy of each, and their fronts in one plot. A serving study's time is its latency
@@ -181,10 +190,10 @@ def render_comparison(summaries: list[Summary | dict[str, Any]], path: Path) -> 
     time_name = kinds.pop() if len(kinds) == 1 else "step time or latency"
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
     for summary in typed:
-        front = sorted((e for e in summary.entries if e.pareto), key=lambda e: summary.time_ms(e))
+        front = sorted((e for e in summary.entries if e.pareto), key=lambda e: _ms(summary, e))
         for ax, timed in zip(axes, (True, False), strict=True):
-            xs = [summary.time_ms(e) if timed else e.peak_memory_mb for e in front]
-            ax.scatter(xs, [e.accuracy for e in front], label=summary.study)
+            xs = [_ms(summary, e) if timed else _or_nan(e.peak_memory_mb) for e in front]
+            ax.scatter(xs, [_or_nan(e.accuracy) for e in front], label=summary.study)
     axes[0].set_xlabel(f"{time_name} (ms)")
     axes[1].set_xlabel("peak memory (MB)")
     for ax in axes:

@@ -3,7 +3,6 @@ dtype of each layer group by policy, and a serving study's latency by batch size
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +49,22 @@ def front_figure(
 
     summary = as_summary(summary)
 
-    def x_of(entry: Entry) -> float | None:
+    def measured_x(entry: Entry) -> float | None:
         return summary.time_ms(entry) if x_metric in TIMED else entry.metrics.get(x_metric)
 
-    complete = [
-        e for e in summary.entries if e.complete and x_of(e) is not None and "accuracy" in e.metrics
-    ]
+    placed = {
+        e.key: (x, e.accuracy)
+        for e in summary.entries
+        if e.complete and (x := measured_x(e)) is not None and e.accuracy is not None
+    }
+    complete = [e for e in summary.entries if e.key in placed]
+
+    def x_of(entry: Entry) -> float:
+        return placed[entry.key][0]
+
+    def y_of(entry: Entry) -> float:
+        return placed[entry.key][1]
+
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     for feasible, marker, name in (
         (True, "o", "feasible"),
@@ -65,7 +74,7 @@ def front_figure(
         if points:
             ax.scatter(
                 [x_of(e) for e in points],
-                [e.accuracy for e in points],
+                [y_of(e) for e in points],
                 marker=marker,
                 c="#999999",
                 label=name,
@@ -74,16 +83,16 @@ def front_figure(
     # The front is over three objectives: in a 2-D view its points need not form a line.
     ax.scatter(
         [x_of(e) for e in front],
-        [e.accuracy for e in front],
+        [y_of(e) for e in front],
         c="#c44e52",
         label="Pareto front (3 objectives)",
     )
     best = next(e for e in complete if e.key == summary.best.key)
     ax.scatter(
-        [x_of(best)], [best.accuracy], s=180, facecolors="none", edgecolors="black", label="chosen"
+        [x_of(best)], [y_of(best)], s=180, facecolors="none", edgecolors="black", label="chosen"
     )
     ax.margins(x=0.08, y=0.12)
-    _label_points(summary, ax, complete, x_of, point_names)
+    _label_points(summary, ax, [(e, x_of(e), y_of(e)) for e in complete], point_names)
     unit = (
         f"{mode_text(summary).time_at(summary)} (ms)"
         if x_metric in TIMED
@@ -103,20 +112,17 @@ def front_figure(
 def _label_points(
     summary: Summary,
     ax: Any,
-    complete: list[Entry],
-    x_of: Callable[[Entry], float | None],
+    points: list[tuple[Entry, float, float]],
     point_names: dict[str, str] | None,
 ) -> None:
-    """Names of the baseline, the anchors and the chosen policy beside their points: a
-    label near the top or right edge goes below or left of its point, so that it stays
-    inside the axes (and off the title)."""
-    named = [e for e in complete if e.is_baseline or e.key == summary.best.key or e.anchor]
+    """Names of the baseline, the anchors and the chosen policy beside their points
+    (entry, x, y): a label near the top or right edge goes below or left of its point, so
+    that it stays inside the axes (and off the title)."""
+    named = [p for p in points if p[0].is_baseline or p[0].key == summary.best.key or p[0].anchor]
     if point_names is not None:  # short names, staggered
-        named.sort(key=x_of)
+        named.sort(key=lambda p: p[1])
     (x_low, x_high), (y_low, y_high) = ax.get_xlim(), ax.get_ylim()
-    for index, entry in enumerate(named):
-        x, y = x_of(entry), entry.accuracy
-        assert x is not None and y is not None
+    for index, (entry, x, y) in enumerate(named):
         right = (x - x_low) > 0.6 * (x_high - x_low)
         top = (y - y_low) > 0.75 * (y_high - y_low)
         dy = 4 if point_names is None else (4, -11, 15, -22)[index % 4]

@@ -14,6 +14,8 @@ The modules of this package, in the order a search uses them:
 - `studies`: what many workers share through Optuna's storage (heartbeats, claims,
   leases, the queue on sqlite);
 - `summary`: the candidates, the chosen best, summary.json and best_policy.yaml;
+- `summary_schema`: the typed `Summary` and its JSON round trip; `summary_file` reads
+  it back, checked;
 - `events`: `Callbacks`, what a search reports while it runs.
 """
 

@@ -1,5 +1,5 @@
-"""What a search hands back: the candidates, the chosen best, summary.json and
-best_policy.yaml.
+"""What a search hands back: the candidates, the chosen best, the typed `Summary` (the one
+place it is built: `summarize`, then `completed`), summary.json and best_policy.yaml.
 
 Pure functions over the study's records, so that the same choice is made from a live
 study, from summary.json, or in a test; `write_outputs` is the one that writes files.
@@ -255,9 +255,11 @@ def by_batch_size(
     for index, size in enumerate(batch_sizes):
         retimed = confirmed if index == 0 and confirmed else None
         latency = {
-            str(r.number): _latency_at(r, size, retimed) for r in [baseline, *records] if r.feasible
+            str(r.number): ms
+            for r in [baseline, *records]
+            if r.feasible and (ms := _latency_at(r, size, retimed)) is not None
         }
-        pool = [r for r in [baseline, *records] if latency.get(str(r.number)) is not None]
+        pool = [r for r in [baseline, *records] if str(r.number) in latency]
         if not pool:
             continue
         fastest = min(latency[str(r.number)] for r in pool)

@@ -19,7 +19,7 @@ SCHEMA_VERSION = 1  # 0: summaries written before the version was recorded
 Key = int | str  # a trial's number, or "baseline"
 BASELINE = "baseline"
 
-# The time each mode chooses by, and what its peak memory counts on the CPU.
+# The time each mode chooses by (the metric its trials are compared on).
 TIME_METRIC = {"training": "step_time_ms", "inference": "latency_p50_ms"}
 CONFIRMED_TIME = "confirmed_step_time_ms"  # the side-by-side re-timing, in either mode
 
@@ -305,7 +305,7 @@ class Serving:
         )
 
     def to_json(self) -> dict[str, Any]:
-        data = {
+        data: dict[str, Any] = {
             "scenario": self.scenario,
             "batch_sizes": self.batch_sizes,
             "int8": self.int8,
