@@ -159,6 +159,12 @@ def _finish(
     best_policy = Policy.from_dict(summary.best.policy or {})
     serving = prepared.serving is not None
     example = None if serving else prepared.task.first_val_batch()
+    layers = best_policy.layer_table(
+        prepared.model, prepared.backend, inference=serving, example=example
+    )
+    served = (
+        _served_model(session, best_policy) if isinstance(session.trials, ServingTrials) else None
+    )
     summary = completed(
         summary,
         settings=_settings(session),
@@ -169,12 +175,9 @@ def _finish(
         profile=None
         if session.profile is None
         else [ProfileRow(m.rank, m.name, m.risk, m.reason) for m in session.profile.modules[:5]],
-        layers=best_policy.layer_table(
-            prepared.model, prepared.backend, inference=serving, example=example
-        ),
+        layers=layers,
+        served_model=served,
     )
-    if isinstance(session.trials, ServingTrials) and summary.serving is not None:
-        summary.serving.mlflow_model = _served_model(session, best_policy)
     phases_s["tracking_flush"] = time.perf_counter() - mark_s
     summary.wall_time_s = time.perf_counter() - started_s
     summary.phase_time_s = phases_s  # this invocation's set-up, warm-up and re-timing

@@ -29,6 +29,7 @@ from autoprec.search.summary_schema import (
     Entry,
     Layer,
     ProfileRow,
+    ServedModel,
     Serving,
     Settings,
     Summary,
@@ -84,8 +85,9 @@ def best_record(
 
 @dataclass(frozen=True)
 class _Read:
-    """What the summary reads of a trial's result beyond its metrics: the one place that
-    knows the result types (to be read through the trials' result protocol)."""
+    """What the summary reads of a trial's result beyond its metrics. `_read`, with
+    `_latency_by_batch` and `_telemetry_brief`, is the one place that knows the result
+    types: to be read through the trials' result protocol once there is one."""
 
     mode: str
     metric_names: tuple[str, ...]
@@ -122,7 +124,8 @@ def summarize(
     Where step times were confirmed side by side, the front and the choice use them;
     ``run_ids`` are the MLflow child runs by key (trial number or "baseline"). A serving
     study's part gets the best at each batch size (`by_batch_size`). What the search
-    knows only later (settings, the layer table, the saved model) is `completed`'s.
+    knows only once the choice is made (settings, the layer table, the saved model) is
+    `completed`'s; the search's own wall time is set as the file is written.
     """
     confirmed = confirmed or {}
     run_ids = run_ids or {}
@@ -202,13 +205,18 @@ def completed(
     interrupted: bool,
     profile: list[ProfileRow] | None,
     layers: list[dict[str, Any]],
+    served_model: ServedModel | None = None,
 ) -> Summary:
     """The summary with what the search adds once the choice is made: the settings, the
-    MLflow parent run, the Optuna study's identity, the profile's riskiest layers and
-    the chosen policy's layer table."""
+    MLflow parent run, the Optuna study's identity, the profile's riskiest layers, the
+    chosen policy's layer table and, for serving, the model saved (or why not)."""
     best = replace(summary.best, layers=[Layer.from_json(row) for row in layers])
+    serving = summary.serving
+    if serving is not None:
+        serving = replace(serving, mlflow_model=served_model)
     return replace(
         summary,
+        serving=serving,
         best=best,
         settings=Settings(settings),
         mlflow_parent_run_id=parent_run_id,
