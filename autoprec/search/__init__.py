@@ -14,6 +14,8 @@ The modules of this package, in the order a search uses them:
 - `studies`: what many workers share through Optuna's storage (heartbeats, claims,
   leases, the queue on sqlite);
 - `summary`: the candidates, the chosen best, summary.json and best_policy.yaml;
+- `summary_schema`: the typed `Summary` and its JSON round trip; `summary_file` reads
+  it back, checked;
 - `events`: `Callbacks`, what a search reports while it runs.
 """
 
@@ -28,11 +30,11 @@ from autoprec.errors import SearchInterrupted
 from autoprec.policy import Policy
 from autoprec.search.config import SearchConfig
 from autoprec.search.events import Callbacks
-from autoprec.search.identity import SUMMARY_KEY
 from autoprec.search.loop import run_trials
 from autoprec.search.serving import FP32_CHECKPOINT, ServingTrials, save_served_model
 from autoprec.search.session import Prepared, Session, identity_of, prepare
-from autoprec.search.summary import by_batch_size, numeric, summarize, write_outputs
+from autoprec.search.summary import completed, numeric, summarize, write_outputs
+from autoprec.search.summary_schema import ProfileRow, ServedModel, Serving, Summary
 from autoprec.search.workers import run_workers
 from autoprec.space import SearchSpace
 from autoprec.tasks import DEFAULT_TASK, Task
@@ -43,11 +45,15 @@ __all__ = ["Callbacks", "SearchConfig", "SearchInterrupted", "SearchResult", "se
 
 @dataclass
 class SearchResult:
+    """The chosen policy and the summary: ``summary`` as summary.json holds it, ``typed``
+    the same as a `Summary`."""
+
     study: str
     best_policy: Policy
     summary: dict[str, Any]
     best_policy_path: Path
     summary_path: Path
+    typed: Summary | None = None
 
 
 def search(
@@ -127,10 +133,9 @@ def _finish(
     started_s: float,
 ) -> SearchResult:
     """The choice and the outputs: summary.json, best_policy.yaml, the parent run."""
-    prepared, config, tracker = session.prepared, session.prepared.config, session.tracker
+    prepared, tracker = session.prepared, session.tracker
     assert session.baseline is not None
     mark_s = time.perf_counter()
-    run_ids = _run_ids(tracker)
     summary = summarize(
         session.study,
         session.space,
@@ -138,12 +143,57 @@ def _finish(
         prepared.feasibility,
         prepared.prefer,
         confirmed,
-        run_ids,
+        _run_ids(tracker),
+        _serving_part(session),
     )
-    if prepared.serving is not None:
-        summary["inference"] = _serving_summary(session)
+    best_policy = Policy.from_dict(summary.best.policy or {})
+    serving = prepared.serving is not None
+    example = None if serving else prepared.task.first_val_batch()
+    layers = best_policy.layer_table(
+        prepared.model, prepared.backend, inference=serving, example=example
+    )
+    served = (
+        _served_model(session, best_policy) if isinstance(session.trials, ServingTrials) else None
+    )
+    summary = completed(
+        summary,
+        settings=_settings(session),
+        parent_run_id=tracker.parent_id,
+        # Which Optuna study this is: a search with another --storage refuses these outputs.
+        identity=identity_of(session.study, prepared.config.storage).to_dict(),
+        interrupted=interrupted,
+        profile=None
+        if session.profile is None
+        else [ProfileRow(m.rank, m.name, m.risk, m.reason) for m in session.profile.modules[:5]],
+        layers=layers,
+        served_model=served,
+    )
+    phases_s["tracking_flush"] = time.perf_counter() - mark_s
+    summary.wall_time_s = time.perf_counter() - started_s
+    summary.phase_time_s = phases_s  # this invocation's set-up, warm-up and re-timing
+    policy_path, summary_path = write_outputs(summary, best_policy, prepared.out_dir)
+    best_key = summary.best.key
+    tracker.finish_parent(
+        best_key,
+        numeric(summary.best.metrics),
+        [policy_path, summary_path],
+        status="KILLED" if interrupted else "FINISHED",
+    )
+    tracker.mark_children({e.key for e in summary.entries if e.pareto}, best_key)
+    tracker.close()
+    data = summary.to_json()
+    session.callbacks.done(data)
+    result = SearchResult(prepared.study, best_policy, data, policy_path, summary_path, summary)
+    if interrupted:
+        raise SearchInterrupted(result)
+    return result
+
+
+def _settings(session: Session) -> dict[str, Any]:
+    """The settings summary.json records: the search's own, and what an export needs."""
+    prepared, config = session.prepared, session.prepared.config
     checkpoint = None if prepared.serving is None else prepared.serving.checkpoint
-    summary["settings"] = {
+    return {
         **prepared.settings,
         "task_spec": prepared.task_spec,  # for autoprec export
         "checkpoint": None if checkpoint is None else str(checkpoint.resolve()),
@@ -159,49 +209,9 @@ def _finish(
         "devices": prepared.devices,
         "trial_timeout_s": session.trial_limit_s,
     }
-    summary["mlflow_parent_run_id"] = tracker.parent_id
-    # Which Optuna study this is: a search with another --storage refuses these outputs.
-    summary[SUMMARY_KEY] = identity_of(session.study, config.storage).to_dict()
-    summary["interrupted"] = interrupted
-    summary["profile"] = (
-        None
-        if session.profile is None
-        else [
-            {"rank": m.rank, "module": m.name, "risk": m.risk, "reason": m.reason}
-            for m in session.profile.modules[:5]
-        ]
-    )
-    best_policy = Policy.from_dict(summary["best"]["policy"])
-    serving = prepared.serving is not None
-    example = None if serving else prepared.task.first_val_batch()
-    summary["best"]["layers"] = best_policy.layer_table(
-        prepared.model, prepared.backend, inference=serving, example=example
-    )
-    if isinstance(session.trials, ServingTrials):
-        summary["inference"]["mlflow_model"] = _served_model(session, best_policy)
-    phases_s["tracking_flush"] = time.perf_counter() - mark_s
-    summary["wall_time_s"] = time.perf_counter() - started_s
-    summary["phase_time_s"] = phases_s  # this invocation's set-up, warm-up and re-timing
-    policy_path, summary_path = write_outputs(summary, best_policy, prepared.out_dir)
-    best = summary["best"]
-    entries = [summary["baseline"], *summary["trials"]]
-    best_key = str(best["number"])
-    tracker.finish_parent(
-        best_key,
-        numeric(best["metrics"]),
-        [policy_path, summary_path],
-        status="KILLED" if interrupted else "FINISHED",
-    )
-    tracker.mark_children({str(e["number"]) for e in entries if e["pareto"]}, best_key)
-    tracker.close()
-    session.callbacks.done(summary)
-    result = SearchResult(prepared.study, best_policy, summary, policy_path, summary_path)
-    if interrupted:
-        raise SearchInterrupted(result)
-    return result
 
 
-def _served_model(session: Session, policy: Policy) -> dict[str, Any]:
+def _served_model(session: Session, policy: Policy) -> ServedModel:
     """The chosen model saved as an MLflow model and logged on the parent run; where it
     cannot be, one warning and the reason in the summary."""
     from autoprec.inference.mlflow_model import PICKLE_NOTE
@@ -211,40 +221,38 @@ def _served_model(session: Session, policy: Policy) -> dict[str, Any]:
     folder, said = save_served_model(session.trials, policy, prepared.out_dir, prepared.task_spec)
     if folder is None:
         session.tracker.warn(f"the chosen model was not logged as an MLflow model: {said}")
-        return {"logged": False, "reason": said}
+        return ServedModel(logged=False, reason=said)
     if said == "pickle":
         session.tracker.warn(f"the chosen MLflow model is {PICKLE_NOTE}")
     unpickles = said == "pickle"
     tags = {"autoprec.model_format": said, "autoprec.model_unpickles": str(unpickles).lower()}
     session.tracker.log_model_folder(folder, tags=tags)
     parent = session.tracker.parent_id
-    return {
-        "logged": True,
-        "format": said,
-        "unpickles": unpickles,
-        "path": str(folder),
-        "uri": None if parent is None else f"runs:/{parent}/model",
-    }
+    return ServedModel(
+        logged=True,
+        format=said,
+        unpickles=unpickles,
+        path=str(folder),
+        uri=None if parent is None else f"runs:/{parent}/model",
+    )
 
 
-def _serving_summary(session: Session) -> dict[str, Any]:
-    """What a serving study adds to its summary: the scenario and what it asks, the fp32
-    weights the trials converted, and the best choice at each batch size measured."""
+def _serving_part(session: Session) -> Serving | None:
+    """What a serving study adds to its summary: the scenario and what it asks, and the
+    fp32 weights the trials converted (the summary adds the best at each batch size)."""
     serving = session.prepared.serving
-    assert serving is not None and session.baseline is not None
+    if serving is None:
+        return None
     feasibility = session.prepared.feasibility
     checkpoint = serving.checkpoint or session.prepared.out_dir / FP32_CHECKPOINT
-    return {
-        "scenario": serving.scenario.name,
-        "batch_sizes": list(serving.batch_sizes),
-        "int8": serving.int8,
-        "fp32_checkpoint": str(checkpoint),
-        "min_top1_agreement": feasibility.min_top1_agreement,
-        "max_rel_deviation": feasibility.max_rel_deviation,
-        "by_batch_size": by_batch_size(
-            session.measured(), session.baseline, list(serving.batch_sizes)
-        ),
-    }
+    return Serving(
+        scenario=serving.scenario.name,
+        batch_sizes=list(serving.batch_sizes),
+        int8=serving.int8,
+        fp32_checkpoint=str(checkpoint),
+        min_top1_agreement=feasibility.min_top1_agreement,
+        max_rel_deviation=feasibility.max_rel_deviation,
+    )
 
 
 def _run_ids(tracker: Tracker) -> dict[str, str]:
