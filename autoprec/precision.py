@@ -19,12 +19,17 @@ dtype of its input, so in low precision it gets a region that casts its inputs d
 Casts map over nested inputs and outputs (tuples, dicts, ``ModelOutput``) and keep
 their container types. A uniform policy on a model without such modules installs no
 wrapper at all and costs what plain ``torch.autocast`` costs.
+
+Where the regions go is `autoprec.plan.boundaries`' answer, the one serving's casts use
+too, and `Precision` has the hooks every precision mode has (`PrecisionHooks`:
+``convert_module``, ``forward_context``, ``convert_input``, ``convert_output``), as
+serving's `autoprec.inference.convert.ServingPrecision` has.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -36,6 +41,7 @@ from autoprec.scaling import LossScale, LossScaler
 from autoprec.structures import cast_floats
 
 
+@runtime_checkable
 class PrecisionHooks(Protocol):
     """What every precision mode gives the code that runs a model (Lightning Fabric's
     precision plugins have the same shape): training's `Precision` and serving's
