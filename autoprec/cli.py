@@ -151,8 +151,8 @@ def _add_what(group: Any) -> None:
 
 
 def _add_serving(group: Any) -> None:
-    from autoprec.inference.convert import INT8_METHODS
     from autoprec.inference.scenarios import SCENARIOS
+    from autoprec.quantizers import INT8_METHODS
 
     group.add_argument(
         "--mode",
@@ -212,7 +212,7 @@ def _add_where(group: Any) -> None:
 
 
 def _add_choice(group: Any) -> None:
-    from autoprec.search.config import PREFERENCES, SAMPLERS
+    from autoprec.search.config import SAMPLERS, TRAINING_PREFERENCES
 
     group.add_argument(
         "--accuracy-tolerance",
@@ -223,7 +223,7 @@ def _add_choice(group: Any) -> None:
     )
     group.add_argument(
         "--prefer",
-        choices=(*PREFERENCES, "latency", "throughput"),
+        choices=(*TRAINING_PREFERENCES, "latency", "throughput"),
         default=None,
         help="how the best feasible policy is chosen (default: speed in training, the "
         "scenario's in inference; latency and throughput are for inference)",

@@ -62,10 +62,11 @@ import torch
 from torch import nn
 
 from autoprec.devices import DTYPES, Backend, get_backend
+from autoprec.dtypes import LOW_PRECISION
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
 from autoprec.files import write_atomic
-from autoprec.policy import LOW_PRECISION
-from autoprec.precision import Installed, Plan, RegionSpec
+from autoprec.plan import Plan, RegionSpec
+from autoprec.precision import Installed
 from autoprec.tasks import Task, check_task, load_task
 from autoprec.tasks.base import Batch, logits_of
 from autoprec.watch import INPUT, OUTPUT, OUTPUT_GRAD, PARAM_GRAD, Counts, Watcher

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from autoprec import Policy
+from autoprec.dtypes import LOW_PRECISION
 from autoprec.errors import ExportError, ExportWarning
 from autoprec.files import write_atomic
 
-LOW_DTYPES = ("fp16", "bf16")
 COMMENT_WIDTH = 92
 
 
@@ -107,11 +107,11 @@ def one_low_dtype(policy: Policy, model: nn.Module, device: str, fmt: str) -> On
     """The policy on ``model`` as it runs on ``device`` (``Policy.resolve``), with fp16 and
     bf16 layers both present reduced to the dtype holding more parameters."""
     resolved = policy.resolve(model, device)
-    weight = {low: 0 for low in LOW_DTYPES}
+    weight = {low: 0 for low in LOW_PRECISION}
     for name, dtype in resolved.items():
         if dtype in weight:
             weight[dtype] += own_parameters(model, name)
-    present = [low for low in LOW_DTYPES if any(d == low for d in resolved.values())]
+    present = [low for low in LOW_PRECISION if any(d == low for d in resolved.values())]
     if len(present) <= 1:
         return OneLowDtype(dict(resolved), present[0] if present else None, ())
     low = max(present, key=lambda d: (weight[d], d == "bf16"))

@@ -182,7 +182,7 @@ def _int8_method(policy: Policy, model: nn.Module, kind: str, int8: str | None) 
 
     if "int8" not in policy.resolve_inference(model).values():
         return None
-    return int8 or default_int8_method(kind)
+    return int8 or policy.int8_method or default_int8_method(kind)
 
 
 def _save(value: Any, path: Path) -> Path:

@@ -32,9 +32,10 @@ import torch
 from torch import nn
 
 from autoprec.errors import AutoprecError, first_line
-from autoprec.inference.convert import has_torch_dynamic_int8, import_torchao
+from autoprec.inference.convert import has_torch_dynamic_int8
 from autoprec.inference.mlflow_rebuilt import FORMAT, write_data
 from autoprec.policy import Policy
+from autoprec.quantizers import quantizer
 from autoprec.structures import tensors
 from autoprec.tasks.base import Batch, logits_of
 
@@ -125,7 +126,8 @@ def save_mlflow_model(
 ) -> str:
     """Save ``converted`` (a served model on the CPU, where MLflow's pyfunc runs it; see
     `autoprec.inference.convert`) as an MLflow model folder at ``path`` (replaced), with
-    ``batch`` as its input example and the policy in its metadata and beside it. Returns
+    ``batch`` as its input example and the policy in its metadata and beside it; ``int8``
+    (default: the policy's) is the method its int8 layers were quantized with. Returns
     the serialization format used: ``pt2`` where it exports, else ``autoprec-rebuilt``
     (``fp32``, the model it was converted from, and ``task_spec``, the task's name or file,
     rebuilt at load: nothing unpickled), else ``pickle``. Raises AutoprecError with the
@@ -143,10 +145,10 @@ def save_mlflow_model(
     with torch.inference_mode():
         output = wrapped(example).float().numpy()
     array = example.numpy()
+    int8 = int8 or policy.int8_method
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
-    if int8 is not None and int8.startswith("torchao"):
-        torchao = import_torchao()
-        requirements.append(f"torchao=={torchao.__version__.split('+')[0]}")
+    if int8 is not None:
+        requirements += quantizer(int8).requirements()
     formats = [] if has_torch_dynamic_int8(converted) else ["pt2"]
     if fp32 is not None and task_spec is not None:
         formats.append(FORMAT)

@@ -14,7 +14,7 @@ from torch import nn
 
 from autoprec.devices import Backend, get_backend
 from autoprec.errors import AutoprecError, first_line
-from autoprec.inference.convert import convert
+from autoprec.inference.convert import convert, convert_policy
 from autoprec.inference.measure import (
     TIMED_CALLS,
     WARMUP_CALLS,
@@ -23,21 +23,9 @@ from autoprec.inference.measure import (
     latency_ms,
     measure_inference,
 )
-from autoprec.policy import Policy, parameterised_leaves, share_of_parameters
+from autoprec.plan import low_precision_share
+from autoprec.policy import Policy
 from autoprec.tasks import Task
-
-
-def convert_policy(
-    model: nn.Module, policy: Policy, backend: Backend, int8: str | None = None
-) -> nn.Module:
-    """``model`` converted for serving as ``policy`` says (a copy; see `convert`)."""
-    return convert(model, policy.resolve_inference(model), backend, int8)
-
-
-def low_precision_share(model: nn.Module, layer_dtypes: dict[str, str]) -> float:
-    """Share of the model's parameters served below fp32 (leaves not named: fp32)."""
-    served = {name: layer_dtypes.get(name, "fp32") for name, _ in parameterised_leaves(model)}
-    return share_of_parameters(model, served)
 
 
 def run_inference_trial(
@@ -58,7 +46,7 @@ def run_inference_trial(
     previous = backend.set_switches(policy.tf32, policy.hf32)
     try:
         layer_dtypes = policy.resolve_inference(model)
-        converted = convert(model, layer_dtypes, backend, int8)
+        converted = convert(model, layer_dtypes, backend, int8 or policy.int8_method)
         result = measure_inference(
             task, converted, reference, backend, batch_sizes[0], timed_calls, warmup_calls
         )
@@ -88,8 +76,8 @@ def load_inference_model(
 ) -> nn.Module:
     """``model`` (fp32, trained) converted for serving as ``policy`` says, in one call: a
     copy whose layers hold their weights in the policy's dtypes (int8 by ``int8``, default:
-    the device's method), inputs cast at the boundaries, outputs in fp32. It computes what
-    the serving search's trial of that policy computed.
+    the method the policy records, else the device's), inputs cast at the boundaries,
+    outputs in fp32. It computes what the serving search's trial of that policy computed.
 
     A policy's TF32 (CUDA) or HF32 (Ascend) switch is process-wide, so it is set here for
     the whole process, as the trial had it; a policy without one leaves the device as is."""

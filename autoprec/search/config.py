@@ -16,17 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.errors import AutoprecError, StoreError, redact
-from autoprec.inference.convert import INT8_METHODS
-from autoprec.inference.scenarios import PREFERENCES as SERVING_PREFERENCES
-from autoprec.inference.scenarios import scenario
-from autoprec.selection import PREFERENCES
+from autoprec.inference.scenarios import SERVING_PREFERENCES, scenario
+from autoprec.quantizers import INT8_METHODS
+from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.tracking import DEFAULT_TRACKING_URI, check_tracking_uri
 
 DEFAULT_STORAGE = "sqlite:///runs/optuna.db"
 DEFAULT_RUNS_DIR = Path("runs")
 # guided: profile-ranked seeding and bisection (autoprec.guided), then TPE.
 SAMPLERS = ("guided", "tpe", "nsga2", "random")
-MODES = ("training", "inference")
+SEARCH_MODES = ("training", "inference")
 HEARTBEAT_INTERVAL_S = 10  # the grace before a silent trial is failed: 3 intervals
 MAX_BATCH_SIZE = 65536  # a served batch; the validation samples are repeated to fill it
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -121,10 +120,10 @@ class SearchConfig:
         check_tracking_uri(self.tracking_uri)
 
     def _check_mode(self) -> None:
-        if self.mode not in MODES:
+        if self.mode not in SEARCH_MODES:
             raise AutoprecError(f"--mode: expected training or inference, got {self.mode!r}")
         serving = self.mode == "inference"
-        allowed = SERVING_PREFERENCES if serving else PREFERENCES
+        allowed = SERVING_PREFERENCES if serving else TRAINING_PREFERENCES
         if self.prefer is not None and self.prefer not in (*allowed, "speed"):
             raise AutoprecError(
                 f"--prefer: expected one of {', '.join(allowed)} for {self.mode}, "

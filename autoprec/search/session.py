@@ -156,7 +156,8 @@ def _fit(
     supported = {d for d in DTYPES if backend.supports(d)}
     if serving is not None and serving.int8 is not None:
         supported.add("int8")
-    fitted = space.fit(model, profile, backend, inference=serving is not None)
+    int8 = None if serving is None else serving.int8
+    fitted = space.fit(model, profile, backend, inference=serving is not None, int8_method=int8)
     return fitted.restrict(supported)
 
 
