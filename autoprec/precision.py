@@ -29,6 +29,7 @@ serving's `autoprec.inference.convert.ServingPrecision` has.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -104,7 +105,9 @@ def _upcast_last(module: nn.Module) -> list[Any]:
     upcast = module.register_forward_hook(_upcast_outputs)
 
     def keep_last(*_: Any) -> None:
-        module._forward_hooks.move_to_end(upcast.id)
+        hooks = module._forward_hooks
+        assert isinstance(hooks, OrderedDict)  # torch keeps hooks in order (nn.Module)
+        hooks.move_to_end(upcast.id)
 
     return [upcast, module.register_forward_pre_hook(keep_last)]
 

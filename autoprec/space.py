@@ -86,7 +86,7 @@ _RANGE_FIELDS = {
     "hysteresis": (1, 1),
 }
 # Dynamic-scaling settings searched as a choice among listed values (one value: fixed).
-_CHOICE_FIELDS = {
+_CHOICE_FIELDS: dict[str, tuple[float, ...]] = {
     "growth_factor": (2.0,),
     "backoff_factor": (0.5,),
     "min_scale": (0.0,),
@@ -215,7 +215,7 @@ class SearchSpace:
             raise fail("auto_groups: only with 'groups: auto'")
         elif not isinstance(groups_data, list) or not groups_data:
             raise fail("groups: expected a non-empty list or 'auto'")
-        groups = []
+        groups: list[Group] = []
         for i, item in enumerate(groups_data):
             where = f"groups[{i}]"
             if not isinstance(item, dict):
@@ -408,7 +408,7 @@ class SearchSpace:
 
     def fingerprint(self) -> str:
         """A short hash of what the space searches (not its name or description)."""
-        content = {
+        content: dict[str, Any] = {
             "groups": [(g.name, g.rule.to_dict(), g.dtypes, g.optional) for g in self.groups],
             "auto": None if self.auto is None else [self.auto.max_groups, self.auto.own_groups],
             "dtypes": self.dtypes if self.auto is not None else None,
@@ -644,11 +644,11 @@ def _with_int8_where_it_fits(
     modules = dict(model.named_modules())
     capable: dict[str, list[str]] = {g.name: [] for g in groups}
     others: dict[str, int] = {g.name: 0 for g in groups}
-    for leaf, group in assignment.items():
+    for leaf, group_name in assignment.items():
         if int8_capable(modules[leaf]):
-            capable[group].append(leaf)
+            capable[group_name].append(leaf)
         else:
-            others[group] += 1
+            others[group_name] += 1
     fitted = []
     for group in groups:
         dtypes = tuple(d for d in group.dtypes if d != "int8")
@@ -719,7 +719,7 @@ def _loss_scale_space(data: Any, fail: Any) -> LossScaleSpace:
         if value[0] < minimum or (key.endswith("log2") and value[1] > 64):
             raise fail(f"loss_scale.{key}: out of range, got {value!r}")
         ranges[key] = (value[0], value[1])
-    choices = dict(_CHOICE_FIELDS)
+    choices: dict[str, tuple[float, ...]] = dict(_CHOICE_FIELDS)
     for key in _CHOICE_FIELDS:
         if key not in data:
             continue
@@ -734,7 +734,8 @@ def _loss_scale_space(data: Any, fail: Any) -> LossScaleSpace:
             raise fail(f"loss_scale.{key}: expected a list of numbers, got {value!r}")
         try:  # the values must make valid settings on their own
             for v in value:
-                LossScale("dynamic", **{key: float(v)})
+                setting: dict[str, Any] = {key: float(v)}
+                LossScale("dynamic", **setting)
         except PolicyError as error:
             raise fail(str(error)) from None
         choices[key] = tuple(float(v) for v in dict.fromkeys(value))

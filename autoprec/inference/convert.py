@@ -262,6 +262,7 @@ def _conv1d_as_linear(conv1d: nn.Module) -> nn.Linear:
     """transformers' Conv1D (``x @ weight + bias``, weight ``[in, out]``) as a Linear."""
     weight = conv1d.weight
     bias = getattr(conv1d, "bias", None)
+    assert isinstance(weight, torch.Tensor)  # Conv1D's weight is a Parameter
     linear = nn.Linear(weight.shape[0], weight.shape[1], bias=bias is not None)
     linear.to(weight.device)
     with torch.no_grad():

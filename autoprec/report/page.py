@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +176,7 @@ def _ms(summary: Summary, entry: Entry) -> float:
     return _or_nan(summary.time_ms(entry))
 
 
-def render_comparison(summaries: list[Summary | dict[str, Any]], path: Path) -> Path:
+def render_comparison(summaries: Sequence[Summary | dict[str, Any]], path: Path) -> Path:
     """One page comparing studies (e.g. one model on two devices): baseline and chosen
     policy of each, and their fronts in one plot. A serving study's time is its latency
     at its batch size, a training study's its step time."""
