@@ -42,7 +42,7 @@ from autoprec.errors import AutoprecError, SpaceError
 from autoprec.selection import PREFER_METRICS, TRAINING_PREFERENCES, preference_score
 from autoprec.space import Group, SearchSpace
 
-_HIGH_FIRST = ("fp32", "bf16", "fp16")
+_HIGH_FIRST = ("fp32", "bf16", "fp16", "int8")
 Proposal = tuple[dict[str, Any], str]
 
 
@@ -170,7 +170,8 @@ def fp16_start_scale_log2(space: SearchSpace, max_gradient: float | None) -> int
 
 
 def _high(group: Group) -> str:
-    return next(d for d in _HIGH_FIRST if d in group.dtypes)
+    """The widest-ranged dtype ``group`` offers (a serving group may offer only int8)."""
+    return next((d for d in _HIGH_FIRST if d in group.dtypes), group.dtypes[0])
 
 
 class GuidedStrategy(_Strategy):

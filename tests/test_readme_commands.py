@@ -1,8 +1,8 @@
 """What README.md tells a user to type is what is tested: every ``autoprec ...`` line of
 its ```bash blocks runs as typed, with the progress bar on, in a pseudo-terminal (where
-tqdm draws; searches of both modes, and every other line, also piped), and must exit 0; its ```python blocks marked
-``<!-- runnable ... -->`` run as written, and one whose first line is ``# name.py`` is
-written to that file. A README line this file does not handle fails
+tqdm draws; searches of both modes, and every other line, also piped), and must exit 0;
+its ```python blocks marked ``<!-- runnable ... -->`` run as written, and one whose first
+line is ``# name.py`` is written to that file. A README line this file does not handle fails
 `test_every_readme_command_is_handled`.
 
 Only what a line leaves open or what this machine lacks is changed, each in `HANDLED`:
