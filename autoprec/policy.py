@@ -47,6 +47,7 @@ from autoprec.devices import (
 )
 from autoprec.errors import PolicyError
 from autoprec.files import load_yaml, parse_yaml, write_atomic
+from autoprec.observe import casts_inputs
 from autoprec.placement import Placement, announce, place, within
 from autoprec.precision import Plan, Precision, RegionSpec
 from autoprec.scaling import LossScale
@@ -300,11 +301,8 @@ class Policy:
                 continue  # no region: autocast keeps it in fp32 anyway
             dtype = dtype or self.default
             chosen[name] = dtype
-            if dtype != "fp32" and (behaviour == "cast" or (behaviour == "input" and self.rules)):
-                # In a policy with rules, the policy decides it: its inputs are cast. A
-                # uniform policy is plain autocast: it runs in the dtype its input arrives
-                # in. A module that runs only on cast inputs gets them cast either way.
-                follows_input.add(name)
+            if casts_inputs(kind, module, dtype, uniform=not self.rules):
+                follows_input.add(name)  # the rule the profile follows too
             weight[dtype] += sum(p.numel() for p in module.parameters(recurse=False))
 
         below: dict[str, set[str]] = {name: set() for name, _ in model.named_modules()}
