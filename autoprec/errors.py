@@ -99,8 +99,13 @@ class DuplicateKey(yaml.YAMLError):
 
 def first_line(error: BaseException, limit: int = 300) -> str:
     """An error's message cut to its first line (tracebacks of other libraries can run to
-    pages), at most ``limit`` characters."""
-    return (str(error).splitlines() or [""])[0][:limit]
+    pages), at most ``limit`` characters; a longer one is cut between words and ends in
+    " ...", so that no URL or path in it is left cut in the middle."""
+    line = (str(error).splitlines() or [""])[0]
+    if len(line) <= limit:
+        return line
+    cut = line[: max(limit - 4, 0)]
+    return (cut[: cut.rfind(" ")] if " " in cut else cut) + " ..."
 
 
 # The password part of a URL: scheme://user:password@host. The password runs to the last

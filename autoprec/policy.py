@@ -46,6 +46,7 @@ from autoprec.devices import (
 from autoprec.dtypes import INT8, SERVING_DTYPES
 from autoprec.errors import PolicyError
 from autoprec.files import load_yaml, parse_yaml, write_atomic
+from autoprec.observe import casts_inputs
 from autoprec.placement import Placement, announce, place, within
 from autoprec.plan import (
     Plan,
@@ -358,11 +359,8 @@ class Policy:
                 continue  # no region: autocast keeps it in fp32 anyway
             dtype = dtype or self.default
             chosen[name] = dtype
-            if dtype != "fp32" and (behaviour == "cast" or (behaviour == "input" and self.rules)):
-                # In a policy with rules, the policy decides it: its inputs are cast. A
-                # uniform policy is plain autocast: it runs in the dtype its input arrives
-                # in. A module that runs only on cast inputs gets them cast either way.
-                follows_input.add(name)
+            if casts_inputs(kind, module, dtype, uniform=not self.rules):
+                follows_input.add(name)  # the rule the profile follows too
             weight[dtype] += own_parameters(module)
 
         found = boundaries(model, chosen)

@@ -3,10 +3,14 @@
 What a serving search chose is a policy; what a deployment loads is a model. This format
 writes both ways to it:
 
-- ``program.pt2``: the converted model as a ``torch.export`` program (batch size free where
-  the model allows, every other dimension as in the example). It loads with
-  ``torch.export.load`` alone: no autoprec, no model class. Checked at export time against
-  the converted model on the example; written only where it matches.
+- ``program.pt2``: the converted model's logits path as a ``torch.export`` program (batch
+  size free where the model allows, every other dimension as in the example): it takes
+  the model's inputs by the model's names and returns its logits, computed as the MLflow
+  model computes them (`autoprec.inference.logits_path`: no key/value cache, so that a
+  decoder-only LM's ``DynamicCache`` does not stop the export; an encoder-decoder's decoder
+  started from its start token). It loads with ``torch.export.load`` alone: no autoprec,
+  no model class. Checked at export time against the converted model on the example;
+  written only where it matches.
 - ``served.pt``: the converted model's state dict, each layer's weights in its dtype (int8
   ones as torch or torchao hold them); it loads into a converted model with
   ``load_state_dict(..., assign=True)``.
@@ -48,6 +52,7 @@ from autoprec.exports._common import (
 from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
 from autoprec.inference.convert import has_torch_dynamic_int8
+from autoprec.inference.logits_path import LogitsPath
 from autoprec.structures import map_tensors, tensors, to_device
 
 PROGRAM_FILE = "program.pt2"
@@ -90,7 +95,7 @@ def export_model(
         notes.append(f"no example input: no {PROGRAM_FILE} (rebuilt() converts the weights)")
     else:
         inputs = to_device(example_inputs(example, "model"), backend.device)
-        program, note = exported_program(converted, inputs)
+        program, note = exported_program(LogitsPath(converted), inputs)
         if program is None:
             notes.append(f"no {PROGRAM_FILE}: {note}; rebuilt() converts the weights instead")
         else:

@@ -33,11 +33,11 @@ from torch import nn
 
 from autoprec.errors import AutoprecError, first_line
 from autoprec.inference.convert import has_torch_dynamic_int8
+from autoprec.inference.logits_path import served_logits
 from autoprec.inference.mlflow_rebuilt import FORMAT, write_data
 from autoprec.policy import Policy
 from autoprec.quantizers import quantizer
-from autoprec.structures import tensors
-from autoprec.tasks.base import Batch, logits_of
+from autoprec.tasks.base import Batch
 
 EXAMPLE_SAMPLES = 4
 _LOADER = "autoprec.inference.mlflow_rebuilt"
@@ -46,7 +46,8 @@ _LOADER = "autoprec.inference.mlflow_rebuilt"
 class ServedModel(nn.Module):
     """A converted model as MLflow's PyTorch flavour calls it: one tensor in (several
     inputs stacked along dimension 1, passed by ``keywords`` where the model takes them by
-    name), one tensor out (its logits, else its first floating output)."""
+    name), one tensor out: the logits path (`autoprec.inference.logits_path`), as the
+    ``model`` export's program computes it."""
 
     def __init__(
         self, model: nn.Module, keywords: list[str] | None = None, stacked: bool = False
@@ -59,27 +60,8 @@ class ServedModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inputs = x.unbind(1) if self.stacked else (x,)
         if self.keywords:
-            named = dict(zip(self.keywords, inputs, strict=True))
-            outputs = self.model(**named, **self._decoder_start(inputs[0]))
-        else:
-            outputs = self.model(*inputs)
-        logits = logits_of(outputs)
-        if logits is not None:
-            return logits
-        return next(t for t in tensors(outputs) if t.is_floating_point())
-
-    def _decoder_start(self, first: torch.Tensor) -> dict[str, torch.Tensor]:
-        """An encoder-decoder (T5, BART) needs decoder inputs, which a served request does
-        not carry (training fed them from the labels): its decoder starts from its start
-        token, so the served logits are those of the first output token."""
-        config = getattr(self.model, "config", None)
-        if not getattr(config, "is_encoder_decoder", False) or "decoder_input_ids" in (
-            self.keywords
-        ):
-            return {}
-        start = getattr(config, "decoder_start_token_id", None)
-        start = 0 if start is None else int(start)
-        return {"decoder_input_ids": torch.full((first.shape[0], 1), start, device=first.device)}
+            return served_logits(self.model, (), dict(zip(self.keywords, inputs, strict=True)))
+        return served_logits(self.model, inputs, {})
 
 
 def served_inputs(batch: Batch) -> tuple[list[str], list[torch.Tensor]]:
