@@ -3,31 +3,66 @@
 Search per-layer dtypes (fp32, fp16, bf16) and loss scaling with short real training
 trials, record them in MLflow, and apply the best policy in your own training loop.
 
-The public names are what a user calls; everything else stays reachable from its module
-(``autoprec.trial.run_trial``, ``autoprec.devices.get_backend``, ...). Names load on
-first use, so that applying a policy (``load_policy`` and ``Policy.apply``) imports
-neither Optuna nor MLflow.
+The public names are what a user calls (``dir(autoprec)`` lists exactly ``__all__``);
+everything else stays reachable from its module (``autoprec.trial.run_trial``,
+``autoprec.devices.get_backend``, ...). Names load on first use, so that applying a policy
+(``load_policy`` and ``Policy.apply``) imports neither Optuna nor MLflow.
+
+``autoprec.search`` is the function that runs a search, whatever was imported before:
+the package of the same name (``autoprec.search.config``, ...) is bound to
+``autoprec.search`` by Python's import system when one of its modules is imported, and
+this package declines that binding (`_Package`). The function's attributes are the
+package's names (``autoprec.search.Callbacks``, ``autoprec.search.config``).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import sys as _sys
+import types as _types
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
-if TYPE_CHECKING:
-    from autoprec.errors import AutoprecError
+if _TYPE_CHECKING:
+    from autoprec.errors import (
+        AutoprecError,
+        DeviceError,
+        ExportError,
+        ExportWarning,
+        LoopError,
+        PolicyError,
+        SearchInterrupted,
+        SpaceError,
+        StoreError,
+        SummaryError,
+        TaskError,
+    )
     from autoprec.inference import load_inference_model
     from autoprec.policy import Policy, Rule, load_policy
     from autoprec.precision import Precision
     from autoprec.profile import Profile, profile_task
     from autoprec.scaling import LossScale
-    from autoprec.search import SearchConfig, SearchInterrupted, search
+    from autoprec.search import Callbacks, SearchConfig, SearchResult, search
     from autoprec.tasks import Task
     from autoprec.telemetry import GradientMonitor
     from autoprec.tracking import load_best_policy
 
+_ERRORS = (
+    "AutoprecError",
+    "DeviceError",
+    "ExportError",
+    "ExportWarning",
+    "LoopError",
+    "PolicyError",
+    "SearchInterrupted",
+    "SpaceError",
+    "StoreError",
+    "SummaryError",
+    "TaskError",
+)
 _WHERE = {
-    "AutoprecError": "autoprec.errors",
+    **dict.fromkeys(_ERRORS, "autoprec.errors"),
+    "Callbacks": "autoprec.search",
     "GradientMonitor": "autoprec.telemetry",
     "LossScale": "autoprec.scaling",
     "Policy": "autoprec.policy",
@@ -35,7 +70,7 @@ _WHERE = {
     "Profile": "autoprec.profile",
     "Rule": "autoprec.policy",
     "SearchConfig": "autoprec.search",
-    "SearchInterrupted": "autoprec.search",
+    "SearchResult": "autoprec.search",
     "Task": "autoprec.tasks",
     "load_best_policy": "autoprec.tracking",
     "load_inference_model": "autoprec.inference",
@@ -45,15 +80,26 @@ _WHERE = {
 }
 __all__ = [
     "AutoprecError",
+    "Callbacks",
+    "DeviceError",
+    "ExportError",
+    "ExportWarning",
     "GradientMonitor",
+    "LoopError",
     "LossScale",
     "Policy",
+    "PolicyError",
     "Precision",
     "Profile",
     "Rule",
     "SearchConfig",
     "SearchInterrupted",
+    "SearchResult",
+    "SpaceError",
+    "StoreError",
+    "SummaryError",
     "Task",
+    "TaskError",
     "load_best_policy",
     "load_inference_model",
     "load_policy",
@@ -63,16 +109,32 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name not in _WHERE:
         raise AttributeError(f"module 'autoprec' has no attribute {name!r}")
-    module = importlib.import_module(_WHERE[name])
-    # ``autoprec.search`` is the package itself, callable: ``autoprec.search(...)`` runs a
-    # search and ``autoprec.search.Callbacks`` is its class, whatever was imported first.
-    value = module if module.__name__ == f"{__name__}.{name}" else getattr(module, name)
+    module = _importlib.import_module(_WHERE[name])
+    value = getattr(module, name)
+    if name == "search":
+        # The function's attributes are the names of its package, its globals: what reads
+        # the package through this name still works (autoprec.search.Callbacks, as the
+        # README writes it; autoprec.search.config; import autoprec.search.config as c).
+        value.__dict__ = module.__dict__
     globals()[name] = value
     return value
 
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+class _Package(_types.ModuleType):
+    """This package's module type: it keeps the name ``search`` for the function."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "search" and isinstance(value, _types.ModuleType):
+            # ``import autoprec.search.<module>`` binds the subpackage here once it is
+            # loaded; the name stays the function, resolved on first use.
+            return
+        super().__setattr__(name, value)
+
+    def __dir__(self) -> list[str]:
+        return list(__all__)
+
+
+_sys.modules[__name__].__class__ = _Package

@@ -11,9 +11,12 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from autoprec.errors import AutoprecError, redact
+
+if TYPE_CHECKING:
+    from autoprec.search.summary_schema import Summary
 
 EXIT_BAD_INPUT = 2
 
@@ -148,8 +151,8 @@ def _add_what(group: Any) -> None:
 
 
 def _add_serving(group: Any) -> None:
-    from autoprec.inference.convert import INT8_METHODS
     from autoprec.inference.scenarios import SCENARIOS
+    from autoprec.quantizers import INT8_METHODS
 
     group.add_argument(
         "--mode",
@@ -210,7 +213,7 @@ def _add_where(group: Any) -> None:
 
 def _add_choice(group: Any) -> None:
     from autoprec.search.config import SAMPLERS
-    from autoprec.selection import PREFERENCES
+    from autoprec.selection import TRAINING_PREFERENCES
 
     group.add_argument(
         "--accuracy-tolerance",
@@ -221,7 +224,7 @@ def _add_choice(group: Any) -> None:
     )
     group.add_argument(
         "--prefer",
-        choices=(*PREFERENCES, "latency", "throughput"),
+        choices=(*TRAINING_PREFERENCES, "latency", "throughput"),
         default=None,
         help="how the best feasible policy is chosen (default: speed in training, the "
         "scenario's in inference; latency and throughput are for inference)",
@@ -411,7 +414,7 @@ def _search(args: argparse.Namespace) -> int:
         serving=serving if serving.given() else None,  # --mode inference: the defaults
     )
     result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
-    summary = result.summary
+    summary = result.typed or result.summary
     print(front_table(summary))
     print(gains_line(summary))
     print(f"best policy: {result.best_policy_path}")
@@ -496,10 +499,10 @@ def without_password(uri: str | None) -> str | None:
     return f"{scheme}://{rest.split('@', 1)[1]}"
 
 
-def _read_summary(runs_dir: str, study: str, whole: bool = True) -> dict[str, Any]:
+def _read_summary(runs_dir: str, study: str) -> Summary:
     from autoprec.search.summary_file import read_summary
 
-    return read_summary(Path(runs_dir) / study / "summary.json", study, whole)
+    return read_summary(Path(runs_dir) / study / "summary.json", study)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -510,8 +513,8 @@ def _report(args: argparse.Namespace) -> int:
     files = render_report(summary, Path(args.runs_dir) / args.study)
     # The summary holds the URI with its password redacted: without one, MLflow takes
     # MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD from the environment.
-    uri = args.tracking_uri or without_password(summary.get("settings", {}).get("tracking_uri"))
-    parent = summary.get("mlflow_parent_run_id")
+    uri = args.tracking_uri or without_password(summary.settings.tracking_uri)
+    parent = summary.mlflow_parent_run_id
     if uri and parent:
         Tracker(uri, args.study, Path(args.runs_dir)).log_files(parent, files, "report")
     for path in files:
@@ -524,12 +527,12 @@ def _export(args: argparse.Namespace) -> int:
 
     from autoprec.exports import SERVING_FORMATS, ExportWarning, export_policy
     from autoprec.policy import load_policy
+    from autoprec.search.summary_file import read_header
     from autoprec.tasks import check_task, load_task
     from autoprec.trials.serving import FP32_CHECKPOINT, load_checkpoint
 
-    summary = _read_summary(args.runs_dir, args.study, whole=False)  # mode and settings
-    settings = summary["settings"]
-    serving = summary["mode"] == "inference"
+    header = read_header(Path(args.runs_dir) / args.study / "summary.json", args.study)
+    settings, serving = header.settings, header.serving
     fmt = args.format or ("model" if serving else "yaml")
     if fmt in SERVING_FORMATS and not serving:
         raise AutoprecError(
@@ -538,7 +541,7 @@ def _export(args: argparse.Namespace) -> int:
         )
     folder = Path(args.runs_dir) / args.study
     policy = load_policy(folder / "best_policy.yaml")
-    spec = args.task or settings.get("task_spec")
+    spec = args.task or settings.task_spec
     model = example = None
     if fmt != "yaml" and (spec is not None or fmt != "torch-npu"):
         if spec is None:
@@ -547,7 +550,7 @@ def _export(args: argparse.Namespace) -> int:
             )
         task = load_task(spec)
         model = check_task(task)
-        weights = args.checkpoint or settings.get("checkpoint") or folder / FP32_CHECKPOINT
+        weights = args.checkpoint or settings.checkpoint or folder / FP32_CHECKPOINT
         if fmt in ("model", "cann") and not Path(weights).is_file():
             raise AutoprecError(
                 f"--format {fmt}: no trained fp32 weights ({weights} does not exist); pass "
@@ -556,11 +559,11 @@ def _export(args: argparse.Namespace) -> int:
         if Path(weights).is_file():
             model = load_checkpoint(model, Path(weights), task)
         example = task.first_val_batch()
-    device = args.device or (settings.get("device", "cpu") if fmt in SERVING_FORMATS else None)
+    device = args.device or (settings.device if fmt in SERVING_FORMATS else None)
     out = Path(args.out or folder / f"export-{fmt}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ExportWarning)
-        paths = export_policy(policy, fmt, out, model, example, device, settings.get("int8"), spec)
+        paths = export_policy(policy, fmt, out, model, example, device, settings.int8, spec)
     for warning in caught:
         if issubclass(warning.category, ExportWarning):
             print(f"autoprec export: note: {warning.message}", file=sys.stderr)

@@ -23,15 +23,12 @@ from typing import Any
 
 import torch
 
+from autoprec.dtypes import SERVING_DTYPES, TORCH_DTYPES
 from autoprec.errors import DeviceError
 
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
-# Serving also has int8 (weights quantized, layer by layer); training never does.
-INFERENCE_DTYPES = (*DTYPES, "int8")
+# The names the device code has always used for `autoprec.dtypes`' sets (one definition).
+DTYPES = TORCH_DTYPES
+INFERENCE_DTYPES = SERVING_DTYPES
 _MB = 2.0**20
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|npu)(?::(\d+))?$")
 _RANGE = re.compile(r"^(cuda|npu):(\d+)-(\d+)$")
@@ -141,7 +138,7 @@ def npu_available() -> bool:
     npu = getattr(torch, "npu", None)
     try:
         return bool(npu is not None and npu.is_available())
-    except Exception:
+    except Exception:  # torch_npu's probe: never raises (NPU.md)
         return False
 
 

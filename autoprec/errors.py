@@ -1,12 +1,38 @@
-"""autoprec's own exception types.
+"""autoprec's own exception and warning types, all in this one module.
 
 Every error a user can cause by bad input is an `AutoprecError`; the CLI prints its
 message on one line and exits with status 2. The message names the file and field.
+The few other types here are signals: `SearchInterrupted` carries the results of a
+search stopped by Ctrl-C, `TrialTimeout` and `DuplicateKey` never leave autoprec.
 """
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
+import yaml
+
+if TYPE_CHECKING:
+    from autoprec.search import SearchResult
+
+__all__ = [
+    "AutoprecError",
+    "DeviceError",
+    "DuplicateKey",
+    "ExportError",
+    "ExportWarning",
+    "LoopError",
+    "PolicyError",
+    "SearchInterrupted",
+    "SpaceError",
+    "StoreError",
+    "SummaryError",
+    "TaskError",
+    "TrialTimeout",
+    "first_line",
+    "redact",
+]
 
 
 class AutoprecError(Exception):
@@ -38,10 +64,48 @@ class StoreError(AutoprecError):
     """An Optuna or MLflow store cannot be used, or does not hold what was asked for."""
 
 
+class SummaryError(AutoprecError):
+    """A field of summary.json is missing or of the wrong type (the message names it)."""
+
+
+class ExportError(AutoprecError):
+    """A policy cannot be exported in the format asked for (a missing model or example
+    input, an unknown format, a model the exporter cannot trace)."""
+
+
+class ExportWarning(UserWarning):
+    """A format cannot express the policy exactly; the message says what it approximates.
+    The same text stands in the header comment of the file written."""
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the trials: the running trial was recorded as interrupted (failed in
+    Optuna, not counted), and the summary and best policy so far were written. A
+    KeyboardInterrupt, so that code which stops on Ctrl-C stops on it too."""
+
+    def __init__(self, result: SearchResult) -> None:
+        super().__init__(f"search interrupted; results so far in {result.summary_path}")
+        self.result = result
+
+
+class TrialTimeout(Exception):
+    """Raised inside a trial that ran past its time limit (the trial then fails)."""
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A YAML mapping gives one key twice (`autoprec.files` turns it into the caller's
+    error type, naming the key and both lines)."""
+
+
 def first_line(error: BaseException, limit: int = 300) -> str:
     """An error's message cut to its first line (tracebacks of other libraries can run to
-    pages), at most ``limit`` characters."""
-    return (str(error).splitlines() or [""])[0][:limit]
+    pages), at most ``limit`` characters; a longer one is cut between words and ends in
+    " ...", so that no URL or path in it is left cut in the middle."""
+    line = (str(error).splitlines() or [""])[0]
+    if len(line) <= limit:
+        return line
+    cut = line[: max(limit - 4, 0)]
+    return (cut[: cut.rfind(" ")] if " " in cut else cut) + " ..."
 
 
 # The password part of a URL: scheme://user:password@host. The password runs to the last

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from autoprec.errors import AutoprecError
+from autoprec.errors import AutoprecError, DuplicateKey
 
 MAX_YAML_BYTES = 256 * 1024  # a policy or space of thousands of rules is under 100 KB
 MAX_YAML_VALUES = 100_000  # values after anchors are expanded (a "billion laughs" file)
@@ -66,7 +66,7 @@ def parse_yaml(text: str, source: str, error: type[AutoprecError]) -> Any:
     loader = _StrictLoader(text)
     try:
         data = loader.get_single_data()
-    except _DuplicateKey as duplicate:
+    except DuplicateKey as duplicate:
         raise error(f"{source}: {duplicate}") from None
     except yaml.YAMLError as failure:
         mark = getattr(failure, "problem_mark", None)
@@ -77,10 +77,6 @@ def parse_yaml(text: str, source: str, error: type[AutoprecError]) -> Any:
     if _expanded_size(data) > MAX_YAML_VALUES:
         raise error(f"{source}: its anchors expand to more than {MAX_YAML_VALUES} values")
     return data
-
-
-class _DuplicateKey(yaml.YAMLError):
-    pass
 
 
 _Base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser where installed
@@ -98,7 +94,7 @@ class _StrictLoader(_Base):  # type: ignore[misc, valid-type]
             line = key_node.start_mark.line + 1
             try:
                 if key in seen:
-                    raise _DuplicateKey(
+                    raise DuplicateKey(
                         f"line {line}: key {key!r} given twice (first on line {seen[key]})"
                     )
                 seen[key] = line

@@ -31,18 +31,18 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from autoprec.dtypes import LOW_PRECISION
 from autoprec.errors import AutoprecError, SpaceError
-from autoprec.selection import PREFER_METRICS, PREFERENCES, preference_score
+from autoprec.selection import PREFER_METRICS, TRAINING_PREFERENCES, preference_score
 from autoprec.space import Group, SearchSpace
 
-LOW_DTYPES = ("fp16", "bf16")
-_HIGH_FIRST = ("fp32", "bf16", "fp16")
+_HIGH_FIRST = ("fp32", "bf16", "fp16", "int8")
 Proposal = tuple[dict[str, Any], str]
 
 
@@ -170,7 +170,8 @@ def fp16_start_scale_log2(space: SearchSpace, max_gradient: float | None) -> int
 
 
 def _high(group: Group) -> str:
-    return next(d for d in _HIGH_FIRST if d in group.dtypes)
+    """The widest-ranged dtype ``group`` offers (a serving group may offer only int8)."""
+    return next((d for d in _HIGH_FIRST if d in group.dtypes), group.dtypes[0])
 
 
 class GuidedStrategy(_Strategy):
@@ -195,8 +196,10 @@ class GuidedStrategy(_Strategy):
         start = fp16_start_scale_log2(space, max_gradient)
         if start is not None:
             self._fp16_scaling["loss_scale.init_scale_log2"] = start
-        if prefer not in PREFERENCES:
-            raise AutoprecError(f"prefer: expected one of {', '.join(PREFERENCES)}, got {prefer!r}")
+        if prefer not in TRAINING_PREFERENCES:
+            raise AutoprecError(
+                f"prefer: expected one of {', '.join(TRAINING_PREFERENCES)}, got {prefer!r}"
+            )
         names = [g.name for g in self.groups]
         unknown = [n for n in risk_order if n not in names]
         if unknown:
@@ -208,7 +211,7 @@ class GuidedStrategy(_Strategy):
         self.risk_order = ranked + [n for n in names if n not in ranked]
         self.prefer = prefer
         # Serving spaces may also offer int8 (to the layers that take it).
-        self.low_dtypes = [d for d in (*LOW_DTYPES, "int8") if self._searchable(d, names)]
+        self.low_dtypes = [d for d in (*LOW_PRECISION, "int8") if self._searchable(d, names)]
 
     def _plan(self, known: dict[str, _Outcome], busy: set[str | None]) -> Iterator[Proposal]:
         for low in self.low_dtypes:
@@ -249,7 +252,7 @@ class GuidedStrategy(_Strategy):
 
     def _bisect(
         self, low: str, order: list[str], known: dict[str, _Outcome], busy: set[str | None]
-    ) -> Iterator[Proposal]:
+    ) -> Generator[Proposal, None, int | None]:
         """Probe prefixes of ``order`` kept high; returns the smallest feasible prefix
         length once the bracket closes, None while probes are missing or running."""
         n = len(order)
@@ -350,8 +353,8 @@ class FallbackStrategy(_Strategy):
         super().__init__(space, model, device)
         names = [g.name for g in self.groups]
         if dtype is None:
-            dtype = next((d for d in LOW_DTYPES if self._searchable(d, names)), "fp16")
-        if dtype not in LOW_DTYPES:
+            dtype = next((d for d in LOW_PRECISION if self._searchable(d, names)), "fp16")
+        if dtype not in LOW_PRECISION:
             raise AutoprecError(f"dtype: expected fp16 or bf16, got {dtype!r}")
         self.low = dtype
         self.order = self._searchable(dtype, names)

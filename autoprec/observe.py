@@ -30,6 +30,7 @@ from torch import nn
 from autoprec.devices import (
     DTYPES,
     Backend,
+    autocast_behaviour,
     get_backend,
     learned_behaviour,
     record_behaviour,
@@ -48,6 +49,20 @@ def first_floating_dtype(output: Any) -> str | None:
     """The dtype name of the first floating tensor in a (nested) output, if any."""
     floating = _floats(output)
     return _NAMES.get(floating[0].dtype) if floating else None
+
+
+def casts_inputs(kind: str, module: nn.Module, dtype: str, uniform: bool) -> bool:
+    """Whether a plan casts the floating inputs of ``module`` (a leaf with parameters put
+    in ``dtype``) to that dtype before it runs, on this device kind: always for a module
+    that runs only on inputs already cast (an LSTM on the CPU), and for one that runs in
+    its input's dtype (a norm on the CPU) unless the policy is ``uniform`` (plain
+    autocast, which leaves its input as it arrives). The one rule the plan
+    (`autoprec.policy.Policy.plan`) and the profile's deviation test both follow, so that
+    the profile measures each module as a policy would run it."""
+    if dtype == "fp32":
+        return False
+    behaviour = autocast_behaviour(kind, module)
+    return behaviour == "cast" or (behaviour == "input" and not uniform)
 
 
 def _leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from autoprec.errors import PolicyError
-from autoprec.precision import Plan, RegionSpec
+from autoprec.plan import Plan, RegionSpec
 
 _log = logging.getLogger("autoprec")
 

@@ -28,7 +28,6 @@ import hashlib
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,21 +37,35 @@ import yaml
 from torch import nn
 
 from autoprec.devices import (
-    INFERENCE_DTYPES,
     Backend,
     autocast_behaviour,
     device_kind,
     failing_dtypes,
     get_backend,
 )
+from autoprec.dtypes import INT8, SERVING_DTYPES
 from autoprec.errors import PolicyError
 from autoprec.files import load_yaml, parse_yaml, write_atomic
+from autoprec.observe import casts_inputs
 from autoprec.placement import Placement, announce, place, within
-from autoprec.precision import Plan, Precision, RegionSpec
+from autoprec.plan import (
+    Plan,
+    RegionSpec,
+    boundaries,
+    is_called,
+    low_precision_share,
+    name_and_ancestors,
+    own_parameters,
+    parameterised_leaves,
+)
+from autoprec.precision import Precision
+from autoprec.quantizers import INT8_METHODS
 from autoprec.scaling import LossScale
 
-LOW_PRECISION = ("fp16", "bf16")
-_POLICY_FIELDS = ("name", "default", "rules", "loss_scale", "switches")
+# The name the training trial has imported the share by (one function: `autoprec.plan`).
+share_of_parameters = low_precision_share
+_POLICY_FIELDS = ("name", "default", "rules", "loss_scale", "switches", "quantization")
+_QUANTIZATION_FIELDS = ("int8",)
 _RULE_FIELDS = ("name", "patterns", "types", "dtype")
 # What a policy or rule name may hold: what the search names things with (``uniform-fp16``,
 # ``t007 fc1=bf16 scale=dynamic:65536.0``, ``h.0-1.attn``), and no quote, newline or shell
@@ -61,7 +74,7 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9_.,:=+\- ]{0,200}")
 
 
 def _check_dtype(value: Any, where: str) -> str:
-    if value not in INFERENCE_DTYPES:
+    if value not in SERVING_DTYPES:
         raise PolicyError(
             f"{where}: unknown dtype {value!r} (expected fp32, fp16, bf16, or int8 for serving)"
         )
@@ -116,7 +129,7 @@ class Rule:
         if self.patterns and not any(
             fnmatch.fnmatchcase(prefix, pattern)
             for pattern in self.patterns
-            for prefix in _name_and_ancestors(name)
+            for prefix in name_and_ancestors(name)
         ):
             return False
         if self.types:
@@ -163,9 +176,40 @@ class Rule:
         return cls(_check_dtype(data["dtype"], f"{where}.dtype"), patterns, types, name)
 
 
-def _name_and_ancestors(name: str) -> Iterable[str]:
-    parts = name.split(".")
-    return (".".join(parts[: i + 1]) for i in range(len(parts)))
+@dataclass(frozen=True)
+class Quantization:
+    """How a serving policy's quantized layers are made: ``int8``, the method its int8
+    layers were measured with (one of `autoprec.quantizers.INT8_METHODS`; None: the
+    device's default, as for a policy written by hand). The fp8 recipe will sit beside it.
+    Written in the YAML only where set, so a policy without it reads and writes as before."""
+
+    int8: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.int8 is not None and self.int8 not in INT8_METHODS:
+            raise PolicyError(
+                f"quantization.int8: unknown method {self.int8!r} "
+                f"(expected {', '.join(INT8_METHODS)})"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: value for key, value in (("int8", self.int8),) if value is not None}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Quantization:
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise PolicyError(f"quantization: expected a mapping, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(_QUANTIZATION_FIELDS))
+        if unknown:
+            raise PolicyError(
+                f"quantization.{unknown[0]}: unknown field (expected {list(_QUANTIZATION_FIELDS)})"
+            )
+        int8 = data.get("int8")
+        if int8 is not None and not isinstance(int8, str):
+            raise PolicyError(f"quantization.int8: expected a method name, got {int8!r}")
+        return cls(int8=int8)
 
 
 @dataclass(frozen=True)
@@ -175,7 +219,9 @@ class Policy:
     ``tf32`` (CUDA) and ``hf32`` (Ascend) are None to leave the device's setting as is.
     ``serving``: the policy converts weights for serving, where nothing is trained and no
     loss is scaled, so its YAML has no ``loss_scale``; a YAML without one reads back so
-    (which changes only how it is written again).
+    (which changes only how it is written again). ``quantization``: for serving, the
+    method its int8 layers are quantized with (`Quantization`), so that converting by the
+    policy alone serves what the search measured.
     """
 
     rules: tuple[Rule, ...] = ()
@@ -185,10 +231,18 @@ class Policy:
     hf32: bool | None = None
     name: str | None = None
     serving: bool = field(default=False, compare=False)
+    quantization: Quantization = field(default_factory=Quantization)
 
     def __post_init__(self) -> None:
         _check_dtype(self.default, "default")
         object.__setattr__(self, "rules", tuple(self.rules))
+        if not isinstance(self.quantization, Quantization):
+            raise PolicyError("quantization: expected a Quantization")
+
+    @property
+    def int8_method(self) -> str | None:
+        """The int8 method the policy was measured with (None: the device's default)."""
+        return self.quantization.int8
 
     # -- construction and serialisation -------------------------------------------------
 
@@ -211,6 +265,9 @@ class Policy:
         switches = {k: v for k, v in (("tf32", self.tf32), ("hf32", self.hf32)) if v is not None}
         if switches:
             data["switches"] = switches
+        quantization = self.quantization.to_dict()
+        if quantization:
+            data["quantization"] = quantization
         return data
 
     @classmethod
@@ -236,10 +293,12 @@ class Policy:
                 if value is not None and not isinstance(value, bool):
                     raise PolicyError(f"switches.{key}: expected true, false or null")
             name = _check_name(data.get("name"), "name")
+            quantization = Quantization.from_dict(data.get("quantization"))
         except PolicyError as error:
             raise PolicyError(f"{source}: {error}") from None
         tf32, hf32 = switches.get("tf32"), switches.get("hf32")
-        return cls(rules, default, loss_scale, tf32, hf32, name, serving="loss_scale" not in data)
+        serving = "loss_scale" not in data
+        return cls(rules, default, loss_scale, tf32, hf32, name, serving, quantization)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -300,50 +359,33 @@ class Policy:
                 continue  # no region: autocast keeps it in fp32 anyway
             dtype = dtype or self.default
             chosen[name] = dtype
-            if dtype != "fp32" and (behaviour == "cast" or (behaviour == "input" and self.rules)):
-                # In a policy with rules, the policy decides it: its inputs are cast. A
-                # uniform policy is plain autocast: it runs in the dtype its input arrives
-                # in. A module that runs only on cast inputs gets them cast either way.
-                follows_input.add(name)
-            weight[dtype] += sum(p.numel() for p in module.parameters(recurse=False))
+            if casts_inputs(kind, module, dtype, uniform=not self.rules):
+                follows_input.add(name)  # the rule the profile follows too
+            weight[dtype] += own_parameters(module)
 
-        below: dict[str, set[str]] = {name: set() for name, _ in model.named_modules()}
-        for name, dtype in chosen.items():
-            for ancestor in ("", *(_name_and_ancestors(name) if name else ())):
-                below[ancestor].add(dtype)
-
-        if len(below[""]) == 1:
-            outer = next(iter(below[""]))
-        elif below[""]:
+        found = boundaries(model, chosen)
+        if found.uniform is not None:
+            outer = found.uniform
+        elif found.dtypes:
             # The outer region takes the dtype holding most parameters: fewest boundaries.
             outer = max(sorted(weight), key=lambda d: (weight[d], d == "fp32"))
         else:
             outer = self.default
-        regions: dict[str, RegionSpec] = {}
-
-        def descend(prefix: str, module: nn.Module, around: str) -> None:
-            for child_name, child in module.named_children():
-                full = f"{prefix}.{child_name}" if prefix else child_name
-                dtypes = below.get(full, set())
-                if len(dtypes) > 1 or not is_called(child):
-                    descend(full, child, around)
-                    continue
-                dtype = next(iter(dtypes)) if dtypes else around
-                if dtype != around:
-                    regions[full] = RegionSpec(full, dtype, around)
-                _mark_inputs(full, child, dtype)
-
-        def _mark_inputs(prefix: str, module: nn.Module, around: str) -> None:
-            # A module that runs in its input's dtype gets its input cast, wherever it is.
-            for name, _ in module.named_modules(prefix=prefix):
-                if name in follows_input:
-                    outside = regions[name].around if name in regions else around
-                    regions[name] = RegionSpec(name, chosen[name], outside, cast_inputs=True)
-
-        if len(below[""]) <= 1:
-            _mark_inputs("", model, outer)
-        else:
-            descend("", model, outer)
+        # Each same-dtype subtree in another dtype than the outer region gets a region.
+        regions = {
+            s.name: RegionSpec(s.name, s.dtype, outer)
+            for s in found.subtrees
+            if s.dtype is not None and s.dtype != outer
+        }
+        # A module that runs in its input's dtype gets its input cast, wherever it is: its
+        # surroundings are the outer region's at a subtree's border, else its subtree's.
+        for name in follows_input:
+            subtree = found.subtree_of(name)
+            if found.uniform is None and subtree is None:
+                continue  # below a container its parent never calls: nothing runs it
+            outside = outer if subtree is None or subtree.name == name else chosen[name]
+            regions[name] = RegionSpec(name, chosen[name], outside, cast_inputs=True)
+        regions = {name: regions[name] for name, _ in model.named_modules() if name in regions}
         leaf_dtypes = {name: chosen.get(name, "fp32") for name, _ in parameterised_leaves(model)}
         return Plan(kind, outer, tuple(regions.values()), leaf_dtypes, self.tf32, self.hf32)
 
@@ -351,7 +393,7 @@ class Policy:
     def serving_only(self) -> bool:
         """Whether the policy names int8 (by its default or a rule): a serving policy,
         which training cannot apply."""
-        return "int8" in (self.default, *(rule.dtype for rule in self.rules))
+        return INT8 in (self.default, *(rule.dtype for rule in self.rules))
 
     def _refuse_int8(self) -> None:
         for where, dtype in (
@@ -478,7 +520,7 @@ class Policy:
             {
                 "name": name or "(model)",
                 "type": type(modules[name]).__name__,
-                "params": _own_parameters(modules[name]),
+                "params": own_parameters(modules[name]),
                 "dtype": dtype,
             }
             for name, dtype in resolved.items()
@@ -498,7 +540,7 @@ class Policy:
             if inference
             else self.resolve(model, device, example=example)
         )
-        return share_of_parameters(model, resolved)
+        return low_precision_share(model, resolved)
 
     def apply(
         self,
@@ -561,38 +603,6 @@ def _runner(example: Any, backend: Backend) -> Any:
 
     batch = example if isinstance(example, Batch) else Batch.of(example)
     return batch.to(backend.device).run
-
-
-def share_of_parameters(model: nn.Module, dtypes: dict[str, str]) -> float:
-    """Share of the parameters of the leaves in ``dtypes`` that are not fp32 there."""
-    modules = dict(model.named_modules())
-    total = low = 0
-    for name, dtype in dtypes.items():
-        count = _own_parameters(modules[name])
-        total += count
-        low += count if dtype != "fp32" else 0
-    return low / total if total else 0.0
-
-
-def _own_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters(recurse=False))
-
-
-def parameterised_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Leaf modules that hold parameters of their own: the modules a policy assigns."""
-    return [
-        (name, module)
-        for name, module in model.named_modules()
-        if next(module.children(), None) is None
-        and next(module.parameters(recurse=False), None) is not None
-    ]
-
-
-def is_called(module: nn.Module) -> bool:
-    """Whether the module is called when its parent runs: containers without a forward
-    (``ModuleList``, ``ModuleDict``) are not, their parents call their children, so a hook
-    or a region meant for one must go on those children."""
-    return type(module).forward is not nn.Module.forward
 
 
 def load_policy(path: str | Path) -> Policy:

@@ -19,49 +19,52 @@ dtype of its input, so in low precision it gets a region that casts its inputs d
 Casts map over nested inputs and outputs (tuples, dicts, ``ModelOutput``) and keep
 their container types. A uniform policy on a model without such modules installs no
 wrapper at all and costs what plain ``torch.autocast`` costs.
+
+Where the regions go is `autoprec.plan.boundaries`' answer, the one serving's casts use
+too, and `Precision` has the hooks every precision mode has (`PrecisionHooks`:
+``convert_module``, ``forward_context``, ``convert_input``, ``convert_output``), as
+serving's `autoprec.inference.convert.ServingPrecision` has.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from autoprec.devices import DTYPES, Backend
+from autoprec.devices import Backend
+from autoprec.dtypes import TORCH_DTYPES
+from autoprec.plan import Plan
 from autoprec.scaling import LossScale, LossScaler
 from autoprec.structures import cast_floats
 
 
-@dataclass(frozen=True)
-class RegionSpec:
-    """A module that runs in ``dtype`` inside surroundings of dtype ``around``; with
-    ``cast_inputs``, its floating inputs are cast to ``dtype`` first (a module that runs
-    in its input's dtype)."""
+@runtime_checkable
+class PrecisionHooks(Protocol):
+    """What every precision mode gives the code that runs a model (Lightning Fabric's
+    precision plugins have the same shape): training's `Precision` and serving's
+    `autoprec.inference.convert.ServingPrecision`. A loop calls these and never asks which
+    mode it is in."""
 
-    name: str
-    dtype: str
-    around: str
-    cast_inputs: bool = False
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        """The model made to run in the mode's dtypes (training: regions installed in
+        place; serving: a converted copy)."""
+        ...
 
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        """What the forward runs in."""
+        ...
 
-@dataclass(frozen=True)
-class Plan:
-    """How a policy lands on one model on one device kind (``Policy.plan`` makes it): the
-    dtype of the outer region entered by ``Precision.autocast()``, the modules that get a
-    region of their own (as few as possible: whole same-dtype subtrees; a uniform policy
-    needs none but for modules that run in their input's dtype), the dtype each
-    parameterised leaf really runs in there, and the TF32/HF32 switches to set (None:
-    leave the device's)."""
+    def convert_input(self, data: Any) -> Any:
+        """The inputs as the model's first layers take them."""
+        ...
 
-    device_kind: str
-    outer_dtype: str
-    regions: tuple[RegionSpec, ...]
-    leaf_dtypes: dict[str, str]
-    tf32: bool | None = None
-    hf32: bool | None = None
+    def convert_output(self, data: Any) -> Any:
+        """The outputs as the loss, the metric or a client takes them: floats in fp32."""
+        ...
 
 
 class Region:
@@ -83,11 +86,11 @@ class Region:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.cast_inputs:
-            args, kwargs = cast_floats((args, kwargs), DTYPES[self.dtype])
+            args, kwargs = cast_floats((args, kwargs), TORCH_DTYPES[self.dtype])
         if self.dtype == "fp32":
             with torch.autocast(self.device_type, enabled=False):
                 return self.forward(*args, **kwargs)
-        with torch.autocast(self.device_type, dtype=DTYPES[self.dtype]):
+        with torch.autocast(self.device_type, dtype=TORCH_DTYPES[self.dtype]):
             return self.forward(*args, **kwargs)
 
 
@@ -102,7 +105,9 @@ def _upcast_last(module: nn.Module) -> list[Any]:
     upcast = module.register_forward_hook(_upcast_outputs)
 
     def keep_last(*_: Any) -> None:
-        module._forward_hooks.move_to_end(upcast.id)
+        hooks = module._forward_hooks
+        assert isinstance(hooks, OrderedDict)  # torch keeps hooks in order (nn.Module)
+        hooks.move_to_end(upcast.id)
 
     return [upcast, module.register_forward_pre_hook(keep_last)]
 
@@ -152,8 +157,30 @@ class Precision:
         self.scaler = LossScaler(loss_scale)
         self._previous_switches = backend.set_switches(plan.tf32, plan.hf32)
         self.switches = backend.switches()
-        self._installed = Installed(model, plan, backend.kind)
+        self._installed: Installed | None = None
+        self.convert_module(model)
         self._update_pending = False
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        """The plan's regions installed on ``model`` (in place: master weights stay fp32,
+        autocast casts on the fly); ``Policy.apply`` has called it already."""
+        if self._installed is not None:
+            self._installed.remove()
+        self.model = model
+        self._installed = Installed(model, self.plan, self.backend.kind)
+        return model
+
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The outer region (`autocast`), under the name every precision mode shares."""
+        return self.autocast()
+
+    def convert_input(self, data: Any) -> Any:
+        """Inputs go in as they are: autocast and the regions cast them where they run."""
+        return data
+
+    def convert_output(self, data: Any) -> Any:
+        """Floating outputs in fp32, as the loss is computed (container types kept)."""
+        return cast_floats(data, torch.float32)
 
     @property
     def loss_scale(self) -> float:
@@ -205,5 +232,6 @@ class Precision:
 
     def remove(self) -> None:
         """Take the regions off the model and restore the device switches."""
-        self._installed.remove()
+        if self._installed is not None:
+            self._installed.remove()
         self.backend.restore_switches(self._previous_switches)

@@ -12,12 +12,15 @@ overflow where none of its children does). Per module and low dtype it records
   (flushed to zero);
 - the deviation test: on one fixed batch (the first, at most ``DEVIATION_SAMPLES``
   samples of it), after the training steps, a forward pass and the fp32 loss with that
-  module alone in the dtype (its floating inputs cast to the dtype, run under the
-  backend's autocast, its outputs cast back to fp32, as a policy region does),
-  compared with the fp32 forward: the relative deviation of the loss and the relative
-  L2 deviation of the model's output. Forward only, without gradients. The slice keeps
+  module alone in the dtype, run as the plan of a policy that puts its layers in that
+  dtype and leaves the rest in fp32 would run it (under the backend's autocast, its
+  outputs cast back to fp32; the inputs of its layers cast to the dtype where the plan
+  casts them, by the one rule both follow, `autoprec.observe.casts_inputs`), compared
+  with the fp32 forward: the relative deviation of the loss and the relative L2
+  deviation of the model's output. Forward only, without gradients. The slice keeps
   the test cheap (one forward per module and dtype); overflow that the slice misses
-  still shows in the value ranges, which cover every training batch.
+  still shows in the value ranges, which cover every training batch. How autocast
+  treats each layer is watched first (`autoprec.observe.learn`), as a search does.
 
 Gradients are measured unscaled (as with a loss scale of 1): their underflow shares say
 what fp16 loses without loss scaling.
@@ -34,15 +37,27 @@ The risk of a module in dtype ``d``, where every share is measured against d's l
 where ``deviation`` is the larger of the relative loss and output deviations,
 ``flushed`` the largest share of nonzero values below d's smallest subnormal and
 ``subnormal`` the largest share below its smallest normal. A module's risk is its worst
-over the dtypes. So non-finite results rank first, then overflow, then deviation and
-underflow. Among equal risks, a module whose inputs were already out of the dtype's
-range ranks after those whose were not (it only passes the problem on), and a parent
-ranks after its riskiest descendant when that one is as risky (it only contains it).
+over the dtypes.
+
+The modules that break (risk >= 1: non-finite or overflow) rank first, where the problem
+starts before what it reaches: those whose inputs were in the dtype's range, then the
+parents that hold one of them that breaks (they only contain it), then those whose
+inputs were already out of range (they only pass the problem on); each part riskiest
+first. Risk alone would not find the origin: run as a plan runs it, a module alone in
+fp16 takes its inputs as the fp32 layers around it hand them, so a block whose outputs
+pass 65504 only once its inputs arrive in fp16 (a residual sum promotes an fp32 shortcut)
+overflows in its value ranges (risk 1 + overflow) while its parent, which hands it fp16,
+and every layer after it, which receives its fp32 outputs past fp16's range, come out
+non-finite. The others follow by risk; among equal risks, those that pass a problem on
+or contain a riskier descendant rank after the rest.
 
 A forward that fails with a module alone in a dtype (an op without a kernel for it, a
-model that cannot take its own outputs back) is the profile's failure, not a numerical
-risk: it is recorded as the module's ``error``, left out of its risk (shown as "error"
-in the table when no dtype could be measured), and never shapes a search.
+model that cannot take its own outputs back) is not a numerical risk: it is recorded as
+the module's ``error``, left out of its risk (shown as "error" in the table when no
+dtype could be measured). On a layer with parameters it is also recorded as a dtype
+that layer's class cannot run in on the device kind (`autoprec.devices.record_failure`),
+so that the space does not offer it and a policy that names it is refused before it
+runs; a module holding such a layer is not run in that dtype at all.
 """
 
 from __future__ import annotations
@@ -61,11 +76,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.devices import DTYPES, Backend, get_backend
+from autoprec.devices import DTYPES, Backend, failing_dtypes, get_backend, record_failure
+from autoprec.dtypes import LOW_PRECISION
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
 from autoprec.files import write_atomic
-from autoprec.policy import LOW_PRECISION
-from autoprec.precision import Installed, Plan, RegionSpec
+from autoprec.observe import casts_inputs, learn
+from autoprec.plan import Plan, RegionSpec, parameterised_leaves
+from autoprec.precision import Installed
 from autoprec.tasks import Task, check_task, load_task
 from autoprec.tasks.base import Batch, logits_of
 from autoprec.watch import INPUT, OUTPUT, OUTPUT_GRAD, PARAM_GRAD, Counts, Watcher
@@ -278,6 +295,8 @@ def profile_task(
             f"task {task.name!r}: the fp32 loss is {reference[1]} after {steps} steps; "
             "nothing to compare low precision with"
         )
+    with _task_errors(task), backend.selected():
+        learn(model, batch.run, backend)  # how the plan will run each layer here
     with backend.selected():
         deviations = {
             name: {
@@ -361,7 +380,7 @@ def _task_errors(task: Task) -> Iterator[None]:
         yield
     except AutoprecError:
         raise
-    except Exception as error:
+    except Exception as error:  # the task's own code: any error is its
         raise TaskError(
             f"task {task.name!r}: the fp32 pass failed ({type(error).__name__}: "
             f"{first_line(error)})"
@@ -463,15 +482,27 @@ def _deviation(
     seed: int,
     reference: tuple[torch.Tensor, float],
 ) -> dict[str, Any]:
-    """Loss and output deviation from fp32 with module ``name`` alone in ``dtype``: its
-    inputs cast to the dtype and its outputs cast back, through the same regions a policy
-    installs."""
-    region = RegionSpec(name, dtype, around="fp32", cast_inputs=True)
-    installed = Installed(model, Plan(backend.kind, "fp32", (region,), {}), backend.kind)
+    """Loss and output deviation from fp32 with module ``name`` alone in ``dtype``, run
+    through the regions a policy's plan installs (`_alone`). A layer of it that cannot
+    run in the dtype there is an error, recorded for the space (module docstring)."""
+    kind = backend.kind
+    layers = _layers_within(model, name)
+    known = next(
+        ((n, r) for n, m in layers if (r := failing_dtypes(kind, m).get(dtype)) is not None),
+        None,
+    )
+    if known is not None:
+        layer, reason = known
+        where = "" if layer == name else f"{layer} "
+        return {"error": f"{where}cannot run in {dtype} on {kind} ({reason})"}
+    installed = Installed(model, _alone(model, name, dtype, kind), kind)
     try:
         outputs, loss = _forward(task, model, batch, seed)
     except Exception as error:  # an op without a kernel for this dtype, say
-        return {"error": f"{type(error).__name__}: {first_line(error, 200)}"}
+        reason = f"{type(error).__name__}: {first_line(error, 200)}"
+        if len(layers) == 1 and layers[0][0] == name:  # a layer's own failure
+            record_failure(kind, type(layers[0][1]), dtype, reason)
+        return {"error": reason}
     finally:
         installed.remove()
     reference_outputs, reference_loss = reference
@@ -484,6 +515,32 @@ def _deviation(
         "output_deviation": float(torch.linalg.vector_norm(outputs - reference_outputs))
         / max(norm, 1e-12),
     }
+
+
+def _layers_within(model: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
+    """The leaves with parameters at or below module ``name``: the layers a policy names."""
+    within = parameterised_leaves(model.get_submodule(name))
+    return [(f"{name}.{leaf}" if leaf else name, module) for leaf, module in within]
+
+
+def _alone(model: nn.Module, name: str, dtype: str, kind: str) -> Plan:
+    """The regions the plan of a policy would install that puts every layer of module
+    ``name`` in ``dtype`` (by rules) and leaves the rest of the model in fp32: one region
+    in ``dtype`` on the module, and on each of its layers whose inputs the plan casts
+    (`casts_inputs`, the plan's own rule) a region that casts them."""
+    module = model.get_submodule(name)
+    layers = dict(_layers_within(model, name))
+    regions = [RegionSpec(name, dtype, "fp32", name in layers and _casts(kind, module, dtype))]
+    regions += [
+        RegionSpec(layer, dtype, dtype, cast_inputs=True)
+        for layer, leaf in layers.items()
+        if layer != name and _casts(kind, leaf, dtype)
+    ]
+    return Plan(kind, "fp32", tuple(regions), {})
+
+
+def _casts(kind: str, module: nn.Module, dtype: str) -> bool:
+    return casts_inputs(kind, module, dtype, uniform=False)  # a policy with rules
 
 
 # -- combining -----------------------------------------------------------------------------
@@ -502,10 +559,17 @@ def _rank(
     for order, (entry, passed_on) in enumerate(entries):
         below = [m for m, _ in entries if m.name.startswith(f"{entry.name}.")]
         riskiest = max(below, key=lambda m: m.risk, default=None)
-        contains = riskiest is not None and riskiest.risk >= entry.risk > 0
-        if contains and entry.risk >= 1:
+        breaks = entry.risk >= 1  # non-finite or overflow
+        contains = (
+            riskiest is not None
+            and entry.risk > 0
+            and (riskiest.risk >= entry.risk or (breaks and riskiest.risk >= 1))
+        )
+        if contains and breaks:
             entry.reason += f" (contains {riskiest.name})"
-        keys.append((-entry.risk, passed_on, contains, order))
+        # What breaks ranks first, where it starts before what passes it on or holds it.
+        keys.append((not breaks, breaks and passed_on, breaks and contains, -entry.risk))
+        keys[-1] += (passed_on, contains, order)
     ranked = [entry for _, (entry, _) in sorted(zip(keys, entries, strict=True))]
     for rank, entry in enumerate(ranked, start=1):
         entry.rank = rank

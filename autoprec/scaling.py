@@ -23,7 +23,7 @@ import torch
 
 from autoprec.errors import LoopError, PolicyError
 
-MODES = ("none", "static", "dynamic")
+LOSS_SCALE_MODES = ("none", "static", "dynamic")
 _FLOAT32_MAX = torch.finfo(torch.float32).max  # the scale is a float32, as in torch
 _DYNAMIC_FIELDS = (
     "init_scale",
@@ -49,7 +49,7 @@ class LossScale:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.mode not in MODES:
+        if self.mode not in LOSS_SCALE_MODES:
             problems.append(f"mode: unknown mode {self.mode!r} (expected none, static or dynamic)")
         if not 0 < self.init_scale <= _FLOAT32_MAX:
             problems.append(

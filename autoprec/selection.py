@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-PREFERENCES = ("speed", "memory", "balanced")
+TRAINING_PREFERENCES = ("speed", "memory", "balanced")
 # The metrics each preference weighs, every one to be minimised.
 PREFER_METRICS: dict[str, tuple[str, ...]] = {
     "speed": ("step_time_ms",),
@@ -82,8 +82,8 @@ def select_best(
     - ``balanced``: lowest sum of step time and memory, each relative to ``reference``
       (the fp32 baseline; within ``TIME_TIE`` counts as equal), then highest accuracy.
     """
-    if prefer not in PREFERENCES:
-        raise ValueError(f"prefer: expected one of {PREFERENCES}, got {prefer!r}")
+    if prefer not in TRAINING_PREFERENCES:
+        raise ValueError(f"prefer: expected one of {TRAINING_PREFERENCES}, got {prefer!r}")
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
         return None

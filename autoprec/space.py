@@ -45,17 +45,23 @@ from torch import nn
 
 from autoprec.autogroups import build_groups
 from autoprec.devices import (
-    DTYPES,
-    INFERENCE_DTYPES,
     Backend,
     autocast_behaviour,
     device_kind,
     failing_dtypes,
 )
+from autoprec.dtypes import LOW_PRECISION, SERVING_DTYPES, TRAINING_DTYPES
 from autoprec.errors import PolicyError, SpaceError
 from autoprec.files import load_yaml
-from autoprec.policy import Policy, Rule, int8_capable, parameterised_leaves, tied_leaves
-from autoprec.scaling import MODES, LossScale
+from autoprec.policy import (
+    Policy,
+    Quantization,
+    Rule,
+    int8_capable,
+    parameterised_leaves,
+    tied_leaves,
+)
+from autoprec.scaling import LOSS_SCALE_MODES, LossScale
 
 if TYPE_CHECKING:
     from autoprec.profile import Profile
@@ -80,7 +86,7 @@ _RANGE_FIELDS = {
     "hysteresis": (1, 1),
 }
 # Dynamic-scaling settings searched as a choice among listed values (one value: fixed).
-_CHOICE_FIELDS = {
+_CHOICE_FIELDS: dict[str, tuple[float, ...]] = {
     "growth_factor": (2.0,),
     "backoff_factor": (0.5,),
     "min_scale": (0.0,),
@@ -158,7 +164,7 @@ class SearchSpace:
     loss_scale: LossScaleSpace = field(default_factory=LossScaleSpace)
     description: str = ""
     source: str = "<space>"
-    dtypes: tuple[str, ...] = tuple(DTYPES)
+    dtypes: tuple[str, ...] = TRAINING_DTYPES
     auto: AutoGroups | None = None  # set until ``fit`` builds the groups of ``groups: auto``
     inference: bool = False  # fitted for serving: weights converted, int8 possible
     switch: str | None = None  # serving on CUDA or Ascend: "tf32" or "hf32" is searched too
@@ -166,6 +172,9 @@ class SearchSpace:
     # fitted for serving: (leaf, group) for each leaf sharing a parameter with an earlier
     # leaf, which takes the dtype of that leaf's group (one tensor has one dtype)
     ties: tuple[tuple[str, str], ...] = ()
+    # fitted for serving: the method its int8 layers are measured with, which every policy
+    # with an int8 layer records (`autoprec.quantizers`), so it serves what was measured
+    int8_method: str | None = None
 
     # -- reading -------------------------------------------------------------------------
 
@@ -185,7 +194,7 @@ class SearchSpace:
         tolerance = data.get("accuracy_tolerance", 0.01)
         if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or tolerance < 0:
             raise fail(f"accuracy_tolerance: expected a number of at least 0, got {tolerance!r}")
-        space_dtypes = _dtype_list(data.get("dtypes", list(DTYPES)), "dtypes", fail)
+        space_dtypes = _dtype_list(data.get("dtypes", list(TRAINING_DTYPES)), "dtypes", fail)
         groups_data = data.get("groups")
         auto = None
         if groups_data == "auto":
@@ -206,7 +215,7 @@ class SearchSpace:
             raise fail("auto_groups: only with 'groups: auto'")
         elif not isinstance(groups_data, list) or not groups_data:
             raise fail("groups: expected a non-empty list or 'auto'")
-        groups = []
+        groups: list[Group] = []
         for i, item in enumerate(groups_data):
             where = f"groups[{i}]"
             if not isinstance(item, dict):
@@ -250,10 +259,12 @@ class SearchSpace:
         profile: Profile | None = None,
         device: str | torch.device | Backend | None = None,
         inference: bool = False,
+        int8_method: str | None = None,
     ) -> SearchSpace:
         """The space for this model on the device kind of ``device`` (default: where the
-        model's parameters are). Each group must take (first match wins) at least one
-        leaf module with parameters whose dtype a policy can change there (in training,
+        model's parameters are); for serving, ``int8_method`` is what int8 layers are
+        measured with, recorded in the policies. Each group must take (first match wins) at
+        least one leaf module with parameters whose dtype a policy can change there (in training,
         embeddings, and on CUDA and Ascend LayerNorm and GroupNorm, compute in fp32
         whatever it says; for serving, ``inference``, every layer's weights convert); an
         optional group that takes none is dropped. For serving, a group whose layers can
@@ -266,7 +277,12 @@ class SearchSpace:
         if not inference:
             self._refuse_int8()
         followers = _tie_followers(model) if inference else {}
-        space = replace(self, inference=inference, ties=tuple((f, "") for f in followers))
+        space = replace(
+            self,
+            inference=inference,
+            ties=tuple((f, "") for f in followers),
+            int8_method=int8_method if inference else None,
+        )
         if self.auto is not None:
             specs = build_groups(
                 model,
@@ -392,7 +408,7 @@ class SearchSpace:
 
     def fingerprint(self) -> str:
         """A short hash of what the space searches (not its name or description)."""
-        content = {
+        content: dict[str, Any] = {
             "groups": [(g.name, g.rule.to_dict(), g.dtypes, g.optional) for g in self.groups],
             "auto": None if self.auto is None else [self.auto.max_groups, self.auto.own_groups],
             "dtypes": self.dtypes if self.auto is not None else None,
@@ -467,6 +483,7 @@ class SearchSpace:
                     min_scale=min(value("min_scale"), init_scale),
                 )
         switches = {k: params.get(f"switch.{k}") for k in ("tf32", "hf32")}
+        int8 = self.int8_method if any(r.dtype == "int8" for r in rules) else None
         return Policy(
             rules=rules,
             default="fp32",
@@ -474,6 +491,7 @@ class SearchSpace:
             tf32=switches["tf32"],
             hf32=switches["hf32"],
             serving=self.inference,
+            quantization=Quantization(int8=int8),
         )
 
     def uniform_params(self, dtype: str) -> dict[str, Any]:
@@ -511,7 +529,7 @@ class SearchSpace:
         if self.inference:
             return self._serving_anchors()
         anchors = {}
-        for dtype in ("fp16", "bf16"):
+        for dtype in LOW_PRECISION:
             if not all(dtype in g.dtypes for g in self.groups):
                 continue
             params = self.uniform_params(dtype)
@@ -524,7 +542,7 @@ class SearchSpace:
 
     def _serving_anchors(self) -> dict[str, dict[str, Any]]:
         anchors = {}
-        for dtype in ("fp16", "bf16"):
+        for dtype in LOW_PRECISION:
             if all(dtype in g.dtypes for g in self.groups):
                 anchors[f"uniform-{dtype}"] = self.uniform_params(dtype)
         if any("int8" in g.dtypes for g in self.groups):
@@ -626,11 +644,11 @@ def _with_int8_where_it_fits(
     modules = dict(model.named_modules())
     capable: dict[str, list[str]] = {g.name: [] for g in groups}
     others: dict[str, int] = {g.name: 0 for g in groups}
-    for leaf, group in assignment.items():
+    for leaf, group_name in assignment.items():
         if int8_capable(modules[leaf]):
-            capable[group].append(leaf)
+            capable[group_name].append(leaf)
         else:
-            others[group] += 1
+            others[group_name] += 1
     fitted = []
     for group in groups:
         dtypes = tuple(d for d in group.dtypes if d != "int8")
@@ -660,7 +678,7 @@ def _dtype_list(value: Any, where: str, fail: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not value:
         raise fail(f"{where}: expected a non-empty list of dtypes")
     for item in value:
-        if item not in INFERENCE_DTYPES:
+        if item not in SERVING_DTYPES:
             raise fail(
                 f"{where}: unknown dtype {item!r} (expected fp32, fp16, bf16, or int8 to serve)"
             )
@@ -676,8 +694,8 @@ def _loss_scale_space(data: Any, fail: Any) -> LossScaleSpace:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise fail(f"loss_scale.{unknown[0]}: unknown field (expected {', '.join(known)})")
-    modes = data.get("modes", list(MODES))
-    if not isinstance(modes, list) or not modes or any(m not in MODES for m in modes):
+    modes = data.get("modes", list(LOSS_SCALE_MODES))
+    if not isinstance(modes, list) or not modes or any(m not in LOSS_SCALE_MODES for m in modes):
         raise fail(
             f"loss_scale.modes: expected a list drawn from none, static, dynamic; got {modes!r}"
         )
@@ -701,7 +719,7 @@ def _loss_scale_space(data: Any, fail: Any) -> LossScaleSpace:
         if value[0] < minimum or (key.endswith("log2") and value[1] > 64):
             raise fail(f"loss_scale.{key}: out of range, got {value!r}")
         ranges[key] = (value[0], value[1])
-    choices = dict(_CHOICE_FIELDS)
+    choices: dict[str, tuple[float, ...]] = dict(_CHOICE_FIELDS)
     for key in _CHOICE_FIELDS:
         if key not in data:
             continue
@@ -716,7 +734,8 @@ def _loss_scale_space(data: Any, fail: Any) -> LossScaleSpace:
             raise fail(f"loss_scale.{key}: expected a list of numbers, got {value!r}")
         try:  # the values must make valid settings on their own
             for v in value:
-                LossScale("dynamic", **{key: float(v)})
+                setting: dict[str, Any] = {key: float(v)}
+                LossScale("dynamic", **setting)
         except PolicyError as error:
             raise fail(str(error)) from None
         choices[key] = tuple(float(v) for v in dict.fromkeys(value))

@@ -31,8 +31,9 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Structure) -> Structur
         return type(value)(**changes)
     if isinstance(value, Mapping):
         mapped = {key: map_tensors(fn, item) for key, item in value.items()}
+        rebuild: Any = type(value)  # a Mapping subclass; most take a dict
         try:
-            return type(value)(mapped)
+            return rebuild(mapped)
         except Exception:  # a mapping type that cannot be built from a dict
             return mapped
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple

@@ -231,7 +231,7 @@ class Tracker:
         while True:
             try:
                 job.work()
-            except Exception as error:
+            except Exception as error:  # MLflow or its store: told apart below
                 unwritable = _unwritable(error)
                 if not unwritable and self._reachable():
                     self.warn(f"MLflow: could not {job.what} ({first_line(error)}); skipped")
@@ -257,7 +257,7 @@ class Tracker:
     def _reachable(self) -> bool:
         try:
             self.client.search_experiments(max_results=1)
-        except Exception:
+        except Exception:  # any failure of the probe: unreachable
             self._client = None  # connect afresh once it answers
             return False
         return True
@@ -531,7 +531,7 @@ class Tracker:
         try:
             for path in files:
                 self.client.log_artifact(run_id, str(path), folder)
-        except Exception as error:
+        except Exception as error:  # MLflow's artifact store: any type
             raise StoreError(f"MLflow store {self.shown_uri}: {_first_line(error)}") from None
 
     # -- reading back ---------------------------------------------------------------------------
@@ -606,7 +606,7 @@ def load_best_policy(study: str, tracking_uri: str = DEFAULT_TRACKING_URI) -> Po
             text = Path(path).read_text()
     except StoreError:
         raise
-    except Exception as error:
+    except Exception as error:  # MLflow or its store: any type
         raise StoreError(
             f"study {study!r}: cannot read {BEST_POLICY_ARTIFACT} from {redact(tracking_uri)} "
             f"({_first_line(error)})"

@@ -84,8 +84,9 @@ class Watcher:
             with torch.no_grad():
                 if calls is not None:
                     self._pending.append((name, CALL, calls.count(args, kwargs, output), calls))
-                for tensor in tensors((args, kwargs)) if inputs is not None else ():
-                    self._add(name, INPUT, tensor, inputs)
+                if inputs is not None:
+                    for tensor in tensors((args, kwargs)):
+                        self._add(name, INPUT, tensor, inputs)
                 for tensor in tensors(output):
                     if outputs is not None:
                         self._add(name, OUTPUT, tensor, outputs)

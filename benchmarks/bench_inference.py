@@ -29,7 +29,7 @@ from _fresh import fresh_folder
 import autoprec
 from autoprec.devices import get_backend
 from autoprec.inference import timing_batch
-from autoprec.inference.load import convert_policy
+from autoprec.inference.convert import convert_policy
 from autoprec.trials.serving import time_models_side_by_side
 from autoprec.report import benchmark_text, gains_line, text_table
 from autoprec.selection import TIME_TIE

@@ -180,6 +180,8 @@ SERVE = [*SEARCH, "--mode", "inference"]
         (["export", "--study", "nosettings"], "settings: expected a mapping"),
         (["compare", "--study", "empty", "--study", "row"], "mode: expected training or inference"),
         (["ui", "--port", "99999"], "--port 99999: expected a port from 1 to 65535"),
+        ([*SEARCH, "--storage", "optuna.db"], "--storage 'optuna.db': not a database URL"),
+        ([*SEARCH, "--storage", "postgresql://u@h:port/db"], "not a database URL"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(folder, args, message):

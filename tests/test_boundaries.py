@@ -11,7 +11,10 @@ from torch import nn
 
 import autoprec
 from autoprec import Policy, Rule
-from autoprec.devices import autocast_behaviour
+from autoprec.devices import autocast_behaviour, get_backend
+from autoprec.inference.convert import CastInputs, ServingPrecision, convert
+from autoprec.plan import boundaries
+from autoprec.precision import PrecisionHooks
 from tests.contract_tasks import make_lstm_task
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -109,3 +112,97 @@ def test_an_lstm_runs_in_every_low_dtype_the_space_offers_and_trials_do_not_cras
     failed = [t for t in summary["trials"] if t["state"] == "failed"]
     assert not failed, [t["reason"] for t in failed]
     assert result.best_policy.resolve(task.model(), "cpu")  # the chosen policy applies
+
+
+class Block(nn.Module):
+    """A residual block: its glue (the add) runs between its children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.relu(self.fc(x)))
+
+
+def test_the_largest_same_dtype_subtrees_are_the_boundaries():
+    model = nn.Sequential(nn.Linear(4, 8), Block(), Block(), nn.Linear(8, 3))
+    dtypes = {"0": "fp16", "1.fc": "fp16", "1.proj": "fp16", "2.fc": "bf16", "2.proj": "fp32"}
+    found = boundaries(model, {**dtypes, "3": "fp16"})
+    # Block 1 is one subtree (all fp16); block 2 mixes, so its children are.
+    assert [(s.name, s.dtype) for s in found.subtrees] == [
+        ("0", "fp16"),
+        ("1", "fp16"),
+        ("2.fc", "bf16"),
+        ("2.proj", "fp32"),
+        ("3", "fp16"),
+    ]
+    assert found.uniform is None and found.single_dtype("1") == "fp16"
+    uniform = boundaries(model, dict.fromkeys(dtypes, "bf16"))
+    assert uniform.uniform == "bf16" and uniform.subtrees == ()
+
+
+def test_a_container_its_parent_never_calls_is_looked_through():
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    found = boundaries(Stack(), {"layers.0": "fp16", "layers.1": "fp16"})
+    assert found.uniform == "fp16"
+    mixed = boundaries(Stack(), {"layers.0": "fp16", "layers.1": "bf16"})
+    # Not "layers": a ModuleList's forward never runs, so no cast on it would.
+    assert [s.name for s in mixed.subtrees] == ["layers.0", "layers.1"]
+
+
+def test_training_regions_and_serving_casts_sit_on_the_same_subtrees():
+    """One algorithm: the modules that training gives a region of their own are the
+    subtrees, in another dtype than the outer region, where serving casts."""
+    model = nn.Sequential(nn.Linear(4, 8), Block(), Block(), nn.Linear(8, 3))
+    policy = Policy(
+        rules=(Rule("bf16", patterns=("2.fc",)), Rule("fp32", patterns=("2.proj", "3"))),
+        default="fp16",
+    )
+    plan = policy.plan(model, "cpu")
+    served = convert(model, policy.resolve_inference(model), "cpu")
+    casting = {
+        name
+        for name, module in served.named_modules()
+        if name and any(isinstance(h, CastInputs) for h in module._forward_pre_hooks.values())
+    }
+    subtrees = boundaries(model, policy.resolve_inference(model)).subtrees
+    assert casting == {s.name for s in subtrees} == {"0", "1", "2.fc", "2.proj", "3"}
+    assert {r.name for r in plan.regions} == {
+        s.name for s in subtrees if s.dtype != plan.outer_dtype
+    }
+    assert plan.outer_dtype == "fp16"
+    # Both run, and each serves its layers in the dtypes the policy says.
+    x = torch.randn(2, 4)
+    with policy.apply(model, "cpu").autocast():
+        assert model(x).shape == served(x).shape == (2, 3)
+    assert served(x).dtype == torch.float32
+
+
+def test_serving_hooks_have_the_shape_of_training_hooks():
+    """Lightning-style hooks for both modes: a loop runs either without asking which."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    training = Policy.uniform("bf16").apply(model, "cpu")
+    serving = ServingPrecision({"0": "bf16", "2": "bf16"}, get_backend("cpu"))
+    x = torch.randn(2, 4)
+    outputs = []
+    for hooks in (training, serving):
+        assert isinstance(hooks, PrecisionHooks)
+        module = hooks.convert_module(model) if hooks is serving else model
+        with hooks.forward_context():
+            out = hooks.convert_output(module(hooks.convert_input(x)))
+        outputs.append(out)
+    assert all(out.dtype == torch.float32 for out in outputs)
+    assert serving.convert_input(x).dtype == torch.bfloat16  # a uniform model's inputs
+    assert model[0].weight.dtype == torch.float32  # serving converts a copy

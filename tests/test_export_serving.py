@@ -17,6 +17,7 @@ import torch
 
 from autoprec import Policy, Rule, load_inference_model, load_policy
 from autoprec.exports import ExportError, ExportWarning, export_policy
+from autoprec.policy import Quantization
 from autoprec.structures import tensors
 from autoprec.tasks import load_task
 
@@ -192,6 +193,30 @@ def test_torchao_config_quantizes_the_int8_layers_as_the_trial_did(tmp_path):
     assert type(quantized.head.weight) is torch.nn.Parameter  # kept fp32 by the rule
     served = outputs(load_inference_model(model, policy, int8="torchao-weight-only"), batch)
     assert torch.equal(outputs(quantized, batch), served)
+
+
+@pytest.mark.parametrize("method", ["torchao-weight-only", "torchao-dynamic"])
+def test_the_policy_s_own_method_is_what_every_format_serves(tmp_path, method):
+    """The method a serving policy records, without an ``int8`` argument anywhere: the
+    torchao config, the model export and load_inference_model all take it."""
+    _, model, batch = task_and_batch("digits-mlp")
+    policy = Policy(
+        rules=(Rule("fp32", patterns=("head",)),),
+        default="int8",
+        serving=True,
+        quantization=Quantization(int8=method),
+    )
+    files, notes = export_quietly(policy, "torchao", tmp_path / "torchao", model=model)
+    assert notes == []
+    config = module_from(files["torchao_config.py"])
+    fresh = load_task("digits-mlp").model().eval()
+    fresh.load_state_dict(model.state_dict())
+    served = outputs(load_inference_model(model, policy), batch)
+    assert torch.equal(outputs(config.quantize(fresh), batch), served)
+    assert torch.equal(served, outputs(load_inference_model(model, policy, int8=method), batch))
+    files, _ = export_quietly(policy, "model", tmp_path / "model", model=model, example=batch)
+    assert f"int8={method!r}" in files["load_model.py"].read_text()
+    assert load_policy(files["policy.yaml"]).int8_method == method
 
 
 def test_torchao_format_says_what_it_cannot_hold(tmp_path):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from autoprec.gains import speed_words
+from autoprec.report.gains import speed_words
 from tests.test_cli import TASK_FILE
 
 

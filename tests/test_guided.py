@@ -261,6 +261,13 @@ def test_groups_with_a_single_dtype_are_left_as_they_are():
     assert [len(kept_fp32(p) - {"e"}) for p, ph in proposals if ph == "bisect"] == [1, 2]
 
 
+def test_serving_groups_that_offer_only_int8_or_no_fp32_are_searched_without_error():
+    space = make_space(("fp32", "fp16", "int8"), a=["int8"], b=["fp16", "int8"])
+    proposals = run(GuidedStrategy(space, NAMES), fragile("c"))
+    assert proposals and all(dtypes_of(p)["a"] == "int8" for p, _ in proposals)
+    assert {dtypes_of(p)["b"] for p, _ in proposals} <= {"fp16", "int8"}
+
+
 # -- low dtypes and refine --------------------------------------------------------------
 
 

@@ -6,10 +6,12 @@ from collections import OrderedDict
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from autoprec import LossScale, Policy, Rule, load_policy
 from autoprec.errors import PolicyError
+from autoprec.policy import Quantization
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -71,12 +73,41 @@ def test_uniform_policy_round_trip_and_defaults():
         ("precision: fp16\n", "precision: unknown field"),
         ("rules: [a, b\n", "not valid YAML"),
         ("- just\n- a list\n", "expected a mapping"),
+        ("quantization: {int8: fastest}\n", "quantization.int8: unknown method 'fastest'"),
+        ("quantization: {int4: dynamic}\n", "quantization.int4: unknown field"),
+        ("quantization: {int8: 8}\n", "quantization.int8: expected a method name"),
+        ("quantization: dynamic\n", "quantization: expected a mapping"),
     ],
 )
 def test_validation_names_the_field(text, message):
     with pytest.raises(PolicyError, match=r"^my\.yaml: ") as caught:
         Policy.from_yaml(text, "my.yaml")
     assert message in str(caught.value)
+
+
+def test_a_serving_policy_records_its_int8_method_and_reads_it_back(tmp_path):
+    served = Policy(
+        rules=(Rule("fp32", patterns=("head",)),),
+        default="int8",
+        serving=True,
+        quantization=Quantization(int8="torchao-dynamic"),
+    )
+    path = served.save(tmp_path / "served.yaml")
+    assert yaml.safe_load(path.read_text())["quantization"] == {"int8": "torchao-dynamic"}
+    again = load_policy(path)
+    assert again == served and again.int8_method == "torchao-dynamic"
+    assert again.to_yaml() == path.read_text()
+    # A policy without a method (written by hand, or before methods were recorded) writes
+    # no quantization and serves with the device's default.
+    assert "quantization" not in Policy.uniform("int8").to_dict()
+    assert Policy.uniform("int8").int8_method is None
+
+
+def test_a_bad_int8_method_is_one_line():
+    with pytest.raises(PolicyError) as caught:
+        Policy(default="int8", quantization=Quantization(int8="int8-fast"))
+    assert "\n" not in str(caught.value)
+    assert str(caught.value).startswith("quantization.int8: unknown method 'int8-fast'")
 
 
 def test_unreadable_file(tmp_path):

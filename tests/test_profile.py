@@ -13,12 +13,17 @@ from torch import nn
 from torch.nn import functional as F
 
 import autoprec
-from autoprec.devices import CPUBackend
-from autoprec.errors import AutoprecError, DeviceError, SpaceError, TaskError
-from autoprec.profile import Profile
+from autoprec import Policy, Rule
+from autoprec.devices import CPUBackend, failing_dtypes, get_backend, record_behaviour
+from autoprec.errors import AutoprecError, DeviceError, PolicyError, SpaceError, TaskError
+from autoprec.observe import watch_task
+from autoprec.policy import parameterised_leaves
+from autoprec.profile import Profile, _alone
 from autoprec.space import load_space
 from autoprec.tasks import load_task
 from autoprec.tasks.builtin import Bottleneck, ResNet
+from autoprec.trials.training import Budget, run_trial
+from tests.contract_tasks import make_lstm_task
 from tests.test_fragile_search import attention_overflow_task
 
 
@@ -221,3 +226,81 @@ def test_bad_profiles(overflow_profile, tiny_task, tmp_path):
         load_space("default").fit(other).group_risk(overflow_profile, other)
     with pytest.raises(SpaceError, match="fit the space"):
         load_space("default").group_risk(overflow_profile, other)
+
+
+# -- the profile runs each module as the plan would ----------------------------------------
+
+
+def test_the_profile_casts_a_layers_inputs_where_the_plan_does():
+    """One rule for both: for every layer alone in a low dtype, the profile's region casts
+    its inputs exactly where the plan of a policy naming that layer does (a LayerNorm on
+    the CPU, which runs in its input's dtype, yes; a Linear, which autocast casts, no; an
+    LSTM on the CPU, once watched, yes: oneDNN runs it only on inputs in its dtype)."""
+    cpu = get_backend("cpu")
+    for task in (load_task("digits-overflow"), make_lstm_task()):
+        model = task.model()
+        watch_task(task, model, cpu)
+        casts = {}
+        for name, _ in parameterised_leaves(model):
+            for dtype in ("fp16", "bf16"):
+                policy = Policy(rules=(Rule(dtype, patterns=(name,)),))
+                planned = {r.name: r.cast_inputs for r in policy.plan(model, cpu).regions}
+                alone = _alone(model, name, dtype, "cpu")
+                casts[name] = {r.name: r.cast_inputs for r in alone.regions}[name]
+                assert casts[name] == planned.get(name, False), (name, dtype)
+        assert casts.get("norm_in", True) and not casts.get("fc1", False)
+        assert casts.get("lstm", True) and not casts.get("head", False)
+
+
+def lstm_policy(dtype: str) -> Policy:
+    return Policy(rules=(Rule(dtype, patterns=("lstm",)),), name=f"lstm-{dtype}")
+
+
+def test_the_profiles_verdict_on_an_lstm_in_fp16_is_what_a_trial_of_it_does():
+    """Embedding + LSTM on the CPU: the embedding hands the LSTM fp32, which oneDNN's fp16
+    LSTM cannot take; the plan casts it (the class was watched), and so does the profile. So
+    the profile measures the LSTM in fp16 (a deviation, no error), and a trial of the policy
+    that puts it in fp16 trains without an exception."""
+    task = make_lstm_task()
+    profile = autoprec.profile_task(task, "cpu", dtypes=["fp16"])
+    lstm = next(m for m in profile.modules if m.name == "lstm")
+    assert not lstm.error, lstm.reason
+    assert math.isfinite(lstm.risk) and lstm.stats["fp16"]["output_deviation"] > 0
+    result = run_trial(task, lstm_policy("fp16"), get_backend("cpu"), Budget(steps=6))
+    assert result.state != "failed", result.reason
+    assert result.low_precision_share > 0
+
+
+class UnwatchedLSTM(nn.LSTM):
+    """An LSTM class whose treatment under autocast was recorded as a matmul layer's
+    (autocast casts what it needs): the plan then hands it its input uncast."""
+
+
+def test_a_dtype_a_layer_cannot_run_in_as_the_plan_runs_it_is_failing_for_the_space():
+    """Where the plan does not cast the LSTM's input, fp16 cannot run: a trial of it fails
+    with oneDNN's error. The profile, running it as the plan does, fails the same way, says
+    so, and records fp16 as failing for that class, so that the space offers it no more
+    and a policy that names it is refused before training."""
+    record_behaviour("cpu", UnwatchedLSTM, "region")
+    base = make_lstm_task()
+
+    def model():
+        net = base.model()
+        net.lstm = UnwatchedLSTM(16, 32, batch_first=True)
+        return net
+
+    task = dataclasses.replace(base, name="lstm-unwatched", model=model)
+    crashed = run_trial(task, lstm_policy("fp16"), get_backend("cpu"), Budget(steps=3))
+    assert crashed.state == "failed" and "primitive descriptor" in crashed.reason
+
+    profile = autoprec.profile_task(task, "cpu", dtypes=["fp16", "bf16"])
+    lstm = next(m for m in profile.modules if m.name == "lstm")
+    assert "fp16" in lstm.error and "primitive descriptor" in lstm.error
+    assert "fp16" in failing_dtypes("cpu", model().lstm)
+    assert "bf16" in lstm.error  # nor bf16, as the plan runs it
+    fresh = model()
+    space = load_space("default").fit(fresh)
+    taken = space.assignment(fresh)["lstm"]
+    assert next(g for g in space.groups if g.name == taken).dtypes == ("fp32",)
+    with pytest.raises(PolicyError, match=r"lstm .*cannot run in fp16 on cpu"):
+        run_trial(task, lstm_policy("fp16"), get_backend("cpu"), Budget(steps=3))

@@ -176,16 +176,18 @@ def test_the_profile_never_scores_its_own_instrumentation_as_risk():
 
 
 class Unprofilable(nn.Module):
-    """A layer whose forward refuses fp16 inputs: a profile error, not a risk."""
+    """A block with an op that refuses fp16 (on its layer's fp16 output, as a policy runs
+    it: the block's own input arrives in fp32): a profile error, not a risk."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float16:
+        h = self.fc(x)
+        if h.dtype == torch.float16:
             raise TypeError("no fp16 kernel for this op")
-        return self.fc(x)
+        return h
 
 
 def test_a_forward_that_fails_under_profiling_is_a_profile_error():

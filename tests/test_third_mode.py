@@ -1,7 +1,7 @@
 """A third mode of search is one new module: a `Trials` class (here a trivial one that
 scores a policy by how much of the model it sends below fp32, and trains nothing),
 registered by name in `autoprec.trials.MODES`. The search loop, the session, the records
-and the tracker run it unchanged, and the summary carries its own block."""
+and the tracker run it unchanged, and what it leaves behind is written."""
 
 from __future__ import annotations
 
@@ -100,14 +100,13 @@ class CountingTrials:
     def summary_settings(self) -> dict[str, Any]:
         return {"checkpoint": None}
 
-    def summary_block(self, records, baseline, feasibility) -> dict[str, Any]:
-        return {"counting": {"counted": len(records)}}
+    def summary_part(self, feasibility) -> dict[str, Any] | None:
+        return None  # the summary has no part of this mode's own
 
-    def leave_behind(self, policy, out_dir: Path, task_spec, publish) -> dict[str, Any]:
-        path = out_dir / "counted.txt"
+    def leave_behind(self, policy, out_dir: Path, task_spec, publish) -> dict[str, Any] | None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(policy.to_yaml())
-        return {"counting": {"left": str(path)}}
+        (out_dir / "counted.txt").write_text(policy.to_yaml())
+        return None
 
 
 def test_a_third_mode_is_one_module(in_tmp, tiny_task, monkeypatch):
@@ -117,8 +116,9 @@ def test_a_third_mode_is_one_module(in_tmp, tiny_task, monkeypatch):
     )
     summary = result.summary
     assert summary["mode"] == "counting" and summary["study"] == "tiny-counted"
-    assert summary["counting"]["counted"] == len(summary["trials"]) == 3
-    assert Path(summary["counting"]["left"]).read_text() == result.best_policy.to_yaml()
+    assert len(summary["trials"]) == 3
+    left = in_tmp / "runs" / "tiny-counted" / "counted.txt"
+    assert left.read_text() == result.best_policy.to_yaml()
     measured = [summary["baseline"], *summary["trials"]]
     assert all(e["state"] == "complete" and "counted_time_ms" in e["metrics"] for e in measured)
     best = summary["best"]

@@ -90,5 +90,5 @@ def export_policy(
     if fmt == "model":
         return export_model(policy, out_dir, model, example, device or "cpu", int8, task)
     if fmt == "torchao":
-        return export_torchao(policy, out_dir, model, int8)
+        return export_torchao(policy, out_dir, model, int8, device or "cpu")
     raise ExportError(f"format {fmt!r}: unknown (expected one of {', '.join(FORMATS)})")

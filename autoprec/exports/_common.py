@@ -1,6 +1,6 @@
-"""What the export formats share: their error and warning types, the layers a policy runs in
-fp32, one low-precision dtype for formats that know only one, and the notes that say what a
-format approximates."""
+"""What the export formats share: their error and warning types (defined in
+`autoprec.errors`), the layers a policy runs in fp32, one low-precision dtype for formats
+that know only one, and the notes that say what a format approximates."""
 
 from __future__ import annotations
 
@@ -15,21 +15,11 @@ import torch
 from torch import nn
 
 from autoprec import Policy
-from autoprec.errors import AutoprecError
+from autoprec.dtypes import LOW_PRECISION
+from autoprec.errors import ExportError, ExportWarning
 from autoprec.files import write_atomic
 
-LOW_DTYPES = ("fp16", "bf16")
 COMMENT_WIDTH = 92
-
-
-class ExportError(AutoprecError):
-    """A policy cannot be exported in the format asked for (a missing model or example
-    input, an unknown format, a model the exporter cannot trace)."""
-
-
-class ExportWarning(UserWarning):
-    """A format cannot express the policy exactly; the message says what it approximates.
-    The same text stands in the header comment of the file written."""
 
 
 def require(value: object, what: str, fmt: str) -> None:
@@ -117,11 +107,11 @@ def one_low_dtype(policy: Policy, model: nn.Module, device: str, fmt: str) -> On
     """The policy on ``model`` as it runs on ``device`` (``Policy.resolve``), with fp16 and
     bf16 layers both present reduced to the dtype holding more parameters."""
     resolved = policy.resolve(model, device)
-    weight = {low: 0 for low in LOW_DTYPES}
+    weight = {low: 0 for low in LOW_PRECISION}
     for name, dtype in resolved.items():
         if dtype in weight:
             weight[dtype] += own_parameters(model, name)
-    present = [low for low in LOW_DTYPES if any(d == low for d in resolved.values())]
+    present = [low for low in LOW_PRECISION if any(d == low for d in resolved.values())]
     if len(present) <= 1:
         return OneLowDtype(dict(resolved), present[0] if present else None, ())
     low = max(present, key=lambda d: (weight[d], d == "bf16"))

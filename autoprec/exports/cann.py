@@ -37,6 +37,7 @@ from autoprec.exports._common import (
     write,
 )
 from autoprec.exports._owned import export_folder, record_written
+from autoprec.inference.logits_path import serving_defaults
 
 MODEL_FILE = "model.onnx"
 KEEP_FILE = "keep_dtype.cfg"
@@ -80,6 +81,7 @@ def export_onnx(
     """Export ``model`` in fp32 with the TorchScript-based exporter, whose node names carry
     module paths, leaving BatchNorm unfolded (see the module docstring)."""
     args, kwargs = example_inputs(example, "cann")
+    kwargs = {**kwargs, **serving_defaults(model, args, kwargs)}  # no cache; T5's decoder
     path = Path(path)
     was_training = model.training
     model.eval()
@@ -96,7 +98,7 @@ def export_onnx(
                 opset_version=opset_version,
                 training=torch.onnx.TrainingMode.PRESERVE,
             )
-    except Exception as error:
+    except Exception as error:  # the ONNX exporter's failures have no common type
         message = (str(error).splitlines() or [""])[0][:200]
         raise ExportError(
             f"format 'cann': the ONNX exporter failed on {type(model).__name__} "

@@ -3,10 +3,14 @@
 What a serving search chose is a policy; what a deployment loads is a model. This format
 writes both ways to it:
 
-- ``program.pt2``: the converted model as a ``torch.export`` program (batch size free where
-  the model allows, every other dimension as in the example). It loads with
-  ``torch.export.load`` alone: no autoprec, no model class. Checked at export time against
-  the converted model on the example; written only where it matches.
+- ``program.pt2``: the converted model's logits path as a ``torch.export`` program (batch
+  size free where the model allows, every other dimension as in the example): it takes
+  the model's inputs by the model's names and returns its logits, computed as the MLflow
+  model computes them (`autoprec.inference.logits_path`: no key/value cache, so that a
+  decoder-only LM's ``DynamicCache`` does not stop the export; an encoder-decoder's decoder
+  started from its start token). It loads with ``torch.export.load`` alone: no autoprec,
+  no model class. Checked at export time against the converted model on the example;
+  written only where it matches.
 - ``served.pt``: the converted model's state dict, each layer's weights in its dtype (int8
   ones as torch or torchao hold them); it loads into a converted model with
   ``load_state_dict(..., assign=True)``.
@@ -48,6 +52,7 @@ from autoprec.exports._common import (
 from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
 from autoprec.inference.convert import has_torch_dynamic_int8
+from autoprec.inference.logits_path import LogitsPath
 from autoprec.structures import map_tensors, tensors, to_device
 
 PROGRAM_FILE = "program.pt2"
@@ -72,7 +77,7 @@ def export_model(
     (fp32, trained) on ``device`` as ``policy`` says, int8 layers by ``int8`` (default: the
     device's method). ``example`` is one input batch; without one, no program is written.
     ``task`` (a task's name or file) lets ``load_model.py`` build the model itself."""
-    from autoprec.inference.load import convert_policy
+    from autoprec.inference.convert import convert_policy
 
     require(model, "a model (the trained fp32 module)", "model")
     assert model is not None
@@ -90,7 +95,7 @@ def export_model(
         notes.append(f"no example input: no {PROGRAM_FILE} (rebuilt() converts the weights)")
     else:
         inputs = to_device(example_inputs(example, "model"), backend.device)
-        program, note = exported_program(converted, inputs)
+        program, note = exported_program(LogitsPath(converted), inputs)
         if program is None:
             notes.append(f"no {PROGRAM_FILE}: {note}; rebuilt() converts the weights instead")
         else:
@@ -123,15 +128,15 @@ def exported_program(
     note = None
     try:
         program = _export(converted, args, kwargs, free_batch=True)
-    except Exception:
+    except Exception:  # torch.export's failures have no common type
         note = "the batch size is fixed to the example's: the model did not export with it free"
         try:
             program = _export(converted, args, kwargs, free_batch=False)
-        except Exception as error:
+        except Exception as error:  # torch.export's failures have no common type
             return None, f"torch.export failed ({type(error).__name__}: {first_line(error, 200)})"
     try:
         deviation = _deviation(program, converted, args, kwargs)
-    except Exception as error:
+    except Exception as error:  # the user's model, run as exported
         return None, (
             f"the exported program fails on the example ({type(error).__name__}: "
             f"{first_line(error, 200)})"
@@ -182,7 +187,7 @@ def _int8_method(policy: Policy, model: nn.Module, kind: str, int8: str | None) 
 
     if "int8" not in policy.resolve_inference(model).values():
         return None
-    return int8 or default_int8_method(kind)
+    return int8 or policy.int8_method or default_int8_method(kind)
 
 
 def _save(value: Any, path: Path) -> Path:

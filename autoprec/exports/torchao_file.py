@@ -9,11 +9,12 @@ exactly those layers.
 torchao configs quantize; they do not cast. A policy's fp16 and bf16 layers stay fp32 under
 this file, and transformers' Conv1D layers (GPT-2), which torchao's int8 handlers do not
 take, too: the warning and the file's header name them; the ``model`` format serves the
-whole policy. The int8 method the search measured maps to its torchao config:
-``torchao-weight-only`` to ``Int8WeightOnlyConfig``, ``torchao-dynamic`` to
-``Int8DynamicActivationInt8WeightConfig``, and torch's own ``dynamic`` (the CPU default) to
-the latter too, the nearest torchao has (it quantizes activations per token, not per
-tensor, so its outputs differ slightly from the trial's).
+whole policy. The int8 method is the one the policy records (the search measured it), else
+the device's default, as the served model takes it; its torchao config comes from the one
+registry of quantizers (`autoprec.quantizers`): ``torchao-weight-only`` is
+``Int8WeightOnlyConfig``, ``torchao-dynamic`` ``Int8DynamicActivationInt8WeightConfig``, and
+torch's own ``dynamic`` (the CPU default) has the latter as its nearest (it quantizes
+activations per token, not per tensor, so its outputs differ slightly from the trial's).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from torch import nn
 
 from autoprec import Policy
+from autoprec.dtypes import LOW_PRECISION
 from autoprec.exports._common import (
     ExportError,
     comment,
@@ -36,30 +38,31 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
+from autoprec.quantizers import INT8_METHODS, QUANTIZERS, Quantizer, default_int8_method
 
 CONFIG_FILE = "torchao_config.py"
 FILES = (CONFIG_FILE, POLICY_FILE)
-CONFIGS = {
-    "torchao-weight-only": "Int8WeightOnlyConfig",
-    "torchao-dynamic": "Int8DynamicActivationInt8WeightConfig",
-    "dynamic": "Int8DynamicActivationInt8WeightConfig",
-}
-DEFAULT_METHOD = "torchao-weight-only"
 
 
 def export_torchao(
-    policy: Policy, out_dir: str | Path, model: nn.Module | None = None, int8: str | None = None
+    policy: Policy,
+    out_dir: str | Path,
+    model: nn.Module | None = None,
+    int8: str | None = None,
+    device: str = "cpu",
 ) -> list[Path]:
     """Write ``torchao_config.py`` (``config()`` and ``quantize(model)``) and
-    ``policy.yaml``. ``int8`` is the method the search measured (default
-    ``torchao-weight-only``); raises ExportError for a policy with no int8 Linear layer."""
+    ``policy.yaml``. ``int8`` is the method the search measured (default: the one the
+    policy records, else ``device``'s default, as `autoprec.load_inference_model` takes
+    it); raises ExportError for a policy with no int8 Linear layer."""
     require(model, "a model (the fp32 module, for its layer names)", "torchao")
     assert model is not None
-    method = int8 or DEFAULT_METHOD
-    if method not in CONFIGS:
+    method = int8 or policy.int8_method or default_int8_method(device) or ""
+    if method not in QUANTIZERS:
         raise ExportError(
-            f"format 'torchao': unknown int8 method {method!r} (expected {', '.join(CONFIGS)})"
+            f"format 'torchao': unknown int8 method {method!r} (expected {', '.join(INT8_METHODS)})"
         )
+    chosen = QUANTIZERS[method]
     folder = export_folder(out_dir, FILES)
     resolved = policy.resolve_inference(model)
     int8_layers = [name for name, dtype in resolved.items() if dtype == "int8"]
@@ -69,8 +72,8 @@ def export_torchao(
             "format 'torchao': the policy serves no Linear layer in int8, and torchao's "
             "configs hold quantization only (use the 'model' format)"
         )
-    notes = _notes(resolved, int8_layers, linear, method)
-    config = CONFIGS[method]
+    notes = _notes(resolved, int8_layers, linear, chosen)
+    config = chosen.torchao_config
     lines = [
         *docstring(
             [
@@ -113,10 +116,10 @@ def export_torchao(
 
 
 def _notes(
-    resolved: dict[str, str], int8_layers: list[str], linear: list[str], method: str
+    resolved: dict[str, str], int8_layers: list[str], linear: list[str], method: Quantizer
 ) -> list[str]:
     notes = []
-    low = [name for name, dtype in resolved.items() if dtype in ("fp16", "bf16")]
+    low = [name for name, dtype in resolved.items() if dtype in LOW_PRECISION]
     if low:
         notes.append(
             f"torchao configs quantize and do not cast: the policy's {len(low)} fp16/bf16 "
@@ -130,10 +133,10 @@ def _notes(
             f"layer(s) ({names(others)}, transformers' Conv1D) stay fp32 under this file; the "
             "'model' format converts them"
         )
-    if method == "dynamic":
+    if not method.torchao_twin:
         notes.append(
-            "int8 method 'dynamic' (torch's, per-tensor activations) has no torchao twin: "
-            "Int8DynamicActivationInt8WeightConfig (per-token activations) is the nearest, "
-            "and its outputs differ slightly from the trial's"
+            f"int8 method {method.name!r} (torch's, per-tensor activations) has no torchao "
+            f"twin: {method.torchao_config} (per-token activations) is the nearest, and its "
+            "outputs differ slightly from the trial's"
         )
     return notes

@@ -13,89 +13,63 @@ it is the user's safety net.
   them fp32. Parameters held directly by a non-leaf module (MultiheadAttention's
   ``in_proj_weight``) follow the leaves below it where those agree.
 - int8 leaves: Linear layers (and transformers' Conv1D, turned into the equivalent
-  Linear) are quantized with one of `INT8_METHODS`; their activations stay fp32.
+  Linear) are quantized by a method of `autoprec.quantizers` (the one the policy records,
+  so a policy serves what its trial measured); their activations stay fp32.
 - Boundaries: a uniform model casts its inputs once and runs in its dtype. Where layers of
-  different dtypes meet, each largest same-dtype subtree casts its floating inputs to its
-  dtype (integer ones, such as token ids, pass untouched) and hands its outputs back in
-  fp32, so the code between subtrees runs in fp32. The model's floating outputs come back
-  in fp32 for scoring. Parameter-free leaves run in what they receive.
+  different dtypes meet, each largest same-dtype subtree (`autoprec.plan.boundaries`, the
+  algorithm that places training's regions too) casts its floating inputs to its dtype
+  (integer ones, such as token ids, pass untouched) and hands its outputs back in fp32, so
+  the code between subtrees runs in fp32. The model's floating outputs come back in fp32
+  for scoring. Parameter-free leaves run in what they receive.
+
+`ServingPrecision` holds these steps as hooks shaped as training's `Precision`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import importlib.util
-import logging
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from autoprec.devices import DTYPES, INFERENCE_DTYPES, Backend, get_backend
+from autoprec.devices import Backend, get_backend
+from autoprec.dtypes import FP32, INT8, SERVING_DTYPES, TORCH_DTYPES, activation_dtype, dtype_name
 from autoprec.errors import DeviceError, PolicyError, TaskError, first_line
-from autoprec.policy import int8_capable, is_called, parameterised_leaves, tied_leaves
+from autoprec.plan import boundaries
+from autoprec.policy import Policy, int8_capable, parameterised_leaves, tied_leaves
+from autoprec.quantizers import (
+    DEFAULT_INT8_METHOD,
+    INT8_METHODS,
+    Quantizer,
+    default_int8_method,
+    import_torchao,
+    int8_available,
+    int8_unavailable_reason,
+    quantizer,
+)
 from autoprec.structures import cast_floats
 
-INT8_METHODS = ("dynamic", "torchao-dynamic", "torchao-weight-only")
-# Chosen by measuring (benchmarks/bench_int8.py and benchmarks/README.md). CUDA: torchao is
-# the only int8 with kernels there; weight-only is its choice for memory-bound serving,
-# not measured here (no GPU was lent).
-DEFAULT_INT8_METHOD = {"cpu": "dynamic", "cuda": "torchao-weight-only"}
+__all__ = [
+    "DEFAULT_INT8_METHOD",
+    "INT8_METHODS",
+    "CastInputs",
+    "ServingPrecision",
+    "activation_dtype",
+    "convert",
+    "convert_policy",
+    "default_int8_method",
+    "has_torch_dynamic_int8",
+    "import_torchao",
+    "int8_available",
+    "int8_unavailable_reason",
+    "outputs_fp32",
+    "weight_bytes",
+    "weight_dtypes",
+]
 _PLAIN = (torch.Tensor, nn.Parameter)
-
-
-def default_int8_method(device_kind: str) -> str | None:
-    """The int8 implementation used on a device kind when none is named; None where int8
-    has no kernels."""
-    return DEFAULT_INT8_METHOD.get(device_kind)
-
-
-def int8_unavailable_reason(device_kind: str, method: str | None = None) -> str | None:
-    """Why int8 cannot run on this device kind with this method (default: the device's),
-    in one line; None when it can. Lets a search refuse int8 before any trial runs."""
-    method = method or default_int8_method(device_kind)
-    if method is None:
-        return f"int8: no int8 kernels for {device_kind} in torch or torchao"
-    if method not in INT8_METHODS:
-        return f"int8: unknown method {method!r} (expected {', '.join(INT8_METHODS)})"
-    if method == "dynamic":
-        if device_kind != "cpu":
-            return f"int8 {method}: torch's dynamic quantization runs on the CPU only"
-        engines = torch.backends.quantized.supported_engines
-        if not {"x86", "fbgemm"} & set(engines):
-            return f"int8 {method}: this torch has no x86/fbgemm quantized engine"
-        if not hasattr(torch.ops.quantized, "linear_dynamic"):
-            return f"int8 {method}: this torch has no quantized.linear_dynamic kernel"
-        return None
-    if importlib.util.find_spec("torchao") is None:
-        return f"int8 {method}: torchao is not installed (pip install torchao)"
-    if device_kind not in ("cpu", "cuda"):
-        return f"int8 {method}: torchao has no int8 kernels for {device_kind}"
-    return None
-
-
-def import_torchao() -> Any:
-    """torchao, imported only where an int8 method of its runs. On a machine without its
-    optional CUDA kernels it logs "Failed to load ...so" lines, and torch's pytree a
-    deprecation warning about torchao's enums, at import: not the user's to see."""
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    import torchao
-
-    return torchao
-
-
-def int8_available(device_kind: str, method: str | None = None) -> bool:
-    """Whether int8 layers can run on this device kind (see `int8_unavailable_reason`)."""
-    return int8_unavailable_reason(device_kind, method) is None
-
-
-def activation_dtype(dtype: str) -> str:
-    """The dtype a layer of this inference dtype takes its inputs in (int8 layers quantize
-    fp32 activations themselves)."""
-    return "fp32" if dtype == "int8" else dtype
 
 
 def convert(
@@ -107,27 +81,112 @@ def convert(
     """A copy of ``model`` on ``device`` in eval mode, each leaf with parameters converted
     to its dtype in ``layer_dtypes`` (leaves not named stay fp32), with casts at the
     boundaries and fp32 outputs. ``int8`` names the method (default: the device's, see
-    `DEFAULT_INT8_METHOD`). Raises PolicyError for a mapping that does not fit the model
-    and DeviceError for a dtype the device cannot run."""
+    `autoprec.quantizers.DEFAULT_INT8_METHOD`). Raises PolicyError for a mapping that does
+    not fit the model and DeviceError for a dtype the device cannot run."""
     backend = get_backend(device)
     leaves = dict(parameterised_leaves(model))
     dtypes = _checked(model, leaves, layer_dtypes)
     method = _checked_int8(dtypes, backend, int8)
     _check_tied(model, dtypes)
-    try:
-        converted = copy.deepcopy(model)
-    except Exception as error:
-        raise TaskError(f"the model cannot be copied for conversion: {first_line(error)}") from None
-    converted.to(backend.device).eval()
-    quantized = [name for name, dtype in dtypes.items() if dtype == "int8"]
-    if quantized:
-        _quantize(converted, quantized, method)
-    modules = dict(converted.named_modules())
-    for name, dtype in dtypes.items():
-        if dtype in ("fp16", "bf16"):
-            modules[name].to(DTYPES[dtype])
-    _install_casts(converted, {name: activation_dtype(d) for name, d in dtypes.items()})
-    return converted
+    hooks = ServingPrecision(dtypes, backend, None if method is None else quantizer(method))
+    return hooks.convert_module(model)
+
+
+def convert_policy(
+    model: nn.Module,
+    policy: Policy,
+    device: str | torch.device | Backend = "cpu",
+    int8: str | None = None,
+) -> nn.Module:
+    """``model`` converted for serving as ``policy`` says (a copy; see `convert`), its int8
+    layers by ``int8``, else by the method the policy records, else the device's."""
+    return convert(model, policy.resolve_inference(model), device, int8 or policy.int8_method)
+
+
+class ServingPrecision:
+    """Serving's hooks, shaped as training's (`autoprec.precision.Precision`):
+    ``convert_module`` (a converted copy: weights quantized or cast, casts at the borders
+    of the same-dtype subtrees that `autoprec.plan.boundaries` finds), ``forward_context``,
+    ``convert_input`` and ``convert_output``. The converted model calls the input and
+    output conversions itself, as hooks, so that it serves alone (MLflow, export)."""
+
+    def __init__(
+        self, layer_dtypes: Mapping[str, str], backend: Backend, int8: Quantizer | None = None
+    ) -> None:
+        self.layer_dtypes = dict(layer_dtypes)
+        self.backend = backend
+        self.int8 = int8
+        self.activation_dtypes = {n: activation_dtype(d) for n, d in self.layer_dtypes.items()}
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        """A copy of ``model`` on the backend's device in eval mode, converted."""
+        try:
+            converted = copy.deepcopy(model)
+        except Exception as error:  # the user's model: any copy failure is theirs to see
+            raise TaskError(
+                f"the model cannot be copied for conversion: {first_line(error)}"
+            ) from None
+        converted.to(self.backend.device).eval()
+        quantized = [name for name, dtype in self.layer_dtypes.items() if dtype == INT8]
+        if quantized:
+            assert self.int8 is not None
+            _quantize(converted, quantized, self.int8)
+        modules = dict(converted.named_modules())
+        for name, dtype in self.layer_dtypes.items():
+            if dtype in TORCH_DTYPES and dtype != FP32:
+                modules[name].to(TORCH_DTYPES[dtype])
+        self._install_casts(converted)
+        return converted
+
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        """What a served forward runs in: no autograd (the weights themselves are in their
+        dtypes, so no autocast either)."""
+        return torch.inference_mode()
+
+    @property
+    def input_dtype(self) -> str | None:
+        """The dtype the model's inputs are cast to: a uniform model's, else none (each
+        subtree casts its own)."""
+        dtypes = set(self.activation_dtypes.values())
+        only = next(iter(dtypes)) if len(dtypes) == 1 else None
+        return None if only in (None, FP32) else only
+
+    def convert_input(self, data: Any) -> Any:
+        """The model's floating inputs in the dtype it runs in where it runs in one."""
+        dtype = self.input_dtype
+        return data if dtype is None else cast_floats(data, TORCH_DTYPES[dtype])
+
+    def convert_output(self, data: Any) -> Any:
+        """Floating outputs back in fp32, for scoring and for whoever is served them."""
+        return cast_floats(data, torch.float32)
+
+    def _install_casts(self, model: nn.Module) -> None:
+        """Casts at the boundaries. A uniform model casts its inputs at the top and runs in
+        its dtype throughout. Otherwise the code of a module whose leaves differ (the glue
+        between its children: residual adds, attention over q, k and v) runs in fp32, and
+        each largest subtree whose leaves take one dtype casts its inputs to that dtype and
+        hands its outputs back in fp32. The model's outputs come back in fp32. Parameters
+        held by a non-leaf module follow its subtree's dtype where it has one, else stay
+        fp32."""
+        found = boundaries(model, self.activation_dtypes)
+        for name, module in model.named_modules():
+            own = list(module.parameters(recurse=False))
+            single = found.single_dtype(name)
+            if own and name not in self.activation_dtypes and single is not None:
+                for parameter in own:
+                    if parameter.is_floating_point():
+                        parameter.data = parameter.data.to(TORCH_DTYPES[single])
+        for subtree in found.subtrees:
+            if subtree.dtype is None:
+                continue  # no leaf below it with parameters: it runs in what it receives
+            child = model.get_submodule(subtree.name)
+            child.register_forward_pre_hook(CastInputs(subtree.dtype), with_kwargs=True)
+            if subtree.dtype != FP32:
+                child.register_forward_hook(outputs_fp32)
+        if found.uniform is not None and found.uniform != FP32:
+            model.register_forward_pre_hook(CastInputs(found.uniform), with_kwargs=True)
+        if found.dtypes - {FP32}:
+            model.register_forward_hook(outputs_fp32)
 
 
 def _checked(
@@ -141,26 +200,26 @@ def _checked(
             raise PolicyError(
                 f"layer {name!r}: not a leaf module with parameters in {type(model).__name__}"
             )
-        if dtype not in INFERENCE_DTYPES:
+        if dtype not in SERVING_DTYPES:
             raise PolicyError(
                 f"layer {name!r}: unknown dtype {dtype!r} (expected fp32, fp16, bf16 or int8)"
             )
-        if dtype == "int8" and not int8_capable(leaves[name]):
+        if dtype == INT8 and not int8_capable(leaves[name]):
             raise PolicyError(
                 f"layer {name!r} ({type(leaves[name]).__name__}): int8 applies to Linear "
                 "layers (and transformers' Conv1D) only"
             )
-    return {name: layer_dtypes.get(name, "fp32") for name in leaves}
+    return {name: layer_dtypes.get(name, FP32) for name in leaves}
 
 
 def _checked_int8(dtypes: dict[str, str], backend: Backend, int8: str | None) -> str | None:
     """The int8 method to use, after checking that the device runs every dtype asked for."""
-    for dtype in sorted(set(dtypes.values()) - {"fp32", "int8"}):
+    for dtype in sorted(set(dtypes.values()) - {FP32, INT8}):
         if not backend.supports(dtype):
             raise DeviceError(f"dtype {dtype}: not supported by device {backend.name}")
-    if int8 is not None and int8 not in INT8_METHODS:
-        raise PolicyError(f"int8: unknown method {int8!r} (expected {', '.join(INT8_METHODS)})")
-    if "int8" not in dtypes.values():
+    if int8 is not None:
+        quantizer(int8)  # an unknown method is refused whether or not int8 is used
+    if INT8 not in dtypes.values():
         return int8
     reason = int8_unavailable_reason(backend.kind, int8)
     if reason is not None:
@@ -172,7 +231,7 @@ def _check_tied(model: nn.Module, dtypes: dict[str, str]) -> None:
     """Leaves that share a parameter must share a dtype: one tensor cannot be in two. An
     int8 leaf gets a quantized copy of its own, so it may differ."""
     for group in tied_leaves(model):
-        kept = [name for name in group if dtypes[name] != "int8"]
+        kept = [name for name in group if dtypes[name] != INT8]
         for name in kept[1:]:
             if dtypes[name] != dtypes[kept[0]]:
                 raise PolicyError(
@@ -181,38 +240,16 @@ def _check_tied(model: nn.Module, dtypes: dict[str, str]) -> None:
                 )
 
 
-def _quantize(model: nn.Module, names: list[str], method: str | None) -> None:
-    """The named Linear (or Conv1D) layers quantized to int8 in place."""
+def _quantize(model: nn.Module, names: list[str], method: Quantizer) -> None:
+    """The named Linear (or Conv1D) layers quantized to int8 in place, by ``method``."""
     for name in names:
         module = model.get_submodule(name)
         if not isinstance(module, nn.Linear):
             _replace(model, name, _conv1d_as_linear(module))
-    with warnings.catch_warnings():
-        # torch.ao.quantization is deprecated in torch 2.13 but still the fastest here.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", UserWarning)
-        if method == "dynamic":
-            from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
-
-            quantize_dynamic(model, dict.fromkeys(names, default_dynamic_qconfig), inplace=True)
-        else:
-            import_torchao()
-            from torchao.quantization import (
-                Int8DynamicActivationInt8WeightConfig,
-                Int8WeightOnlyConfig,
-                quantize_,
-            )
-
-            config = (
-                Int8DynamicActivationInt8WeightConfig()
-                if method == "torchao-dynamic"
-                else Int8WeightOnlyConfig()
-            )
-            chosen = set(names)
-            quantize_(model, config, filter_fn=lambda module, fqn: fqn in chosen)
-    missed = [name for name in names if weight_dtypes(model.get_submodule(name)).get("") != "int8"]
+    method.quantize(model, names)
+    missed = [name for name in names if weight_dtypes(model.get_submodule(name)).get("") != INT8]
     if missed:
-        raise PolicyError(f"layer {missed[0]!r}: int8 method {method!r} left it unquantized")
+        raise PolicyError(f"layer {missed[0]!r}: int8 method {method.name!r} left it unquantized")
 
 
 def has_torch_dynamic_int8(model: nn.Module) -> bool:
@@ -225,6 +262,7 @@ def _conv1d_as_linear(conv1d: nn.Module) -> nn.Linear:
     """transformers' Conv1D (``x @ weight + bias``, weight ``[in, out]``) as a Linear."""
     weight = conv1d.weight
     bias = getattr(conv1d, "bias", None)
+    assert isinstance(weight, torch.Tensor)  # Conv1D's weight is a Parameter
     linear = nn.Linear(weight.shape[0], weight.shape[1], bias=bias is not None)
     linear.to(weight.device)
     with torch.no_grad():
@@ -250,51 +288,12 @@ class CastInputs:
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return cast_floats((args, kwargs), DTYPES[self.dtype])
+        return cast_floats((args, kwargs), TORCH_DTYPES[self.dtype])
 
 
 def outputs_fp32(module: nn.Module, args: Any, outputs: Any) -> Any:
     """A forward hook handing the model's floating outputs on in fp32, for scoring."""
     return cast_floats(outputs, torch.float32)
-
-
-def _install_casts(model: nn.Module, activation_dtypes: dict[str, str]) -> None:
-    """Casts at the boundaries. A uniform model casts its inputs at the top and runs in its
-    dtype throughout. Otherwise the code of a module whose leaves differ (the glue between
-    its children: residual adds, attention over q, k and v) runs in fp32, and each largest
-    child subtree whose leaves take one dtype casts its inputs to that dtype and hands its
-    outputs back in fp32. The model's outputs come back in fp32. Parameters held by a
-    non-leaf module follow its subtree's dtype where it has one, else stay fp32."""
-    below: dict[str, set[str]] = {name: set() for name, _ in model.named_modules()}
-    for name, dtype in activation_dtypes.items():
-        parts = name.split(".")
-        for ancestor in ["", *(".".join(parts[: i + 1]) for i in range(len(parts)))]:
-            below[ancestor].add(dtype)
-    for name, module in model.named_modules():
-        own = list(module.parameters(recurse=False))
-        if own and name not in activation_dtypes and len(below[name]) == 1:
-            dtype = DTYPES[next(iter(below[name]))]
-            for parameter in own:
-                if parameter.is_floating_point():
-                    parameter.data = parameter.data.to(dtype)
-
-    def descend(prefix: str, module: nn.Module) -> None:
-        for child_name, child in module.named_children():
-            full = f"{prefix}.{child_name}" if prefix else child_name
-            if len(below[full]) > 1 or not is_called(child):
-                descend(full, child)
-            elif below[full]:
-                dtype = next(iter(below[full]))
-                child.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True)
-                if dtype != "fp32":
-                    child.register_forward_hook(outputs_fp32)
-
-    if len(below[""]) > 1:
-        descend("", model)
-    elif below[""] - {"fp32"}:
-        model.register_forward_pre_hook(CastInputs(*below[""]), with_kwargs=True)
-    if below[""] - {"fp32"}:
-        model.register_forward_hook(outputs_fp32)
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -353,7 +352,6 @@ def weight_dtypes(model: nn.Module) -> dict[str, str]:
     """The dtype each leaf holds its weights in now, ``int8`` for quantized ones: what a
     conversion really did, for checks and reports."""
     found: dict[str, str] = {}
-    names = {dtype: name for name, dtype in DTYPES.items()}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if callable(weight) or (isinstance(weight, torch.Tensor) and type(weight) not in _PLAIN):
@@ -361,5 +359,5 @@ def weight_dtypes(model: nn.Module) -> dict[str, str]:
             continue
         first = next(module.parameters(recurse=False), None)
         if first is not None and next(module.children(), None) is None:
-            found[name] = names.get(first.dtype, str(first.dtype))
+            found[name] = dtype_name(first.dtype)
     return found

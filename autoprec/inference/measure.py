@@ -167,7 +167,7 @@ def measure_inference(
         raise
     except torch.OutOfMemoryError as error:
         result = InferenceResult(TrialState.FAILED, f"out of memory: {first_line(error)}")
-    except Exception as error:
+    except Exception as error:  # any failure of a trial is its result
         result = InferenceResult(
             TrialState.FAILED, f"{type(error).__name__}: {first_line(error, 500)}"
         )

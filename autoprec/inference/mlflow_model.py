@@ -32,11 +32,12 @@ import torch
 from torch import nn
 
 from autoprec.errors import AutoprecError, first_line
-from autoprec.inference.convert import has_torch_dynamic_int8, import_torchao
+from autoprec.inference.convert import has_torch_dynamic_int8
+from autoprec.inference.logits_path import served_logits
 from autoprec.inference.mlflow_rebuilt import FORMAT, write_data
 from autoprec.policy import Policy
-from autoprec.structures import tensors
-from autoprec.tasks.base import Batch, logits_of
+from autoprec.quantizers import quantizer
+from autoprec.tasks.base import Batch
 
 EXAMPLE_SAMPLES = 4
 _LOADER = "autoprec.inference.mlflow_rebuilt"
@@ -45,7 +46,8 @@ _LOADER = "autoprec.inference.mlflow_rebuilt"
 class ServedModel(nn.Module):
     """A converted model as MLflow's PyTorch flavour calls it: one tensor in (several
     inputs stacked along dimension 1, passed by ``keywords`` where the model takes them by
-    name), one tensor out (its logits, else its first floating output)."""
+    name), one tensor out: the logits path (`autoprec.inference.logits_path`), as the
+    ``model`` export's program computes it."""
 
     def __init__(
         self, model: nn.Module, keywords: list[str] | None = None, stacked: bool = False
@@ -58,27 +60,8 @@ class ServedModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inputs = x.unbind(1) if self.stacked else (x,)
         if self.keywords:
-            named = dict(zip(self.keywords, inputs, strict=True))
-            outputs = self.model(**named, **self._decoder_start(inputs[0]))
-        else:
-            outputs = self.model(*inputs)
-        logits = logits_of(outputs)
-        if logits is not None:
-            return logits
-        return next(t for t in tensors(outputs) if t.is_floating_point())
-
-    def _decoder_start(self, first: torch.Tensor) -> dict[str, torch.Tensor]:
-        """An encoder-decoder (T5, BART) needs decoder inputs, which a served request does
-        not carry (training fed them from the labels): its decoder starts from its start
-        token, so the served logits are those of the first output token."""
-        config = getattr(self.model, "config", None)
-        if not getattr(config, "is_encoder_decoder", False) or "decoder_input_ids" in (
-            self.keywords
-        ):
-            return {}
-        start = getattr(config, "decoder_start_token_id", None)
-        start = 0 if start is None else int(start)
-        return {"decoder_input_ids": torch.full((first.shape[0], 1), start, device=first.device)}
+            return served_logits(self.model, (), dict(zip(self.keywords, inputs, strict=True)))
+        return served_logits(self.model, inputs, {})
 
 
 def served_inputs(batch: Batch) -> tuple[list[str], list[torch.Tensor]]:
@@ -125,7 +108,8 @@ def save_mlflow_model(
 ) -> str:
     """Save ``converted`` (a served model on the CPU, where MLflow's pyfunc runs it; see
     `autoprec.inference.convert`) as an MLflow model folder at ``path`` (replaced), with
-    ``batch`` as its input example and the policy in its metadata and beside it. Returns
+    ``batch`` as its input example and the policy in its metadata and beside it; ``int8``
+    (default: the policy's) is the method its int8 layers were quantized with. Returns
     the serialization format used: ``pt2`` where it exports, else ``autoprec-rebuilt``
     (``fp32``, the model it was converted from, and ``task_spec``, the task's name or file,
     rebuilt at load: nothing unpickled), else ``pickle``. Raises AutoprecError with the
@@ -143,10 +127,10 @@ def save_mlflow_model(
     with torch.inference_mode():
         output = wrapped(example).float().numpy()
     array = example.numpy()
+    int8 = int8 or policy.int8_method
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
-    if int8 is not None and int8.startswith("torchao"):
-        torchao = import_torchao()
-        requirements.append(f"torchao=={torchao.__version__.split('+')[0]}")
+    if int8 is not None:
+        requirements += quantizer(int8).requirements()
     formats = [] if has_torch_dynamic_int8(converted) else ["pt2"]
     if fp32 is not None and task_spec is not None:
         formats.append(FORMAT)
@@ -178,7 +162,7 @@ def save_mlflow_model(
                 else:
                     _save_pytorch(path, wrapped, fmt, policy_file, common)
                 return fmt
-            except Exception as error:
+            except Exception as error:  # MLflow's save: try the next format
                 errors.append(f"{fmt}: {type(error).__name__}: {first_line(error, 160)}")
     finally:
         shutil.rmtree(folder, ignore_errors=True)

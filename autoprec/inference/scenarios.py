@@ -48,7 +48,7 @@ SCENARIOS = {
 }
 # What a serving preference minimises, as the training search names it: latency and
 # throughput at one batch size order policies alike (throughput = batch / latency).
-PREFERENCES = ("latency", "memory", "throughput", "balanced")
+SERVING_PREFERENCES = ("latency", "memory", "throughput", "balanced")
 AS_SELECTION = {
     "latency": "speed",
     "throughput": "speed",

@@ -145,7 +145,9 @@ class PolicyPrecision(LightningPrecision):
         precision = self._applied.precision
         return precision.autocast() if precision is not None else contextlib.nullcontext()
 
-    def backward(
+    # Lightning's own pytorch Precision narrows fabric's signatures (the module, the
+    # optimizer, the closure) the same way, with the same ignore.
+    def backward(  # type: ignore[override]
         self,
         tensor: torch.Tensor,
         model: pl.LightningModule,
@@ -156,7 +158,7 @@ class PolicyPrecision(LightningPrecision):
         # Scaled here rather than in pre_backward, so on_before_backward sees the true loss.
         super().backward(self._applied.scaled(tensor), model, optimizer, *args, **kwargs)
 
-    def optimizer_step(
+    def optimizer_step(  # type: ignore[override]
         self,
         optimizer: Any,
         model: pl.LightningModule,

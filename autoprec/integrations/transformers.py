@@ -110,6 +110,7 @@ class PolicyTrainer(transformers.Trainer):
         self.policy = policy
         # The Trainer has placed the model on args.device by now (unless a sharding backend
         # places it later): the regions and the autocast are for that device's kind.
+        assert self.model is not None  # the Trainer refuses no model without a model_init
         self.precision = policy.apply(self.model, self.args.device, module=module)
         self.accelerator.scaler = _PrecisionScaler(self.precision)
 
@@ -133,5 +134,6 @@ class PolicyTrainer(transformers.Trainer):
             optimizer = self.optimizer
             while isinstance(optimizer, AcceleratedOptimizer):
                 optimizer = optimizer.optimizer
+            assert optimizer is not None  # created before the first step
             self.precision.unscale_(optimizer)
         return loss

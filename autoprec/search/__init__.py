@@ -14,25 +14,26 @@ The modules of this package, in the order a search uses them:
 - `studies`: what many workers share through Optuna's storage (heartbeats, claims,
   leases, the queue on sqlite);
 - `summary`: the candidates, the chosen best, summary.json and best_policy.yaml;
+- `summary_schema`: the typed `Summary` and its JSON round trip; `summary_file` reads
+  it back, checked;
 - `events`: `Callbacks`, what a search reports while it runs.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autoprec.errors import SearchInterrupted
 from autoprec.policy import Policy
 from autoprec.search.config import SearchConfig
 from autoprec.search.events import Callbacks
-from autoprec.search.identity import SUMMARY_KEY
 from autoprec.search.loop import run_trials
 from autoprec.search.session import Prepared, Session, identity_of, prepare
-from autoprec.search.summary import numeric, summarize, write_outputs
+from autoprec.search.summary import completed, numeric, summarize, write_outputs
+from autoprec.search.summary_schema import ProfileRow, ServedModel, Serving, Summary
 from autoprec.search.workers import run_workers
 from autoprec.space import SearchSpace
 from autoprec.tasks import DEFAULT_TASK, Task
@@ -43,20 +44,15 @@ __all__ = ["Callbacks", "SearchConfig", "SearchInterrupted", "SearchResult", "se
 
 @dataclass
 class SearchResult:
+    """The chosen policy and the summary: ``summary`` as summary.json holds it, ``typed``
+    the same as a `Summary`."""
+
     study: str
     best_policy: Policy
     summary: dict[str, Any]
     best_policy_path: Path
     summary_path: Path
-
-
-class SearchInterrupted(KeyboardInterrupt):
-    """Ctrl-C during the trials: the running trial was recorded as interrupted (failed in
-    Optuna, not counted), and the summary and best policy so far were written."""
-
-    def __init__(self, result: SearchResult) -> None:
-        super().__init__(f"search interrupted; results so far in {result.summary_path}")
-        self.result = result
+    typed: Summary | None = None
 
 
 def search(
@@ -136,10 +132,11 @@ def _finish(
     started_s: float,
 ) -> SearchResult:
     """The choice and the outputs: summary.json, best_policy.yaml, the parent run."""
-    prepared, config, tracker = session.prepared, session.prepared.config, session.tracker
+    prepared, tracker = session.prepared, session.tracker
+    trials = session.trials  # the mode: its part of the summary, and what it leaves behind
     assert session.baseline is not None
     mark_s = time.perf_counter()
-    run_ids = _run_ids(tracker)
+    part = trials.summary_part(prepared.feasibility)
     summary = summarize(
         session.study,
         session.space,
@@ -147,14 +144,54 @@ def _finish(
         prepared.feasibility,
         prepared.prefer,
         confirmed,
-        run_ids,
+        _run_ids(tracker),
+        None if part is None else Serving(**part),
     )
-    trials = session.trials  # the mode: its part of the summary, and what it leaves behind
-    summary.update(trials.summary_block(session.measured(), session.baseline, prepared.feasibility))
-    summary["settings"] = {
+    best_policy = Policy.from_dict(summary.best.policy or {})
+    layers = trials.layer_table(best_policy, prepared.model)
+    left = trials.leave_behind(best_policy, prepared.out_dir, prepared.task_spec, tracker)
+    served = None if left is None else ServedModel(**left)
+    summary = completed(
+        summary,
+        settings=_settings(session),
+        parent_run_id=tracker.parent_id,
+        # Which Optuna study this is: a search with another --storage refuses these outputs.
+        identity=identity_of(session.study, prepared.config.storage).to_dict(),
+        interrupted=interrupted,
+        profile=None
+        if session.profile is None
+        else [ProfileRow(m.rank, m.name, m.risk, m.reason) for m in session.profile.modules[:5]],
+        layers=layers,
+        served_model=served,
+    )
+    phases_s["tracking_flush"] = time.perf_counter() - mark_s
+    summary.wall_time_s = time.perf_counter() - started_s
+    summary.phase_time_s = phases_s  # this invocation's set-up, warm-up and re-timing
+    policy_path, summary_path = write_outputs(summary, best_policy, prepared.out_dir)
+    best_key = summary.best.key
+    tracker.finish_parent(
+        best_key,
+        numeric(summary.best.metrics),
+        [policy_path, summary_path],
+        status="KILLED" if interrupted else "FINISHED",
+    )
+    tracker.mark_children({e.key for e in summary.entries if e.pareto}, best_key)
+    tracker.close()
+    data = summary.to_json()
+    session.callbacks.done(data)
+    result = SearchResult(prepared.study, best_policy, data, policy_path, summary_path, summary)
+    if interrupted:
+        raise SearchInterrupted(result)
+    return result
+
+
+def _settings(session: Session) -> dict[str, Any]:
+    """The settings summary.json records: the search's own, and what an export needs."""
+    prepared, config = session.prepared, session.prepared.config
+    return {
         **prepared.settings,
         "task_spec": prepared.task_spec,  # for autoprec export
-        **trials.summary_settings(),
+        **session.trials.summary_settings(),  # the checkpoint
         "trials": config.trials,
         "sampler": config.sampler,
         "prefer": config.prefer or prepared.prefer,
@@ -167,43 +204,6 @@ def _finish(
         "devices": prepared.devices,
         "trial_timeout_s": session.trial_limit_s,
     }
-    summary["mlflow_parent_run_id"] = tracker.parent_id
-    # Which Optuna study this is: a search with another --storage refuses these outputs.
-    summary[SUMMARY_KEY] = identity_of(session.study, config.storage).to_dict()
-    summary["interrupted"] = interrupted
-    summary["profile"] = (
-        None
-        if session.profile is None
-        else [
-            {"rank": m.rank, "module": m.name, "risk": m.risk, "reason": m.reason}
-            for m in session.profile.modules[:5]
-        ]
-    )
-    best_policy = Policy.from_dict(summary["best"]["policy"])
-    summary["best"]["layers"] = trials.layer_table(best_policy, prepared.model)
-    left = trials.leave_behind(best_policy, prepared.out_dir, prepared.task_spec, tracker)
-    for key, extra in left.items():
-        summary[key].update(extra)
-    phases_s["tracking_flush"] = time.perf_counter() - mark_s
-    summary["wall_time_s"] = time.perf_counter() - started_s
-    summary["phase_time_s"] = phases_s  # this invocation's set-up, warm-up and re-timing
-    policy_path, summary_path = write_outputs(summary, best_policy, prepared.out_dir)
-    best = summary["best"]
-    entries = [summary["baseline"], *summary["trials"]]
-    best_key = str(best["number"])
-    tracker.finish_parent(
-        best_key,
-        numeric(best["metrics"]),
-        [policy_path, summary_path],
-        status="KILLED" if interrupted else "FINISHED",
-    )
-    tracker.mark_children({str(e["number"]) for e in entries if e["pareto"]}, best_key)
-    tracker.close()
-    session.callbacks.done(summary)
-    result = SearchResult(prepared.study, best_policy, summary, policy_path, summary_path)
-    if interrupted:
-        raise SearchInterrupted(result)
-    return result
 
 
 def _run_ids(tracker: Tracker) -> dict[str, str]:
@@ -215,15 +215,3 @@ def _run_ids(tracker: Tracker) -> dict[str, str]:
         return tracker.run_ids()
     except Exception:  # gone since the flush: the next run of the study catches up
         return {}
-
-
-class _CallablePackage(types.ModuleType):
-    """``autoprec.search`` names this package and the function ``search`` alike: once a
-    submodule such as ``autoprec.search.config`` is imported, Python binds the package
-    to that name, and calling it must still run a search."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> SearchResult:
-        return search(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage

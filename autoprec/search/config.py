@@ -238,10 +238,11 @@ def check_storage_url(url: str) -> None:
     """Refuse an Optuna storage URL that is not a database URL, before anything is
     written."""
     from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
 
     try:
         parsed = make_url(url)
-    except Exception:
+    except (ArgumentError, ValueError):  # no URL; a port that is no number
         raise StoreError(
             f"--storage {redact(str(url))!r}: not a database URL (e.g. sqlite:///runs/optuna.db)"
         ) from None

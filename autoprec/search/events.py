@@ -91,7 +91,7 @@ class Guarded(Callbacks):
     def _call(self, event: str, *args: Any) -> None:
         try:
             getattr(self.inner, event)(*args)
-        except Exception as error:
+        except Exception as error:  # a user's callback must not stop the search
             if event in self.failed:
                 return
             self.failed.add(event)

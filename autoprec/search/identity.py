@@ -111,7 +111,7 @@ def of_parent_run(tracker: Tracker) -> StudyIdentity | None:
             order_by=["attributes.start_time ASC"],
             max_results=1,
         )
-    except Exception:
+    except Exception:  # an unreachable MLflow store: no parent known
         return None
     if not runs:
         return None

@@ -132,6 +132,10 @@ class _Storage(optuna.storages.RDBStorage):
             self.record_heartbeat(trial_id)
 
 
+# The errors among which _connection_lost finds an outage.
+_DATABASE_ERRORS = (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError)
+
+
 def _connection_lost(error: BaseException) -> bool:
     """Whether an error says the database is out of reach (a server restarting, a
     network cut, a sqlite file locked for long), not that a request was wrong."""
@@ -177,7 +181,7 @@ def _retrying(method: Callable[..., Any]) -> Callable[..., Any]:
         while True:
             try:
                 result = method(self, *args, **kwargs)
-            except Exception as error:
+            except _DATABASE_ERRORS as error:  # any other error propagates as it is
                 if not _connection_lost(error):
                     raise
                 self.scoped_session.remove()  # the next try starts on a fresh session
@@ -452,7 +456,7 @@ def stored_study_id(storage: optuna.storages.BaseStorage, name: str) -> str | No
     where = getattr(storage, "url", "the Optuna storage")
     try:
         summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
-    except Exception as error:
+    except Exception as error:  # whatever the database driver raises
         raise StoreError(f"Optuna storage {where}: {first_line(error)}") from None
     existing = {s.study_name: s for s in summaries}.get(name)
     return None if existing is None else existing.user_attrs.get(STUDY_ID_ATTR)
@@ -488,7 +492,7 @@ def open_study(
         )
     except StoreError:
         raise
-    except Exception as error:
+    except Exception as error:  # whatever the database driver raises
         raise StoreError(f"Optuna storage {where}: {first_line(error)}") from None
     if existing is None:
         for key, value in settings.items():

@@ -1,4 +1,5 @@
-"""Reading a study's summary.json back (``autoprec report``, ``export``, ``compare``).
+"""Reading a study's summary.json back (``autoprec report``, ``export``, ``compare``) as a
+typed `Summary` (or, for an export, its `Header`).
 
 The file sits in a runs folder anyone may have edited, truncated or replaced, so its
 shape is checked before anything is drawn or exported from it: one line naming the
@@ -9,25 +10,33 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from autoprec.devices import DTYPES, INFERENCE_DTYPES
 from autoprec.errors import AutoprecError
+from autoprec.errors import SummaryError as _Shape
 from autoprec.files import read_text
+from autoprec.search.summary_schema import SCHEMA_VERSION, Header, Summary
 
 MAX_SUMMARY_BYTES = 256 * 1024 * 1024  # a 10 000-trial study's summary is about 100 MB
 STATES = ("complete", "pruned", "failed", "running", "interrupted")
 _NUMBER = (int, float)
+NON_FINITE = ("nan", "inf", "-inf")  # strict JSON's spelling of them (summary_schema.finite)
 
 
-class _Shape(AutoprecError):
-    """A field of summary.json is missing or of the wrong type (the message names it)."""
+def read_summary(path: Path, study: str) -> Summary:
+    """summary.json of ``study`` at ``path``, checked (see `check_summary`), typed."""
+    return Summary.from_json(_load(path, study, check_summary))
 
 
-def read_summary(path: Path, study: str, whole: bool = True) -> dict[str, Any]:
-    """summary.json of ``study`` at ``path``, checked (see `check_summary`); with
-    ``whole=False``, only what an export reads: the mode and the settings."""
+def read_header(path: Path, study: str) -> Header:
+    """Only what an export reads of summary.json: the mode and the settings."""
+    return Header.from_json(_load(path, study, _check_header))
+
+
+def _load(path: Path, study: str, check: Callable[[Any], None]) -> dict[str, Any]:
     if not path.exists():
         raise AutoprecError(f"study {study!r}: no {path} (run autoprec search first)")
     text = read_text(path, AutoprecError, MAX_SUMMARY_BYTES)
@@ -38,7 +47,7 @@ def read_summary(path: Path, study: str, whole: bool = True) -> dict[str, Any]:
     except RecursionError:
         raise AutoprecError(f"{path}: nested too deeply to be a summary") from None
     try:
-        check_summary(data) if whole else _check_header(data)
+        check(data)
     except _Shape as error:
         raise AutoprecError(f"{path}: {error} (not a summary autoprec search wrote)") from None
     return data
@@ -47,6 +56,13 @@ def read_summary(path: Path, study: str, whole: bool = True) -> dict[str, Any]:
 def _check_header(data: Any) -> None:
     """The top level, the mode and the settings: what every reader of a summary reads."""
     _expect(data, dict, "the top level")
+    version = data.get("schema_version", 0)
+    _check_count(version, "schema_version")
+    if version > SCHEMA_VERSION:
+        raise _Shape(
+            f"schema_version: {version}, newer than this autoprec reads ({SCHEMA_VERSION}); "
+            "upgrade autoprec"
+        )
     if data.get("mode") not in ("training", "inference"):
         raise _Shape(f"mode: expected training or inference, got {data.get('mode')!r}")
     _expect(data.get("settings"), dict, "settings")
@@ -102,6 +118,8 @@ def _check_row(
         )
     _expect(row.get("metrics"), dict, f"{where}.metrics")
     for name, value in row["metrics"].items():
+        if value in NON_FINITE:  # what the writer makes of a NaN or infinite metric
+            continue
         if value is not None and (isinstance(value, bool) or not isinstance(value, _NUMBER)):
             raise _Shape(f"{where}.metrics.{name}: expected a number, got {value!r}")
     if row["state"] == "complete":
@@ -149,6 +167,11 @@ def _check_inference(block: Any) -> None:
         _expect(row.get("latency_ms"), _NUMBER, f"{where}.latency_ms")
         for key in ("fp32_latency_ms", "speedup_vs_fp32"):
             _expect(row.get(key), (*_NUMBER, type(None)), f"{where}.{key}")
+
+
+def _check_count(value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _Shape(f"{where}: expected a whole number, got {value!r}")
 
 
 def _check_batch_size(size: Any, where: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +82,8 @@ class Batch:
         everything = list(tensors((self.args, self.kwargs, self.targets)))
         if size <= samples or any(t.dim() == 0 or t.shape[0] != size for t in everything):
             return self
-        return Batch(
-            *(map_tensors(lambda t: t[:samples], part) for part in (self.args, self.kwargs)),
-            map_tensors(lambda t: t[:samples], self.targets),
-            self.raw_inputs,
-        )
+        cut = partial(map_tensors, lambda t: t[:samples])
+        return Batch(cut(self.args), cut(self.kwargs), cut(self.targets), self.raw_inputs)
 
     def mismatch(self, model: nn.Module) -> str | None:
         """Why the model's forward cannot be called with this batch, if it cannot."""
@@ -275,7 +273,7 @@ def check_task_data(task: Task, model: nn.Module, steps: int, seed: int) -> None
             task.score(cast_floats(batch.run(model), torch.float32), batch.targets)
     except TaskError:
         raise
-    except Exception as error:
+    except Exception as error:  # the task's own code: any error is its
         where = f"; {batch.describe(model)}" if batch is not None else ""
         raise TaskError(
             f"task {task.name!r}: a first training step failed ({type(error).__name__}: "
@@ -311,7 +309,7 @@ def check_task(task: Task) -> nn.Module:
     """Build the task's model once and check the contract; returns the model."""
     try:
         model = task.model()
-    except Exception as error:
+    except Exception as error:  # the task's own code: any error is its
         raise TaskError(
             f"task {task.name!r}: model() raised {type(error).__name__}: {error}"
         ) from None

@@ -37,7 +37,7 @@ def load_task(spec: str) -> Task:
             value = value()
         except TaskError:
             raise
-        except Exception as error:
+        except Exception as error:  # the task's own code: any error is its
             raise TaskError(
                 f"task {spec!r}: {attr}() raised {type(error).__name__}: {error}"
             ) from None
@@ -52,7 +52,7 @@ def load_task(spec: str) -> Task:
 def _import_module(name: str, spec: str) -> Any:
     try:
         return importlib.import_module(name)
-    except Exception as error:
+    except Exception as error:  # importing user code can raise anything
         raise TaskError(
             f"task {spec!r}: cannot import {name} ({type(error).__name__}: {error})"
         ) from None
@@ -70,7 +70,7 @@ def _import_file(path_text: str, spec: str) -> Any:
     sys.modules[module_name] = module
     try:
         file_spec.loader.exec_module(module)
-    except Exception as error:
+    except Exception as error:  # importing user code can raise anything
         del sys.modules[module_name]
         raise TaskError(
             f"task {spec!r}: {path} failed to import ({type(error).__name__}: {error})"

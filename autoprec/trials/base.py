@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
-from autoprec.errors import AutoprecError
+from autoprec.errors import AutoprecError, TrialTimeout
 
 if TYPE_CHECKING:
     from torch import nn
@@ -227,18 +227,16 @@ class Trials(Protocol):
         """What summary.json's settings hold of this mode (its checkpoint, say)."""
         ...
 
-    def summary_block(
-        self, records: Sequence[Any], baseline: Any, feasibility: Feasibility
-    ) -> dict[str, Any]:
-        """The summary's mode-specific part, by its key (``{"inference": {...}}``), or
-        nothing."""
+    def summary_part(self, feasibility: Feasibility) -> dict[str, Any] | None:
+        """The fields of the summary's mode part (serving: the scenario and what it asks,
+        the fp32 weights converted), or None where the mode adds none."""
         ...
 
     def leave_behind(
         self, policy: Policy, out_dir: Path, task_spec: str | None, publish: Publisher
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         """What a finished search leaves besides the summary and the best policy (the
-        served MLflow model), added to the summary's mode block; nothing by default."""
+        served MLflow model), as the fields the summary records of it; None for nothing."""
         ...
 
 
@@ -286,10 +284,6 @@ def time_side_by_side(
             for times, candidate in zip(times_s, candidates, strict=True):
                 times += candidate.timed(block)
     return [statistics.median(times) * 1000.0 for times in times_s]
-
-
-class TrialTimeout(Exception):
-    """Raised inside a trial that ran past its time limit (the trial then fails)."""
 
 
 def run_with_time_limit(measure: Callable[[], R], limit_s: float, failed: Callable[[str], R]) -> R:

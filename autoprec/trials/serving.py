@@ -28,12 +28,11 @@ from autoprec.devices import DTYPES, Backend
 from autoprec.digest import file_sha256
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
 from autoprec.inference.convert import (
-    INT8_METHODS,
     convert,
+    convert_policy,
     default_int8_method,
     int8_unavailable_reason,
 )
-from autoprec.inference.load import convert_policy, low_precision_share
 from autoprec.inference.measure import (
     TIMED_CALLS,
     WARMUP_CALLS,
@@ -45,9 +44,10 @@ from autoprec.inference.measure import (
     measure_inference,
     timing_batch,
 )
-from autoprec.inference.scenarios import AS_SELECTION, PREFERENCES, Scenario, scenario
+from autoprec.inference.scenarios import AS_SELECTION, SERVING_PREFERENCES, Scenario, scenario
+from autoprec.plan import low_precision_share
 from autoprec.policy import Policy
-from autoprec.selection import TIME_TIE
+from autoprec.quantizers import INT8_METHODS
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch, refuse_nan_outputs
 from autoprec.trials.base import (
@@ -220,7 +220,7 @@ def load_checkpoint(model: nn.Module, path: Path, task: Task) -> nn.Module:
                 "unpickles (torch.load(weights_only=True)); save a state dict of tensors"
             ) from None
         raise TaskError(f"{where}: not a torch checkpoint ({first_line(error)})") from None
-    except Exception as error:
+    except Exception as error:  # torch.load on a user's file: many types
         raise TaskError(f"{where}: not a torch checkpoint ({first_line(error)})") from None
     if isinstance(state, dict):
         state = state.get("model", state.get("state_dict", state))
@@ -315,7 +315,7 @@ def run_inference_trial(
     previous = backend.set_switches(policy.tf32, policy.hf32)
     try:
         layer_dtypes = policy.resolve_inference(model)
-        converted = convert(model, layer_dtypes, backend, int8)
+        converted = convert(model, layer_dtypes, backend, int8 or policy.int8_method)
         result = measure_inference(
             task, converted, reference, backend, batch_sizes[0], timed_calls, warmup_calls
         )
@@ -328,7 +328,7 @@ def run_inference_trial(
         result.low_precision_share = low_precision_share(model, layer_dtypes)
     except AutoprecError as error:  # a policy this model cannot be served in
         result = InferenceResult(TrialState.FAILED, first_line(error, 500))
-    except Exception as error:
+    except Exception as error:  # any failure of a trial is its result
         result = InferenceResult(
             TrialState.FAILED, f"{type(error).__name__}: {first_line(error, 500)}"
         )
@@ -377,7 +377,7 @@ class ServingTrials:
     )
     result_type: ClassVar[type[Result]] = InferenceResult
     baseline_verb: ClassVar[str] = "serve"
-    preferences: ClassVar[tuple[str, ...]] = PREFERENCES
+    preferences: ClassVar[tuple[str, ...]] = SERVING_PREFERENCES
 
     def __init__(
         self,
@@ -424,7 +424,10 @@ class ServingTrials:
         supported = {d for d in DTYPES if self.backend.supports(d)}
         if self.serving.int8 is not None:
             supported.add("int8")
-        return space.fit(self.model, profile, self.backend, inference=True).restrict(supported)
+        fitted = space.fit(
+            self.model, profile, self.backend, inference=True, int8_method=self.serving.int8
+        )
+        return fitted.restrict(supported)
 
     def choice(self, space: SearchSpace) -> Choice:
         """The settings first, then the scenario's presets; the study is named after the
@@ -492,28 +495,23 @@ class ServingTrials:
         checkpoint = self.serving.checkpoint
         return {"checkpoint": None if checkpoint is None else str(checkpoint.resolve())}
 
-    def summary_block(
-        self, records: Sequence[Any], baseline: Any, feasibility: Feasibility
-    ) -> dict[str, Any]:
-        """The scenario and what it asks, the fp32 weights the trials converted, and the
-        best choice at each batch size measured."""
+    def summary_part(self, feasibility: Feasibility) -> dict[str, Any] | None:
+        """The scenario and what it asks, and the fp32 weights the trials converted (the
+        summary adds the best at each batch size)."""
         serving = self.serving
         out_dir = self.out_dir or Path(".")
-        checkpoint = serving.checkpoint or out_dir / FP32_CHECKPOINT
-        block = {
+        return {
             "scenario": serving.scenario.name,
             "batch_sizes": list(serving.batch_sizes),
             "int8": serving.int8,
-            "fp32_checkpoint": str(checkpoint),
+            "fp32_checkpoint": str(serving.checkpoint or out_dir / FP32_CHECKPOINT),
             "min_top1_agreement": feasibility.min_top1_agreement,
             "max_rel_deviation": feasibility.max_rel_deviation,
-            "by_batch_size": by_batch_size(list(records), baseline, list(serving.batch_sizes)),
         }
-        return {"inference": block}
 
     def leave_behind(
         self, policy: Policy, out_dir: Path, task_spec: str | None, publish: Publisher
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         """The chosen model saved as an MLflow model and logged on the parent run; where
         it cannot be, one warning and the reason in the summary."""
         from autoprec.inference.mlflow_model import PICKLE_NOTE
@@ -521,53 +519,20 @@ class ServingTrials:
         folder, said = save_served_model(self, policy, out_dir, task_spec)
         if folder is None:
             publish.warn(f"the chosen model was not logged as an MLflow model: {said}")
-            return {"inference": {"mlflow_model": {"logged": False, "reason": said}}}
+            return {"logged": False, "reason": said}
         if said == "pickle":
             publish.warn(f"the chosen MLflow model is {PICKLE_NOTE}")
         unpickles = said == "pickle"
         tags = {"autoprec.model_format": said, "autoprec.model_unpickles": str(unpickles).lower()}
         publish.log_model_folder(folder, tags=tags)
         parent = publish.parent_id
-        logged = {
+        return {
             "logged": True,
             "format": said,
             "unpickles": unpickles,
             "path": str(folder),
             "uri": None if parent is None else f"runs:/{parent}/model",
         }
-        return {"inference": {"mlflow_model": logged}}
-
-
-def by_batch_size(
-    records: list[Any], baseline: Any, batch_sizes: list[int]
-) -> list[dict[str, Any]]:
-    """For each batch size a serving study measured, the feasible policy with the lowest
-    latency there (within TIME_TIE a tie, to less memory): where the best choice flips.
-    ``records`` and ``baseline`` are the search's records of `InferenceResult` trials."""
-    rows = []
-    for size in batch_sizes:
-        key = str(size)
-        pool = [
-            r for r in [baseline, *records] if r.feasible and key in r.result.latency_by_batch_ms
-        ]
-        if not pool:
-            continue
-        fastest = min(r.result.latency_by_batch_ms[key] for r in pool)
-        tied = [r for r in pool if r.result.latency_by_batch_ms[key] <= fastest * (1 + TIME_TIE)]
-        best = min(tied, key=lambda r: (r.result.peak_memory_mb, r.result.latency_by_batch_ms[key]))
-        base = baseline.result.latency_by_batch_ms.get(key)
-        rows.append(
-            {
-                "batch_size": size,
-                "best": best.number,
-                "latency_ms": best.result.latency_by_batch_ms[key],
-                "fp32_latency_ms": base,
-                "speedup_vs_fp32": None
-                if not base
-                else base / best.result.latency_by_batch_ms[key],
-            }
-        )
-    return rows
 
 
 def save_served_model(

@@ -28,7 +28,7 @@ from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.observe import observed_dtypes, watch_task
 from autoprec.policy import Policy, share_of_parameters
 from autoprec.precision import Precision
-from autoprec.selection import PREFERENCES
+from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.structures import cast_floats
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch
@@ -46,7 +46,7 @@ from autoprec.trials.base import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
     from pathlib import Path
 
     from torch import nn
@@ -233,7 +233,7 @@ def run_trial(
         raise
     except torch.OutOfMemoryError as error:
         result = TrialResult(TrialState.FAILED, f"out of memory: {first_line(error)}")
-    except Exception as error:
+    except Exception as error:  # any failure of a trial is its result
         result = TrialResult(
             TrialState.FAILED, f"{type(error).__name__}: {first_line(error, 500)}"[:500]
         )
@@ -621,7 +621,7 @@ class TrainingTrials:
     objectives: ClassVar[tuple[str, str, str]] = ("accuracy", "peak_memory_mb", "step_time_ms")
     result_type: ClassVar[type[Result]] = TrialResult
     baseline_verb: ClassVar[str] = "train"
-    preferences: ClassVar[tuple[str, ...]] = PREFERENCES
+    preferences: ClassVar[tuple[str, ...]] = TRAINING_PREFERENCES
     # (task, device, dtype) warmed up in this process: once is enough.
     _warm: ClassVar[set[tuple[str, str, str]]] = set()
 
@@ -734,12 +734,10 @@ class TrainingTrials:
     def summary_settings(self) -> dict[str, Any]:
         return {"checkpoint": None}
 
-    def summary_block(
-        self, records: Sequence[Any], baseline: Any, feasibility: Feasibility
-    ) -> dict[str, Any]:
-        return {}
+    def summary_part(self, feasibility: Feasibility) -> dict[str, Any] | None:
+        return None
 
     def leave_behind(
         self, policy: Policy, out_dir: Path, task_spec: str | None, publish: Publisher
-    ) -> dict[str, Any]:
-        return {}
+    ) -> dict[str, Any] | None:
+        return None

@@ -1,0 +1,49 @@
+"""What the report says differently per mode: the names of its time and memory, the
+colours of its dtypes. One entry per mode, looked up by the summary's mode, so that a
+new mode is one new entry and no view asks which mode it is in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoprec.search.summary_schema import Summary
+
+DTYPE_COLOURS = {"fp32": "#4c72b0", "bf16": "#55a868", "fp16": "#dd8452"}
+SERVING_DTYPE_COLOURS = {**DTYPE_COLOURS, "int8": "#8172b3"}
+
+
+@dataclass(frozen=True)
+class ModeText:
+    """How one mode's figures are named in tables, notes and plots."""
+
+    time_words: str  # what its time is, in a sentence
+    time_column: str  # the time's column header
+    memory_counted: str  # what a CPU estimate of peak memory counts
+    colours: dict[str, str]  # dtype -> colour, in legend order
+    style: str = ""  # what the page adds to the shared style
+
+    def time_at(self, summary: Summary) -> str:
+        """``step time``, or ``latency at batch 8`` where the study served one size."""
+        size = summary.batch_size
+        return self.time_words if size is None else f"{self.time_words} at batch {size}"
+
+
+MODE_TEXT = {
+    "training": ModeText(
+        time_words="step time",
+        time_column="step ms",
+        memory_counted="parameters, gradients, optimizer state and saved activations",
+        colours=DTYPE_COLOURS,
+    ),
+    "inference": ModeText(
+        time_words="latency",
+        time_column="latency ms",
+        memory_counted="weights plus the peak of live activations",
+        colours=SERVING_DTYPE_COLOURS,
+        style=".int8{color:#8172b3}\n",
+    ),
+}
+
+
+def mode_text(summary: Summary) -> ModeText:
+    return MODE_TEXT[summary.mode]

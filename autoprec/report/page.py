@@ -1,0 +1,237 @@
+"""The report's page shell: the HTML tables, sections and style every view shares, the
+page around a view's body (`render_report`), and the page comparing studies."""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autoprec.files import write_atomic
+from autoprec.report.gains import gains_line
+from autoprec.report.modes import mode_text
+from autoprec.search.summary_schema import Best, Entry, Summary, as_summary
+from autoprec.space import policy_label
+
+# A view: a mode's plots and the report's body, written into the folder given.
+View = Callable[[Summary, Path], tuple[list[Path], str]]
+
+STYLE = """
+body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1200px}
+h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:.85em;margin:.5em 0}
+th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
+th{background:#f4f4f4}tr.best{background:#fff3c4}tr.front td:first-child{font-weight:600}
+.note{color:#666;font-size:.85em}img{max-width:100%;border:1px solid #eee;margin:.4em}
+.fp32{color:#4c72b0}.bf16{color:#55a868}.fp16{color:#dd8452}
+"""
+
+
+def render_page(summary: Summary, out_dir: Path, view: View) -> list[Path]:
+    """Write report.html (self-contained: plots embedded) around ``view``'s body, and the
+    view's PNG plots beside it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots, body = view(summary, out_dir)
+    study = html.escape(summary.study)
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>autoprec report: {study}</title><style>{STYLE + mode_text(summary).style}</style></head>
+<body>
+<h1>autoprec report: {study}</h1>
+<p><b>{html.escape(gains_line(summary))}</b></p>
+{body}
+</body></html>
+"""
+    report = out_dir / "report.html"
+    write_atomic(report, page)
+    return [report, *plots]
+
+
+def cell(value: Any, spec: str = "") -> str:
+    """A table cell's HTML: yes/no, a number formatted, else the value escaped."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float) and spec:
+        return format(value, spec)
+    return html.escape("-" if value is None else str(value))
+
+
+def html_table(header: list[str], rows: list[list[str]], classes: list[str] | None = None) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join(
+        f'<tr class="{classes[i] if classes else ""}">'
+        + "".join(f"<td>{c}</td>" for c in row)
+        + "</tr>"
+        for i, row in enumerate(rows)
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def text_rows(rows: list[list[str]]) -> list[list[str]]:
+    """Plain-text rows as HTML cells."""
+    return [[html.escape(c) for c in row] for row in rows]
+
+
+def notes(lines: list[str]) -> str:
+    return f'<p class="note">{"<br>".join(html.escape(n) for n in lines)}</p>'
+
+
+def outcome_cells(entry: Entry) -> list[str]:
+    """The first cells of every trials table: the trial, its state, accuracy and drop."""
+    return [
+        html.escape(entry.label),
+        cell(entry.state),
+        cell(entry.accuracy, ".4f"),
+        cell(entry.accuracy_drop, "+.4f"),
+    ]
+
+
+def verdict_cells(entry: Entry) -> list[str]:
+    """The last cells of every trials table: share, verdicts, dtypes and reason."""
+    return [
+        cell(entry.metrics.get("low_precision_share"), ".0%"),
+        cell(entry.feasible),
+        cell(entry.pareto),
+        html.escape(policy_label(entry.params)),
+        html.escape(entry.reason or ""),
+    ]
+
+
+def images(plots: list[Path]) -> str:
+    return "".join(
+        f'<img alt="{p.stem}" src="data:image/png;base64,'
+        f'{base64.b64encode(p.read_bytes()).decode()}">'
+        for p in plots
+    )
+
+
+def layers_section(best: Best) -> str:
+    layer_rows = [
+        [
+            html.escape(r.name),
+            html.escape(r.type),
+            str(r.params),
+            f'<span class="{html.escape(r.dtype)}">{html.escape(r.dtype)}</span>',
+        ]
+        for r in best.layers
+    ]
+    table = (
+        html_table(["module", "type", "params", "dtype"], layer_rows)
+        if layer_rows
+        else '<p class="note">No layer table in this summary.</p>'
+    )
+    return f"""<h2>The chosen policy, layer by layer</h2>
+{table}
+<pre>{html.escape(yaml.safe_dump(best.policy, sort_keys=False))}</pre>"""
+
+
+def trials_section(
+    summary: Summary, header: list[str], metric_row: Callable[[Summary, Entry], list[str]]
+) -> str:
+    entries = summary.entries
+    best = summary.best.key
+    classes = ["best" if e.key == best else ("front" if e.pareto else "") for e in entries]
+    return f"""<h2>All trials</h2>
+{html_table(header, [metric_row(summary, e) for e in entries], classes)}"""
+
+
+def settings_section(summary: Summary) -> str:
+    setting_rows = [
+        [html.escape(str(k)), html.escape(setting_text(str(k), v))]
+        for k, v in summary.settings.values.items()
+    ]
+    return f"""<h2>Settings</h2>
+{html_table(["setting", "value"], setting_rows)}"""
+
+
+_UNITS = {"_s": "s", "_ms": "ms", "_mb": "MB"}
+
+
+def setting_text(name: str, value: Any) -> str:
+    """A setting as a person reads it: ``635 s`` (rounded, the unit its name ends with),
+    ``none``, ``yes``/``no``, a list joined with commas."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list | tuple):
+        return ", ".join(setting_text("", v) for v in value) or "none"
+    if isinstance(value, int | float):
+        unit = next((u for suffix, u in _UNITS.items() if name.endswith(suffix)), "")
+        number = str(value) if isinstance(value, int) else f"{value:.4g}"
+        return f"{number} {unit}".strip()
+    return str(value)
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+def _ms(summary: Summary, entry: Entry) -> float:
+    return _or_nan(summary.time_ms(entry))
+
+
+def render_comparison(summaries: Sequence[Summary | dict[str, Any]], path: Path) -> Path:
+    """One page comparing studies (e.g. one model on two devices): baseline and chosen
+    policy of each, and their fronts in one plot. A serving study's time is its latency
+    at its batch size, a training study's its step time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    typed = [as_summary(s) for s in summaries]
+    kinds = {mode_text(s).time_words for s in typed}
+    time_name = kinds.pop() if len(kinds) == 1 else "step time or latency"
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
+    for summary in typed:
+        front = sorted((e for e in summary.entries if e.pareto), key=lambda e: _ms(summary, e))
+        for ax, timed in zip(axes, (True, False), strict=True):
+            xs = [_ms(summary, e) if timed else _or_nan(e.peak_memory_mb) for e in front]
+            ax.scatter(xs, [_or_nan(e.accuracy) for e in front], label=summary.study)
+    axes[0].set_xlabel(f"{time_name} (ms)")
+    axes[1].set_xlabel("peak memory (MB)")
+    for ax in axes:
+        ax.set_ylabel("accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Pareto fronts")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    png = path.with_name(f"{path.stem}-fronts.png")
+    fig.savefig(png)
+    plt.close(fig)
+    rows = []
+    for summary in typed:
+        size = summary.batch_size
+        for entry in (summary.baseline, summary.best):
+            rows.append(
+                [
+                    html.escape(summary.study)
+                    + ("" if size is None else f" (serving, batch {size})"),
+                    html.escape(summary.settings.device_name),
+                    html.escape(entry.label),
+                    cell(entry.accuracy, ".4f"),
+                    cell(summary.time_ms(entry), ".3f"),
+                    cell(entry.peak_memory_mb, ".3f"),
+                    html.escape(policy_label(entry.params)),
+                ]
+            )
+    image = base64.b64encode(png.read_bytes()).decode()
+    time_header = {"step time": "step ms", "latency": "latency ms"}.get(time_name, "time ms")
+    studies = html.escape(", ".join(s.study for s in typed))
+    header = ["study", "device", "policy", "accuracy", time_header, "memory MB", "dtypes"]
+    path.write_text(f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>autoprec comparison</title>
+<style>{STYLE}</style></head><body>
+<h1>autoprec comparison: {studies}</h1>
+{html_table(header, rows)}
+<img alt="fronts" src="data:image/png;base64,{image}">
+</body></html>
+""")
+    return path

@@ -1,0 +1,266 @@
+"""The report's PNG plots: accuracy against time or memory with the Pareto front, the
+dtype of each layer group by policy, and a serving study's latency by batch size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from autoprec.report.modes import SERVING_DTYPE_COLOURS, mode_text
+from autoprec.search.summary_schema import BatchBest, Entry, Summary, as_summary
+
+ANCHOR_ORDER = (
+    "uniform-fp16",
+    "uniform-fp16-noscale",
+    "uniform-bf16",
+    "uniform-int8",
+    "fp16-body-fp32-head",
+)
+TIMED = ("step_time_ms", "latency_p50_ms")
+
+
+def anchor_rank(entry: Entry) -> int:
+    """Where an anchor sits in the report's tables and plots: the ANCHOR_ORDER."""
+    return ANCHOR_ORDER.index(entry.anchor) if entry.anchor in ANCHOR_ORDER else 9
+
+
+def plot_front(
+    summary: Summary | dict[str, Any],
+    x_metric: str,
+    path: Path,
+    point_names: dict[str, str] | None = None,
+) -> Path:
+    """Accuracy against step time (``step_time_ms``), latency (``latency_p50_ms``, at the
+    serving study's batch size) or peak memory; the Pareto front highlighted."""
+    return saved(front_figure(summary, x_metric, point_names), path)
+
+
+def front_figure(
+    summary: Summary | dict[str, Any], x_metric: str, point_names: dict[str, str] | None = None
+) -> Any:
+    """The figure of `plot_front`. The legend lists only what is drawn; trials that
+    measured no accuracy (pruned, failed) cannot be placed and are counted in a note;
+    point labels stay inside the axes. ``point_names`` (by entry key) name the points
+    with short, staggered names, as a serving view does where policies tie in accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    summary = as_summary(summary)
+
+    def measured_x(entry: Entry) -> float | None:
+        return summary.time_ms(entry) if x_metric in TIMED else entry.metrics.get(x_metric)
+
+    placed = {
+        e.key: (x, e.accuracy)
+        for e in summary.entries
+        if e.complete and (x := measured_x(e)) is not None and e.accuracy is not None
+    }
+    complete = [e for e in summary.entries if e.key in placed]
+
+    def x_of(entry: Entry) -> float:
+        return placed[entry.key][0]
+
+    def y_of(entry: Entry) -> float:
+        return placed[entry.key][1]
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for feasible, marker, name in (
+        (True, "o", "feasible"),
+        (False, "x", "infeasible (accuracy drop past tolerance)"),
+    ):
+        points = [e for e in complete if e.feasible == feasible and not e.pareto]
+        if points:
+            ax.scatter(
+                [x_of(e) for e in points],
+                [y_of(e) for e in points],
+                marker=marker,
+                c="#999999",
+                label=name,
+            )
+    front = sorted((e for e in complete if e.pareto), key=x_of)
+    # The front is over three objectives: in a 2-D view its points need not form a line.
+    ax.scatter(
+        [x_of(e) for e in front],
+        [y_of(e) for e in front],
+        c="#c44e52",
+        label="Pareto front (3 objectives)",
+    )
+    best = next(e for e in complete if e.key == summary.best.key)
+    ax.scatter(
+        [x_of(best)], [y_of(best)], s=180, facecolors="none", edgecolors="black", label="chosen"
+    )
+    ax.margins(x=0.08, y=0.12)
+    _label_points(summary, ax, [(e, x_of(e), y_of(e)) for e in complete], point_names)
+    unit = (
+        f"{mode_text(summary).time_at(summary)} (ms)"
+        if x_metric in TIMED
+        else "peak memory (MB)" + (", CPU estimate" if summary.peak_memory_is_estimate else "")
+    )
+    ax.set_xlabel(unit)
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"{summary.study}: accuracy against {unit.split(' (')[0]}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    unplaced = _unplaced_note(summary)
+    if unplaced:
+        ax.text(0.01, 0.01, unplaced, transform=ax.transAxes, fontsize=7, color="#666666")
+    return fig
+
+
+def _label_points(
+    summary: Summary,
+    ax: Any,
+    points: list[tuple[Entry, float, float]],
+    point_names: dict[str, str] | None,
+) -> None:
+    """Names of the baseline, the anchors and the chosen policy beside their points
+    (entry, x, y): a label near the top or right edge goes below or left of its point, so
+    that it stays inside the axes (and off the title)."""
+    named = [p for p in points if p[0].is_baseline or p[0].key == summary.best.key or p[0].anchor]
+    if point_names is not None:  # short names, staggered
+        named.sort(key=lambda p: p[1])
+    (x_low, x_high), (y_low, y_high) = ax.get_xlim(), ax.get_ylim()
+    for index, (entry, x, y) in enumerate(named):
+        right = (x - x_low) > 0.6 * (x_high - x_low)
+        top = (y - y_low) > 0.75 * (y_high - y_low)
+        dy = 4 if point_names is None else (4, -11, 15, -22)[index % 4]
+        text = entry.label if point_names is None else point_names.get(entry.key, entry.label)
+        ax.annotate(
+            text,
+            (x, y),
+            fontsize=7,
+            xytext=(-4 if right else 4, -abs(dy) - 6 if top else dy),
+            textcoords="offset points",
+            ha="right" if right else "left",
+            annotation_clip=True,
+            clip_on=True,
+        )
+
+
+def _unplaced_note(summary: Summary) -> str:
+    """Trials not in the plot because they measured no accuracy, counted by state."""
+    counts: dict[str, int] = {}
+    for entry in summary.entries:
+        if not entry.complete or entry.accuracy is None:
+            counts[entry.state] = counts.get(entry.state, 0) + 1
+    if not counts:
+        return ""
+    listed = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    return f"not drawn (no accuracy measured): {listed}"
+
+
+def saved(fig: Any, path: Path) -> Path:
+    """Lay the figure out, write it to ``path`` and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_dtype_map(summary: Summary | dict[str, Any], path: Path, top: int = 8) -> Path:
+    """Rows: the baseline, the anchors, the chosen policy and the best feasible others;
+    columns: the searched groups; colour: dtype."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    summary = as_summary(summary)
+    rows = [summary.baseline]
+    rows += sorted((t for t in summary.trials if t.anchor), key=anchor_rank)
+    feasible = sorted(
+        (t for t in summary.trials if t.feasible and not t.anchor),
+        key=lambda t: summary.time_ms(t) or float("inf"),
+    )
+    best = summary.best.key
+    chosen = [t for t in summary.trials if t.key == best and not t.anchor]
+    rows += chosen + [t for t in feasible if t.key != best][: max(0, top - len(chosen))]
+    groups = summary.baseline.groups
+    colours = mode_text(summary).colours
+    codes = {dtype: code for code, dtype in enumerate(colours)}
+    grid = [[codes[r.dtype_of(g)] for g in groups] for r in rows]
+    width_in = max(5.5, 3.0 + 0.9 * len(groups))
+    height_in = max(2.5, 0.9 + 0.38 * len(rows))
+    fig, ax = plt.subplots(figsize=(width_in, height_in), dpi=110)
+    cmap = ListedColormap(list(colours.values()))
+    ax.imshow(grid, cmap=cmap, vmin=0, vmax=len(colours) - 1, aspect="auto")
+    ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize=8)
+    labels = [r.label + (" *" if r.key == best else "") for r in rows]
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.legend(
+        handles=[Patch(color=c, label=d) for d, c in colours.items()],
+        bbox_to_anchor=(1.02, 1),
+        loc="upper left",
+        fontsize=8,
+    )
+    ax.set_title("dtype by layer group (* chosen)", fontsize=9)
+    return saved(fig, path)
+
+
+def _series_style(name: str) -> dict[str, Any]:
+    if name.startswith("chosen"):
+        return {"color": "#222222", "linestyle": "--"}
+    return {"color": SERVING_DTYPE_COLOURS.get(name, "#937860")}
+
+
+def plot_batch_latency(
+    summary: Summary,
+    series: list[tuple[str, dict[int, float]]],
+    point_names: dict[str, str],
+    path: Path,
+) -> Path:
+    """Latency per forward against batch size for each named series (fp32, each uniform
+    anchor, the chosen policy), with the best at each batch size starred and named:
+    where the choice flips."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter, NullLocator
+
+    assert summary.serving is not None
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for name, latencies in series:
+        points = sorted(latencies.items())
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", label=name, **_series_style(name))
+    flips: list[BatchBest] = summary.serving.by_batch_size
+    ax.scatter(
+        [r.batch_size for r in flips],
+        [r.latency_ms for r in flips],
+        marker="*",
+        s=260,
+        facecolors="none",
+        edgecolors="black",
+        label="best at this batch size",
+        zorder=3,
+    )
+    for row in flips:
+        ax.annotate(
+            point_names.get(str(row.best), f"trial {row.best}"),
+            (row.batch_size, row.latency_ms),
+            fontsize=7,
+            xytext=(6, -10),
+            textcoords="offset points",
+        )
+    sizes = sorted({r.batch_size for r in flips} | set(summary.serving.batch_sizes))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("latency per forward, p50 (ms)")
+    ax.set_title(f"{summary.study}: latency by batch size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return saved(fig, path)

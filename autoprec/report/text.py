@@ -1,0 +1,57 @@
+"""The console's text: aligned tables and the Pareto front with the chosen policy marked
+(the gains line is `autoprec.report.gains`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autoprec.report.modes import mode_text
+from autoprec.search.summary_schema import Summary, as_summary
+from autoprec.space import policy_label
+
+
+def text_table(rows: list[list[str]]) -> str:
+    """Rows of strings as left-aligned columns, the first row being the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def fmt(value: Any, spec: str) -> str:
+    """A number formatted, or ``-`` where there is none."""
+    return "-" if not isinstance(value, int | float) else format(value, spec)
+
+
+def front_table(summary: Summary | dict[str, Any]) -> str:
+    """The Pareto front (and the baseline) as an aligned text table; the best is marked."""
+    summary = as_summary(summary)
+    text = mode_text(summary)
+    best = summary.best.key
+    front = [e for e in summary.entries if e.pareto or e.key == best or e.is_baseline]
+    memory_label = "memory MB" + ("~" if summary.peak_memory_is_estimate else "")
+    header = ["", "trial", "accuracy", "drop", text.time_column, memory_label, "feasible"]
+    lines = [[*header, "policy"]]
+    for e in front:
+        lines.append(
+            [
+                "*" if e.key == best else "",
+                e.key,
+                fmt(e.accuracy, ".4f"),
+                fmt(e.accuracy_drop, "+.4f"),
+                fmt(summary.time_ms(e), ".2f") + ("+" if e.confirmed_time_ms is not None else ""),
+                fmt(e.peak_memory_mb, ".2f"),
+                "yes" if e.feasible else "no",
+                policy_label(e.params),
+            ]
+        )
+    notes = [
+        "* chosen policy; rows: the Pareto front (accuracy, memory, "
+        f"{text.time_at(summary)}) and the fp32 baseline"
+    ]
+    if summary.step_times_confirmed:
+        notes.append(f"+ {text.time_words} re-measured side by side with the fp32 baseline")
+    if summary.peak_memory_is_estimate:
+        notes.append(f"~ CPU memory is an estimate: {text.memory_counted}")
+    return "\n".join([text_table(lines), *notes])

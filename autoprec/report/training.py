@@ -1,0 +1,77 @@
+"""The report's view of a training study: the baseline, the anchors and the chosen
+policy side by side, the trade-offs, every trial and the gradients' advice."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from autoprec.report.page import (
+    cell,
+    html_table,
+    images,
+    layers_section,
+    outcome_cells,
+    settings_section,
+    trials_section,
+    verdict_cells,
+)
+from autoprec.report.plots import anchor_rank, plot_dtype_map, plot_front
+from autoprec.search.summary_schema import Entry, Summary
+
+METRIC_HEADER = [
+    "policy",
+    "state",
+    "accuracy",
+    "drop",
+    "step ms",
+    "memory MB",
+    "low prec.",
+    "feasible",
+    "Pareto",
+    "dtypes and loss scale",
+    "reason",
+]
+
+
+def metric_row(summary: Summary, entry: Entry) -> list[str]:
+    return [
+        *outcome_cells(entry),
+        cell(summary.time_ms(entry), ".3f"),
+        cell(entry.peak_memory_mb, ".3f"),
+        *verdict_cells(entry),
+    ]
+
+
+def training_view(summary: Summary, out_dir: Path) -> tuple[list[Path], str]:
+    """A training study's plots and the report's body."""
+    plots = [
+        plot_front(summary, "step_time_ms", out_dir / "front_step_time.png"),
+        plot_front(summary, "peak_memory_mb", out_dir / "front_memory.png"),
+        plot_dtype_map(summary, out_dir / "dtype_map.png"),
+    ]
+    best = summary.best
+    side = [summary.baseline, *sorted((t for t in summary.trials if t.anchor), key=anchor_rank)]
+    if not best.is_baseline:
+        side += [t for t in summary.trials if t.key == best.key and t not in side]
+    advice = "".join(f"<li>{html.escape(w)}</li>" for w in summary.advice)
+    memory_note = (
+        "Peak memory on the CPU is an estimate: parameters, gradients, optimizer state and "
+        "tensors saved for backward."
+        if summary.peak_memory_is_estimate
+        else "Peak memory is the device allocator's peak."
+    )
+    note, prefer = html.escape(memory_note), html.escape(str(summary.prefer))
+    body = f"""<p class="note">{note} Where the fastest policies were re-timed side by
+side with the baseline, their step times are those re-timings. Feasible: accuracy drop within
+{summary.accuracy_tolerance:g}. Preference: {prefer}.</p>
+<h2>Baseline, anchors and the chosen policy</h2>
+{html_table(METRIC_HEADER, [metric_row(summary, e) for e in side])}
+<h2>Trade-offs</h2>
+{images(plots)}
+{layers_section(best)}
+{trials_section(summary, METRIC_HEADER, metric_row)}
+<h2>Advice from the fp32 baseline's gradients</h2>
+<ul>{advice or "<li>none: no layer would lose gradients or overflow in fp16</li>"}</ul>
+{settings_section(summary)}"""
+    return plots, body
