@@ -243,7 +243,8 @@ class Trials(Protocol):
 class Publisher(Protocol):
     """Where a finished search's extras go: the tracker's warnings and model folders."""
 
-    parent_id: str | None
+    @property
+    def parent_id(self) -> str | None: ...
 
     def warn(self, message: str) -> None: ...
 
