@@ -268,6 +268,14 @@ def _add_faults(group: Any) -> None:
         "(default: the --device for every worker; on the CPU they share its cores)",
     )
     group.add_argument(
+        "--emulate",
+        action="append",
+        choices=("fp8",),
+        default=[],
+        help="run a dtype the device lacks, emulated, for tests: fp8 on the CPU (torchao's "
+        "float8 numerics without its speed; the summary's settings say emulated)",
+    )
+    group.add_argument(
         "--trial-timeout",
         type=float,
         default=None,
@@ -407,6 +415,7 @@ def _search(args: argparse.Namespace) -> int:
         batch_sizes=args.batch_sizes,
         checkpoint=args.checkpoint,
         int8=args.int8,
+        emulate=tuple(args.emulate),
     )
     result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
     summary = result.typed or result.summary

@@ -57,6 +57,7 @@ FOLLOWS_INPUT: dict[str, frozenset[str]] = {
 DEVICE_KINDS = ("cpu", "cuda", "npu")
 # fp8 training (torch._scaled_mm) needs Ada or Hopper and later: H100, H200, L40, B200.
 FP8_MIN_CAPABILITY = (8, 9)
+NPU_NO_FP8 = "fp8: Ascend 910 NPUs have no fp8 matmuls (torchao's float8 needs CUDA 8.9+)"
 # What a backend may be told to emulate: run for tests with real numerics and no speed.
 EMULATABLE = (FP8,)
 
@@ -333,7 +334,7 @@ class NPUBackend(Backend):
         return super().supports(dtype)
 
     def fp8_refusal(self) -> str | None:
-        return "fp8: Ascend 910 NPUs have no fp8 matmuls (torchao's float8 needs CUDA 8.9+)"
+        return NPU_NO_FP8
 
     @contextlib.contextmanager
     def selected(self) -> Iterator[None]:
@@ -380,6 +381,21 @@ class NPUBackend(Backend):
 
 
 _BACKENDS: dict[str, type[Backend]] = {"cpu": CPUBackend, "cuda": CUDABackend, "npu": NPUBackend}
+
+
+def fp8_unavailable_reason(
+    device: str | torch.device | Backend | None, model: torch.nn.Module | None = None
+) -> str | None:
+    """Why fp8 training does not run on ``device`` (None: where ``model``'s parameters
+    are), in one line; None where it runs. Only a Backend can say it emulates fp8."""
+    if isinstance(device, Backend):
+        return device.fp8_refusal()
+    kind = device_kind(device, model)
+    if kind == "npu":
+        return NPU_NO_FP8
+    if kind == "cpu":
+        return CPUBackend().fp8_refusal()
+    return get_backend(kind if device is None else device).fp8_refusal()
 
 
 def visible_devices_env(kind: str) -> str | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from autoprec.errors import PolicyError
+from autoprec.quantizers import import_torchao
 
 # torchao's ``Float8LinearRecipeName`` values (checked against torchao by the tests).
 FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -105,6 +106,7 @@ class Fp8Layers:
     ``recipe``; `remove` puts the original modules back."""
 
     def __init__(self, model: nn.Module, names: Iterable[str], recipe: str) -> None:
+        import_torchao()  # quietly: its import-time noise is not the user's to see
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         wanted = set(names)

@@ -8,13 +8,16 @@ from collections import OrderedDict
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
+import autoprec
 from autoprec import Policy, Rule, load_policy
 from autoprec.devices import get_backend
-from autoprec.errors import DeviceError, PolicyError
+from autoprec.errors import DeviceError, PolicyError, SpaceError
 from autoprec.fp8 import FP8_RECIPES
 from autoprec.policy import Quantization
+from autoprec.space import SearchSpace
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 STEPS = 6
@@ -208,3 +211,59 @@ def test_fp8_on_the_cpu_needs_the_opt_in():
     assert get_backend("cpu", emulate=["fp8"]).emulated() == ("fp8",)
     with pytest.raises(DeviceError, match="only fp8 can be emulated"):
         get_backend("cpu", emulate="int4")
+
+
+SPACE = """
+name: fp8-tiny
+fp8_recipes: [tensorwise, rowwise, rowwise_with_gw_hp]
+groups:
+  - {name: fc1, patterns: [fc1], dtypes: [bf16, fp8]}
+  - {name: norm, types: [LayerNorm], dtypes: [fp32, bf16]}
+  - {name: head, patterns: [head], dtypes: [bf16, fp8]}
+"""
+
+
+def _space(text: str = SPACE) -> SearchSpace:
+    return SearchSpace.from_dict(yaml.safe_load(text), "fp8.yaml")
+
+
+def test_the_space_offers_fp8_only_where_it_runs(tiny_task):
+    """The tiny task's head (32 -> 4) cannot be fp8; fc1 (16 -> 32) can. A recipe that fails
+    inside the bf16 regions the space also offers is left out."""
+    model = tiny_task.model()
+    fitted = _space().fit(model, device=get_backend("cpu", emulate="fp8"))
+    dtypes = {g.name: g.dtypes for g in fitted.groups}
+    assert dtypes == {"fc1": ("bf16", "fp8"), "norm": ("fp32", "bf16"), "head": ("bf16",)}
+    assert fitted.fp8_recipes == ("tensorwise", "rowwise")
+    params = {"dtype.fc1": "fp8", "dtype.norm": "bf16", "dtype.head": "bf16"}
+    policy = fitted.policy({**params, "fp8.recipe": "rowwise"})
+    assert policy.fp8_recipe == "rowwise"
+    assert policy.resolve(model, "cpu") == {"fc1": "fp8", "norm": "bf16", "head": "bf16"}
+    assert fitted.policy({**params, "dtype.fc1": "bf16"}).quantization.fp8 is None
+    assert "fp8.recipe" in fitted.flat_params(policy)
+
+
+def test_the_space_refuses_fp8_where_it_cannot_run(tiny_task):
+    model = tiny_task.model()
+    with pytest.raises(SpaceError, match="fp8 on the CPU is emulated") as e:
+        _space().fit(model, device="cpu")
+    assert _one_line(e).startswith("fp8.yaml: dtypes: ")
+    only_fp8 = SPACE.replace("dtypes: [bf16, fp8]}\n", "dtypes: [fp8]}\n")
+    with pytest.raises(SpaceError, match=r"group 'head': offers only fp8, but head \(Linear\)"):
+        _space(only_fp8).fit(model, device=get_backend("cpu", emulate="fp8"))
+    with pytest.raises(SpaceError, match="fp8_recipes: unknown fp8 recipe 'blockwise'"):
+        _space(SPACE.replace("rowwise_with_gw_hp", "blockwise"))
+
+
+@pytest.mark.slow
+def test_a_search_with_fp8_on_the_cpu_says_emulated(tiny_task, in_tmp):
+    space = _space()
+    with pytest.raises(SpaceError, match="--emulate fp8"):
+        autoprec.search(tiny_task, space, trials=2, steps=4, device="cpu", study="no")
+    result = autoprec.search(
+        tiny_task, space, trials=4, steps=4, device="cpu", emulate=("fp8",), sampler="random"
+    )
+    summary = result.summary
+    assert summary["settings"]["emulated"] == "fp8"
+    policies = [Policy.from_dict(t["policy"]) for t in summary["trials"]]
+    assert any(p.names_fp8 for p in policies), [p.to_dict() for p in policies]

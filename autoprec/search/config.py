@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from autoprec.devices import check_emulate
 from autoprec.errors import AutoprecError, StoreError, redact
 from autoprec.inference.scenarios import SERVING_PREFERENCES, scenario
 from autoprec.quantizers import INT8_METHODS
@@ -57,6 +58,8 @@ class SearchConfig:
       (``auto``: where the device has kernels; ``off``; or a method of
       `autoprec.inference.INT8_METHODS`). ``prefer`` may then also be ``latency`` or
       ``throughput``; None takes the scenario's (training: speed).
+    - ``emulate``: dtypes the device may run emulated (``("fp8",)`` on the CPU: torchao's
+      float8 numerics without its speed), recorded in the summary's settings.
     """
 
     trials: int = 12
@@ -82,9 +85,11 @@ class SearchConfig:
     batch_sizes: str | Sequence[int] | None = None
     checkpoint: str | Path | None = None
     int8: str = "auto"
+    emulate: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "runs_dir", Path(self.runs_dir))
+        object.__setattr__(self, "emulate", tuple(sorted(check_emulate(self.emulate))))
         _check_positive(self.trials, "--trials", "a positive integer")
         if _not_int(self.steps) or self.steps < 3:
             raise AutoprecError(f"steps: must be an integer of at least 3, got {self.steps!r}")

@@ -127,6 +127,8 @@ class Prepared:
             "seed": self.budget.seed,
             "device": self.backend.kind,
         }
+        if self.backend.emulated():  # figures of emulated dtypes are no device's
+            settings["emulated"] = ",".join(self.backend.emulated())
         return settings if self.serving is None else {**settings, **self.serving.settings}
 
     @property
@@ -153,7 +155,7 @@ def _fit(
 ) -> SearchSpace:
     if serving is None:  # training runs under autocast: watch how it treats these layers
         watch_task(task, model, backend)
-    supported = {d for d in DTYPES if backend.supports(d)}
+    supported = {d for d in (*DTYPES, "fp8") if backend.supports(d)}
     if serving is not None and serving.int8 is not None:
         supported.add("int8")
     int8 = None if serving is None else serving.int8
@@ -183,13 +185,13 @@ def prepare(
         space_spec = space_spec or default_space_for(task.name)
         space = load_space(space_spec)
     if devices:
-        backend, *_ = [get_backend(d) for d in devices]  # each must be there
+        backend, *_ = [get_backend(d, config.emulate) for d in devices]  # each must be there
         if config.device != "auto" and get_backend(config.device).kind != backend.kind:
             raise AutoprecError(
                 f"--device {config.device!r} and --devices {config.devices!r} disagree"
             )
     else:
-        backend = get_backend(config.device)
+        backend = get_backend(config.device, config.emulate)
         devices = [str(backend.device)] if backend.kind != "cpu" else ["cpu"]
     budget = Budget(steps=config.steps, seed=config.seed)
     if check_data:
