@@ -4,6 +4,8 @@ what cannot run is refused in one line before anything trains."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import OrderedDict
 
 import pytest
@@ -267,3 +269,67 @@ def test_a_search_with_fp8_on_the_cpu_says_emulated(tiny_task, in_tmp):
     assert summary["settings"]["emulated"] == "fp8"
     policies = [Policy.from_dict(t["policy"]) for t in summary["trials"]]
     assert any(p.names_fp8 for p in policies), [p.to_dict() for p in policies]
+
+
+def test_lightning_trains_an_fp8_layer_as_bf16_mixed_with_torchao(tmp_path):
+    """PolicyPrecision with one fp8 layer and the rest bf16 trains as Lightning's own
+    ``bf16-mixed`` on the same model converted by torchao, and hands the Linear back."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from autoprec.integrations.lightning import PolicyPrecision
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.net(x).float(), y)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(module: Net, **kwargs) -> list[float]:
+        x, y = (torch.cat(parts) for parts in zip(*batches(), strict=True))
+        pl.Trainer(
+            max_steps=STEPS,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            **kwargs,
+        ).fit(module, DataLoader(TensorDataset(x, y), batch_size=32))
+        return module.losses
+
+    policy = Policy(rules=(Rule("fp8", patterns=("net.block.fc",)),), default="bf16")
+    ours = Net()
+    losses = fit(ours, plugins=[PolicyPrecision(policy, emulate=("fp8",))])
+    theirs = Net()
+    torchao_float8.convert_to_float8_training(
+        theirs.net, module_filter_fn=lambda module, fqn: fqn == "block.fc"
+    )
+    assert losses == fit(theirs, precision="bf16-mixed")
+    assert type(ours.net.block.fc) is nn.Linear  # taken off at the end of fit
+
+
+def test_applying_fp8_prints_no_torchao_import_noise():
+    code = """
+import torch
+from torch import nn
+from autoprec import Policy, Rule
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+prec = Policy(rules=(Rule("fp8", patterns=("0",)),), default="bf16").apply(model, emulate="fp8")
+with prec.autocast():
+    print(model(torch.randn(2, 16)).shape)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "torch.Size([2, 16])"
+    assert not any(word in done.stderr for word in ("Failed to load", "_pytree")), done.stderr
