@@ -111,6 +111,7 @@ def test_remove_puts_the_same_linear_layers_and_parameters_back():
     model = mlp()
     before = dict(model.named_modules())
     parameters = list(model.parameters())
+    keys = list(model.state_dict())
     seen = []
     before["fc1"].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     prec = fp8_policy("tensorwise").apply(model, emulate="fp8")
@@ -118,6 +119,7 @@ def test_remove_puts_the_same_linear_layers_and_parameters_back():
     assert type(model.block.fc).__name__ == "Float8Linear"
     assert type(model.head) is nn.Linear
     assert list(model.parameters()) == parameters  # the same objects, trainable
+    assert list(model.state_dict()) == keys  # checkpoints read as before
     assert all(p.requires_grad for p in model.parameters())
     with prec.autocast():
         model(torch.randn(4, 32))
