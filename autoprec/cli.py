@@ -205,6 +205,14 @@ def _add_where(group: Any) -> None:
         "--device", default="auto", help="auto (npu, then cuda, then cpu), cpu, cuda[:N], npu[:N]"
     )
     group.add_argument(
+        "--emulate",
+        action="append",
+        choices=("fp8",),
+        default=[],
+        help="run a dtype the device lacks, emulated, for tests: fp8 on the CPU (torchao's "
+        "float8 numerics without its speed; the summary's settings say emulated)",
+    )
+    group.add_argument(
         "--study", default=None, help="study name (default: the task's name); reuse it to continue"
     )
     group.add_argument("--storage", default=DEFAULT_STORAGE, help="Optuna storage URL")
@@ -266,14 +274,6 @@ def _add_faults(group: Any) -> None:
         default=None,
         help="devices the workers are pinned to, round-robin: npu:0-7, cuda:0,cuda:1 "
         "(default: the --device for every worker; on the CPU they share its cores)",
-    )
-    group.add_argument(
-        "--emulate",
-        action="append",
-        choices=("fp8",),
-        default=[],
-        help="run a dtype the device lacks, emulated, for tests: fp8 on the CPU (torchao's "
-        "float8 numerics without its speed; the summary's settings say emulated)",
     )
     group.add_argument(
         "--trial-timeout",
