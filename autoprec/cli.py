@@ -205,6 +205,14 @@ def _add_where(group: Any) -> None:
         "--device", default="auto", help="auto (npu, then cuda, then cpu), cpu, cuda[:N], npu[:N]"
     )
     group.add_argument(
+        "--emulate",
+        action="append",
+        choices=("fp8",),
+        default=[],
+        help="run a dtype the device lacks, emulated, for tests: fp8 on the CPU (torchao's "
+        "float8 numerics without its speed; the summary's settings say emulated)",
+    )
+    group.add_argument(
         "--study", default=None, help="study name (default: the task's name); reuse it to continue"
     )
     group.add_argument("--storage", default=DEFAULT_STORAGE, help="Optuna storage URL")
@@ -412,6 +420,7 @@ def _search(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         mode=args.mode,
         serving=serving if serving.given() else None,  # --mode inference: the defaults
+        emulate=tuple(args.emulate),
     )
     result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
     summary = result.typed or result.summary

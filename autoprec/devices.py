@@ -14,16 +14,17 @@ chip was reachable, so CI runs it against a stand-in for torch_npu on CPU tensor
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from autoprec.dtypes import SERVING_DTYPES, TORCH_DTYPES
+from autoprec.dtypes import FP8, SERVING_DTYPES, TORCH_DTYPES
 from autoprec.errors import DeviceError
 
 # The names the device code has always used for `autoprec.dtypes`' sets (one definition).
@@ -54,6 +55,20 @@ FOLLOWS_INPUT: dict[str, frozenset[str]] = {
     "npu": frozenset({"_NormBase", "RMSNorm", "LocalResponseNorm"}),
 }
 DEVICE_KINDS = ("cpu", "cuda", "npu")
+# fp8 training (torch._scaled_mm) needs Ada or Hopper and later: H100, H200, L40, B200.
+FP8_MIN_CAPABILITY = (8, 9)
+NPU_NO_FP8 = "fp8: Ascend 910 NPUs have no fp8 matmuls (torchao's float8 needs CUDA 8.9+)"
+# What a backend may be told to emulate: run for tests with real numerics and no speed.
+EMULATABLE = (FP8,)
+
+
+def check_emulate(emulate: str | Iterable[str] | None) -> frozenset[str]:
+    """The dtypes to emulate (``--emulate fp8``), checked: only fp8 can be."""
+    names = [emulate] if isinstance(emulate, str) else list(emulate or ())
+    for name in names:
+        if name not in EMULATABLE:
+            raise DeviceError(f"--emulate {name!r}: only {', '.join(EMULATABLE)} can be emulated")
+    return frozenset(names)
 
 
 def device_kind(
@@ -147,10 +162,12 @@ class Backend:
 
     kind = "cpu"
     visible_devices_env: str | None = None
+    emulate: frozenset[str] = frozenset()  # the dtypes it may run emulated (`get_backend`)
 
-    def __init__(self, index: int | None = None) -> None:
+    def __init__(self, index: int | None = None, emulate: Iterable[str] = ()) -> None:
         self.index = index
         self.device = torch.device(self.kind if index is None else f"{self.kind}:{index}")
+        self.emulate = check_emulate(emulate)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})"
@@ -160,7 +177,18 @@ class Backend:
         return str(self.device)
 
     def supports(self, dtype: str) -> bool:
+        if dtype == FP8:
+            return self.fp8_refusal() is None
         return dtype in DTYPES
+
+    def fp8_refusal(self) -> str | None:
+        """Why fp8 training does not run here, in one line (None: it runs)."""
+        return None
+
+    def emulated(self) -> tuple[str, ...]:
+        """The dtypes this backend runs emulated (their step times and memory are no
+        device's): recorded with every figure measured on it."""
+        return ()
 
     def selected(self) -> contextlib.AbstractContextManager[Any]:
         """This device as the current one while the block runs (``cuda:1`` or ``npu:3``
@@ -208,6 +236,18 @@ class Backend:
 class CPUBackend(Backend):
     kind = "cpu"
 
+    def fp8_refusal(self) -> str | None:
+        if FP8 in self.emulate:
+            return None
+        return (
+            "fp8 on the CPU is emulated (torch._scaled_mm: real numerics, no fp8 speed); "
+            "opt in with --emulate fp8 (SearchConfig(emulate=['fp8']), "
+            "policy.apply(model, emulate='fp8'))"
+        )
+
+    def emulated(self) -> tuple[str, ...]:
+        return tuple(sorted(self.emulate))
+
     def memory_meter(self) -> MemoryMeter:
         return EstimatedMemoryMeter()
 
@@ -220,7 +260,21 @@ class CUDABackend(Backend):
         if dtype == "bf16":
             with self.selected():
                 return bool(torch.cuda.is_bf16_supported())
-        return dtype in DTYPES
+        return super().supports(dtype)
+
+    def capability(self) -> tuple[int, int]:
+        """The GPU's compute capability (``(9, 0)`` on an H100 or H200)."""
+        major, minor = torch.cuda.get_device_capability(self.device)
+        return int(major), int(minor)
+
+    def fp8_refusal(self) -> str | None:
+        capability = self.capability()
+        if capability >= FP8_MIN_CAPABILITY:
+            return None
+        return (
+            f"fp8 needs CUDA compute capability {'.'.join(map(str, FP8_MIN_CAPABILITY))} or "
+            f"later (H100, H200, L40, B200); {self.name} has {capability[0]}.{capability[1]}"
+        )
 
     def selected(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.device(self.device)
@@ -277,7 +331,10 @@ class NPUBackend(Backend):
         if dtype == "bf16":  # 910B and later; not 910A or 310P
             with self.selected():
                 return bool(self._npu().is_bf16_supported())
-        return dtype in DTYPES
+        return super().supports(dtype)
+
+    def fp8_refusal(self) -> str | None:
+        return NPU_NO_FP8
 
     @contextlib.contextmanager
     def selected(self) -> Iterator[None]:
@@ -326,20 +383,43 @@ class NPUBackend(Backend):
 _BACKENDS: dict[str, type[Backend]] = {"cpu": CPUBackend, "cuda": CUDABackend, "npu": NPUBackend}
 
 
+def fp8_unavailable_reason(
+    device: str | torch.device | Backend | None, model: torch.nn.Module | None = None
+) -> str | None:
+    """Why fp8 training does not run on ``device`` (None: where ``model``'s parameters
+    are), in one line; None where it runs. Only a Backend can say it emulates fp8."""
+    if isinstance(device, Backend):
+        return device.fp8_refusal()
+    kind = device_kind(device, model)
+    if kind == "npu":
+        return NPU_NO_FP8
+    if kind == "cpu":
+        return CPUBackend().fp8_refusal()
+    return get_backend(kind if device is None else device).fp8_refusal()
+
+
 def visible_devices_env(kind: str) -> str | None:
     """The environment variable that restricts a process to some devices of a kind
     (``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``); None for the CPU."""
     return _BACKENDS[kind].visible_devices_env
 
 
-def get_backend(device: str | torch.device | Backend | None = "auto") -> Backend:
-    """The backend for ``auto``, ``cpu``, ``cuda[:N]`` or ``npu[:N]``.
+def get_backend(
+    device: str | torch.device | Backend | None = "auto", emulate: str | Iterable[str] = ()
+) -> Backend:
+    """The backend for ``auto``, ``cpu``, ``cuda[:N]`` or ``npu[:N]``; ``emulate``: the
+    dtypes it may run emulated (``fp8`` on the CPU, for tests: opted into, never silent).
 
     ``auto`` picks an NPU, then a CUDA GPU, then the CPU. A device that is not there
     raises DeviceError.
     """
+    wanted = check_emulate(emulate)
     if isinstance(device, Backend):
-        return device
+        if wanted <= device.emulate:
+            return device
+        widened = copy.copy(device)
+        widened.emulate = device.emulate | wanted
+        return widened
     text = "auto" if device is None else str(device).strip().lower()
     match = _DEVICE_PATTERN.match(text)
     if not match:
@@ -360,13 +440,13 @@ def get_backend(device: str | torch.device | Backend | None = "auto") -> Backend
     if kind == "cpu":
         if index not in (None, 0):
             raise DeviceError(f"device {text!r}: the CPU has no index {index}")
-        return CPUBackend()
+        return CPUBackend(emulate=wanted)
     count = _device_count(kind)
     if count == 0:
         raise DeviceError(f"device {text!r}: no {kind.upper()} device is available on this machine")
     if index is not None and index >= count:
         raise DeviceError(f"device {text!r}: only {count} {kind.upper()} device(s) are visible")
-    return _BACKENDS[kind](0 if index is None else index)
+    return _BACKENDS[kind](0 if index is None else index, emulate=wanted)
 
 
 def parse_devices(text: str | Sequence[str] | None) -> list[str]:

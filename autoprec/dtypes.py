@@ -3,8 +3,10 @@ written once, with the sets each mode may use and the torch dtype of each floati
 
 Training runs fp32, fp16 or bf16 under autocast (fp32 master weights). Serving converts the
 weights themselves, so it also has int8 (quantized Linear layers, by a method of
-`autoprec.inference.quantizers`). fp8 is named here already, in no mode's set: the fp8
-recipes (scaled matmuls on recent GPUs) will add it to the modes that run it.
+`autoprec.inference.quantizers`). Training also has fp8 for Linear layers: torchao's
+float8 training swaps them for ``Float8Linear`` (scaled fp8 matmuls, fp32 master weights;
+`autoprec.fp8`), while the layers around them run in their autocast region. fp8 is not a
+torch dtype a region can autocast to, so it is not in ``TORCH_DTYPES``; serving has no fp8 yet.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ FP32 = "fp32"
 FP16 = "fp16"
 BF16 = "bf16"
 INT8 = "int8"
-FP8 = "fp8"  # reserved: no mode runs it yet
+FP8 = "fp8"
 
 # The floating dtypes autocast and ``Tensor.to`` know, by name.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -28,9 +30,12 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 LOW_PRECISION: tuple[str, ...] = (FP16, BF16)
 # Dtypes stored as integers with a scale, whose layers are quantized rather than cast.
 QUANTIZED: tuple[str, ...] = (INT8,)
-# What each mode may assign to a layer.
-TRAINING_DTYPES: tuple[str, ...] = tuple(TORCH_DTYPES)
-SERVING_DTYPES: tuple[str, ...] = (*TRAINING_DTYPES, *QUANTIZED)
+# What each mode may assign to a layer: regions' dtypes, and (training) fp8 Linear layers.
+AUTOCAST_DTYPES: tuple[str, ...] = tuple(TORCH_DTYPES)
+TRAINING_DTYPES: tuple[str, ...] = (*AUTOCAST_DTYPES, FP8)
+SERVING_DTYPES: tuple[str, ...] = (*AUTOCAST_DTYPES, *QUANTIZED)
+# Every dtype a policy may name, in either mode.
+POLICY_DTYPES: tuple[str, ...] = (*AUTOCAST_DTYPES, FP8, *QUANTIZED)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -38,8 +38,10 @@ class Plan:
     dtype of the outer region entered by ``Precision.autocast()``, the modules that get a
     region of their own (as few as possible: whole same-dtype subtrees; a uniform policy
     needs none but for modules that run in their input's dtype), the dtype each
-    parameterised leaf really runs in there, and the TF32/HF32 switches to set (None:
-    leave the device's)."""
+    parameterised leaf really runs in there (``fp8``: a Linear torchao converts, which
+    has no region of its own and takes its inputs in the region around it), the TF32/HF32
+    switches to set (None: leave the device's), and the fp8 layers' torchao recipe (None
+    where there are none)."""
 
     device_kind: str
     outer_dtype: str
@@ -47,6 +49,12 @@ class Plan:
     leaf_dtypes: dict[str, str]
     tf32: bool | None = None
     hf32: bool | None = None
+    fp8_recipe: str | None = None
+
+    @property
+    def fp8_layers(self) -> tuple[str, ...]:
+        """The leaves that run in fp8, in module order."""
+        return tuple(name for name, dtype in self.leaf_dtypes.items() if dtype == "fp8")
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,10 @@ from autoprec.devices import (
     failing_dtypes,
     get_backend,
 )
-from autoprec.dtypes import INT8, SERVING_DTYPES
+from autoprec.dtypes import BF16, FP8, INT8, POLICY_DTYPES
 from autoprec.errors import PolicyError
 from autoprec.files import load_yaml, parse_yaml, write_atomic
+from autoprec.fp8 import DEFAULT_FP8_RECIPE, autocast_refusal, check_recipe, fp8_refusal
 from autoprec.observe import casts_inputs
 from autoprec.placement import Placement, announce, place, within
 from autoprec.plan import (
@@ -65,7 +66,10 @@ from autoprec.scaling import LossScale
 # The name the training trial has imported the share by (one function: `autoprec.plan`).
 share_of_parameters = low_precision_share
 _POLICY_FIELDS = ("name", "default", "rules", "loss_scale", "switches", "quantization")
-_QUANTIZATION_FIELDS = ("int8",)
+_QUANTIZATION_FIELDS = ("int8", "fp8")
+# Where the default is fp8, the layers fp8 cannot take (norms, embeddings, Linear layers
+# of odd sizes) run in bf16, as torchao's users run the rest of the model.
+FP8_DEFAULT_REST = BF16
 _RULE_FIELDS = ("name", "patterns", "types", "dtype")
 # What a policy or rule name may hold: what the search names things with (``uniform-fp16``,
 # ``t007 fc1=bf16 scale=dynamic:65536.0``, ``h.0-1.attn``), and no quote, newline or shell
@@ -74,9 +78,10 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9_.,:=+\- ]{0,200}")
 
 
 def _check_dtype(value: Any, where: str) -> str:
-    if value not in SERVING_DTYPES:
+    if value not in POLICY_DTYPES:
         raise PolicyError(
-            f"{where}: unknown dtype {value!r} (expected fp32, fp16, bf16, or int8 for serving)"
+            f"{where}: unknown dtype {value!r} "
+            "(expected fp32, fp16, bf16, fp8 for training, or int8 for serving)"
         )
     return value
 
@@ -178,12 +183,15 @@ class Rule:
 
 @dataclass(frozen=True)
 class Quantization:
-    """How a serving policy's quantized layers are made: ``int8``, the method its int8
-    layers were measured with (one of `autoprec.quantizers.INT8_METHODS`; None: the
-    device's default, as for a policy written by hand). The fp8 recipe will sit beside it.
-    Written in the YAML only where set, so a policy without it reads and writes as before."""
+    """How a policy's quantized layers are made: ``int8``, the method a serving policy's
+    int8 layers were measured with (one of `autoprec.quantizers.INT8_METHODS`; None: the
+    device's default, as for a policy written by hand); ``fp8``, the torchao float8
+    training recipe of its fp8 layers (one of `autoprec.fp8.FP8_RECIPES`; None:
+    tensorwise, torchao's default). Written in the YAML only where set, so a policy
+    without them reads and writes as before."""
 
     int8: str | None = None
+    fp8: str | None = None
 
     def __post_init__(self) -> None:
         if self.int8 is not None and self.int8 not in INT8_METHODS:
@@ -191,9 +199,12 @@ class Quantization:
                 f"quantization.int8: unknown method {self.int8!r} "
                 f"(expected {', '.join(INT8_METHODS)})"
             )
+        if self.fp8 is not None:
+            check_recipe(self.fp8, "quantization.fp8")
 
     def to_dict(self) -> dict[str, Any]:
-        return {key: value for key, value in (("int8", self.int8),) if value is not None}
+        pairs = (("int8", self.int8), ("fp8", self.fp8))
+        return {key: value for key, value in pairs if value is not None}
 
     @classmethod
     def from_dict(cls, data: Any) -> Quantization:
@@ -209,7 +220,10 @@ class Quantization:
         int8 = data.get("int8")
         if int8 is not None and not isinstance(int8, str):
             raise PolicyError(f"quantization.int8: expected a method name, got {int8!r}")
-        return cls(int8=int8)
+        fp8 = data.get("fp8")
+        if fp8 is not None and not isinstance(fp8, str):
+            raise PolicyError(f"quantization.fp8: expected a recipe name, got {fp8!r}")
+        return cls(int8=int8, fp8=fp8)
 
 
 @dataclass(frozen=True)
@@ -243,6 +257,16 @@ class Policy:
     def int8_method(self) -> str | None:
         """The int8 method the policy was measured with (None: the device's default)."""
         return self.quantization.int8
+
+    @property
+    def fp8_recipe(self) -> str:
+        """The torchao float8 recipe of the policy's fp8 layers (default: tensorwise)."""
+        return self.quantization.fp8 or DEFAULT_FP8_RECIPE
+
+    @property
+    def names_fp8(self) -> bool:
+        """Whether the policy names fp8 (by its default or a rule)."""
+        return FP8 in (self.default, *(rule.dtype for rule in self.rules))
 
     # -- construction and serialisation -------------------------------------------------
 
@@ -351,13 +375,22 @@ class Policy:
     def _plan(self, model: nn.Module, kind: str) -> Plan:
         self._refuse_int8()
         chosen: dict[str, str] = {}
+        fp8: list[str] = []  # converted by torchao; they run in the region around them
         follows_input: set[str] = set()
         weight: Counter[str] = Counter()
-        for name, module, dtype in self._matched(model):
+        for name, module, ruled in self._matched(model):
+            dtype = ruled or self.default
+            if dtype == FP8:
+                refusal = fp8_refusal(module)
+                if refusal is None:
+                    fp8.append(name)
+                    continue
+                if ruled == FP8:
+                    raise PolicyError(f"{name} ({type(module).__name__}): cannot be fp8: {refusal}")
+                dtype = FP8_DEFAULT_REST
             behaviour = autocast_behaviour(kind, module)
             if behaviour == "fp32":
                 continue  # no region: autocast keeps it in fp32 anyway
-            dtype = dtype or self.default
             chosen[name] = dtype
             if casts_inputs(kind, module, dtype, uniform=not self.rules):
                 follows_input.add(name)  # the rule the profile follows too
@@ -370,7 +403,7 @@ class Policy:
             # The outer region takes the dtype holding most parameters: fewest boundaries.
             outer = max(sorted(weight), key=lambda d: (weight[d], d == "fp32"))
         else:
-            outer = self.default
+            outer = FP8_DEFAULT_REST if self.default == FP8 else self.default
         # Each same-dtype subtree in another dtype than the outer region gets a region.
         regions = {
             s.name: RegionSpec(s.name, s.dtype, outer)
@@ -386,8 +419,26 @@ class Policy:
             outside = outer if subtree is None or subtree.name == name else chosen[name]
             regions[name] = RegionSpec(name, chosen[name], outside, cast_inputs=True)
         regions = {name: regions[name] for name, _ in model.named_modules() if name in regions}
+        for name in fp8:
+            subtree = found.subtree_of(name)
+            around = subtree.dtype if subtree is not None and subtree.dtype else outer
+            refusal = autocast_refusal(kind, self.fp8_recipe, around)
+            if refusal is not None:
+                raise PolicyError(
+                    f"quantization.fp8: {self.fp8_recipe} cannot run {name} inside a {around} "
+                    f"region on {kind}: {refusal}"
+                )
+        chosen.update(dict.fromkeys(fp8, FP8))
         leaf_dtypes = {name: chosen.get(name, "fp32") for name, _ in parameterised_leaves(model)}
-        return Plan(kind, outer, tuple(regions.values()), leaf_dtypes, self.tf32, self.hf32)
+        return Plan(
+            kind,
+            outer,
+            tuple(regions.values()),
+            leaf_dtypes,
+            self.tf32,
+            self.hf32,
+            self.fp8_recipe if fp8 else None,
+        )
 
     @property
     def serving_only(self) -> bool:
@@ -466,7 +517,10 @@ class Policy:
         scaling = self.loss_scale.to_dict() if "fp16" in dtypes.values() else {"mode": "none"}
         if inference:
             scaling = {"mode": "none"}  # serving scales no loss
-        text = json.dumps([dtypes, scaling, self.tf32, self.hf32], sort_keys=True)
+        measured: list[Any] = [dtypes, scaling, self.tf32, self.hf32]
+        if FP8 in dtypes.values():  # only then: other policies keep their identities
+            measured.append(self.fp8_recipe)
+        text = json.dumps(measured, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def resolve(
@@ -490,6 +544,8 @@ class Policy:
         its input comes from a layer of that dtype (not from an fp32 residual stream: pass
         an example). Leaves without parameters (ReLU, dropout, pooling) are not listed."""
         here = get_backend(_device_of(model))
+        if isinstance(device, Backend) and device.kind == here.kind:
+            here = device  # with what it emulates
         if example is None or device_kind(device, model) != here.kind:
             return self.plan(model, device, module).leaf_dtypes  # nothing to watch there
         from autoprec.observe import learn, observed_dtypes
@@ -498,7 +554,10 @@ class Policy:
         learn(model, run, here)
         guess = self.plan(model, here, module).leaf_dtypes
         seen = observed_dtypes(model, self, run, here, module)
-        return {name: seen.get(name, dtype) for name, dtype in guess.items()}
+        # An fp8 layer hands on its region's dtype; what it computes in is fp8.
+        return {
+            name: dtype if dtype == FP8 else seen.get(name, dtype) for name, dtype in guess.items()
+        }
 
     def layer_table(
         self,
@@ -547,17 +606,22 @@ class Policy:
         model: nn.Module,
         device: str | torch.device | Backend | None = None,
         module: str | None = None,
+        emulate: str | tuple[str, ...] = (),
     ) -> Precision:
         """Install the per-layer dtypes on ``model`` and return its Precision object.
 
         ``device`` defaults to the device the model's parameters are on. On a model that
         holds the searched one, the policy lands on the submodule where every rule matches
         (``module="net"`` names it where several do), and one line on the ``autoprec``
-        logger says which.
+        logger says which. fp8 layers are swapped for torchao's ``Float8Linear`` (the same
+        Parameters; ``prec.remove()`` swaps them back); on the CPU only with
+        ``emulate="fp8"``, which runs fp8's numerics without its speed.
         """
-        backend = get_backend(_device_of(model) if device is None else device)
+        backend = get_backend(_device_of(model) if device is None else device, emulate)
         placement = self._placement(model, module)
         plan = self.plan(model, backend, placement.name)
+        if plan.fp8_recipe is not None and backend.fp8_refusal() is not None:
+            raise PolicyError(f"dtype fp8: {backend.fp8_refusal()}")
         unsupported = sorted(d for d in set(plan.leaf_dtypes.values()) if not backend.supports(d))
         if unsupported:
             raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")

@@ -20,6 +20,10 @@ Casts map over nested inputs and outputs (tuples, dicts, ``ModelOutput``) and ke
 their container types. A uniform policy on a model without such modules installs no
 wrapper at all and costs what plain ``torch.autocast`` costs.
 
+fp8 layers are swapped for torchao's ``Float8Linear`` (`autoprec.fp8`; same Parameters),
+get no region of their own and run inside the region around them, as torchao's users run
+them under one ``torch.autocast``; ``remove`` swaps the original Linear layers back.
+
 Where the regions go is `autoprec.plan.boundaries`' answer, the one serving's casts use
 too, and `Precision` has the hooks every precision mode has (`PrecisionHooks`:
 ``convert_module``, ``forward_context``, ``convert_input``, ``convert_output``), as
@@ -37,6 +41,7 @@ from torch import nn
 
 from autoprec.devices import Backend
 from autoprec.dtypes import TORCH_DTYPES
+from autoprec.fp8 import Fp8Layers
 from autoprec.plan import Plan
 from autoprec.scaling import LossScale, LossScaler
 from autoprec.structures import cast_floats
@@ -158,17 +163,27 @@ class Precision:
         self._previous_switches = backend.set_switches(plan.tf32, plan.hf32)
         self.switches = backend.switches()
         self._installed: Installed | None = None
+        self._fp8: Fp8Layers | None = None
         self.convert_module(model)
         self._update_pending = False
 
     def convert_module(self, model: nn.Module) -> nn.Module:
-        """The plan's regions installed on ``model`` (in place: master weights stay fp32,
-        autocast casts on the fly); ``Policy.apply`` has called it already."""
-        if self._installed is not None:
-            self._installed.remove()
+        """The plan's regions installed on ``model`` and its fp8 layers converted (in
+        place: master weights stay fp32, autocast casts on the fly, torchao casts fp8
+        layers' operands); ``Policy.apply`` has called it already."""
+        self._take_off()
         self.model = model
         self._installed = Installed(model, self.plan, self.backend.kind)
+        if self.plan.fp8_recipe is not None:
+            self._fp8 = Fp8Layers(model, self.plan.fp8_layers, self.plan.fp8_recipe)
         return model
+
+    def _take_off(self) -> None:
+        if self._fp8 is not None:
+            self._fp8.remove()
+            self._fp8 = None
+        if self._installed is not None:
+            self._installed.remove()
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         """The outer region (`autocast`), under the name every precision mode shares."""
@@ -231,7 +246,7 @@ class Precision:
         self.scaler.load_state_dict(state["loss_scaler"])
 
     def remove(self) -> None:
-        """Take the regions off the model and restore the device switches."""
-        if self._installed is not None:
-            self._installed.remove()
+        """Take the regions off the model, put its fp8 layers' Linear modules back and
+        restore the device switches."""
+        self._take_off()
         self.backend.restore_switches(self._previous_switches)

@@ -49,10 +49,12 @@ from autoprec.devices import (
     autocast_behaviour,
     device_kind,
     failing_dtypes,
+    fp8_unavailable_reason,
 )
-from autoprec.dtypes import LOW_PRECISION, SERVING_DTYPES, TRAINING_DTYPES
+from autoprec.dtypes import AUTOCAST_DTYPES, FP8, LOW_PRECISION, POLICY_DTYPES
 from autoprec.errors import PolicyError, SpaceError
 from autoprec.files import load_yaml
+from autoprec.fp8 import DEFAULT_FP8_RECIPE, FAILS_UNDER_AUTOCAST, check_recipe, fp8_refusal
 from autoprec.policy import (
     Policy,
     Quantization,
@@ -76,6 +78,7 @@ _SPACE_FIELDS = (
     "groups",
     "auto_groups",
     "loss_scale",
+    "fp8_recipes",
 )
 _AUTO_FIELDS = ("max_groups", "own_groups")
 _GROUP_FIELDS = ("name", "patterns", "types", "dtypes", "optional")
@@ -122,6 +125,9 @@ class Group:
     # fitted for serving, where only some of its layers can be int8 (a decoder block's
     # Linear layers beside its norms): the layers int8 takes; the others stay fp32
     int8_leaves: tuple[str, ...] = ()
+    # fitted for training where it offers fp8: its layers, each of which fp8 can take, named
+    # one by one so that an fp8 rule never meets a layer the group does not search
+    fp8_leaves: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -164,7 +170,7 @@ class SearchSpace:
     loss_scale: LossScaleSpace = field(default_factory=LossScaleSpace)
     description: str = ""
     source: str = "<space>"
-    dtypes: tuple[str, ...] = TRAINING_DTYPES
+    dtypes: tuple[str, ...] = AUTOCAST_DTYPES  # fp8 only where a space lists it
     auto: AutoGroups | None = None  # set until ``fit`` builds the groups of ``groups: auto``
     inference: bool = False  # fitted for serving: weights converted, int8 possible
     switch: str | None = None  # serving on CUDA or Ascend: "tf32" or "hf32" is searched too
@@ -175,6 +181,15 @@ class SearchSpace:
     # fitted for serving: the method its int8 layers are measured with, which every policy
     # with an int8 layer records (`autoprec.quantizers`), so it serves what was measured
     int8_method: str | None = None
+    # torchao float8 recipes searched for the fp8 layers (``fp8.recipe`` where several)
+    fp8_recipes: tuple[str, ...] = (DEFAULT_FP8_RECIPE,)
+
+    @property
+    def offers_fp8(self) -> bool:
+        """Whether some group may take fp8."""
+        return any(FP8 in g.dtypes for g in self.groups) or (
+            self.auto is not None and FP8 in self.dtypes
+        )
 
     # -- reading -------------------------------------------------------------------------
 
@@ -194,7 +209,14 @@ class SearchSpace:
         tolerance = data.get("accuracy_tolerance", 0.01)
         if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or tolerance < 0:
             raise fail(f"accuracy_tolerance: expected a number of at least 0, got {tolerance!r}")
-        space_dtypes = _dtype_list(data.get("dtypes", list(TRAINING_DTYPES)), "dtypes", fail)
+        space_dtypes = _dtype_list(data.get("dtypes", list(AUTOCAST_DTYPES)), "dtypes", fail)
+        recipes = data.get("fp8_recipes", [DEFAULT_FP8_RECIPE])
+        if not isinstance(recipes, list) or not recipes:
+            raise fail("fp8_recipes: expected a non-empty list of torchao float8 recipes")
+        try:
+            recipes = tuple(dict.fromkeys(check_recipe(r, "fp8_recipes") for r in recipes))
+        except PolicyError as error:
+            raise fail(str(error)) from None
         groups_data = data.get("groups")
         auto = None
         if groups_data == "auto":
@@ -249,6 +271,7 @@ class SearchSpace:
             source=source,
             dtypes=space_dtypes,
             auto=auto,
+            fp8_recipes=recipes,
         )
 
     # -- fitting a model and a device ----------------------------------------------------
@@ -276,6 +299,8 @@ class SearchSpace:
         kind = device_kind(device, model)
         if not inference:
             self._refuse_int8()
+        if self.offers_fp8:
+            self._refuse_fp8(device, model, inference)
         followers = _tie_followers(model) if inference else {}
         space = replace(
             self,
@@ -328,7 +353,34 @@ class SearchSpace:
             space = replace(space, switch={"cuda": "tf32", "npu": "hf32"}.get(kind))
         else:
             kept = _without_failing_dtypes(kept, assigned, model, kind)
+            if space.offers_fp8:
+                kept = _with_fp8_where_it_fits(kept, assigned, model, self.source)
+                space = replace(space, fp8_recipes=self._runnable_recipes(kept, kind))
         return replace(space, groups=tuple(kept))
+
+    def _refuse_fp8(
+        self, device: str | torch.device | Backend | None, model: nn.Module, inference: bool
+    ) -> None:
+        """fp8 is offered only where it runs: in training, on a device that runs it."""
+        if inference:
+            raise SpaceError(
+                f"{self.source}: dtypes: fp8 is searched for training only (serving has int8)"
+            )
+        reason = fp8_unavailable_reason(device, model)
+        if reason is not None:
+            raise SpaceError(f"{self.source}: dtypes: {reason}")
+
+    def _runnable_recipes(self, groups: list[Group], kind: str) -> tuple[str, ...]:
+        """The space's recipes without those seen to fail inside an autocast region on
+        this device kind, where some group may be fp16 or bf16 around the fp8 layers."""
+        if not any(d in LOW_PRECISION for g in groups for d in g.dtypes):
+            return self.fp8_recipes
+        failing = FAILS_UNDER_AUTOCAST.get(kind, {})
+        kept = tuple(r for r in self.fp8_recipes if r not in failing)
+        if not kept:
+            recipe = self.fp8_recipes[0]
+            raise SpaceError(f"{self.source}: fp8_recipes: {recipe} on {kind}: {failing[recipe]}")
+        return kept
 
     def _refuse_int8(self) -> None:
         """int8 is a serving choice: a training search would silently leave it out."""
@@ -422,6 +474,8 @@ class SearchSpace:
         }
         if self.ties:  # only where there are any: older studies keep their fingerprint
             content["ties"] = self.ties
+        if self.offers_fp8:  # likewise
+            content["fp8_recipes"] = self.fp8_recipes
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:12]
 
     # -- from Optuna parameters to a policy ----------------------------------------------
@@ -436,6 +490,8 @@ class SearchSpace:
         if self.switch is not None:
             name = f"switch.{self.switch}"
             params[name] = trial.suggest_categorical(name, [False, True])
+        if FP8 in params.values() and len(self.fp8_recipes) > 1:
+            params["fp8.recipe"] = trial.suggest_categorical("fp8.recipe", list(self.fp8_recipes))
         if "fp16" in params.values() and not self.inference:  # serving scales no loss
             space = self.loss_scale
             mode = trial.suggest_categorical("loss_scale.mode", list(space.modes))
@@ -484,6 +540,9 @@ class SearchSpace:
                 )
         switches = {k: params.get(f"switch.{k}") for k in ("tf32", "hf32")}
         int8 = self.int8_method if any(r.dtype == "int8" for r in rules) else None
+        fp8 = None
+        if any(r.dtype == FP8 for r in rules):
+            fp8 = params.get("fp8.recipe", self.fp8_recipes[0])
         return Policy(
             rules=rules,
             default="fp32",
@@ -491,7 +550,7 @@ class SearchSpace:
             tf32=switches["tf32"],
             hf32=switches["hf32"],
             serving=self.inference,
-            quantization=Quantization(int8=int8),
+            quantization=Quantization(int8=int8, fp8=fp8),
         )
 
     def uniform_params(self, dtype: str) -> dict[str, Any]:
@@ -569,6 +628,8 @@ class SearchSpace:
         flat["loss_scale.hysteresis"] = str(scale.hysteresis) if dynamic else "-"
         for key in ("growth_factor", "backoff_factor", "min_scale"):
             flat[f"loss_scale.{key}"] = f"{getattr(scale, key):g}" if dynamic else "-"
+        if self.offers_fp8:
+            flat["fp8.recipe"] = policy.fp8_recipe if FP8 in flat.values() else "-"
         return flat
 
 
@@ -582,6 +643,8 @@ def policy_label(params: dict[str, str]) -> str:
         for k, v in params.items()
         if k.startswith("switch.") and v == "True"
     ]
+    if params.get("fp8.recipe", "-") != "-":
+        parts.append(f"fp8={params['fp8.recipe']}")
     mode = params.get("loss_scale.mode", "none")
     if mode != "none":
         parts.append(f"scale={mode}:{params.get('loss_scale.init_scale', '-')}")
@@ -607,6 +670,8 @@ def _group_rules(group: Group, params: Mapping[str, Any]) -> tuple[Rule, ...]:
     """The rules a group's chosen dtype gives: one, or for int8 in a group only some of
     whose layers can take it, int8 for those and fp32 for the rest of the group."""
     dtype = params[f"dtype.{group.name}"]
+    if dtype == FP8:
+        return (Rule(FP8, patterns=group.fp8_leaves, name=group.name),)
     if dtype == "int8" and group.int8_leaves:
         return (
             Rule("int8", patterns=group.int8_leaves, name=group.name),
@@ -659,6 +724,35 @@ def _with_int8_where_it_fits(
     return fitted
 
 
+def _with_fp8_where_it_fits(
+    groups: list[Group], assignment: dict[str, str], model: nn.Module, source: str
+) -> list[Group]:
+    """fp8 offered to the groups whose layers torchao can all convert (plain Linear layers
+    with dimensions that are multiples of 16), and to no other: a group offered only fp8
+    with a layer it cannot take is refused, naming the layer."""
+    modules = dict(model.named_modules())
+    leaves: dict[str, list[str]] = {g.name: [] for g in groups}
+    refused: dict[str, str] = {}
+    for leaf, group_name in assignment.items():
+        leaves[group_name].append(leaf)
+        reason = fp8_refusal(modules[leaf])
+        if reason is not None and group_name not in refused:
+            refused[group_name] = f"{leaf} ({type(modules[leaf]).__name__}): {reason}"
+    fitted = []
+    for group in groups:
+        if FP8 not in group.dtypes:
+            fitted.append(group)
+        elif group.name not in refused:
+            fitted.append(replace(group, fp8_leaves=tuple(leaves[group.name])))
+        elif group.dtypes == (FP8,):
+            raise SpaceError(
+                f"{source}: group {group.name!r}: offers only fp8, but {refused[group.name]}"
+            )
+        else:
+            fitted.append(replace(group, dtypes=tuple(d for d in group.dtypes if d != FP8)))
+    return fitted
+
+
 def _mode_fields(mode: str) -> tuple[str, ...]:
     if mode == "static":
         return ("static_scale_log2",)
@@ -678,9 +772,10 @@ def _dtype_list(value: Any, where: str, fail: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not value:
         raise fail(f"{where}: expected a non-empty list of dtypes")
     for item in value:
-        if item not in SERVING_DTYPES:
+        if item not in POLICY_DTYPES:
             raise fail(
-                f"{where}: unknown dtype {item!r} (expected fp32, fp16, bf16, or int8 to serve)"
+                f"{where}: unknown dtype {item!r} "
+                "(expected fp32, fp16, bf16, fp8 to train, or int8 to serve)"
             )
     return tuple(dict.fromkeys(value))
 

@@ -116,8 +116,8 @@ def _write(folder, name, text):
 
 BAD_SPACES = {
     "dtype.yaml": (
-        "groups:\n- {name: all, patterns: ['*'], dtypes: [fp32, fp8]}\n",
-        "unknown dtype 'fp8'",
+        "groups:\n- {name: all, patterns: ['*'], dtypes: [fp32, fp4]}\n",
+        "unknown dtype 'fp4'",
     ),
     "pattern.yaml": ("groups:\n- {name: enc, patterns: [encoder]}\n", "matches no module"),
     "broken.yaml": ("groups: [\n", "not valid YAML"),
@@ -188,8 +188,8 @@ def test_bad_input_in_a_real_process(project):
     done = _run("search", "--task", "task.py:factory", "--space", "dtype.yaml", cwd=folder)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "autoprec search: error: dtype.yaml: groups[0].dtypes: unknown dtype 'fp8' "
-        "(expected fp32, fp16, bf16, or int8 to serve)"
+        "autoprec search: error: dtype.yaml: groups[0].dtypes: unknown dtype 'fp4' "
+        "(expected fp32, fp16, bf16, fp8 to train, or int8 to serve)"
     ]
     assert _snapshot(folder) == before
 

@@ -59,7 +59,7 @@ def test_uniform_policy_round_trip_and_defaults():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("default: fp8\n", "default: unknown dtype 'fp8'"),
+        ("default: fp4\n", "default: unknown dtype 'fp4'"),
         ("rules:\n- patterns: [fc1]\n  dtype: int4\n", "rules[0].dtype: unknown dtype 'int4'"),
         ("rules:\n- dtype: fp16\n", "rules[0]: needs patterns, types or both"),
         (

@@ -104,8 +104,8 @@ def _write(tmp_path, text):
     ("text", "message"),
     [
         (
-            "groups:\n- {name: a, patterns: [fc1], dtypes: [fp8]}\n",
-            "groups[0].dtypes: unknown dtype 'fp8'",
+            "groups:\n- {name: a, patterns: [fc1], dtypes: [fp4]}\n",
+            "groups[0].dtypes: unknown dtype 'fp4'",
         ),
         ("groups: []\n", "groups: expected a non-empty list"),
         (

@@ -44,9 +44,10 @@ class _Applied:
     or outlives its removal (a teardown between ``fit`` and ``test``) is kept here, so that
     the scale goes on where it was."""
 
-    def __init__(self, policy: Policy, submodule: str | None) -> None:
+    def __init__(self, policy: Policy, submodule: str | None, emulate: tuple[str, ...]) -> None:
         self.policy = policy
         self.submodule = submodule
+        self.emulate = emulate
         self.module: nn.Module | None = None
         self.precision: Precision | None = None
         self.state: dict[str, Any] | None = None
@@ -61,7 +62,9 @@ class _Applied:
         if self.precision is None:
             if self.module is None:
                 raise ValueError("the policy has no module to apply to: set the module up first")
-            self.precision = self.policy.apply(self.module, module=self.submodule)
+            self.precision = self.policy.apply(
+                self.module, module=self.submodule, emulate=self.emulate
+            )
             if self.state is not None:
                 self.precision.load_state_dict(self.state)
         return self.precision
@@ -100,11 +103,14 @@ class PolicyPrecision(LightningPrecision):
     leave ``Trainer(precision=...)`` out (Lightning refuses both at once).
 
     The policy lands on the submodule it was found on (the searched model, ``self.net``),
-    found by its rules; ``module="net"`` names it where several submodules fit."""
+    found by its rules; ``module="net"`` names it where several submodules fit. ``emulate``:
+    as in ``Policy.apply`` (``("fp8",)`` runs fp8 layers on the CPU, emulated)."""
 
-    def __init__(self, policy: Policy, module: str | None = None) -> None:
+    def __init__(
+        self, policy: Policy, module: str | None = None, emulate: tuple[str, ...] = ()
+    ) -> None:
         super().__init__()
-        self._applied = _Applied(policy, module)
+        self._applied = _Applied(policy, module, emulate)
         self._skipping_step = False
 
     def __repr__(self) -> str:
@@ -224,9 +230,11 @@ class PolicyFabricPrecision(FabricPrecision):
     "precision": plugin})``, and ``fabric.load`` restores it. ``module``: as in
     `PolicyPrecision`."""
 
-    def __init__(self, policy: Policy, module: str | None = None) -> None:
+    def __init__(
+        self, policy: Policy, module: str | None = None, emulate: tuple[str, ...] = ()
+    ) -> None:
         super().__init__()
-        self._applied = _Applied(policy, module)
+        self._applied = _Applied(policy, module, emulate)
 
     def __repr__(self) -> str:
         return f"PolicyFabricPrecision(policy={self._applied.policy.name or 'unnamed'!r})"

@@ -15,6 +15,7 @@ from dataclasses import InitVar, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from autoprec.devices import check_emulate
 from autoprec.errors import AutoprecError, StoreError, redact
 from autoprec.tracking import DEFAULT_TRACKING_URI, check_tracking_uri
 from autoprec.trials import MODES, trials_class
@@ -56,6 +57,8 @@ class SearchConfig:
       ``mode="inference"`` (``scenario="edge"``).
       ``prefer`` may then also be ``latency`` or ``throughput``; None takes the
       scenario's (training: speed).
+    - ``emulate``: dtypes the device may run emulated (``("fp8",)`` on the CPU: torchao's
+      float8 numerics without its speed), recorded in the summary's settings.
     """
 
     trials: int = 12
@@ -77,6 +80,7 @@ class SearchConfig:
     heartbeat_s: int = HEARTBEAT_INTERVAL_S
     mode: str | None = None  # None: inference with ``serving``, else training
     serving: ServingConfig | None = None
+    emulate: tuple[str, ...] = ()
     # The serving settings given flat, nested into ``serving`` (not kept as fields).
     scenario: InitVar[str | None] = None
     batch_size: InitVar[int | None] = None
@@ -101,6 +105,7 @@ class SearchConfig:
             "int8": int8,
         }
         self._nest_serving({k: v for k, v in flat.items() if v is not None})
+        object.__setattr__(self, "emulate", tuple(sorted(check_emulate(self.emulate))))
         _check_positive(self.trials, "--trials", "a positive integer")
         if _not_int(self.steps) or self.steps < 3:
             raise AutoprecError(f"steps: must be an integer of at least 3, got {self.steps!r}")

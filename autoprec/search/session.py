@@ -120,6 +120,8 @@ class Prepared:
             "seed": self.budget.seed,
             "device": self.backend.kind,
         }
+        if self.backend.emulated():  # figures of emulated dtypes are no device's
+            settings["emulated"] = ",".join(self.backend.emulated())
         return {**settings, **self.trials.settings}
 
     @property
@@ -158,13 +160,13 @@ def prepare(
         space_spec = space_spec or default_space_for(task.name)
         space = load_space(space_spec)
     if devices:
-        backend, *_ = [get_backend(d) for d in devices]  # each must be there
+        backend, *_ = [get_backend(d, config.emulate) for d in devices]  # each must be there
         if config.device != "auto" and get_backend(config.device).kind != backend.kind:
             raise AutoprecError(
                 f"--device {config.device!r} and --devices {config.devices!r} disagree"
             )
     else:
-        backend = get_backend(config.device)
+        backend = get_backend(config.device, config.emulate)
         devices = [str(backend.device)] if backend.kind != "cpu" else ["cpu"]
     budget = Budget(steps=config.steps, seed=config.seed)
     if check_data:

@@ -663,7 +663,7 @@ class TrainingTrials:
     def fit(self, space: SearchSpace, profile: Profile | None) -> SearchSpace:
         """Training runs under autocast: how it treats these layers is watched first."""
         watch_task(self.task, self.model, self.backend)
-        supported = {d for d in DTYPES if self.backend.supports(d)}
+        supported = {d for d in (*DTYPES, "fp8") if self.backend.supports(d)}
         return space.fit(self.model, profile, self.backend, inference=False).restrict(supported)
 
     def choice(self, space: SearchSpace) -> Choice:
