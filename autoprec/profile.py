@@ -565,11 +565,11 @@ def _rank(
             and entry.risk > 0
             and (riskiest.risk >= entry.risk or (breaks and riskiest.risk >= 1))
         )
-        if contains and breaks:
+        if contains and breaks and riskiest is not None:
             entry.reason += f" (contains {riskiest.name})"
         # What breaks ranks first, where it starts before what passes it on or holds it.
-        keys.append((not breaks, breaks and passed_on, breaks and contains, -entry.risk))
-        keys[-1] += (passed_on, contains, order)
+        first = (not breaks, breaks and passed_on, breaks and contains, -entry.risk)
+        keys.append((*first, passed_on, contains, order))
     ranked = [entry for _, (entry, _) in sorted(zip(keys, entries, strict=True))]
     for rank, entry in enumerate(ranked, start=1):
         entry.rank = rank

@@ -180,7 +180,7 @@ class TrialLog:
 @dataclass
 class _Job:
     what: str
-    work: Callable[[], None]
+    work: Callable[[], object]  # its value, if any, is not used
     attempts: int = field(default=0)
 
 
@@ -214,7 +214,7 @@ class Tracker:
 
     # -- the writer -------------------------------------------------------------------------
 
-    def _later(self, what: str, work: Callable[[], None]) -> None:
+    def _later(self, what: str, work: Callable[[], object]) -> None:
         self._jobs.put(_Job(what, work))
 
     def _write(self) -> None:
@@ -586,10 +586,10 @@ def find_parent_run(client: MlflowClient, study: str, uri: str) -> Any:
         filter_string=f"tags.`{ROLE_TAG}` = 'parent' and attributes.status = 'FINISHED'",
         order_by=["attributes.end_time DESC"],
     )
-    runs = [r for r in runs if BEST_TAG in r.data.tags]
-    if not runs:
+    finished = [r for r in runs if BEST_TAG in r.data.tags]
+    if not finished:
         raise StoreError(f"study {study!r}: no finished search in {uri}")
-    return runs[0]
+    return finished[0]
 
 
 def load_best_policy(study: str, tracking_uri: str = DEFAULT_TRACKING_URI) -> Policy:

@@ -330,7 +330,12 @@ def check_batch_sizes(task: Task, sizes: tuple[int, ...]) -> None:
 def _flat(value: Any) -> list[torch.Tensor]:
     """The tensors of a structure in the order `map_tensors` visits them."""
     found: list[torch.Tensor] = []
-    map_tensors(lambda t: found.append(t) or t, value)
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        found.append(tensor)
+        return tensor
+
+    map_tensors(keep, value)
     return found
 
 

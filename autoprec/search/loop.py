@@ -41,7 +41,7 @@ from autoprec.search.studies import (
 from autoprec.space import SearchSpace, policy_label
 from autoprec.tasks import Task
 from autoprec.tracking import Tracker, TrialLog
-from autoprec.trials.base import Result, Trials, TrialState, run_with_time_limit
+from autoprec.trials.base import Result, Trials, TrialState, measured, run_with_time_limit
 
 POLL_S = 1.0  # how often a waiting worker reads the study again
 # Sampled policies identical to one already measured are not trained again; after this
@@ -249,7 +249,7 @@ def _tell_and_log(
 ) -> TrialRecord:
     drop = None
     if result.state == TrialState.COMPLETE and result.accuracy is not None:
-        drop = ctx.baseline.result.accuracy - result.accuracy
+        drop = measured(ctx.baseline.result.accuracy, "accuracy") - result.accuracy
         trial.set_constraint("accuracy_drop", drop - ctx.feasibility.tolerance)
     feasible = ctx.feasibility.judge(result, drop)
     record = TrialRecord(trial.number, policy, result, drop, feasible)
@@ -264,7 +264,8 @@ def _tell_and_log(
         },
     )
     if result.state == TrialState.COMPLETE:
-        study.tell(trial, [result.accuracy, result.peak_memory_mb, result.time_ms])
+        objectives = (result.accuracy, result.peak_memory_mb, result.time_ms)
+        study.tell(trial, [measured(value, "objective") for value in objectives])
     else:
         study.tell(trial, state=_STATES[result.state])
     anchor = trial.user_attrs.get("anchor")

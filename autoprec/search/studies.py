@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import optuna
 import sqlalchemy.exc
@@ -51,7 +51,7 @@ CLAIM_ATTR = "autoprec.claim"  # user attribute: the key of the policy the trial
 STEPPED_BACK_ATTR = "stepped_back"  # user attribute: why a trial gave way untrained
 LEASE_TTL_S = 60.0
 STORAGE_OUTAGE_S = 600.0  # how long storage calls are tried again before the search stops
-DIRECTIONS = ("maximize", "minimize", "minimize")
+DIRECTIONS: tuple[Literal["maximize", "minimize"], ...] = ("maximize", "minimize", "minimize")
 _CREATE_ATTEMPTS = 5
 _SETTLE_S = 1.0  # between writing a lease and reading it back
 
@@ -88,7 +88,7 @@ class _Storage(optuna.storages.RDBStorage):
         super().__init__(url, **kwargs)
         database = sqlalchemy.engine.make_url(url).database
         on_file = url.startswith("sqlite") and database not in (None, "", ":memory:")
-        self._lock_path = Path(f"{Path(database).resolve()}.queue.lock") if on_file else None
+        self._lock_path = Path(f"{Path(str(database)).resolve()}.queue.lock") if on_file else None
         if on_file:
             sqlalchemy.event.listen(self.engine, "connect", _sqlite_pragmas)
             self.engine.dispose()  # connections made before the listener are gone
@@ -279,7 +279,8 @@ def heartbeat(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
     def beat() -> None:
         while not stop.wait(storage.heartbeat_interval):
             with contextlib.suppress(Exception):
-                storage.record_heartbeat.__wrapped__(storage, trial_id)
+                # optuna's record_heartbeat is wrapped (functools.wraps) with its retry
+                storage.record_heartbeat.__wrapped__(storage, trial_id)  # type: ignore[attr-defined]
 
     thread = threading.Thread(target=beat, name="autoprec-heartbeat", daemon=True)
     thread.start()

@@ -36,6 +36,7 @@ from autoprec.search.summary_schema import (
 )
 from autoprec.selection import TIME_TIE, Candidate, pareto_front, select_best
 from autoprec.space import SearchSpace
+from autoprec.trials.base import measured
 
 INTERRUPTED = "interrupted (Ctrl-C) before it ended; not counted"
 KILLED = "its process stopped before the trial ended (killed?): failed by heartbeat; not counted"
@@ -50,13 +51,13 @@ def candidates(
     scale = 1.0
     baseline = next((r for r in records if r.number == "baseline"), None)
     if baseline is not None and "baseline" in confirmed:
-        scale = confirmed["baseline"] / baseline.result.time_ms
+        scale = confirmed["baseline"] / measured(baseline.result.time_ms, "time")
     return [
         Candidate(
             r.number,
-            r.result.accuracy,
-            r.result.peak_memory_mb,
-            confirmed.get(str(r.number), r.result.time_ms * scale),
+            measured(r.result.accuracy, "accuracy"),
+            measured(r.result.peak_memory_mb, "peak memory"),
+            confirmed.get(str(r.number), measured(r.result.time_ms, "time") * scale),
             r.feasible,
         )
         for r in records
@@ -135,7 +136,7 @@ def summarize(
     best = best_record(records, baseline, prefer, confirmed)
 
     def step_time_ms(r: TrialRecord) -> float:
-        return confirmed.get(str(r.number), r.result.time_ms)
+        return confirmed.get(str(r.number), measured(r.result.time_ms, "time"))
 
     def entry(r: TrialRecord) -> Entry:
         attrs = trials[r.number].user_attrs if r.number in trials else {}
@@ -167,7 +168,9 @@ def summarize(
     chosen = Best.of(
         entry(best),
         speedup_vs_fp32=step_time_ms(baseline) / step_time_ms(best),
-        memory_saving_vs_fp32=1.0 - best.result.peak_memory_mb / baseline.result.peak_memory_mb,
+        memory_saving_vs_fp32=1.0
+        - measured(best.result.peak_memory_mb, "peak memory")
+        / measured(baseline.result.peak_memory_mb, "peak memory"),
     )
     read = _read(baseline.result)
     if serving is not None:

@@ -129,6 +129,7 @@ class Result(Protocol):
     peak_memory_is_estimate: bool
     run_time_s: float
 
+    def __init__(self, state: str, reason: str | None = None) -> None: ...  # a failed one
     @property
     def time_ms(self) -> float | None: ...
     def metrics(self) -> dict[str, float]: ...
@@ -285,6 +286,14 @@ def time_side_by_side(
             for times, candidate in zip(times_s, candidates, strict=True):
                 times += candidate.timed(block)
     return [statistics.median(times) * 1000.0 for times in times_s]
+
+
+def measured(value: float | None, name: str) -> float:
+    """A metric of a complete trial, which always has it (None only where a trial did not
+    complete): read where the search compares complete trials."""
+    if value is None:
+        raise AutoprecError(f"a complete trial has no {name}: its record is damaged")
+    return value
 
 
 def run_with_time_limit(measure: Callable[[], R], limit_s: float, failed: Callable[[str], R]) -> R:
