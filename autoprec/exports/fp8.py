@@ -90,7 +90,7 @@ def export_fp8(
             "(the training formats: yaml, torch-npu, cann, transformers)"
         )
     recipe = policy.fp8_recipe
-    others = _other_dtypes(policy, model, device, layers)
+    others = _other_dtypes(plan.leaf_dtypes, model, device, layers)
     found = torchtitan_filter(model, layers)
     folder = export_folder(out_dir, FILES)
     label = policy_label(policy)
@@ -101,11 +101,11 @@ def export_fp8(
     if found.widened:
         torchtitan_notes.insert(
             0,
-            f"torchtitan's filter_fqns excludes by substring, and the name of a layer the "
+            "torchtitan's filter_fqns excludes by substring, and the name of a layer the "
             f"policy keeps out of fp8 is part of the name of {len(found.widened)} fp8 "
             f"layer(s) ({_quoted(found.widened)}): under this file they train in "
-            f"high precision too (wider, never less accurate); the torchao and accelerate "
-            f"files convert them",
+            "high precision too (wider, never less accurate); the torchao and accelerate "
+            "files convert them",
         )
     torchao_runs = others.rest or others.nearest
     torchao_notes = _rest_notes(others, torchao_runs, "torchao", "the autocast around it")
@@ -203,8 +203,10 @@ class _Others:
         return [name for name, own in self.dtypes.items() if self.uniform[dtype][name] != own]
 
 
-def _other_dtypes(policy: Policy, model: nn.Module, device: str, fp8: Iterable[str]) -> _Others:
-    dtypes = dict(policy.plan(model, device).leaf_dtypes)
+def _other_dtypes(
+    leaf_dtypes: dict[str, str], model: nn.Module, device: str, fp8: Iterable[str]
+) -> _Others:
+    dtypes = dict(leaf_dtypes)
     for name in fp8:
         dtypes.pop(name)
     uniform = {
