@@ -69,12 +69,15 @@ def _add_export(commands: Any) -> None:
     e = commands.add_parser(
         "export",
         help="write a study's best policy in a format other tools read (a served model, "
-        "torchao, ATC, torch_npu, transformers)",
+        "torchao, ATC, torch_npu, transformers, fp8 for torchtitan/torchao/accelerate)",
         description="Export the best policy of a finished search. Formats: model (serving "
         "studies' default: program.pt2, a torch.export program of the converted model, with "
         "fp32.pt, policy.yaml and load_model.py), torchao (the int8 layers as a FqnToConfig), "
         "yaml (training studies' default), torch-npu, cann (ONNX, keep_dtype.cfg and the ATC "
-        "command), transformers (_keep_in_fp32_modules_strict). Where a format cannot say "
+        "command), transformers (_keep_in_fp32_modules_strict), fp8 (a training policy's fp8 "
+        "layers as torchtitan's [quantize.linear.float8] filter_fqns with its command line, "
+        "torchao's convert_to_float8_training and accelerate's AORecipeKwargs; a policy "
+        "without fp8 layers is refused). Where a format cannot say "
         "exactly what the policy says, a note on stderr says what it approximates.",
         formatter_class=_DefaultsFormatter,
     )
@@ -101,7 +104,8 @@ def _add_export(commands: Any) -> None:
         "--device",
         default=None,
         help="model: the device served on (default: the study's); cann, transformers: the "
-        "device whose autocast decides which layers run in fp32 (default: npu)",
+        "device whose autocast decides which layers run in fp32 (default: npu); fp8: the "
+        "device kind the fp8 layers are planned for (default: cuda)",
     )
     e.add_argument("--runs-dir", default="runs", help="where the search wrote its outputs")
 

@@ -11,7 +11,9 @@ is one function and one module; ``export_policy`` picks one by name:
   (``_keep_in_fp32_modules_strict``, then ``from_pretrained(..., dtype=...)``);
 - ``model`` (serving): ``program.pt2`` (the converted model, ``torch.export``), ``fp32.pt``,
   ``policy.yaml`` and ``load_model.py``;
-- ``torchao`` (serving): ``torchao_config.py``, the int8 layers as a ``FqnToConfig``.
+- ``torchao`` (serving): ``torchao_config.py``, the int8 layers as a ``FqnToConfig``;
+- ``fp8``: a training policy's fp8 layers as torchtitan (``float8_torchtitan.toml``), torchao
+  (``float8_torchao.py``) and accelerate (``float8_accelerate.py``) convert them.
 
 A format that cannot say exactly what the policy says warns (``ExportWarning``) and writes the
 same text in its file's header. Every value written into a generated file is quoted, and no
@@ -29,13 +31,14 @@ from torch import nn
 from autoprec import Policy
 from autoprec.exports._common import ExportError, ExportWarning
 from autoprec.exports.cann import export_cann
+from autoprec.exports.fp8 import export_fp8
 from autoprec.exports.hf import export_transformers
 from autoprec.exports.npu import export_torch_npu
 from autoprec.exports.served import export_model
 from autoprec.exports.torchao_file import export_torchao
 from autoprec.exports.yaml_file import export_yaml
 
-FORMATS = ("yaml", "torch-npu", "cann", "transformers", "model", "torchao")
+FORMATS = ("yaml", "torch-npu", "cann", "transformers", "fp8", "model", "torchao")
 SERVING_FORMATS = ("model", "torchao")
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "ExportError",
     "ExportWarning",
     "export_cann",
+    "export_fp8",
     "export_model",
     "export_policy",
     "export_torch_npu",
@@ -69,12 +73,13 @@ def export_policy(
     by every format but ``yaml`` and ``torch-npu``, which it sharpens; ``example`` (one
     input batch, e.g. ``task.batch(raw)``) by ``cann``, and by ``model`` for its program.
     ``device`` is, for ``cann`` and ``transformers``, the device kind whose autocast decides
-    which layers run in fp32 (``Policy.resolve``; default ``npu``), and for ``model`` the
+    which layers run in fp32 (``Policy.resolve``; default ``npu``), for ``fp8`` the device
+    kind its layers are planned for (default ``cuda``), and for ``model`` the
     device served on (default ``cpu``); ``torch-npu`` always resolves on the NPU. ``int8``
     is the int8 method the serving search measured (``model``, ``torchao``); ``task`` a
     task's name or file, which ``model``'s ``load_model.py`` builds the model from.
     """
-    if fmt in ("torch-npu", "cann", "transformers") and policy.serving_only:
+    if fmt in ("torch-npu", "cann", "transformers", "fp8") and policy.serving_only:
         raise ExportError(
             f"format {fmt!r}: the policy serves layers in int8, which {fmt} cannot express "
             f"(the int8 formats: {', '.join(SERVING_FORMATS)})"
@@ -87,6 +92,8 @@ def export_policy(
         return export_cann(policy, out_dir, model, example, device or "npu")
     if fmt == "transformers":
         return export_transformers(policy, out_dir, model, device or "npu")
+    if fmt == "fp8":
+        return export_fp8(policy, out_dir, model, device or "cuda")
     if fmt == "model":
         return export_model(policy, out_dir, model, example, device or "cpu", int8, task)
     if fmt == "torchao":
