@@ -30,11 +30,11 @@ import autoprec
 from autoprec.devices import get_backend
 from autoprec.inference import timing_batch
 from autoprec.inference.convert import convert_policy
-from autoprec.trials.serving import time_models_side_by_side
 from autoprec.report import benchmark_text, gains_line, text_table
 from autoprec.selection import TIME_TIE
 from autoprec.tasks import Task, load_task
 from autoprec.tasks.builtin import digits_data, mlp
+from autoprec.trials.serving import time_models_side_by_side
 
 CASES = ((1, "server"), (64, "batch"))  # batch size, scenario
 UNIFORM = {"uniform-fp16": "fp16", "uniform-bf16": "bf16", "uniform-int8": "int8"}

@@ -26,8 +26,8 @@ from torch import nn
 
 from autoprec.devices import get_backend
 from autoprec.inference import INT8_METHODS, convert, int8_available, weight_bytes
-from autoprec.trials.serving import time_models_side_by_side
 from autoprec.tasks.base import Batch
+from autoprec.trials.serving import time_models_side_by_side
 
 WIDTH, HIDDEN = 1024, 4096
 

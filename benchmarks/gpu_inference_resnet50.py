@@ -47,10 +47,10 @@ import autoprec
 from autoprec.devices import Backend, get_backend
 from autoprec.inference import timing_batch
 from autoprec.inference.convert import convert_policy
-from autoprec.trials.serving import time_models_side_by_side
 from autoprec.report import batch_size_text, benchmark_text, gains_line, render_report, text_table
 from autoprec.selection import TIME_TIE
 from autoprec.tasks import Task, load_task
+from autoprec.trials.serving import time_models_side_by_side
 
 UNIFORM = {"uniform-fp16": "fp16", "uniform-bf16": "bf16", "uniform-int8": "int8"}
 
