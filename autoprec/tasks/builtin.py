@@ -291,7 +291,7 @@ class SinkMLP(nn.Module):
     activations in large language models"), marker rows here add ``SINK_SCALE`` to one
     fixed channel of the normalised hidden state, so that ``fc2`` alone takes inputs with
     an outlier channel. Marker rows are not scored (their targets are IGNORE_INDEX), so
-    their gradients are exactly zero and fp32, bf16 and fp16-free training ignore them;
+    their gradients are exactly zero and fp32 and bf16 training are blind to them;
     but tensorwise float8 scales ``fc2``'s whole input by its largest value, and the
     ordinary rows, about 1e6 times smaller, flush to zero in e4m3 (whose range spans
     448 down to 2**-9).
