@@ -297,6 +297,8 @@ class SinkMLP(nn.Module):
     448 down to 2**-9).
     """
 
+    sink: torch.Tensor
+
     def __init__(self, hidden: int = FP8_HIDDEN) -> None:
         super().__init__()
         self.fc1 = nn.Linear(64 + MARKER_CHANNELS, hidden)
