@@ -8,7 +8,8 @@ Pure: no Optuna objects, no MLflow.
 `GuidedStrategy`, given the groups ranked riskiest first (by a profile):
 
 1. seed: every group in one low dtype, for each low dtype the space allows (fp16 with
-   the dynamic loss scaling of the space's anchors);
+   the dynamic loss scaling of the space's anchors; fp8 as the uniform-fp8 anchor has
+   it, the groups that cannot take fp8 in bf16 where they may);
 2. bisect: per low dtype, the one whose seed did better for the preference first, the
    smallest k such that keeping the k riskiest groups in fp32 and the rest in that dtype
    is feasible. k = n is all fp32, feasible by definition; a pruned or failed trial
@@ -16,7 +17,8 @@ Pure: no Optuna objects, no MLflow.
    bracket, as the few layers that must stay in fp32 are usually a small prefix:
    about 2 log2(k) + 1 trials, never more than 2 log2(n) + 2;
 3. refine: try to drop single groups from the kept set (the risk order is a ranking,
-   not an oracle), and, where the space also has bf16, to run the kept groups in bf16
+   not an oracle), and, for fp16 and fp8 where the space also has bf16, to run the kept
+   groups in bf16
    rather than fp32 (bf16 has fp32's range, so overflow-prone layers often survive in
    it, and it halves their activation memory).
 
@@ -37,12 +39,14 @@ from typing import Any
 
 from torch import nn
 
-from autoprec.dtypes import LOW_PRECISION
+from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import AutoprecError, SpaceError
 from autoprec.selection import PREFER_METRICS, TRAINING_PREFERENCES, preference_score
-from autoprec.space import Group, SearchSpace
+from autoprec.space import Group, SearchSpace, dtype_beside
 
-_HIGH_FIRST = ("fp32", "bf16", "fp16", "int8")
+_HIGH_FIRST = ("fp32", "bf16", "fp16", FP8, "int8")
+# Low dtypes whose kept groups the refine phase tries in bf16 rather than fp32.
+_KEPT_IN_BF16 = ("fp16", FP8)
 Proposal = tuple[dict[str, Any], str]
 
 
@@ -117,13 +121,23 @@ class _Strategy:
         params: dict[str, Any] = {f"dtype.{g.name}": dtypes[g.name] for g in self.groups}
         if "fp16" in dtypes.values():
             params.update(self._fp16_scaling)
+        if FP8 in dtypes.values() and len(self.space.fp8_recipes) > 1:
+            params["fp8.recipe"] = self.space.anchor_recipe
         return params
 
     def _assign(self, low: str, kept: set[str] | frozenset[str]) -> dict[str, str]:
-        """Groups in ``kept`` in their highest dtype, the others in ``low`` where allowed."""
-        return {
-            g.name: _high(g) if g.name in kept or low not in g.dtypes else low for g in self.groups
-        }
+        """Groups in ``kept`` in their highest dtype, the others in ``low`` where allowed;
+        a group that cannot take fp8 runs beside it as the uniform-fp8 anchor runs it
+        (`autoprec.space.dtype_beside`: bf16 where it may)."""
+
+        def dtype(group: Group) -> str:
+            if group.name in kept:
+                return _high(group)
+            if low == FP8:
+                return dtype_beside(group, low)
+            return low if low in group.dtypes else _high(group)
+
+        return {g.name: dtype(g) for g in self.groups}
 
     def _key(self, params: Mapping[str, Any]) -> str | None:
         """What a trial of these parameters measures (`Policy.identity`); None for
@@ -210,8 +224,9 @@ class GuidedStrategy(_Strategy):
         ranked = list(dict.fromkeys(risk_order))
         self.risk_order = ranked + [n for n in names if n not in ranked]
         self.prefer = prefer
-        # Serving spaces may also offer int8 (to the layers that take it).
-        self.low_dtypes = [d for d in (*LOW_PRECISION, "int8") if self._searchable(d, names)]
+        # fp8 where the space offers it (training: torchao's float8 Linear layers); serving
+        # spaces may also offer int8 (to the layers that take it).
+        self.low_dtypes = [d for d in (*LOW_PRECISION, FP8, "int8") if self._searchable(d, names)]
 
     def _plan(self, known: dict[str, _Outcome], busy: set[str | None]) -> Iterator[Proposal]:
         for low in self.low_dtypes:
@@ -286,7 +301,8 @@ class GuidedStrategy(_Strategy):
         self, low: str, kept: list[str], known: dict[str, _Outcome], busy: set[str | None]
     ) -> Iterator[Proposal]:
         """Drop single groups from the kept set, least risky first (the last one was needed:
-        keeping one fewer was infeasible); then, with fp16, try the kept groups in bf16."""
+        keeping one fewer was infeasible); then, with fp16 or fp8, try the kept groups in
+        bf16."""
         current = list(kept)
         for name in reversed(kept[:-1]):
             smaller = [n for n in current if n != name]
@@ -298,7 +314,7 @@ class GuidedStrategy(_Strategy):
                     return
             elif outcome.feasible:
                 current = smaller
-        if low != "fp16":
+        if low not in _KEPT_IN_BF16:
             return
         by_name = {g.name: g for g in self.groups}
         swappable = [n for n in current if {"fp32", "bf16"} <= set(by_name[n].dtypes)]

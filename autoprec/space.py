@@ -563,7 +563,11 @@ class SearchSpace:
             params = {
                 f"dtype.{g.name}": "int8" if "int8" in g.dtypes else "fp32" for g in self.groups
             }
-        if dtype == "fp16" and not self.inference:
+        if dtype == FP8:
+            params = {f"dtype.{g.name}": dtype_beside(g, FP8) for g in self.groups}
+            if len(self.fp8_recipes) > 1:
+                params["fp8.recipe"] = self.anchor_recipe
+        if "fp16" in params.values() and not self.inference:
             enabled = [m for m in self.loss_scale.modes if m != "none"]
             mode = "dynamic" if "dynamic" in enabled else (enabled[0] if enabled else "none")
             params["loss_scale.mode"] = mode
@@ -579,9 +583,18 @@ class SearchSpace:
                     params[f"loss_scale.{key}"] = min(max(default, low), high)
         return params
 
+    @property
+    def anchor_recipe(self) -> str:
+        """The fp8 recipe of the uniform-fp8 anchor and the guided search's fp8 probes:
+        torchao's default (tensorwise) where the space searches it, else its first."""
+        recipes = self.fp8_recipes
+        return DEFAULT_FP8_RECIPE if DEFAULT_FP8_RECIPE in recipes else recipes[0]
+
     def anchors(self) -> dict[str, dict[str, Any]]:
         """Uniform policies every search measures: fp16 as ``model.half()`` gives it (no
         loss scaling) and as Apex O1/O2 or GradScaler give it (dynamic scaling), and bf16;
+        where the space offers fp8, every group that can take it in fp8 and the rest in
+        bf16 where they may (torchao's float8 inside bf16 autocast), as `fp8_rest` says;
         for serving, fp16, bf16, int8 where the layers take it, and the classic fp16 body
         with an fp32 head (the group of the model's last layer, whatever its name). Only
         those the space can express."""
@@ -597,6 +610,8 @@ class SearchSpace:
             if dtype == "fp16" and scaled and "none" in self.loss_scale.modes:
                 dtypes_only = {k: v for k, v in params.items() if k.startswith("dtype.")}
                 anchors["uniform-fp16-noscale"] = {**dtypes_only, "loss_scale.mode": "none"}
+        if any(FP8 in g.dtypes for g in self.groups):
+            anchors["uniform-fp8"] = self.uniform_params(FP8)
         return anchors
 
     def _serving_anchors(self) -> dict[str, dict[str, Any]]:
@@ -651,6 +666,21 @@ def policy_label(params: dict[str, str]) -> str:
     elif "fp16" in params.values() and "loss_scale.mode" in params:  # training, unscaled
         parts.append("scale=none")
     return " ".join(parts)
+
+
+# What a group that cannot take the low dtype runs in beside it: for fp8, the autocast
+# region torchao's float8 layers usually sit in (bf16), else the widest the group offers.
+_REST_FIRST = {FP8: ("bf16", "fp32", "fp16")}
+_WIDEST_FIRST = ("fp32", "bf16", "fp16", FP8, "int8")
+
+
+def dtype_beside(group: Group, low: str) -> str:
+    """``low`` where ``group`` offers it; otherwise, beside fp8, bf16 where the group
+    offers it (the region around torchao's float8 layers), else its widest dtype."""
+    if low in group.dtypes:
+        return low
+    order = _REST_FIRST.get(low, _WIDEST_FIRST)
+    return next((d for d in (*order, *_WIDEST_FIRST) if d in group.dtypes), group.dtypes[0])
 
 
 def searched_leaves(

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autoprec.tasks.base import Task
+from autoprec.tasks.base import IGNORE_INDEX, Task
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -273,6 +273,85 @@ def digits_underflow() -> Task:
     )
 
 
+# -- a fragile fp8 task: massive activations on marker rows, as LLMs' sink tokens carry --
+
+MARKER_EVERY = 16  # one marker row (a BOS-like token) in every 16 rows of a batch
+MARKER_CHANNELS = 16  # a marker block beside the 64 pixels: 80 inputs, a multiple of 16
+SINK_CHANNEL = 0  # the hidden channel where marker rows carry the massive activation
+SINK_SCALE = 2.0**20  # about 1e6 times the hidden state's typical value
+FP8_HIDDEN = 256
+FP8_OUTPUTS = 16  # 10 classes, padded to a multiple of 16 (torch._scaled_mm's)
+
+
+class SinkMLP(nn.Module):
+    """An MLP whose hidden state carries a massive activation on marker rows.
+
+    As in large language models, where a few tokens (the first, a delimiter) carry one
+    hidden channel thousands of times larger than the rest (Sun et al. 2024, "Massive
+    activations in large language models"), marker rows here add ``SINK_SCALE`` to one
+    fixed channel of the normalised hidden state, so that ``fc2`` alone takes inputs with
+    an outlier channel. Marker rows are not scored (their targets are IGNORE_INDEX), so
+    their gradients are exactly zero and fp32 and bf16 training are blind to them;
+    but tensorwise float8 scales ``fc2``'s whole input by its largest value, and the
+    ordinary rows, about 1e6 times smaller, flush to zero in e4m3 (whose range spans
+    448 down to 2**-9).
+    """
+
+    sink: torch.Tensor
+
+    def __init__(self, hidden: int = FP8_HIDDEN) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64 + MARKER_CHANNELS, hidden)
+        self.norm1 = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.fc3 = nn.Linear(hidden, hidden)
+        self.norm3 = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, FP8_OUTPUTS)
+        sink = torch.zeros(hidden)
+        sink[SINK_CHANNEL] = SINK_SCALE
+        self.register_buffer("sink", sink)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        marker = x[:, 64:65]  # 1 on marker rows, 0 on digit rows
+        h = F.relu(self.norm1(self.fc1(x))) + marker * self.sink.to(x.dtype)
+        h = F.relu(self.norm2(self.fc2(h)))
+        h = F.relu(self.norm3(self.fc3(h)))
+        return self.head(h)
+
+
+def _with_markers(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat digits with a zero marker block, every MARKER_EVERY-th row replaced by a
+    marker row (pixels 0, marker 1) whose target is not scored."""
+    x = torch.cat([images.reshape(len(images), -1), torch.zeros(len(images), MARKER_CHANNELS)], 1)
+    y = labels.clone()
+    x[::MARKER_EVERY] = 0.0
+    x[::MARKER_EVERY, 64] = 1.0
+    y[::MARKER_EVERY] = IGNORE_INDEX
+    return x, y
+
+
+def fp8_outliers() -> Task:
+    """Outlier channels for fp8: marker rows carry a massive activation into ``fc2``.
+
+    Tensorwise float8 scaling of ``fc2``'s input crushes the digit rows' values to zero,
+    so uniform fp8 loses accuracy while bf16 trains as fp32 does; fp8 everywhere but
+    ``fc2`` holds (fc1, fc3 and the head see ordinary ranges). All Linear dimensions are
+    multiples of 16, as torchao's float8 needs.
+    """
+
+    def train_data(seed: int) -> Iterator[Batch]:
+        x, y, _, _ = _digits()
+        for batch_x, batch_y in _batches(x, y, seed, BATCH_SIZE):
+            yield _with_markers(batch_x, batch_y)
+
+    def val_data() -> list[Batch]:
+        _, _, x, y = _digits()
+        return [_with_markers(x[i : i + 256], y[i : i + 256]) for i in range(0, len(y), 256)]
+
+    return Task("fp8-outliers", SinkMLP, train_data, val_data, F.cross_entropy)
+
+
 def _tiny_gpt2() -> Task:
     from autoprec.tasks.hf import tiny_gpt2
 
@@ -303,6 +382,7 @@ BUILTIN_TASKS: dict[str, Callable[[], Task]] = {
     "digits-resnet": digits_resnet,
     "digits-overflow": digits_overflow,
     "digits-underflow": digits_underflow,
+    "fp8-outliers": fp8_outliers,
     # transformers models, behind the optional extra [hf]
     "tiny-gpt2": _tiny_gpt2,
     "tiny-bert": _tiny_bert,
