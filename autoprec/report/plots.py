@@ -13,6 +13,7 @@ ANCHOR_ORDER = (
     "uniform-fp16",
     "uniform-fp16-noscale",
     "uniform-bf16",
+    "uniform-fp8",
     "uniform-int8",
     "fp16-body-fp32-head",
 )
