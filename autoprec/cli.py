@@ -513,7 +513,7 @@ def without_password(uri: str | None) -> str | None:
 
 
 def _read_summary(runs_dir: str, study: str) -> Summary:
-    from autoprec.search.summary_file import read_summary
+    from autoprec.search._summary_file import read_summary
 
     return read_summary(Path(runs_dir) / study / "summary.json", study)
 
@@ -540,7 +540,7 @@ def _export(args: argparse.Namespace) -> int:
 
     from autoprec.exports import SERVING_FORMATS, ExportWarning, export_policy
     from autoprec.policy import load_policy
-    from autoprec.search.summary_file import read_header
+    from autoprec.search._summary_file import read_header
     from autoprec.tasks import check_task, load_task
     from autoprec.trials.serving import FP32_CHECKPOINT, load_checkpoint
 
@@ -597,7 +597,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from autoprec.server_process import check_port_free, serve
+    from autoprec._server_process import check_port_free, serve
     from autoprec.tracking import check_tracking_uri
     from autoprec.ui import check_store_exists, find_runs_view, write_runs_view
 

@@ -93,7 +93,7 @@ class TrialTimeout(Exception):
 
 
 class DuplicateKey(yaml.YAMLError):
-    """A YAML mapping gives one key twice (`autoprec.files` turns it into the caller's
+    """A YAML mapping gives one key twice (`autoprec._files` turns it into the caller's
     error type, naming the key and both lines)."""
 
 

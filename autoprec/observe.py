@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autoprec._structures import cast_floats, tensors
 from autoprec.devices import (
     DTYPES,
     Backend,
@@ -36,7 +37,6 @@ from autoprec.devices import (
     record_behaviour,
     record_failure,
 )
-from autoprec.structures import cast_floats, tensors
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy

@@ -36,6 +36,8 @@ import torch
 import yaml
 from torch import nn
 
+from autoprec._files import load_yaml, parse_yaml, write_atomic
+from autoprec._placement import Placement, announce, place, within
 from autoprec.devices import (
     Backend,
     autocast_behaviour,
@@ -45,10 +47,8 @@ from autoprec.devices import (
 )
 from autoprec.dtypes import BF16, FP8, INT8, POLICY_DTYPES
 from autoprec.errors import PolicyError
-from autoprec.files import load_yaml, parse_yaml, write_atomic
 from autoprec.fp8 import DEFAULT_FP8_RECIPE, autocast_refusal, check_recipe, fp8_refusal
 from autoprec.observe import casts_inputs
-from autoprec.placement import Placement, announce, place, within
 from autoprec.plan import (
     Plan,
     RegionSpec,
@@ -347,7 +347,7 @@ class Policy:
         where the model's parameters are); raises PolicyError for a rule that matches no
         module with parameters. On a model that holds the searched one (a LightningModule's
         ``self.net``), the policy lands on the submodule where every rule matches, or on the
-        one ``module`` names (`autoprec.placement`); the layers around it stay fp32."""
+        one ``module`` names (`autoprec._placement`); the layers around it stay fp32."""
         placement = self._placement(model, module)
         inner = self._plan(placement.module, device_kind(device, model))
         if placement.on_root:

@@ -39,12 +39,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from autoprec._structures import cast_floats
 from autoprec.devices import Backend
 from autoprec.dtypes import TORCH_DTYPES
 from autoprec.fp8 import Fp8Layers
 from autoprec.plan import Plan
 from autoprec.scaling import LossScale, LossScaler
-from autoprec.structures import cast_floats
 
 
 @runtime_checkable

@@ -76,10 +76,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._files import write_atomic
 from autoprec.devices import DTYPES, Backend, failing_dtypes, get_backend, record_failure
 from autoprec.dtypes import LOW_PRECISION
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
-from autoprec.files import write_atomic
 from autoprec.observe import casts_inputs, learn
 from autoprec.plan import Plan, RegionSpec, parameterised_leaves
 from autoprec.precision import Installed

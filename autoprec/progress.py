@@ -9,9 +9,9 @@ from typing import Any
 
 from autoprec.errors import redact
 from autoprec.profile import Profile
-from autoprec.search.events import Callbacks
-from autoprec.search.events import Progress as Standing
-from autoprec.search.records import Result, TrialRecord
+from autoprec.search._events import Callbacks
+from autoprec.search._events import Progress as Standing
+from autoprec.search._records import Result, TrialRecord
 from autoprec.search.summary import best_record
 
 

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from autoprec._files import load_yaml
 from autoprec.autogroups import build_groups
 from autoprec.devices import (
     Backend,
@@ -53,7 +54,6 @@ from autoprec.devices import (
 )
 from autoprec.dtypes import AUTOCAST_DTYPES, FP8, LOW_PRECISION, POLICY_DTYPES
 from autoprec.errors import PolicyError, SpaceError
-from autoprec.files import load_yaml
 from autoprec.fp8 import DEFAULT_FP8_RECIPE, FAILS_UNDER_AUTOCAST, check_recipe, fp8_refusal
 from autoprec.policy import (
     Policy,

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.structures import tensors
+from autoprec._structures import tensors
 from autoprec.watch import CALL, PARAM_GRAD, Counts, Watcher
 
 FP16_MAX = 65504.0

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._structures import tensors
 from autoprec.policy import parameterised_leaves
-from autoprec.structures import tensors
 
 # The kinds of totals: a module's floating inputs (positional and keyword), its floating
 # outputs, the gradients that reach those outputs, its parameters' gradients, and whole

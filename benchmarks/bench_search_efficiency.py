@@ -41,8 +41,8 @@ from optuna.trial import TrialState
 from autoprec.devices import get_backend
 from autoprec.guided import FallbackStrategy, GuidedStrategy, Observation
 from autoprec.policy import Policy
-from autoprec.search.loop import MAX_DUPLICATES_IN_A_ROW
-from autoprec.search.studies import DIRECTIONS, make_sampler
+from autoprec.search._loop import MAX_DUPLICATES_IN_A_ROW
+from autoprec.search._studies import DIRECTIONS, make_sampler
 from autoprec.space import SearchSpace
 from autoprec.tasks import Task
 from autoprec.trials.training import Budget, EarlyStopping, TrialResult, run_trial

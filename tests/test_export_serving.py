@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from autoprec import Policy, Rule, load_inference_model, load_policy
+from autoprec._structures import tensors
 from autoprec.exports import ExportError, ExportWarning, export_policy
 from autoprec.policy import Quantization
-from autoprec.structures import tensors
 from autoprec.tasks import load_task
 
 pytest.importorskip("torchao", reason="the torchao tests need torchao (pip install torchao)")

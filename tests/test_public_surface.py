@@ -27,7 +27,7 @@ IMPORT_ORDERS = [
     "from autoprec.search.config import SearchConfig",
     "from autoprec.search import config",
     "import autoprec.search.config as c",
-    "import autoprec.search.loop, autoprec.search.summary, autoprec.search.events",
+    "import autoprec.search._loop, autoprec.search.summary, autoprec.search._events",
     "from autoprec.search import search",
     "import autoprec.cli",
 ]
@@ -35,7 +35,7 @@ IMPORT_ORDERS = [
 PROBE = """
 import inspect, sys
 import autoprec
-import autoprec.search.workers  # a submodule imported after the first look, too
+import autoprec.search._workers  # a submodule imported after the first look, too
 found = autoprec.search
 from autoprec import search as imported
 package = sys.modules["autoprec.search"]
@@ -43,7 +43,7 @@ assert inspect.isfunction(found), repr(found)
 assert found is package.search is imported, (found, package.search, imported)
 print(",".join(inspect.signature(found).parameters))
 print(found.Callbacks is package.Callbacks, found.SearchConfig is autoprec.SearchConfig)
-print(found.workers is sys.modules["autoprec.search.workers"], found.search is found)
+print(found._workers is sys.modules["autoprec.search._workers"], found.search is found)
 """
 
 
@@ -55,7 +55,7 @@ def test_autoprec_search_is_the_function_after_any_import_order(first):
     parameters, names, modules = done.stdout.strip().splitlines()
     assert parameters.split(",")[:4] == ["task", "space", "config", "callbacks"]
     assert names == "True True"  # the package's names, as the README uses them
-    assert modules == "True True"  # its modules too: autoprec.search.workers
+    assert modules == "True True"  # its modules too: autoprec.search._workers
 
 
 def test_dir_lists_the_public_names_only():

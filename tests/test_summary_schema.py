@@ -15,9 +15,9 @@ from autoprec.errors import AutoprecError
 from autoprec.inference.measure import InferenceResult
 from autoprec.policy import Policy
 from autoprec.report import front_table, gains_line, render_report
-from autoprec.search.records import TrialRecord
+from autoprec.search._records import TrialRecord
+from autoprec.search._summary_file import read_header, read_summary
 from autoprec.search.summary import best_record, by_batch_size, write_outputs
-from autoprec.search.summary_file import read_header, read_summary
 from autoprec.search.summary_schema import SCHEMA_VERSION, Summary, finite
 
 DATA = Path(__file__).parent / "data"

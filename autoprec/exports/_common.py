@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from autoprec import Policy
+from autoprec._files import write_atomic
 from autoprec.dtypes import LOW_PRECISION
 from autoprec.errors import ExportError, ExportWarning
-from autoprec.files import write_atomic
 
 COMMENT_WIDTH = 92
 

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from autoprec.digest import file_sha256
+from autoprec._digest import file_sha256
 from autoprec.exports._common import ExportError, out_folder
 
 RECORD_FILE = ".autoprec-export.json"

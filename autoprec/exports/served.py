@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from autoprec import Policy
+from autoprec._structures import map_tensors, tensors, to_device
 from autoprec.devices import get_backend
 from autoprec.errors import first_line
 from autoprec.exports._common import (
@@ -53,7 +54,6 @@ from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
 from autoprec.inference.convert import has_torch_dynamic_int8
 from autoprec.inference.logits_path import LogitsPath
-from autoprec.structures import map_tensors, tensors, to_device
 
 PROGRAM_FILE = "program.pt2"
 WEIGHTS_FILE = "fp32.pt"

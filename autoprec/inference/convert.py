@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._structures import cast_floats
 from autoprec.devices import Backend, get_backend
 from autoprec.dtypes import FP32, INT8, SERVING_DTYPES, TORCH_DTYPES, activation_dtype, dtype_name
 from autoprec.errors import DeviceError, PolicyError, TaskError, first_line
@@ -50,7 +51,6 @@ from autoprec.quantizers import (
     int8_unavailable_reason,
     quantizer,
 )
-from autoprec.structures import cast_floats
 
 __all__ = [
     "DEFAULT_INT8_METHOD",

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.structures import tensors
+from autoprec._structures import tensors
 from autoprec.tasks.base import logits_of
 
 DECODER_INPUTS = ("decoder_input_ids", "decoder_inputs_embeds")

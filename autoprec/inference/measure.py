@@ -23,10 +23,10 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
+from autoprec._structures import cast_floats, map_tensors, tensors
 from autoprec.devices import Backend
 from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.inference.convert import convert, weight_bytes
-from autoprec.structures import cast_floats, map_tensors, tensors
 from autoprec.tasks import Task
 from autoprec.tasks.base import IGNORE_INDEX, Batch, logits_of
 from autoprec.telemetry import first_nonfinite_layer

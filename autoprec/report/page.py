@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from autoprec.files import write_atomic
+from autoprec._files import write_atomic
 from autoprec.report.gains import gains_line
 from autoprec.report.modes import mode_text
 from autoprec.search.summary_schema import Best, Entry, Summary, as_summary

@@ -28,13 +28,13 @@ from typing import Any
 
 from autoprec.errors import SearchInterrupted
 from autoprec.policy import Policy
+from autoprec.search._events import Callbacks
+from autoprec.search._loop import run_trials
+from autoprec.search._session import Prepared, Session, identity_of, prepare
+from autoprec.search._workers import run_workers
 from autoprec.search.config import SearchConfig
-from autoprec.search.events import Callbacks
-from autoprec.search.loop import run_trials
-from autoprec.search.session import Prepared, Session, identity_of, prepare
 from autoprec.search.summary import completed, numeric, summarize, write_outputs
 from autoprec.search.summary_schema import ProfileRow, ServedModel, Serving, Summary
-from autoprec.search.workers import run_workers
 from autoprec.space import SearchSpace
 from autoprec.tasks import DEFAULT_TASK, Task
 from autoprec.tracking import FLUSH_WAIT_S, Tracker

@@ -16,11 +16,11 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from autoprec._files import write_atomic
 from autoprec.errors import AutoprecError
-from autoprec.files import write_atomic
 from autoprec.policy import Policy
-from autoprec.search.records import Feasibility, Result, TrialRecord, record_of
-from autoprec.search.studies import CLAIM_ATTR, RECORD_ATTR, STEPPED_BACK_ATTR, finished
+from autoprec.search._records import Feasibility, Result, TrialRecord, record_of
+from autoprec.search._studies import CLAIM_ATTR, RECORD_ATTR, STEPPED_BACK_ATTR, finished
 from autoprec.search.summary_schema import (
     CONFIRMED_TIME,
     BatchBest,

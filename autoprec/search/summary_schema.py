@@ -408,7 +408,7 @@ class Summary:
     serving: Serving | None = None
     settings: Settings = field(default_factory=Settings)
     mlflow_parent_run_id: str | None = None
-    optuna_study: dict[str, Any] | None = None  # see autoprec.search.identity
+    optuna_study: dict[str, Any] | None = None  # see autoprec.search._identity
     interrupted: bool = False
     profile: list[ProfileRow] | None = None
     wall_time_s: float | None = None

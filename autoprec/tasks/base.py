@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.errors import TaskError, first_line
-from autoprec.structures import (
+from autoprec._structures import (
     cast_floats,
     describe,
     first_tensor,
@@ -21,6 +20,7 @@ from autoprec.structures import (
     tensors,
     to_device,
 )
+from autoprec.errors import TaskError, first_line
 
 RawBatch = Any  # (inputs, targets), or one mapping (transformers style)
 IGNORE_INDEX = -100  # targets with this value are not scored (transformers' convention)

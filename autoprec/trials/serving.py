@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from autoprec._digest import file_sha256
 from autoprec.devices import DTYPES, Backend
-from autoprec.digest import file_sha256
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
 from autoprec.inference.convert import (
     convert,

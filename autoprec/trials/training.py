@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from autoprec._structures import cast_floats
 from autoprec.devices import DTYPES, Backend
 from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.observe import observed_dtypes, watch_task
 from autoprec.policy import Policy, share_of_parameters
 from autoprec.precision import Precision
 from autoprec.selection import TRAINING_PREFERENCES
-from autoprec.structures import cast_floats
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch
 from autoprec.telemetry import GradientMonitor, first_nonfinite_layer

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autoprec.policy import Policy
     from autoprec.profile import Profile
-    from autoprec.search.records import TrialRecord
+    from autoprec.search._records import TrialRecord
 
 
 @dataclass(frozen=True)

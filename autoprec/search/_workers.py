@@ -25,12 +25,12 @@ from typing import Any
 
 from autoprec.devices import visible_devices_env
 from autoprec.errors import AutoprecError, redact
+from autoprec.search._events import Callbacks, Progress
+from autoprec.search._loop import run_trials
+from autoprec.search._records import TrialRecord
+from autoprec.search._session import Session, prepare
+from autoprec.search._studies import finished
 from autoprec.search.config import SearchConfig
-from autoprec.search.events import Callbacks, Progress
-from autoprec.search.loop import run_trials
-from autoprec.search.records import TrialRecord
-from autoprec.search.session import Session, prepare
-from autoprec.search.studies import finished
 from autoprec.tracking import absolute_sqlite_uri
 
 # A worker dies with the search that started it (Linux: PR_SET_PDEATHSIG), set before the
@@ -41,7 +41,7 @@ try:
 except OSError:
     pass
 signal.signal(signal.SIGINT, signal.default_int_handler)  # its stop signal, even in nohup
-from autoprec.search.workers import main
+from autoprec.search._workers import main
 sys.exit(main())
 """
 # The spec travels in the environment, not on the command line, which every user of

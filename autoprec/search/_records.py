@@ -10,7 +10,7 @@ from typing import Any
 from optuna.trial import FrozenTrial
 
 from autoprec.policy import Policy
-from autoprec.search.studies import RECORD_ATTR
+from autoprec.search._studies import RECORD_ATTR
 from autoprec.trials.base import Feasibility, Result
 
 __all__ = ["Feasibility", "Result", "TrialRecord", "record_of", "result_of"]

@@ -29,9 +29,8 @@ from autoprec.devices import Backend, get_backend, parse_devices
 from autoprec.errors import AutoprecError, StoreError, first_line, redact
 from autoprec.guided import GuidedStrategy
 from autoprec.profile import Profile
-from autoprec.search.config import SearchConfig, check_study_name, check_tolerance
-from autoprec.search.events import Callbacks, Guarded
-from autoprec.search.identity import (
+from autoprec.search._events import Callbacks, Guarded
+from autoprec.search._identity import (
     STUDY_ID_ATTR,
     StudyIdentity,
     of_outputs,
@@ -39,15 +38,15 @@ from autoprec.search.identity import (
     refuse_other_storage,
     refuse_other_study,
 )
-from autoprec.search.loop import (
+from autoprec.search._loop import (
     POLL_S,
     TrialContext,
     logged_trial,
     requeue_anchor,
     trial_log,
 )
-from autoprec.search.records import Feasibility, TrialRecord, record_of, result_of
-from autoprec.search.studies import (
+from autoprec.search._records import Feasibility, TrialRecord, record_of, result_of
+from autoprec.search._studies import (
     RECORD_ATTR,
     Lease,
     fail_stale,
@@ -58,6 +57,7 @@ from autoprec.search.studies import (
     stored_study_id,
     worker_id,
 )
+from autoprec.search.config import SearchConfig, check_study_name, check_tolerance
 from autoprec.search.summary import candidates
 from autoprec.selection import rank_key
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space

@@ -43,8 +43,8 @@ except ImportError:  # Windows: no lock file (one process per sqlite study there
 from optuna.trial import FrozenTrial, TrialState
 
 from autoprec.errors import StoreError, first_line
+from autoprec.search._identity import STUDY_ID_ATTR, new_study_id
 from autoprec.search.config import HEARTBEAT_INTERVAL_S
-from autoprec.search.identity import STUDY_ID_ATTR, new_study_id
 
 RECORD_ATTR = "autoprec"  # user attribute: the trial's policy and result, once measured
 CLAIM_ATTR = "autoprec.claim"  # user attribute: the key of the policy the trial measures
@@ -410,7 +410,7 @@ class Lease:
 
 
 def _give_id(study: optuna.Study) -> None:
-    """The study's random id (`autoprec.search.identity`), written once: on sqlite under
+    """The study's random id (`autoprec.search._identity`), written once: on sqlite under
     the database's lock file; on a server, as a lease is, read back after a settle, so
     that of two processes creating the study at once, both read the same last writer."""
     storage = _relational(study)

@@ -5,7 +5,7 @@ worker process.
 A trial this process holds is not left running: one cut off by Ctrl-C or an error is
 failed in Optuna (not counted), its MLflow run closed as KILLED, and an anchor it
 carried queued again. A trial whose process dies, or that another worker failed first
-(its heartbeat went stale), is failed by heartbeat (see `autoprec.search.studies`).
+(its heartbeat went stale), is failed by heartbeat (see `autoprec.search._studies`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from optuna.trial import TrialState as OptunaState
 from autoprec.devices import Backend
 from autoprec.guided import GuidedStrategy, Observation
 from autoprec.policy import Policy
-from autoprec.search.events import Callbacks, Progress
-from autoprec.search.records import Feasibility, TrialRecord, record_of
-from autoprec.search.studies import (
+from autoprec.search._events import Callbacks, Progress
+from autoprec.search._records import Feasibility, TrialRecord, record_of
+from autoprec.search._studies import (
     CLAIM_ATTR,
     RECORD_ATTR,
     STEPPED_BACK_ATTR,

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from autoprec._files import read_text
 from autoprec.devices import DTYPES, INFERENCE_DTYPES
 from autoprec.errors import AutoprecError
 from autoprec.errors import SummaryError as _Shape
-from autoprec.files import read_text
 from autoprec.search.summary_schema import SCHEMA_VERSION, Header, Summary
 
 MAX_SUMMARY_BYTES = 256 * 1024 * 1024  # a 10 000-trial study's summary is about 100 MB
