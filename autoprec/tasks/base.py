@@ -132,6 +132,8 @@ class Task:
     - ``accumulate``: batches per optimizer step (gradient accumulation).
     - ``checkpoint``: a file of trained fp32 weights (a state dict), which a serving search
       (``--mode inference``) converts instead of training the model itself.
+    - ``compile``: train every trial under ``torch.compile`` (as ``--compile`` asks;
+      `autoprec.compiled`), for a model that is trained compiled.
     """
 
     name: str
@@ -145,6 +147,7 @@ class Task:
     clip_grad_norm: float | None = None
     accumulate: int = 1
     checkpoint: str | Path | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -171,6 +174,8 @@ class Task:
             raise TaskError(f"Task {self.name!r}: accumulate must be a positive integer")
         if self.accumulate < 1:
             raise TaskError(f"Task {self.name!r}: accumulate must be a positive integer")
+        if not isinstance(self.compile, bool):
+            raise TaskError(f"Task {self.name!r}: compile must be True or False")
 
     def batch(self, raw: RawBatch) -> Batch:
         """A raw batch of this task's data as the model is called with it."""
