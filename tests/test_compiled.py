@@ -44,6 +44,8 @@ BUDGET = Budget(steps=6, warmup_steps=2)
 CPU = get_backend("cpu")
 EMULATED = get_backend("cpu", emulate="fp8")
 MIXED = Policy(rules=(Rule("fp32", patterns=("head",), name="head"),), default="bf16")
+# A bf16 island in fp32: its outputs are cast up by a forward hook kept last.
+ISLAND = Policy(rules=(Rule("bf16", patterns=("fc1",), name="fc1"),), default="fp32")
 FP16_SCALED = Policy.from_dict(
     {
         "default": "fp16",
@@ -208,7 +210,9 @@ def test_an_emulated_search_labels_the_table_the_summary_and_the_report(in_tmp, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", [MIXED, FP16_SCALED, FP8], ids=["bf16-fp32", "fp16", "fp8"])
+@pytest.mark.parametrize(
+    "policy", [MIXED, ISLAND, FP16_SCALED, FP8], ids=["bf16-fp32", "island", "fp16", "fp8"]
+)
 def test_a_compiled_trial_trains_as_the_eager_one(policy):
     """Regions, their casts and hooks, the loss scaler and fp8 layers compile; the losses
     are the eager trial's within rounding (compiled kernels reorder float sums)."""
