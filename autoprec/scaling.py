@@ -16,8 +16,8 @@ from __future__ import annotations
 import enum
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, replace
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
