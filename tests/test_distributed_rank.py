@@ -21,6 +21,7 @@ from autoprec.devices import get_backend
 from autoprec.distributed.data import rank_train_data, shard, takes_rank
 from autoprec.distributed.fsdp import ShardUnit, shard_units
 from autoprec.distributed.rank import combine, trial_result_from_json
+from autoprec.distributed.telemetry import reduce_telemetry
 from autoprec.errors import TaskError
 from autoprec.policy import Policy
 from autoprec.tasks.loading import load_task
@@ -129,6 +130,34 @@ def test_ranks_that_disagree_on_the_loss_scale_fail_the_trial():
     assert combined.accuracy is None
 
 
+def test_telemetry_counts_shards_once_each_and_every_rank_s_activations():
+    def report(flushed, act_max):
+        layer = {
+            "name": "fc",
+            "grad_elements": 10,
+            "grad_nonzero": 8,
+            "grad_zero": 2,
+            "grad_flushed": flushed,
+            "grad_nonfinite": 0,
+            "act_elements": 4,
+            "act_nonfinite": 0,
+            "act_at_fp16_max": 0,
+            "act_overflow_origin": 0,
+            "act_max_abs": act_max,
+        }
+        return {"observed_steps": 1, "layers": [layer], "warnings": [f"w{flushed}"]}
+
+    reports = [report(0, 3.0), report(4, 5.0)]
+    ddp, fsdp2 = reduce_telemetry(reports, "ddp"), reduce_telemetry(reports, "fsdp2")
+    assert ddp["layers"][0]["grad_elements"] == 10  # the same all-reduced gradient
+    assert fsdp2["layers"][0]["grad_elements"] == 20  # two shards
+    assert fsdp2["grad_underflow_ratio"] == 4 / 16
+    for reduced in (ddp, fsdp2):
+        assert reduced["layers"][0]["act_elements"] == 8
+        assert reduced["layers"][0]["act_max_abs"] == 5.0
+        assert reduced["warnings"] == ["w0", "w4"]
+
+
 # -- 2 ranks under torchrun (gloo, CPU) --------------------------------------------------
 
 
@@ -154,6 +183,24 @@ def _trial(tmp_path: Path, **spec) -> tuple[subprocess.CompletedProcess, dict]:
     return done, data
 
 
+def _elements(telemetry: dict, kind: str) -> dict[str, int]:
+    return {layer["name"]: layer[f"{kind}_elements"] for layer in telemetry["layers"]}
+
+
+def _telemetry_covers_the_whole_model_and_batch(data: dict) -> None:
+    """Gradients counted once over the whole of each layer's parameters, activations over
+    the whole global batch, as on one device."""
+    telemetry, modules = data["telemetry"], dict(Net().named_modules())
+    linears = {name for name, module in modules.items() if isinstance(module, torch.nn.Linear)}
+    steps, observed = telemetry["gradient_steps"], telemetry["observed_steps"]
+    assert steps >= 1 and linears <= set(_elements(telemetry, "grad"))
+    for name, elements in _elements(telemetry, "grad").items():
+        assert elements == steps * sum(p.numel() for p in modules[name].parameters(recurse=False))
+    for name in linears:
+        width = modules[name].out_features
+        assert _elements(telemetry, "act")[name] == 8 * observed * width
+
+
 def _finite_from_both_ranks(data: dict) -> None:
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
     for record in data["ranks"]:
@@ -176,6 +223,9 @@ def test_two_ddp_ranks_train_as_one_rank_on_the_same_global_batch(tmp_path):
     assert result.accuracy == pytest.approx(one.accuracy)
     assert (data["nproc"], data["parallel"], data["backend"]) == (2, "ddp", "gloo")
     assert result.telemetry["distributed"]["nproc"] == 2
+    assert _elements(result.telemetry, "act") == _elements(one.telemetry, "act")
+    assert _elements(result.telemetry, "grad") == _elements(one.telemetry, "grad")
+    _telemetry_covers_the_whole_model_and_batch(data)
     _finite_from_both_ranks(data)
 
 
@@ -197,6 +247,7 @@ def test_a_mixed_policy_trains_under_fsdp2_in_its_dtypes_on_every_rank(tmp_path)
             "head": "fp32",
         }
     assert 0 < data["low_precision_share"] < 1
+    _telemetry_covers_the_whole_model_and_batch(data)  # the shards' counts add up
     _finite_from_both_ranks(data)
 
 

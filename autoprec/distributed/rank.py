@@ -62,6 +62,7 @@ from autoprec._files import write_atomic
 from autoprec.devices import get_backend
 from autoprec.distributed.collectives import gather_records
 from autoprec.distributed.parallel import RankTraining
+from autoprec.distributed.telemetry import reduce_telemetry
 from autoprec.errors import AutoprecError, first_line
 from autoprec.policy import Policy
 from autoprec.tasks.loading import load_task
@@ -113,6 +114,7 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
         "observed_dtypes": dict(list(ranks.observed_dtypes.items())[:MAX_LISTED_LEAVES]),
     }
     records = gather_records(mine)
+    telemetry = reduce_telemetry(gather_records(result.telemetry or {}), spec["parallel"])
     record = {
         "nproc": dist.get_world_size(),
         "parallel": spec["parallel"],
@@ -121,14 +123,18 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
         "ranks": records,
         "units": [asdict(unit) for unit in ranks.units],
     }
-    return combine(result, records, record), record
+    return combine(result, records, record, telemetry), record
 
 
 def combine(
-    result: TrialResult, records: list[dict[str, Any]], record: dict[str, Any]
+    result: TrialResult,
+    records: list[dict[str, Any]],
+    record: dict[str, Any],
+    telemetry: dict[str, Any] | None = None,
 ) -> TrialResult:
     """Rank 0's result with the figures of every rank: the slowest rank's median step, the
-    largest rank's peak memory, the worst underflow, the longest run; a trial whose ranks
+    largest rank's peak memory, the longest run, the telemetry of all ranks
+    (`reduce_telemetry`; without it, the worst rank's underflow); a trial whose ranks
     disagree on how it ended failed (that is a bug of ours, not the policy's)."""
     times = [r["step_time_ms"] for r in records if r["step_time_ms"] is not None]
     memory = [r["peak_memory_mb"] for r in records if r["peak_memory_mb"] is not None]
@@ -139,9 +145,9 @@ def combine(
     result.peak_memory_mb = max(memory) if memory else None
     result.grad_underflow_ratio = max(underflow) if underflow else None
     result.run_time_s = max(r["run_time_s"] for r in records)
-    result.telemetry = {**(result.telemetry or {}), "distributed": record}
-    if result.telemetry.get("grad_underflow_ratio") is not None:
-        result.telemetry["grad_underflow_ratio"] = result.grad_underflow_ratio
+    if telemetry:
+        result.grad_underflow_ratio = telemetry["grad_underflow_ratio"]
+    result.telemetry = {**(telemetry or result.telemetry or {}), "distributed": record}
     states = {r["state"] for r in records}
     scales = {r["loss_scale_final"] for r in records}
     if len(states) > 1 or len(scales) > 1:
