@@ -214,9 +214,10 @@ def _finite_from_both_ranks(data: dict) -> None:
 @pytest.mark.slow
 def test_two_ddp_ranks_train_as_one_rank_on_the_same_global_batch(tmp_path):
     policy = Policy.uniform("fp32")
-    done, data = _trial(tmp_path, task=f"{TASKS}:blocks", policy=policy.to_dict(), parallel="ddp")
-    assert done.returncode == 0, done.stderr[-3000:]
     one = run_trial(load_task(f"{TASKS}:blocks"), policy, get_backend("cpu"), Budget(**BUDGET))
+    spec = {"policy": policy.to_dict(), "parallel": "ddp", "baseline": one.to_dict()}
+    done, data = _trial(tmp_path, task=f"{TASKS}:blocks", **spec)  # judged against itself
+    assert done.returncode == 0, done.stderr[-3000:]
     result = trial_result_from_json(tmp_path / "result.json")
     assert result.state == TrialState.COMPLETE
     assert result.losses == pytest.approx(one.losses, rel=1e-5)

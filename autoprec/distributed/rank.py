@@ -20,7 +20,10 @@ The interface between the launcher (`autoprec.distributed.launch`) and the ranks
     a searched setting, wins);
   - ``emulate`` (optional): the dtypes the backend may emulate (``["fp8"]``), as
     ``--emulate`` says;
-  - ``timeout_s`` (optional, default 1800): the process group's collective timeout.
+  - ``timeout_s`` (optional, default 1800): the process group's collective timeout;
+  - ``baseline`` (optional): the fp32 baseline's `TrialResult` as a dict, to stop a
+    hopeless trial early against it (`EarlyStopping.from_baseline`), as
+    ``TrainingTrials.judged_against`` does on one device.
 
 - **RESULT_JSON_PATH**: rank 0 writes one JSON object, the `TrialResult` as a dict
   (``TrialResult.to_dict``: state, reason, losses, accuracy, ...), with the figures of all
@@ -67,7 +70,7 @@ from autoprec.errors import AutoprecError, first_line
 from autoprec.policy import Policy
 from autoprec.tasks.loading import load_task
 from autoprec.trials.base import TrialState
-from autoprec.trials.training import Budget, TrialResult, _train_and_evaluate
+from autoprec.trials.training import Budget, EarlyStopping, TrialResult, _train_and_evaluate
 
 DEFAULT_TIMEOUT_S = 1800.0
 MAX_LISTED_LEAVES = 64  # of the observed dtypes, per rank, in the result
@@ -90,11 +93,16 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
     task = load_task(spec["task"])
     policy = Policy.from_dict(spec["policy"], "spec.policy")
     budget = Budget(**spec.get("budget", {}))
+    stopping = (
+        None
+        if spec.get("baseline") is None
+        else EarlyStopping.from_baseline(TrialResult.from_dict(spec["baseline"]))
+    )
     reduce_dtype = policy.reduce_dtype or spec.get("reduce_dtype") or "fp32"
     ranks = RankTraining(spec["parallel"], backend.device, reduce_dtype)
     started = time.perf_counter()
     with backend.selected():
-        result = _train_and_evaluate(task, policy, backend, budget, None, ranks)
+        result = _train_and_evaluate(task, policy, backend, budget, stopping, ranks)
     ranks.stop_watching()
     result.run_time_s = time.perf_counter() - started
     mine = {
