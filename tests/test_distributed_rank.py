@@ -268,8 +268,9 @@ def test_an_overflow_on_one_rank_skips_the_step_on_both(tmp_path):
 @pytest.mark.slow
 def test_a_crashed_rank_exits_non_zero_with_a_failed_result(tmp_path):
     policy = Policy.uniform("fp32").to_dict()
-    done, _ = _trial(tmp_path, task=f"{TASKS}:no_such_task", policy=policy, parallel="ddp")
+    done, data = _trial(tmp_path, task=f"{TASKS}:no_such_task", policy=policy, parallel="ddp")
     assert done.returncode != 0
+    assert data["bad_input"] and data["error"] == "TaskError"
     result = trial_result_from_json(tmp_path / "result.json")
     assert result.state == TrialState.FAILED and "no_such_task" in result.reason
 

@@ -36,8 +36,11 @@ The interface between the launcher (`autoprec.distributed.launch`) and the ranks
 - **Exit code**: 0 when the trial ran to a result on every rank, whatever that result
   (complete, pruned on a non-finite loss, failed by its metric). Non-zero when a rank
   raised or could not start: that rank writes a failed result with its reason to
-  RESULT_JSON_PATH first where no rank has written one yet, so the launcher should read
-  the file whenever it exists, and fail the trial as crashed where it does not.
+  RESULT_JSON_PATH first where no rank has written one yet (with ``crashed_rank``,
+  ``error``, the exception's type, and ``bad_input``, true where autoprec refused its
+  input, an `AutoprecError`, which a single-device trial raises rather than records), so
+  the launcher should read the file whenever it exists, and fail the trial as crashed
+  where it does not.
 
 Every rank runs the single-device trial's loop (`autoprec.trials.training`) with
 `RankTraining`: the same losses, loss scaling, early stops and measurements, with the
@@ -191,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         reason = f"rank {rank}: {type(error).__name__}: {first_line(error, 400)}"[:500]
         if not result_path.exists():
             failed = TrialResult(TrialState.FAILED, reason)
-            _write(result_path, failed, {"crashed_rank": rank})
+            crash = {
+                "crashed_rank": rank,
+                "error": type(error).__name__,
+                "bad_input": isinstance(error, AutoprecError),  # autoprec's own refusal
+            }
+            _write(result_path, failed, crash)
         traceback.print_exc()
         return 1
     if rank == 0:
