@@ -88,8 +88,8 @@ def test_fsdp2_units_follow_blocks_and_cast_at_dtype_boundaries():
     assert shard_units(model, leaf_dtypes) == [
         # a bf16 block before an fp32 one hands on fp32 (the mat1/mat2 failure otherwise)
         ShardUnit("blocks.0", "bf16", "fp32"),
-        ShardUnit("blocks.1", "fp32", None),
-        ShardUnit("head", "fp32", None),  # an fp32 layer in the bf16 root: a unit of its own
+        ShardUnit("blocks.1", "fp32", "bf16"),  # into the bf16 root's head
+        ShardUnit("head", "fp32", "bf16"),  # an fp32 layer in the bf16 root: a unit of its own
         ShardUnit("", "bf16", "fp32"),
     ]
     uniform = Policy.uniform("bf16").plan(model, "cpu").leaf_dtypes
@@ -286,6 +286,8 @@ def test_a_user_loop_applies_the_policy_under_ddp_and_fsdp2(tmp_path):
             assert set(report[mode]["seen"].values()) == {"bf16", "fp32"}
             assert all(math.isfinite(v) for v in report[mode]["losses"])
         assert report["fsdp2"]["sharded"]
+        assert math.isfinite(report["bare"]["loss"])  # FSDP2's casts alone at the boundary
+        assert "mat1 and mat2 must have the same dtype" in report["bare"]["naive_failure"]
     # DDP and FSDP2 train the same model on the same batches alike
     assert reports[0]["ddp"]["losses"] == pytest.approx(reports[0]["fsdp2"]["losses"], rel=1e-2)
 
