@@ -214,6 +214,8 @@ def _init_process_group(spec: dict[str, Any]) -> None:
     device = torch.device(spec["devices"][local_rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif device.type == "npu":  # torch_npu's device module (never run here)
+        torch.npu.set_device(device)  # type: ignore[attr-defined]
     timeout = timedelta(seconds=float(spec.get("timeout_s", DEFAULT_TIMEOUT_S)))
     dist.init_process_group(spec["backend"], timeout=timeout)
 
