@@ -137,7 +137,7 @@ def test_the_confirmation_replaces_a_choice_that_fails_late(confirmed_search):
     """The short trials chose fp16 for ``grow``; it fails at 200 steps on a non-finite
     loss, which the result names, and the next candidate, which keeps ``grow`` out of
     fp16, is confirmed and becomes the best."""
-    _, result, _ = confirmed_search
+    folder, result, _ = confirmed_search
     summary = result.typed
     confirmation = summary.confirmation
     assert confirmation is not None and confirmation.steps == CONFIRM_STEPS
@@ -152,7 +152,8 @@ def test_the_confirmation_replaces_a_choice_that_fails_late(confirmed_search):
     assert len(confirmation.failed) == len(confirmation.checks) - 1
     assert _grow_dtype(summary.best.policy) != "fp16"
     assert next(r for r in summary.best.layers if r.name == "grow").dtype != "fp16"
-    assert autoprec.load_policy(result.best_policy_path).to_dict() == summary.best.policy
+    saved = autoprec.load_policy(folder / result.best_policy_path)
+    assert saved.to_dict() == summary.best.policy
     assert any(line.startswith("confirmation at 200 steps:") for line in confirmation.lines())
 
 

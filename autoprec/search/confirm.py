@@ -140,12 +140,12 @@ class _Confirmer:
 
     def _fp32(self) -> tuple[TrialResult, bool]:
         """fp32 trained K steps: kept from an earlier confirmation, the study's baseline
-        when the trials trained as long, or trained now."""
+        when the trials trained as long (on the real run's schedule), or trained now."""
         session = self.session
         assert session.baseline is not None
         if FP32 in self.stored:
             return TrialResult.from_dict(self.stored[FP32]), True
-        if self.steps == session.prepared.budget.steps:
+        if self.steps == session.prepared.budget.steps and self.task is session.prepared.task:
             baseline = session.baseline.result
             assert isinstance(baseline, TrialResult)
             return baseline, True
@@ -208,7 +208,10 @@ class _Confirmer:
         all_stored = dict(session.study.user_attrs.get(CONFIRMATIONS_ATTR) or {})
         all_stored[str(self.steps)] = self.stored
         session.study.set_user_attr(CONFIRMATIONS_ATTR, all_stored)
-        held, _, drop = (True, None, 0.0) if fp32 is None else self._verdict(result, fp32)
+        if fp32 is None:  # the reference itself: it holds if it trained
+            held, drop = result.state == TrialState.COMPLETE, 0.0
+        else:
+            held, _, drop = self._verdict(result, fp32)
         record = TrialRecord(key, policy, result, drop, held)
         tags = {**tags, "held": str(held).lower()}
         tracker.log_trial(trial_log(run_key, name, session.space, record, tags))
