@@ -229,6 +229,34 @@ def test_a_trial_length_confirmation_reuses_the_baseline(tmp_path, monkeypatch):
     assert confirmation.held == result.typed.best.number == confirmation.chosen_before
 
 
+LATE_SPACE = SPACE.replace("name: late", "name: late-overflow").replace(
+    "{name: grow, patterns: [grow]}", "{name: body, patterns: [body]}"
+)
+
+
+@pytest.mark.slow
+def test_the_builtin_late_overflow_task_is_confirmed_at_five_times_the_trial(tmp_path, monkeypatch):
+    """The built-in late-failure task: its 200-step trials choose uniform fp16; at 1000
+    steps that fails, and the policy confirmed keeps the growing head out of fp16."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "late.yaml").write_text(LATE_SPACE)
+    result = autoprec.search(
+        "late-overflow",
+        tmp_path / "late.yaml",
+        trials=3,
+        steps=200,
+        confirm_steps=1000,
+        device="cpu",
+        prefer="memory",
+        sampler="random",
+    )
+    confirmation = result.typed.confirmation
+    assert not confirmation.checks[0].held and "non-finite" in confirmation.checks[0].reason
+    assert confirmation.held == result.typed.best.number
+    head = next(r for r in result.typed.best.layers if r.name == "head")
+    assert head.dtype != "fp16"
+
+
 def _records() -> tuple[TrialRecord, list[TrialRecord]]:
     def record(number, time_ms, memory_mb, accuracy=0.9, feasible=True):
         result = TrialResult(

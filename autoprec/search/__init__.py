@@ -156,6 +156,7 @@ def _finish(
         long_s = time.perf_counter()
         summary, interrupted = confirm_choice(session, summary, confirmed)
         phases_s["long_confirmation"] = time.perf_counter() - long_s
+        mark_s += phases_s["long_confirmation"]  # its own phase, not the tracking's
     best_policy = Policy.from_dict(summary.best.policy or {})
     layers = trials.layer_table(best_policy, prepared.model)
     left = trials.leave_behind(best_policy, prepared.out_dir, prepared.task_spec, tracker)
