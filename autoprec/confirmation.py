@@ -83,7 +83,8 @@ class Confirmation:
     def lines(self) -> list[str]:
         """What the CLI prints: the outcome, then one line per candidate tried."""
         if self.held is None:
-            head = f"confirmation at {self.steps} steps: nothing confirmed ({self.reason})"
+            why = self.reason or "no candidate held"
+            head = f"confirmation at {self.steps} steps: nothing confirmed ({why})"
         else:
             held = next(c for c in self.checks if str(c.key) == str(self.held))
             head = f"confirmation at {self.steps} steps: {held.label} held"

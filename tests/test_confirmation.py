@@ -7,6 +7,7 @@ ordinary training (an uncapped margin loss, Adam's steady steps), so that fp16 h
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -305,6 +306,18 @@ def test_confirmation_round_trips():
     check = ConfirmationCheck(3, "trial 3", False, "pruned", "overflow: non-finite loss", None)
     confirmation = Confirmation(400, [check], None, 0.9, reason="x")
     assert Confirmation.from_json(confirmation.to_json()) == confirmation
+    assert "nothing confirmed (x)" in confirmation.lines()[0]
+
+
+def test_a_summary_with_a_broken_confirmation_is_refused_in_one_line(confirmed_search, capsys):
+    folder, _, _ = confirmed_search
+    data = json.loads((folder / "runs/late/summary.json").read_text())
+    data["confirmation"]["checks"][0]["held"] = "yes"
+    broken = folder / "runs/broken"
+    broken.mkdir()
+    (broken / "summary.json").write_text(json.dumps(data))
+    assert main(["report", "--study", "broken", "--runs-dir", str(folder / "runs")]) == 2
+    assert "confirmation.checks[0].held" in capsys.readouterr().err
 
 
 # -- schedule-aware trials -----------------------------------------------------------------
