@@ -124,6 +124,7 @@ def _add_search(commands: Any) -> None:
     _add_choice(s.add_argument_group("how the best policy is chosen"))
     _add_faults(s.add_argument_group("workers and faults"))
     _add_compiled(s.add_argument_group("compiled trials"))
+    _add_long_runs(s.add_argument_group("longer than a trial"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -310,6 +311,35 @@ def _add_compiled(group: Any) -> None:
     )
 
 
+# -- longer than a trial (issue 21): the long confirmation, the trials' schedule ----------
+
+
+def _add_long_runs(group: Any) -> None:
+    from autoprec.trial_schedule import TRIAL_SCHEDULES
+
+    group.add_argument(
+        "--confirm-steps",
+        type=int,
+        default=None,
+        metavar="K",
+        help="after the search, train the chosen policy K steps beside fp32 trained as "
+        "long; if it does not hold there (non-finite loss, accuracy past the tolerance), "
+        "confirm the next candidate, and so on (default: no confirmation)",
+    )
+    group.add_argument(
+        "--trial-schedule",
+        choices=TRIAL_SCHEDULES,
+        default="as-is",
+        help="as-is: trials step the task's learning-rate scheduler as the real run does "
+        "(a warning says when they end inside its warm-up); compressed: the real run's "
+        "schedule squeezed into the trial's steps",
+    )
+
+
+def _long_run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {"confirm_steps": args.confirm_steps, "trial_schedule": args.trial_schedule}
+
+
 def _add_other_commands(commands: Any) -> None:
     from autoprec.search.config import DEFAULT_TRACKING_URI
     from autoprec.tasks import DEFAULT_TASK
@@ -438,11 +468,14 @@ def _search(args: argparse.Namespace) -> int:
         serving=serving if serving.given() else None,  # --mode inference: the defaults
         emulate=tuple(args.emulate),
         compile=args.compile,
+        **_long_run_settings(args),
     )
     result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
     summary = result.typed or result.summary
     print(front_table(summary))
     print(gains_line(summary))
+    if result.typed is not None and result.typed.confirmation is not None:
+        print("\n".join(result.typed.confirmation.lines()))
     print(f"best policy: {result.best_policy_path}")
     print(f"summary:     {result.summary_path}")
     print(f"compare:     autoprec ui --tracking-uri {redact(args.tracking_uri)}")

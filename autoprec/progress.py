@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autoprec.confirmation import ConfirmationCheck
 from autoprec.errors import redact
 from autoprec.profile import Profile
 from autoprec.search._events import Callbacks
@@ -77,6 +78,13 @@ class Progress(Callbacks):
     def confirming(self, count: int) -> None:
         self._close()
         _say(f"timing the {count - 1} fastest policies and the baseline side by side ...")
+
+    def confirmation_start(self, label: str, steps: int) -> None:
+        self._close()
+        _say(f"confirming {label} over {steps} steps ...")
+
+    def confirmation_end(self, check: ConfirmationCheck) -> None:
+        _say(f"  {check.line()}")
 
     def exhausted(self, done: int) -> None:
         _say("\nthe space seems exhausted: the sampler keeps proposing measured policies")

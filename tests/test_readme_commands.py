@@ -69,6 +69,8 @@ HANDLED: dict[str, Handling] = {
     "autoprec compare --study digits-mlp --study digits-cnn": Handling(),
     "autoprec ui": Handling(serves=True),
     "autoprec search --task digits-overflow --trials 20 --steps 60 --prefer memory": SEARCH,
+    "autoprec search --task my_task.py:make_task --trials 30 --steps 100 --confirm-steps 500 "
+    "--trial-schedule compressed": SEARCH,
     "autoprec profile --task digits-overflow": Handling(),
     "autoprec search --mode inference --scenario edge": SEARCH,
     "autoprec search --mode inference --scenario server --batch-sizes 1,64": SEARCH,

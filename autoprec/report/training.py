@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from autoprec.report.confirmation import confirmation_section
 from autoprec.report.page import (
     cell,
     html_table,
@@ -71,6 +72,7 @@ side with the baseline, their step times are those re-timings. Feasible: accurac
 {images(plots)}
 {layers_section(best)}
 {trials_section(summary, METRIC_HEADER, metric_row)}
+{confirmation_section(summary)}
 <h2>Advice from the fp32 baseline's gradients</h2>
 <ul>{advice or "<li>none: no layer would lose gradients or overflow in fp16</li>"}</ul>
 {settings_section(summary)}"""

@@ -33,11 +33,13 @@ from autoprec.search._loop import run_trials
 from autoprec.search._session import Prepared, Session, identity_of, prepare
 from autoprec.search._workers import run_workers
 from autoprec.search.config import SearchConfig
+from autoprec.search.confirm import confirm_choice
 from autoprec.search.summary import completed, numeric, summarize, write_outputs
 from autoprec.search.summary_schema import ProfileRow, ServedModel, Serving, Summary
 from autoprec.space import SearchSpace
 from autoprec.tasks import DEFAULT_TASK, Task
 from autoprec.tracking import FLUSH_WAIT_S, Tracker
+from autoprec.trial_schedule import schedule_warning
 
 __all__ = ["Callbacks", "SearchConfig", "SearchInterrupted", "SearchResult", "search"]
 
@@ -71,6 +73,9 @@ def search(
     started_s = time.perf_counter()
     prepared = prepare(task, space, SearchConfig.of(config, settings))
     session = Session.open(prepared, callbacks)
+    warning = schedule_warning(prepared.task, prepared.model, prepared.config)
+    if warning is not None:  # the trials see only the start of the task's warm-up
+        session.callbacks.warning(warning)
     phases_s = {"setup": time.perf_counter() - started_s}
     session.set_up(_parent_params(prepared))
     phases_s["baseline"] = time.perf_counter() - started_s - phases_s["setup"]
@@ -147,6 +152,11 @@ def _finish(
         _run_ids(tracker),
         None if part is None else Serving(**part),
     )
+    if not interrupted:  # --confirm-steps: the choice trained as long (may change it)
+        long_s = time.perf_counter()
+        summary, interrupted = confirm_choice(session, summary, confirmed)
+        phases_s["long_confirmation"] = time.perf_counter() - long_s
+        mark_s += phases_s["long_confirmation"]  # its own phase, not the tracking's
     best_policy = Policy.from_dict(summary.best.policy or {})
     layers = trials.layer_table(best_policy, prepared.model)
     left = trials.leave_behind(best_policy, prepared.out_dir, prepared.task_spec, tracker)
@@ -196,6 +206,8 @@ def _settings(session: Session) -> dict[str, Any]:
         "sampler": config.sampler,
         "prefer": config.prefer or prepared.prefer,
         "confirm_top": config.confirm_top,
+        "confirm_steps": config.confirm_steps,
+        "trial_schedule": config.trial_schedule,
         "accuracy_tolerance": prepared.tolerance,
         "storage": config.public()["storage"],
         "tracking_uri": config.public()["tracking_uri"],

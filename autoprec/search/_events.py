@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from autoprec.confirmation import ConfirmationCheck
     from autoprec.policy import Policy
     from autoprec.profile import Profile
     from autoprec.search._records import TrialRecord
@@ -68,6 +69,13 @@ class Callbacks:
 
     def confirming(self, count: int) -> None:
         """``count`` policies (the baseline among them) are timed again side by side."""
+
+    def confirmation_start(self, label: str, steps: int) -> None:
+        """A long confirmation run (``--confirm-steps``) of ``label`` (or of ``fp32``, the
+        reference trained as long) begins: ``steps`` steps."""
+
+    def confirmation_end(self, check: ConfirmationCheck) -> None:
+        """A candidate was confirmed over the long run: whether it held, and why not."""
 
     def done(self, summary: dict[str, Any]) -> None:
         """The summary is written."""

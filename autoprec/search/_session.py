@@ -63,6 +63,7 @@ from autoprec.selection import rank_key
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
 from autoprec.tasks import Task, check_task, check_task_data, load_task
 from autoprec.tracking import FLUSH_WAIT_S, Tracker, absolute_sqlite_uri
+from autoprec.trial_schedule import for_trials, trial_schedule_settings
 from autoprec.trials import trials_of
 from autoprec.trials.base import Trials, TrialState
 from autoprec.trials.training import Budget
@@ -122,6 +123,7 @@ class Prepared:
         }
         if self.backend.emulated():  # figures of emulated dtypes are no device's
             settings["emulated"] = ",".join(self.backend.emulated())
+        settings.update(trial_schedule_settings(self.config))
         return {**settings, **self.trials.settings}
 
     @property
@@ -169,8 +171,9 @@ def prepare(
         backend = get_backend(config.device, config.emulate)
         devices = [str(backend.device)] if backend.kind != "cpu" else ["cpu"]
     budget = Budget(steps=config.steps, seed=config.seed)
-    if check_data:
-        check_task_data(task, model, budget.steps, budget.seed)
+    if check_data:  # a long confirmation draws as many batches as it trains steps
+        check_task_data(task, model, max(budget.steps, config.confirm_steps or 0), budget.seed)
+    task = for_trials(task, model, config)  # --trial-schedule compressed
     assert config.mode is not None  # settled when the config was made
     trials = trials_of(config.mode, config, task, model, backend, budget)
     fitted = trials.fit(space, None)  # to a profile later

@@ -104,6 +104,21 @@ def check_summary(data: Any) -> None:
         _expect(layer.get("params"), int, f"best.layers[{i}].params")
     if data.get("mode") == "inference":
         _check_inference(data.get("inference"))
+    if data.get("confirmation") is not None:  # --confirm-steps
+        _check_confirmation(data["confirmation"])
+
+
+def _check_confirmation(block: Any) -> None:
+    _expect(block, dict, "confirmation")
+    _check_count(block.get("steps"), "confirmation.steps")
+    _expect(block.get("checks", []), list, "confirmation.checks")
+    for i, check in enumerate(block.get("checks", [])):
+        where = f"confirmation.checks[{i}]"
+        _expect(check, dict, where)
+        _expect(check.get("key"), (str, int), f"{where}.key")
+        _expect(check.get("label"), str, f"{where}.label")
+        _expect(check.get("held"), bool, f"{where}.held")
+        _expect(check.get("state"), str, f"{where}.state")
 
 
 def _check_row(

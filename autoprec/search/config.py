@@ -18,6 +18,7 @@ from typing import Any
 from autoprec.devices import check_emulate
 from autoprec.errors import AutoprecError, StoreError, redact
 from autoprec.tracking import DEFAULT_TRACKING_URI, check_tracking_uri
+from autoprec.trial_schedule import TRIAL_SCHEDULES
 from autoprec.trials import MODES, trials_class
 from autoprec.trials.serving import ServingConfig
 
@@ -61,6 +62,11 @@ class SearchConfig:
       float8 numerics without its speed), recorded in the summary's settings.
     - ``compile``: train every trial under ``torch.compile`` (training only; a task may
       ask for it too, ``Task(compile=True)``): `autoprec.compiled`.
+    - ``confirm_steps``: after the search, train the chosen policy this long beside fp32
+      and, where it does not hold, the next candidate (`autoprec.search.confirm`); None:
+      no confirmation. ``trial_schedule``: ``as-is`` (trials step the task's scheduler as
+      the real run does) or ``compressed`` (its shape squeezed into the trials' steps,
+      `autoprec.trial_schedule`).
     """
 
     trials: int = 12
@@ -84,6 +90,9 @@ class SearchConfig:
     serving: ServingConfig | None = None
     emulate: tuple[str, ...] = ()
     compile: bool = False
+    # -- longer than a trial (issue 21): the long confirmation, the trials' schedule
+    confirm_steps: int | None = None
+    trial_schedule: str = "as-is"
     # The serving settings given flat, nested into ``serving`` (not kept as fields).
     scenario: InitVar[str | None] = None
     batch_size: InitVar[int | None] = None
@@ -136,6 +145,7 @@ class SearchConfig:
             raise AutoprecError(f"--compile: expected True or False, got {self.compile!r}")
         if self.compile and self.mode != "training":
             raise AutoprecError("--compile: only with --mode training (serving is not compiled)")
+        self._check_long_runs()
         if self.sampler not in SAMPLERS:
             raise AutoprecError(
                 f"--sampler: expected one of {', '.join(SAMPLERS)}, got {self.sampler!r}"
@@ -176,6 +186,21 @@ class SearchConfig:
         if self.serving is not None and MODES[self.mode][1] != "serving":
             given = self.serving.given() or ["--mode"]
             raise AutoprecError(f"{given[0]}: only with --mode {_owner('serving')}")
+
+    def _check_long_runs(self) -> None:
+        confirm = self.confirm_steps
+        if confirm is not None and (_not_int(confirm) or confirm < self.steps):
+            raise AutoprecError(
+                f"--confirm-steps: expected an integer of at least --steps ({self.steps}), "
+                f"got {confirm!r}"
+            )
+        if confirm is not None and self.mode != "training":
+            raise AutoprecError("--confirm-steps: only with --mode training (trials that train)")
+        if self.trial_schedule not in TRIAL_SCHEDULES:
+            raise AutoprecError(
+                f"--trial-schedule: expected {' or '.join(TRIAL_SCHEDULES)}, "
+                f"got {self.trial_schedule!r}"
+            )
 
     def public(self) -> dict[str, Any]:
         """The settings as they may be written down or shown (summary.json, the MLflow

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from autoprec.confirmation import Confirmation
+
 SCHEMA_VERSION = 1  # 0: summaries written before the version was recorded
 
 Key = int | str  # a trial's number, or "baseline"
@@ -430,6 +432,7 @@ class Summary:
     wall_time_s: float | None = None
     phase_time_s: dict[str, float] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    confirmation: Confirmation | None = None  # --confirm-steps: the long runs
 
     @property
     def entries(self) -> list[Entry]:
@@ -494,6 +497,9 @@ class Summary:
             wall_time_s=data.get("wall_time_s"),
             phase_time_s=dict(data.get("phase_time_s") or {}),
             schema_version=data.get("schema_version", 0),
+            confirmation=None
+            if data.get("confirmation") is None
+            else Confirmation.from_json(data["confirmation"]),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -526,6 +532,8 @@ class Summary:
             wall_time_s=self.wall_time_s,
             phase_time_s=self.phase_time_s,
         )
+        if self.confirmation is not None:
+            data["confirmation"] = self.confirmation.to_json()
         return data
 
 

@@ -352,6 +352,12 @@ def fp8_outliers() -> Task:
     return Task("fp8-outliers", SinkMLP, train_data, val_data, F.cross_entropy)
 
 
+def _late_overflow() -> Task:
+    from autoprec.tasks.late import late_overflow
+
+    return late_overflow()
+
+
 def _tiny_gpt2() -> Task:
     from autoprec.tasks.hf import tiny_gpt2
 
@@ -383,6 +389,7 @@ BUILTIN_TASKS: dict[str, Callable[[], Task]] = {
     "digits-overflow": digits_overflow,
     "digits-underflow": digits_underflow,
     "fp8-outliers": fp8_outliers,
+    "late-overflow": _late_overflow,
     # transformers models, behind the optional extra [hf]
     "tiny-gpt2": _tiny_gpt2,
     "tiny-bert": _tiny_bert,
