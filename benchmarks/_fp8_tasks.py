@@ -3,13 +3,14 @@ fed an outlier channel, each its own group over {bf16, fp8}.
 
 As the built-in ``fp8-outliers`` task (`autoprec.tasks.builtin.SinkMLP`): marker rows,
 one in 16 and not scored, add a massive activation (2**20) to one hidden channel, here
-in front of ``wide``, the largest layer (about a quarter of the Linear weights).
+in front of ``wide``, the largest layer (64 to 3x64 features, summed back to 64: about
+35% of the Linear weights).
 Tensorwise float8 scales ``wide``'s whole input by the outlier, the digit rows' values
 flush to zero in e4m3, and accuracy drops; the other layers see ordinary ranges and
 train in fp8 as in bf16. To hold at least half of the Linear weights in fp8 with
-``wide`` in bf16, most of the other layers must be in fp8 as well: few of the space's
-2**7 = 128 policies do, which is what makes the search's question hard for a blind
-sampler. All Linear dimensions are multiples of 16, as torchao's float8 needs.
+``wide`` in bf16, all the other layers but one of the small ones must be in fp8 as well:
+11 of the space's 2**7 = 128 policies, which is what makes the search's question hard
+for a blind sampler. All Linear dimensions are multiples of 16, as torchao's float8 needs.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from autoprec.tasks.base import IGNORE_INDEX
 from autoprec.tasks.builtin import MARKER_CHANNELS, MARKER_EVERY, SINK_SCALE, digits_data
 
 HIDDEN = 64
-WIDE = 128
+WIDE = 3 * HIDDEN  # summed back to HIDDEN features: the layer's own weights are large
 OUTPUTS = 16  # 10 classes, padded to a multiple of 16
-ACCURACY_TOLERANCE = 0.02
+# A short trial's accuracy moves by a few points between bf16 and fp32 already; the
+# outlier's damage is tens of points (the trial is stopped early).
+ACCURACY_TOLERANCE = 0.05
 LEARNING_RATE = 5e-3  # Adam: trains within a short trial
 GROUPS = ["fc1", "fc2", "wide", "fc4", "fc5", "fc6", "head"]
 OUTLIER_LAYER = "wide"
@@ -44,7 +47,7 @@ class DeepSinkMLP(nn.Module):
         self.fc1 = nn.Linear(64 + MARKER_CHANNELS, HIDDEN)
         self.fc2 = nn.Linear(HIDDEN, HIDDEN)
         self.wide = nn.Linear(HIDDEN, WIDE)
-        self.fc4 = nn.Linear(WIDE, HIDDEN)
+        self.fc4 = nn.Linear(HIDDEN, HIDDEN)
         self.fc5 = nn.Linear(HIDDEN, HIDDEN)
         self.fc6 = nn.Linear(HIDDEN, HIDDEN)
         self.head = nn.Linear(HIDDEN, OUTPUTS)
@@ -57,7 +60,7 @@ class DeepSinkMLP(nn.Module):
         marker = x[:, 64:65]  # 1 on marker rows, 0 on digit rows
         h = F.relu(self.norms[0](self.fc1(x)))
         h = F.relu(self.norms[1](self.fc2(h))) + marker * self.sink.to(h.dtype)
-        h = F.relu(self.norms[2](self.wide(h)))
+        h = F.relu(self.norms[2](self.wide(h))).reshape(len(h), WIDE // HIDDEN, HIDDEN).sum(1)
         h = F.relu(self.norms[3](self.fc4(h)))
         h = F.relu(self.fc5(h))
         h = F.relu(self.fc6(h))

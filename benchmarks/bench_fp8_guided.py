@@ -1,7 +1,7 @@
 """Guided against random search on fp8: trials to a feasible policy with at least half of
 the Linear weights in fp8, on a {bf16, fp8} space of seven groups.
 
-Run by hand: ``python benchmarks/bench_fp8_guided.py [--seeds 5] [--steps 30]``.
+Run by hand: ``python benchmarks/bench_fp8_guided.py [--seeds 3] [--steps 20]``.
 
 The task (`benchmarks/_fp8_tasks.py`): seven Linear layers, each its own group over
 {bf16, fp8} (tensorwise), the LayerNorms in bf16; marker rows carry a massive activation
@@ -200,9 +200,9 @@ def show(value: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--trials", type=int, default=30, help="the --trials a user would pass")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--trials", type=int, default=24, help="the --trials a user would pass")
     args = parser.parse_args()
 
     started = time.perf_counter()
