@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from autoprec.devices import device_kind
+from autoprec.errors import first_line
 from autoprec.fp8 import DEFAULT_FP8_RECIPE, check_recipe, fp8_capable
-from autoprec.fp8_telemetry import cast_counts, cast_specs
+from autoprec.fp8_telemetry import COLUMNS, cast_counts, cast_specs
 from autoprec.quantizers import import_torchao
 
 if TYPE_CHECKING:
@@ -45,11 +46,15 @@ class Fp8Risk:
     from bf16 (its risk) and the share of its nonzero inputs the fp8 cast flushes."""
 
     name: str
-    output_deviation: float
-    input_flushed_share: float
+    output_deviation: float | None
+    input_flushed_share: float = 0.0
+    error: str = ""  # the layer could not be run in fp8 here (not a risk)
 
     @property
     def reason(self) -> str:
+        if self.error:
+            return f"fp8 not measured: {self.error}"
+        assert self.output_deviation is not None
         return (
             f"output off by {100 * self.output_deviation:.3g}% against bf16; "
             f"{100 * self.input_flushed_share:.3g}% of nonzero inputs flush to zero"
@@ -92,17 +97,24 @@ def fp8_risks(
             continue  # not run in the forward
         layer, x = modules[name], inputs[name]
         assert isinstance(layer, nn.Linear)
-        with torch.no_grad():
-            bias = None if layer.bias is None else layer.bias.bfloat16()
-            reference = nn.functional.linear(x.bfloat16(), layer.weight.bfloat16(), bias).float()
-            converted = Float8Linear.from_float(copy.deepcopy(layer), config=config)
-            output = converted(x).float()
-            flushed = cast_counts(x, cast_specs(converted)["input"]).tolist()
+        try:
+            with torch.no_grad():
+                bias = None if layer.bias is None else layer.bias.bfloat16()
+                reference = nn.functional.linear(
+                    x.bfloat16(), layer.weight.bfloat16(), bias
+                ).float()
+                converted = Float8Linear.from_float(copy.deepcopy(layer), config=config)
+                output = converted(x).float()
+                counts = cast_counts(x, cast_specs(converted)["input"]).tolist()
+        except Exception as error:  # torchao or the device refusing: not a numerical risk
+            risks[name] = Fp8Risk(name, None, error=f"{type(error).__name__}: {first_line(error)}")
+            continue
         deviation = _row_deviation(output, reference)
+        cast = dict(zip(COLUMNS, counts, strict=True))
         risks[name] = Fp8Risk(
             name,
             deviation if math.isfinite(deviation) else math.inf,
-            flushed[4] / flushed[1] if flushed[1] else 0.0,
+            cast["flushed"] / cast["nonzero"] if cast["nonzero"] else 0.0,
         )
     return risks
 

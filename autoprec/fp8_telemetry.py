@@ -47,7 +47,7 @@ from autoprec.watch import Counts, Watcher
 ROLES = {"input": "fp8_input", "weight": "fp8_weight", "grad_output": "fp8_grad_output"}
 ROLE_LABELS = {"input": "inputs", "weight": "weights", "grad_output": "output gradients"}
 # Layout of one counts vector; the last two columns accumulate as maxima.
-_COLUMNS = ("elements", "nonzero", "above_max", "saturated", "flushed", "amax", "inverse_scale")
+COLUMNS = ("elements", "nonzero", "above_max", "saturated", "flushed", "amax", "inverse_scale")
 _MAXIMA = frozenset({5, 6})
 # A layer whose cast flushes more than this share of a tensor's nonzero values is named.
 FLUSH_WARNING = 0.01
@@ -84,7 +84,7 @@ class CastSpec:
 
 
 def cast_counts(tensor: torch.Tensor, spec: CastSpec) -> torch.Tensor:
-    """One tensor's counts (the `_COLUMNS`) as a float64 vector on its device, computed
+    """One tensor's counts (the `COLUMNS`) as a float64 vector on its device, computed
     with torchao's own scale and saturated cast, without a host sync."""
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
@@ -238,7 +238,7 @@ class Fp8Telemetry:
             specs = self._specs.get(name, {})
             if role is None or role not in specs:
                 continue
-            values = dict(zip(_COLUMNS, total, strict=True))
+            values = dict(zip(COLUMNS, total, strict=True))
             inverse = values["inverse_scale"]
             cast = Fp8Cast(
                 format=specs[role].format_name,
