@@ -15,7 +15,9 @@ Pure: no Optuna objects, no MLflow.
    is feasible. k = n is all fp32, feasible by definition; a pruned or failed trial
    counts as infeasible. The search gallops (k = 1, 2, 4, ...) and then halves the
    bracket, as the few layers that must stay in fp32 are usually a small prefix:
-   about 2 log2(k) + 1 trials, never more than 2 log2(n) + 2;
+   about 2 log2(k) + 1 trials, never more than 2 log2(n) + 2. fp8 is bisected in the
+   profile's fp8 order (each Linear's fp8 deviation against bf16, `autoprec.fp8_risk`)
+   where it has one;
 3. refine: try to drop single groups from the kept set (the risk order is a ranking,
    not an oracle), and, for fp16 and fp8 where the space also has bf16, to run the kept
    groups in bf16
