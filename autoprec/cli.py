@@ -361,6 +361,14 @@ def _add_other_commands(commands: Any) -> None:
     pr.add_argument("--top", type=int, default=20, help="rows of the printed ranking")
     pr.add_argument("--runs-dir", default="runs", help="where runs/<study>/profile.json goes")
     pr.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow tracking URI")
+    # -- fp8 risk (issue 20) --
+    pr.add_argument(
+        "--emulate",
+        action="append",
+        choices=("fp8",),
+        default=[],
+        help="as for search: with fp8 (run or emulated), each Linear's fp8 risk is ranked too",
+    )
     b = commands.add_parser(
         "best", help="print a study's best policy (from MLflow)", formatter_class=_DefaultsFormatter
     )
@@ -493,7 +501,7 @@ def _profile(args: argparse.Namespace) -> int:
         raise AutoprecError("--steps and --top: expected positive integers")
     check_tracking_uri(args.tracking_uri)
     task = load_task(args.task)
-    backend = get_backend(args.device)
+    backend = get_backend(args.device, emulate=tuple(args.emulate))
     study = check_study_name(args.study or task.name)
     profile = profile_task(task, backend, steps=args.steps, seed=args.seed)
     path = profile.save(Path(args.runs_dir) / study / "profile.json")
@@ -501,6 +509,8 @@ def _profile(args: argparse.Namespace) -> int:
     tracker.log_profile(profile, path, on_parent=False)
     tracker.close()
     print(profile.table(args.top))
+    if profile.fp8_recipe:
+        print(profile.fp8_table(args.top))
     print(f"profile: {path}")
     return 0
 

@@ -15,7 +15,9 @@ Pure: no Optuna objects, no MLflow.
    is feasible. k = n is all fp32, feasible by definition; a pruned or failed trial
    counts as infeasible. The search gallops (k = 1, 2, 4, ...) and then halves the
    bracket, as the few layers that must stay in fp32 are usually a small prefix:
-   about 2 log2(k) + 1 trials, never more than 2 log2(n) + 2;
+   about 2 log2(k) + 1 trials, never more than 2 log2(n) + 2. fp8 is bisected in the
+   profile's fp8 order (each Linear's fp8 deviation against bf16, `autoprec.fp8_risk`)
+   where it has one;
 3. refine: try to drop single groups from the kept set (the risk order is a ranking,
    not an oracle), and, for fp16 and fp8 where the space also has bf16, to run the kept
    groups in bf16
@@ -192,7 +194,9 @@ class GuidedStrategy(_Strategy):
     """Seed, bisect over the risk order, refine (see the module docstring).
 
     ``space`` is fitted to the model; ``risk_order`` names its groups riskiest first
-    (groups it leaves out are taken as the least risky, in model order); ``prefer``
+    (groups it leaves out are taken as the least risky, in model order), and
+    ``fp8_risk_order`` riskiest in fp8 first, the order fp8 is bisected in (groups it
+    leaves out follow in ``risk_order``'s order); ``prefer``
     ("speed", "memory" or "balanced") decides which low dtype is searched first; with
     ``model`` and ``device``, policies that run alike count as one.
     """
@@ -205,6 +209,7 @@ class GuidedStrategy(_Strategy):
         model: nn.Module | None = None,
         device: Any = None,
         max_gradient: float | None = None,
+        fp8_risk_order: Sequence[str] | None = None,
     ) -> None:
         super().__init__(space, model, device)
         start = fp16_start_scale_log2(space, max_gradient)
@@ -223,6 +228,14 @@ class GuidedStrategy(_Strategy):
             )
         ranked = list(dict.fromkeys(risk_order))
         self.risk_order = ranked + [n for n in names if n not in ranked]
+        # fp8 is bisected in the profile's fp8 order (`autoprec.fp8_risk`) where it has one.
+        fp8_ranked = list(dict.fromkeys(fp8_risk_order or ()))
+        stray = [n for n in fp8_ranked if n not in names]
+        if stray:
+            raise SpaceError(
+                f"{space.source}: fp8 risk order names {stray[0]!r}, not a group of the space"
+            )
+        self.fp8_risk_order = fp8_ranked + [n for n in self.risk_order if n not in fp8_ranked]
         self.prefer = prefer
         # fp8 where the space offers it (training: torchao's float8 Linear layers); serving
         # spaces may also offer int8 (to the layers that take it).
@@ -232,7 +245,7 @@ class GuidedStrategy(_Strategy):
         for low in self.low_dtypes:
             yield self._params(self._assign(low, set())), "seed"
         for low in self._dtype_order(known):
-            order = self._searchable(low, self.risk_order)
+            order = self._searchable(low, self.fp8_risk_order if low == FP8 else self.risk_order)
             needed = yield from self._bisect(low, order, known, busy)
             if needed is not None:
                 yield from self._refine(low, order[:needed], known, busy)

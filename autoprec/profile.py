@@ -78,7 +78,7 @@ from torch import nn
 
 from autoprec._files import write_atomic
 from autoprec.devices import DTYPES, Backend, failing_dtypes, get_backend, record_failure
-from autoprec.dtypes import LOW_PRECISION
+from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
 from autoprec.observe import casts_inputs, learn
 from autoprec.plan import Plan, RegionSpec, parameterised_leaves
@@ -121,6 +121,10 @@ class ModuleRisk:
     rank: int = 0
     reason: str = ""
     error: str = ""  # the profile could not run the module in some dtype (not a risk)
+    # fp8: the output deviation of the Linear in torchao's float8 against bf16 (None: not
+    # an fp8-capable Linear, or fp8 not profiled); see autoprec.fp8_risk.
+    fp8_risk: float | None = None
+    fp8_reason: str = ""
 
 
 @dataclass
@@ -134,6 +138,7 @@ class Profile:
     dtypes: tuple[str, ...]
     modules: list[ModuleRisk]
     time_s: float
+    fp8_recipe: str = ""  # the recipe of the fp8 risks ("": fp8 not profiled)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: non-finite floats become the strings "inf", "-inf" and "nan"."""
@@ -169,6 +174,8 @@ class Profile:
                     rank=int(item["rank"]),
                     reason=str(item["reason"]),
                     error=str(item.get("error", "")),
+                    fp8_risk=None if item.get("fp8_risk") is None else _decode(item["fp8_risk"]),
+                    fp8_reason=str(item.get("fp8_reason", "")),
                 )
                 for item in data["modules"]
             ]
@@ -180,6 +187,7 @@ class Profile:
                 dtypes=tuple(str(d) for d in data["dtypes"]),
                 modules=modules,
                 time_s=float(data["time_s"]),
+                fp8_recipe=str(data.get("fp8_recipe", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise AutoprecError(
@@ -245,6 +253,27 @@ class Profile:
         )
         return "\n".join([title, *lines])
 
+    def fp8_order(self) -> list[ModuleRisk]:
+        """The fp8-capable Linear layers with an fp8 risk, riskiest in fp8 first."""
+        found = [m for m in self.modules if m.fp8_risk is not None]
+        return sorted(found, key=lambda m: -(m.fp8_risk or 0.0))
+
+    def fp8_table(self, top: int = 20) -> str:
+        """The ``top`` riskiest layers in fp8 as a ranked plain-text table ("" when fp8
+        was not profiled)."""
+        ranked = self.fp8_order()[:top]
+        if not ranked:
+            return ""
+        width = max(len("layer"), *(len(m.name) for m in ranked))
+        lines = [
+            f"fp8 risk ({self.fp8_recipe} against bf16, {len(self.fp8_order())} Linear layers):",
+            f"{'rank':>4}  {'layer':<{width}}  {'risk':>8}  reason",
+        ]
+        for rank, m in enumerate(ranked, start=1):
+            risk = _number(m.fp8_risk if m.fp8_risk is not None else 0.0)
+            lines.append(f"{rank:>4}  {m.name:<{width}}  {risk:>8}  {m.fp8_reason}")
+        return "\n".join(lines)
+
     def first_missing(self, model: nn.Module) -> str | None:
         """The first profiled module that ``model`` does not have, if any (a profile of
         another model)."""
@@ -260,6 +289,7 @@ def profile_task(
     seed: int = 0,
     dtypes: Sequence[str] | None = None,
     model: nn.Module | None = None,
+    fp8_recipe: str | None = None,
 ) -> Profile:
     """Rank every module of ``task``'s model by numerical risk in low precision.
 
@@ -268,7 +298,9 @@ def profile_task(
     See the module docstring for what is measured and the risk formula. Given a trained
     ``model`` (the serving search's fp32 model), a copy of it is profiled instead of a
     fresh one, in eval mode, and ``steps`` may be 0: its forward on one batch is
-    watched (no gradients), without training it.
+    watched (no gradients), without training it. Where the backend runs fp8 (or
+    emulates it), each fp8-capable Linear's fp8 risk with ``fp8_recipe`` (default:
+    torchao's tensorwise) is measured on the same batch (`autoprec.fp8_risk`).
     """
     started_s = time.perf_counter()
     task = _checked(task, steps, seed, trained=model is not None)
@@ -305,6 +337,18 @@ def profile_task(
             for name in ran
         }
     modules = _rank(watcher, tested, deviations)
+    recipe = ""
+    if backend.supports(FP8):
+        from autoprec.fp8 import DEFAULT_FP8_RECIPE
+        from autoprec.fp8_risk import fp8_risks
+
+        recipe = fp8_recipe or DEFAULT_FP8_RECIPE
+        with _task_errors(task), backend.selected():
+            risks = fp8_risks(model, lambda: _forward(task, model, batch, seed), ran, recipe)
+        for entry in modules:
+            if entry.name in risks:
+                entry.fp8_risk = risks[entry.name].output_deviation
+                entry.fp8_reason = risks[entry.name].reason
     return Profile(
         task=task.name,
         device=backend.name,
@@ -313,6 +357,7 @@ def profile_task(
         dtypes=tested,
         modules=modules,
         time_s=time.perf_counter() - started_s,
+        fp8_recipe=recipe,
     )
 
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from autoprec._structures import tensors
+from autoprec.fp8_telemetry import Fp8Telemetry
 from autoprec.watch import CALL, PARAM_GRAD, Counts, Watcher
 
 FP16_MAX = 65504.0
@@ -154,6 +155,7 @@ class GradientMonitor:
         self.layers = self._watcher.leaves
         self.watched = self._watcher.modules
         self._stats = {name: LayerStats(name) for name, _ in self.layers}
+        self.fp8 = Fp8Telemetry(model, self._watcher)  # torchao float8 layers' casts
         self.observed_steps = 0  # forward passes watched
         self.gradient_steps = 0  # optimizer steps whose gradients were counted
 
@@ -168,7 +170,7 @@ class GradientMonitor:
         """Count non-finite and fp16-range outputs of every layer during this block."""
         self._collect()  # an earlier step's counts, if its gradients were not observed
         try:
-            with self._watcher.forward(calls=_ACTIVATIONS):
+            with self._watcher.forward(calls=_ACTIVATIONS), self.fp8.forward():
                 yield
         finally:
             self.observed_steps += 1
@@ -182,6 +184,8 @@ class GradientMonitor:
     def _collect(self) -> None:
         """Bring the watcher's changed totals into the per-layer stats."""
         for name, kind in self._watcher.collect():
+            if kind not in _FIELDS:
+                continue  # fp8 casts: self.fp8 reads them from the watcher's totals
             stats = self._stats.setdefault(name, LayerStats(name))
             total = self._watcher.totals[(name, kind)]
             for field_name, value in zip(_FIELDS[kind], total, strict=True):
@@ -218,24 +222,37 @@ class GradientMonitor:
                     f"|x| >= 65504 (max {stats.act_max_abs:.3g}) from inputs below it; in fp16 "
                     "they overflow or saturate: keep it in fp32 or bf16"
                 )
-        return lines
+        return lines + self.fp8.warnings()
 
     def report(self, top: int | None = None) -> dict[str, Any]:
         """Per-layer figures (all, or the ``top`` worst), the overall ratio and warnings."""
+        self._collect()
+        fp8 = self.fp8.stats  # per fp8 layer; every row gets its fields when there are any
+        blank = next(iter(fp8.values())).fields() if fp8 else {}
+
+        def flushed(name: str) -> float:
+            worst = fp8[name].worst() if name in fp8 else None
+            return worst[1].flushed_share if worst else 0.0
+
         layers = sorted(
             self.stats.values(),
             key=lambda s: (
                 s.act_overflow_origin,
                 s.act_nonfinite + s.act_at_fp16_max,
                 s.grad_underflow_ratio,
+                flushed(s.name),
             ),
             reverse=True,
         )
+        rows = [
+            {**s.to_dict(), **(fp8[s.name].fields() if s.name in fp8 else dict.fromkeys(blank))}
+            for s in (layers if top is None else layers[:top])
+        ]
         return {
             "observed_steps": self.observed_steps,
             "gradient_steps": self.gradient_steps,
             "grad_underflow_ratio": self.grad_underflow_ratio,
-            "layers": [s.to_dict() for s in (layers if top is None else layers[:top])],
+            "layers": rows,
             "warnings": self.warnings(),
         }
 

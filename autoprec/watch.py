@@ -116,6 +116,11 @@ class Watcher:
                     grad = getattr(param.grad, "_local_tensor", param.grad)  # a shard's
                     self._add(name, PARAM_GRAD, grad, counts)
 
+    def count(self, name: str, kind: str, tensor: torch.Tensor, counts: Counts) -> None:
+        """Count one tensor under (``name``, ``kind``) from a caller's own hook (fp8
+        telemetry), so that it reaches the host in the same transfer as the rest."""
+        self._add(name, kind, tensor, counts)
+
     def _add(self, name: str, kind: str, tensor: torch.Tensor, counts: Counts) -> None:
         """Count one tensor under (``name``, ``kind``), if it is floating and not empty."""
         if tensor.is_floating_point() and tensor.numel():

@@ -72,6 +72,7 @@ HANDLED: dict[str, Handling] = {
     "autoprec search --task my_task.py:make_task --trials 30 --steps 100 --confirm-steps 500 "
     "--trial-schedule compressed": SEARCH,
     "autoprec profile --task digits-overflow": Handling(),
+    "autoprec profile --task fp8-outliers --emulate fp8": Handling(),
     "autoprec search --mode inference --scenario edge": SEARCH,
     "autoprec search --mode inference --scenario server --batch-sizes 1,64": SEARCH,
     "autoprec search --mode inference --scenario critical --checkpoint my_weights.pt": SEARCH,

@@ -27,6 +27,7 @@ from torch import nn
 
 from autoprec.devices import Backend, get_backend, parse_devices
 from autoprec.errors import AutoprecError, StoreError, first_line, redact
+from autoprec.fp8_risk import fp8_group_order
 from autoprec.guided import GuidedStrategy
 from autoprec.profile import Profile
 from autoprec.search._events import Callbacks, Guarded
@@ -424,6 +425,7 @@ class Session:
         if self.prepared.config.sampler != "guided" or self.profile is None:
             return None
         order = [name for name, _ in self.space.group_risk(self.profile, self.prepared.model)]
+        fp8_order = fp8_group_order(self.space, self.profile, self.prepared.model)
         return GuidedStrategy(
             self.space,
             order,
@@ -431,6 +433,7 @@ class Session:
             self.prepared.model,
             self.prepared.backend,
             max_gradient=self.profile.max_gradient(),
+            fp8_risk_order=fp8_order,
         )
 
     def measured(self) -> list[TrialRecord]:

@@ -488,6 +488,9 @@ class _Run:
             if evidence:
                 result.reason = f"underflow: {evidence}"
         result.telemetry = self.monitor.report()
+        fp8 = self.monitor.fp8.evidence()  # the fp8 layer whose casts flush its values
+        if fp8 is not None:
+            result.reason = f"{result.reason}; {fp8}" if result.reason else fp8
         result.grad_underflow_ratio = self.monitor.grad_underflow_ratio
         result.peak_memory_mb = self.meter.peak_mb(self.model, self.optimizer)
         if self.step_times_s:
