@@ -121,7 +121,7 @@ def cast_specs(module: nn.Module) -> dict[str, CastSpec]:
     matmuls, by role (a role whose scaling is disabled is left out)."""
     from torchao.float8.config import ScalingGranularity, ScalingType
 
-    config = module.config
+    config: Any = module.config  # torchao's Float8LinearConfig
     configs = {
         "input": (config.cast_config_input, -1),
         "weight": (config.cast_config_weight, 0),  # on weight.t(), as torchao casts it
@@ -217,7 +217,8 @@ class Fp8Telemetry:
                     tensor = tensor.to(torch.get_autocast_gpu_dtype())
                 self._count(name, "input", tensor, specs["input"])
             if "weight" in specs:
-                self._count(name, "weight", module.weight.t(), specs["weight"])
+                weight: Any = module.weight
+                self._count(name, "weight", weight.t(), specs["weight"])
         if "grad_output" in specs and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(partial(self._grad_hook, name, specs["grad_output"]))
 
