@@ -123,6 +123,7 @@ def _add_search(commands: Any) -> None:
     _add_where(s.add_argument_group("where it runs and is recorded"))
     _add_choice(s.add_argument_group("how the best policy is chosen"))
     _add_faults(s.add_argument_group("workers and faults"))
+    _add_forecast(s.add_argument_group("forecast to the real run's length (issue 21)"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -298,6 +299,27 @@ def _add_faults(group: Any) -> None:
     )
 
 
+# -- the range forecast (issue 21) ------------------------------------------------------
+
+
+def _add_forecast(group: Any) -> None:
+    group.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="how long your real run trains: every trial forecasts each layer's range to "
+        "step N (default: 10x --steps)",
+    )
+    group.add_argument(
+        "--forecast",
+        choices=("infeasible", "warn"),
+        default="infeasible",
+        help="a trial whose forecast overflows a layer's dtype within --train-steps is "
+        "'at risk': infeasible (default), or only warned of",
+    )
+
+
 def _add_other_commands(commands: Any) -> None:
     from autoprec.search.config import DEFAULT_TRACKING_URI
     from autoprec.tasks import DEFAULT_TASK
@@ -395,6 +417,7 @@ def _add_other_commands(commands: Any) -> None:
 def _search(args: argparse.Namespace) -> int:
     from autoprec.progress import Progress
     from autoprec.report import front_table, gains_line
+    from autoprec.report.headroom import forecast_lines
     from autoprec.search import SearchConfig, search
     from autoprec.trials.serving import ServingConfig
 
@@ -425,11 +448,15 @@ def _search(args: argparse.Namespace) -> int:
         mode=args.mode,
         serving=serving if serving.given() else None,  # --mode inference: the defaults
         emulate=tuple(args.emulate),
+        train_steps=args.train_steps,
+        forecast=args.forecast,
     )
     result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
     summary = result.typed or result.summary
     print(front_table(summary))
     print(gains_line(summary))
+    for line in forecast_lines(summary):
+        print(line)
     print(f"best policy: {result.best_policy_path}")
     print(f"summary:     {result.summary_path}")
     print(f"compare:     autoprec ui --tracking-uri {redact(args.tracking_uri)}")

@@ -168,7 +168,7 @@ def prepare(
     else:
         backend = get_backend(config.device, config.emulate)
         devices = [str(backend.device)] if backend.kind != "cpu" else ["cpu"]
-    budget = Budget(steps=config.steps, seed=config.seed)
+    budget = Budget(steps=config.steps, seed=config.seed, train_steps=config.train_steps)
     if check_data:
         check_task_data(task, model, budget.steps, budget.seed)
     assert config.mode is not None  # settled when the config was made

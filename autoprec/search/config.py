@@ -59,6 +59,9 @@ class SearchConfig:
       scenario's (training: speed).
     - ``emulate``: dtypes the device may run emulated (``("fp8",)`` on the CPU: torchao's
       float8 numerics without its speed), recorded in the summary's settings.
+    - ``train_steps``: how long the user's real run trains, the step every layer's range
+      is forecast to (None: 10x ``steps``); ``forecast``: ``infeasible`` (a trial whose
+      forecast crosses its dtype's range within it is infeasible) or ``warn``.
     """
 
     trials: int = 12
@@ -81,6 +84,10 @@ class SearchConfig:
     mode: str | None = None  # None: inference with ``serving``, else training
     serving: ServingConfig | None = None
     emulate: tuple[str, ...] = ()
+    # The range forecast (issue 21): the real run's length (None: 10x ``steps``), and
+    # whether a trial forecast to overflow within it is infeasible or only warned of.
+    train_steps: int | None = None
+    forecast: str = "infeasible"
     # The serving settings given flat, nested into ``serving`` (not kept as fields).
     scenario: InitVar[str | None] = None
     batch_size: InitVar[int | None] = None
@@ -129,6 +136,7 @@ class SearchConfig:
                 f"--heartbeat: expected whole seconds >= 1, got {self.heartbeat_s!r}"
             )
         self._check_mode()
+        _check_forecast(self.train_steps, self.forecast, self.steps)
         if self.sampler not in SAMPLERS:
             raise AutoprecError(
                 f"--sampler: expected one of {', '.join(SAMPLERS)}, got {self.sampler!r}"
@@ -208,6 +216,18 @@ def _not_int(value: Any) -> bool:
 def _check_positive(value: Any, option: str, expected: str) -> None:
     if _not_int(value) or value < 1:
         raise AutoprecError(f"{option}: expected {expected}, got {value!r}")
+
+
+FORECAST_MODES = ("infeasible", "warn")
+
+
+def _check_forecast(train_steps: Any, mode: Any, steps: int) -> None:
+    if train_steps is not None and (_not_int(train_steps) or train_steps < steps):
+        raise AutoprecError(
+            f"--train-steps: expected an integer of at least --steps ({steps}), got {train_steps!r}"
+        )
+    if mode not in FORECAST_MODES:
+        raise AutoprecError(f"--forecast: expected infeasible or warn, got {mode!r}")
 
 
 def _owner(field: str) -> str:

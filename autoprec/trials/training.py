@@ -26,6 +26,13 @@ import torch
 from autoprec._structures import cast_floats
 from autoprec.devices import DTYPES, Backend
 from autoprec.errors import AutoprecError, TaskError, first_line
+from autoprec.forecast import (
+    Forecast,
+    default_train_steps,
+    forecast,
+    forecast_brief,
+    with_headroom,
+)
 from autoprec.observe import observed_dtypes, watch_task
 from autoprec.policy import Policy, share_of_parameters
 from autoprec.precision import Precision
@@ -67,11 +74,14 @@ LAYERS_ARTIFACT = "telemetry_layers.csv"  # a trial's per-layer telemetry, in ML
 
 @dataclass(frozen=True)
 class Budget:
-    """How long a trial trains. The first ``warmup_steps`` steps are not timed."""
+    """How long a trial trains. The first ``warmup_steps`` steps are not timed.
+    ``train_steps`` is how long the user's real run trains, the step every layer's range
+    is forecast to (None: `autoprec.forecast.FORECAST_MULTIPLE` times ``steps``)."""
 
     steps: int = 200
     warmup_steps: int = 5
     seed: int = 0
+    train_steps: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or self.steps < 3:
@@ -84,6 +94,10 @@ class Budget:
     @property
     def untimed_steps(self) -> int:
         return min(self.warmup_steps, self.steps // 2)
+
+    @property
+    def forecast_steps(self) -> int:
+        return self.train_steps or default_train_steps(self.steps)
 
 
 @dataclass
@@ -107,6 +121,8 @@ class TrialResult(Measured):
     loss_scales: list[float] = field(default_factory=list)
     switches: dict[str, bool] = field(default_factory=dict)
     telemetry: dict[str, Any] = field(default_factory=dict)
+    forecast: dict[str, Any] = field(default_factory=dict)  # `autoprec.forecast.Forecast`
+    at_risk: str | None = None  # why the forecast says the real run would overflow
 
     METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
@@ -128,9 +144,18 @@ class TrialResult(Measured):
     def curves(self) -> dict[str, list[float]]:
         return {"train_loss": self.losses, "loss_scale": self.loss_scales}
 
+    def extra_metrics(self) -> dict[str, float]:
+        """The forecast's least headroom now and at the run's length, its first crossing."""
+        return Forecast.from_dict(self.forecast).metrics() if self.forecast else {}
+
+    def within(self, feasibility: Feasibility) -> bool:
+        """A trial whose forecast crosses within the run is infeasible, unless the
+        forecast only warns (``--forecast warn``)."""
+        return self.at_risk is None or feasibility.forecast_warns
+
     def artifacts(self) -> dict[str, str]:
         layers = (self.telemetry or {}).get("layers")
-        return {LAYERS_ARTIFACT: layers_csv(layers)} if layers else {}
+        return {LAYERS_ARTIFACT: layers_csv(with_headroom(layers, self.forecast))} if layers else {}
 
     def entry_fields(self) -> dict[str, Any]:
         return {"switches": self.switches}
@@ -146,6 +171,8 @@ class TrialResult(Measured):
             "warnings": telemetry.get("warnings", []),
             "loss_scale_final": scales[-1] if scales else None,
             "loss_scale_min": min(scales) if scales else None,
+            "forecast": forecast_brief(self.forecast),
+            "at_risk": self.at_risk,
         }
 
     def advice(self) -> list[str]:
@@ -344,7 +371,7 @@ class _Run:
         scale_used = prec.loss_scale
         with (
             self.meter.step() if measured else contextlib.nullcontext(),
-            self.monitor.activations() if observed else contextlib.nullcontext(),
+            self.monitor.activations(step) if observed else contextlib.nullcontext(),
         ):
             started_s = backend.now_s() if timed else 0.0
             loss_value, stepped = _train_step(
@@ -415,6 +442,7 @@ class _Run:
             if evidence:
                 result.reason = f"underflow: {evidence}"
         result.telemetry = self.monitor.report()
+        self._forecast()
         result.grad_underflow_ratio = self.monitor.grad_underflow_ratio
         result.peak_memory_mb = self.meter.peak_mb(self.model, self.optimizer)
         if self.step_times_s:
@@ -429,6 +457,18 @@ class _Run:
                 result.reason = f"the task's metric returned {result.accuracy}"
                 result.accuracy = None
         return result
+
+    def _forecast(self) -> None:
+        """Every layer's range projected to the run's length; a crossing within it puts
+        the trial at risk, said in its reason."""
+        if self.monitor.ranges is None:
+            return
+        budget, result = self.budget, self.result
+        ahead = forecast(self.monitor.ranges, budget.forecast_steps, budget.steps)
+        result.forecast = ahead.to_dict()
+        result.at_risk = ahead.at_risk() if result.state == TrialState.COMPLETE else None
+        if result.at_risk is not None:
+            result.reason = "; ".join(r for r in (result.reason, result.at_risk) if r)
 
 
 def _underflow_evidence(
@@ -636,10 +676,12 @@ class TrainingTrials:
         prefer: str | None = None,
         study: str | None = None,
         stopping: EarlyStopping | None = None,
+        forecast_warns: bool = False,
     ) -> None:
         self.task, self.model, self.backend, self.budget = task, model, backend, budget
         self.asked = (accuracy_tolerance, prefer, study)
         self.stopping = stopping
+        self.forecast_warns = forecast_warns
 
     @classmethod
     def of(
@@ -654,6 +696,7 @@ class TrainingTrials:
             accuracy_tolerance=config.accuracy_tolerance,
             prefer=config.prefer,
             study=config.study,
+            forecast_warns=getattr(config, "forecast", "infeasible") == "warn",
         )
 
     @property
@@ -670,7 +713,10 @@ class TrainingTrials:
         """The space's tolerance unless one was given; speed first; the task's name."""
         tolerance, prefer, study = self.asked
         return Choice(
-            Feasibility(space.accuracy_tolerance if tolerance is None else tolerance),
+            Feasibility(
+                space.accuracy_tolerance if tolerance is None else tolerance,
+                forecast_warns=self.forecast_warns,
+            ),
             prefer or "speed",
             study or self.task.name,
         )
@@ -715,6 +761,7 @@ class TrainingTrials:
             prefer=prefer,
             study=study,
             stopping=EarlyStopping.from_baseline(baseline),
+            forecast_warns=self.forecast_warns,
         )
 
     def measure(self, policy: Policy) -> TrialResult:
