@@ -70,6 +70,7 @@ HANDLED: dict[str, Handling] = {
     "autoprec ui": Handling(serves=True),
     "autoprec search --task digits-overflow --trials 20 --steps 60 --prefer memory": SEARCH,
     "autoprec profile --task digits-overflow": Handling(),
+    "autoprec search --task late-overflow --train-steps 2000": SEARCH,
     "autoprec search --mode inference --scenario edge": SEARCH,
     "autoprec search --mode inference --scenario server --batch-sizes 1,64": SEARCH,
     "autoprec search --mode inference --scenario critical --checkpoint my_weights.pt": SEARCH,
