@@ -185,7 +185,7 @@ def test_the_forecast_names_the_growing_layer_and_its_step_within_2x(fp16_trial,
 @pytest.mark.slow
 def test_the_chosen_policy_keeps_the_growing_layer_out_of_fp16(in_tmp) -> None:
     result = autoprec.search(
-        "late-overflow", trials=6, steps=TRIAL_STEPS, device="cpu", study="late", confirm_top=0
+        "late-overflow", trials=4, steps=TRIAL_STEPS, device="cpu", study="late", confirm_top=0
     )
     summary = result.summary
     anchors = {t["anchor"]: t for t in summary["trials"] if t["anchor"]}

@@ -696,7 +696,7 @@ class TrainingTrials:
             accuracy_tolerance=config.accuracy_tolerance,
             prefer=config.prefer,
             study=config.study,
-            forecast_warns=getattr(config, "forecast", "infeasible") == "warn",
+            forecast_warns=config.forecast == "warn",
         )
 
     @property
