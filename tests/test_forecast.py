@@ -193,7 +193,7 @@ def test_the_chosen_policy_keeps_the_growing_layer_out_of_fp16(in_tmp) -> None:
     assert not fp16["feasible"] and "head (fp16) passes 65504" in fp16["reason"]
     assert fp16["telemetry"]["forecast"]["crossing_layer"] == "head"
     model = load_task("late-overflow").model()
-    chosen = autoprec.load_best_policy("late", runs_dir="runs").resolve(model)
+    chosen = autoprec.load_policy(result.best_policy_path).resolve(model)
     assert chosen["head"] != "fp16"
     # The report charts the headroom per layer; the console names the trials at risk.
     report = render_report(summary, in_tmp / "report")
