@@ -125,6 +125,7 @@ def _add_search(commands: Any) -> None:
     _add_faults(s.add_argument_group("workers and faults"))
     _add_compiled(s.add_argument_group("compiled trials"))
     _add_long_runs(s.add_argument_group("longer than a trial"))
+    _add_forecast(s.add_argument_group("forecast to the real run's length (issue 21)"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -340,6 +341,27 @@ def _long_run_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"confirm_steps": args.confirm_steps, "trial_schedule": args.trial_schedule}
 
 
+# -- the range forecast (issue 21) ------------------------------------------------------
+
+
+def _add_forecast(group: Any) -> None:
+    group.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="how long your real run trains: every trial forecasts each layer's range to "
+        "step N (default: 10x --steps)",
+    )
+    group.add_argument(
+        "--forecast",
+        choices=("infeasible", "warn"),
+        default="infeasible",
+        help="a trial whose forecast overflows a layer's dtype within --train-steps is "
+        "'at risk': infeasible (default), or only warned of",
+    )
+
+
 def _add_other_commands(commands: Any) -> None:
     from autoprec.search.config import DEFAULT_TRACKING_URI
     from autoprec.tasks import DEFAULT_TASK
@@ -445,6 +467,7 @@ def _add_other_commands(commands: Any) -> None:
 def _search(args: argparse.Namespace) -> int:
     from autoprec.progress import Progress
     from autoprec.report import front_table, gains_line
+    from autoprec.report.headroom import forecast_lines
     from autoprec.search import SearchConfig, search
     from autoprec.trials.serving import ServingConfig
 
@@ -477,6 +500,8 @@ def _search(args: argparse.Namespace) -> int:
         emulate=tuple(args.emulate),
         compile=args.compile,
         **_long_run_settings(args),
+        train_steps=args.train_steps,
+        forecast=args.forecast,
     )
     result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
     summary = result.typed or result.summary
@@ -484,6 +509,8 @@ def _search(args: argparse.Namespace) -> int:
     print(gains_line(summary))
     if result.typed is not None and result.typed.confirmation is not None:
         print("\n".join(result.typed.confirmation.lines()))
+    for line in forecast_lines(summary):
+        print(line)
     print(f"best policy: {result.best_policy_path}")
     print(f"summary:     {result.summary_path}")
     print(f"compare:     autoprec ui --tracking-uri {redact(args.tracking_uri)}")

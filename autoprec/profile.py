@@ -108,7 +108,9 @@ class ModuleRisk:
     ``<kind>_below_subnormal`` of the nonzero ones, for kinds act, grad and param_grad),
     ``loss_deviation``, ``output_deviation``, ``nonfinite`` (1.0 when the module alone
     in that dtype gives a non-finite output or loss) and its ``risk``. ``max_abs`` holds
-    the largest magnitudes seen: input (on the deviation batch), act, grad, param_grad.
+    the largest magnitudes seen: input (on the deviation batch), act, grad, param_grad;
+    ``headroom_bits`` how much of each profiled dtype's range its largest output leaves,
+    in bits (log2 of the dtype's largest value over it; negative: past it).
     ``parameters`` counts the module's parameters, its children's included."""
 
     name: str
@@ -125,6 +127,7 @@ class ModuleRisk:
     # an fp8-capable Linear, or fp8 not profiled); see autoprec.fp8_risk.
     fp8_risk: float | None = None
     fp8_reason: str = ""
+    headroom_bits: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,6 +179,9 @@ class Profile:
                     error=str(item.get("error", "")),
                     fp8_risk=None if item.get("fp8_risk") is None else _decode(item["fp8_risk"]),
                     fp8_reason=str(item.get("fp8_reason", "")),
+                    headroom_bits={
+                        str(d): _decode(v) for d, v in item.get("headroom_bits", {}).items()
+                    },
                 )
                 for item in data["modules"]
             ]
@@ -224,7 +230,17 @@ class Profile:
 
     def table(self, top: int = 20) -> str:
         """The ``top`` riskiest modules as a ranked plain-text table."""
-        header = ("rank", "module", "type", "params", "risk", "max|out|", "max|grad|", "reason")
+        header = (
+            "rank",
+            "module",
+            "type",
+            "params",
+            "risk",
+            "max|out|",
+            "max|grad|",
+            "room bits",
+            "reason",
+        )
         rows = [
             (
                 str(m.rank),
@@ -234,12 +250,13 @@ class Profile:
                 "error" if m.error and not m.risk else _number(m.risk),
                 _number(m.max_abs.get("act", 0.0)),
                 _number(m.max_abs.get("grad", 0.0)),
+                _number(min(m.headroom_bits.values())) if m.headroom_bits else "-",
                 m.reason,
             )
             for m in self.modules[:top]
         ]
         widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header) - 1)]
-        right = {0, 3, 4, 5, 6}
+        right = {0, 3, 4, 5, 6, 7}
         lines = []
         for row in (header, *rows):
             cells = [
@@ -661,8 +678,17 @@ def _module_risk(
         risk=risk,
         reason=reason if ran else "not run in the forward",
         error="; ".join(errors),
+        headroom_bits=_headroom_bits(_max_abs(watcher, name, "act"), dtypes),
     )
     return entry, risk > 0 and input_max_abs > dtype_limits(worst)[0]
+
+
+def _headroom_bits(max_abs: float, dtypes: tuple[str, ...] | list[str]) -> dict[str, float]:
+    """Bits of each dtype's range left above ``max_abs`` (`autoprec.forecast`'s
+    headroom now, for the fp32 steps the profile watched)."""
+    if not (max_abs > 0 and math.isfinite(max_abs)):
+        return {}
+    return {d: math.log2(dtype_limits(d)[0] / max_abs) for d in dtypes}
 
 
 def _dtype_risk(

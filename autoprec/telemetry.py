@@ -42,10 +42,12 @@ import torch
 from torch import nn
 
 from autoprec._structures import tensors
+from autoprec.forecast import RangeSeries, dtype_code, dtype_of_code
 from autoprec.fp8_telemetry import Fp8Telemetry
 from autoprec.watch import CALL, PARAM_GRAD, Counts, Watcher
 
 FP16_MAX = 65504.0
+RANGE_SAMPLE = 4096  # gradient elements sampled per tensor for the low quantile
 UNDERFLOW_WARNING = 0.01  # warn when more than 1% of nonzero gradients would flush
 
 
@@ -130,6 +132,32 @@ def _activation_counts(args: Any, kwargs: Any, output: Any) -> torch.Tensor:
     return torch.cat([rows[:, :3].sum(dim=0), rows[:, 3].amax().reshape(1), origin])
 
 
+def _grad_range(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """`_flush_counts`, then the largest |gradient| and a low quantile (the 1st
+    percentile, of up to ``RANGE_SAMPLE`` elements taken at a stride) of the nonzero
+    ones, as held at the loss scale, for the range series (`autoprec.forecast`)."""
+    scaled = grad.detach().float().flatten() * scale
+    magnitude = scaled.abs()
+    sample = magnitude[:: max(1, magnitude.numel() // RANGE_SAMPLE)]
+    sample = torch.where((sample > 0) & torch.isfinite(sample), sample, torch.inf)
+    k = max(1, sample.numel() // 100)
+    low = torch.kthvalue(sample, k).values
+    largest = torch.where(torch.isfinite(magnitude), magnitude, 0).amax()
+    # The quantile is kept negated, so that a maximum over a layer's parameters keeps the
+    # smallest.
+    return torch.cat([_flush_counts(grad, scale), torch.stack([largest, -low]).double()])
+
+
+def _activation_range_counts(args: Any, kwargs: Any, output: Any) -> torch.Tensor:
+    """`_activation_counts`, then the output dtype's code (`autoprec.forecast.dtype_code`)."""
+    counts = _activation_counts(args, kwargs, output)
+    floating = [t for t in tensors(output) if t.is_floating_point() and t.numel()]
+    code = max((dtype_code(str(t.dtype).removeprefix("torch.")) for t in floating), default=0)
+    return torch.cat(
+        [counts, torch.full((1,), float(code), dtype=counts.dtype, device=counts.device)]
+    )
+
+
 # The watcher's totals by kind, in LayerStats' terms: calls hold the activation counts.
 _ACTIVATION_FIELDS = (
     "act_elements",
@@ -141,6 +169,10 @@ _ACTIVATION_FIELDS = (
 _GRADIENT_FIELDS = ("grad_elements", "grad_nonzero", "grad_zero", "grad_flushed", "grad_nonfinite")
 _FIELDS = {CALL: _ACTIVATION_FIELDS, PARAM_GRAD: _GRADIENT_FIELDS}
 _ACTIVATIONS = Counts(_activation_counts, maxima=frozenset({3}))
+# With the range series: the dtype code (a maximum) and the gradients' largest and low
+# quantile (maxima; the quantile negated).
+_ACTIVATION_RANGES = Counts(_activation_range_counts, maxima=frozenset({3, 5}))
+_GRAD_RANGE_MAXIMA = frozenset({5, 6})
 
 
 class GradientMonitor:
@@ -148,9 +180,14 @@ class GradientMonitor:
     on the device until the step's gradients are observed or the figures are read: one
     host transfer per observed step."""
 
-    def __init__(self, model: nn.Module, warn_underflow: float = UNDERFLOW_WARNING) -> None:
+    def __init__(
+        self, model: nn.Module, warn_underflow: float = UNDERFLOW_WARNING, ranges: bool = True
+    ) -> None:
         self.model = model
         self.warn_underflow = warn_underflow
+        # Per observed step, each layer's range (`autoprec.forecast.RangeSeries`).
+        self.ranges: RangeSeries | None = RangeSeries() if ranges else None
+        self._step = 0
         self._watcher = Watcher(model)
         self.layers = self._watcher.leaves
         self.watched = self._watcher.modules
@@ -166,18 +203,25 @@ class GradientMonitor:
         return self._stats
 
     @contextlib.contextmanager
-    def activations(self) -> Iterator[None]:
-        """Count non-finite and fp16-range outputs of every layer during this block."""
+    def activations(self, step: int | None = None) -> Iterator[None]:
+        """Count non-finite and fp16-range outputs of every layer during this block, as
+        training step ``step`` (default: the count of observed steps) in the series."""
         self._collect()  # an earlier step's counts, if its gradients were not observed
+        self._step = self.observed_steps if step is None else step
+        calls = _ACTIVATIONS if self.ranges is None else _ACTIVATION_RANGES
         try:
-            with self._watcher.forward(calls=_ACTIVATIONS), self.fp8.forward():
+            with self._watcher.forward(calls=calls), self.fp8.forward():
                 yield
         finally:
             self.observed_steps += 1
 
     def observe_gradients(self, scale: float = 1.0) -> None:
         """Count this step's gradients (unscaled, as after ``prec.step``) per layer."""
-        self._watcher.parameter_gradients(Counts(partial(_flush_counts, scale=scale)))
+        if self.ranges is None:
+            counts = Counts(partial(_flush_counts, scale=scale))
+        else:
+            counts = Counts(partial(_grad_range, scale=scale), maxima=_GRAD_RANGE_MAXIMA)
+        self._watcher.parameter_gradients(counts)
         self.gradient_steps += 1
         self._collect()
 
@@ -188,8 +232,18 @@ class GradientMonitor:
                 continue  # fp8 casts: self.fp8 reads them from the watcher's totals
             stats = self._stats.setdefault(name, LayerStats(name))
             total = self._watcher.totals[(name, kind)]
-            for field_name, value in zip(_FIELDS[kind], total, strict=True):
+            for field_name, value in zip(_FIELDS[kind], total, strict=False):
                 setattr(stats, field_name, value if field_name == "act_max_abs" else int(value))
+            if self.ranges is not None:
+                self._add_range(name, kind, self._watcher.latest[(name, kind)])
+
+    def _add_range(self, name: str, kind: str, row: list[float]) -> None:
+        """One observed step's range of one layer, into the series."""
+        assert self.ranges is not None
+        if kind == CALL:
+            self.ranges.add_activation(name, self._step, row[3], dtype_of_code(row[5]))
+        elif kind == PARAM_GRAD:
+            self.ranges.add_gradient(name, self._step, row[5], -row[6])
 
     @property
     def grad_underflow_ratio(self) -> float:

@@ -10,8 +10,9 @@ two modules counted once), and which modules ran.
 What is counted is the caller's business: a `Counts` maps one tensor (or, for
 ``calls``, one module call) to a vector of counts computed on its device without a
 host sync. The vectors wait until `Watcher.collect`, which moves them all to the host in
-one transfer and adds them to ``totals`` per (module, kind): one transfer per observed
-step, however many modules and tensors were counted.
+one transfer and adds them to ``totals`` per (module, kind), ``latest`` keeping the
+collect's own for per-step series: one transfer per observed step, however many modules
+and tensors were counted.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class Watcher:
         self.leaves = parameterised_leaves(model)
         self.ran: set[str] = set()
         self.totals: dict[tuple[str, str], list[float]] = {}
+        # This collect's own counts (one observed step's), merged as the totals are.
+        self.latest: dict[tuple[str, str], list[float]] = {}
         self._pending: list[tuple[str, str, torch.Tensor, Counts]] = []
 
     @contextlib.contextmanager
@@ -131,22 +134,23 @@ class Watcher:
         """Move the pending count vectors to the host in one transfer and add them to
         ``totals``; return the (module, kind) keys that changed, in order of first count."""
         if not self._pending:
+            self.latest = {}
             return []
         vectors = [vector for _, _, vector, _ in self._pending]
         device = next((v.device for v in vectors if v.device.type != "cpu"), vectors[0].device)
         same_device = [v if v.device == device else v.to(device) for v in vectors]
         values = torch.cat(same_device).double().cpu().tolist()
-        changed: dict[tuple[str, str], None] = {}
+        self.latest = {}
         offset = 0
         for name, kind, vector, counts in self._pending:
             row = values[offset : offset + vector.numel()]
             offset += vector.numel()
-            changed[(name, kind)] = None
-            total = self.totals.get((name, kind))
-            if total is None:
-                self.totals[(name, kind)] = row
-                continue
-            for i, value in enumerate(row):
-                total[i] = max(total[i], value) if i in counts.maxima else total[i] + value
+            for merged in (self.totals, self.latest):
+                total = merged.get((name, kind))
+                if total is None:
+                    merged[(name, kind)] = list(row)
+                    continue
+                for i, value in enumerate(row):
+                    total[i] = max(total[i], value) if i in counts.maxima else total[i] + value
         self._pending.clear()
-        return list(changed)
+        return list(self.latest)

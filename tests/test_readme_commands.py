@@ -73,6 +73,7 @@ HANDLED: dict[str, Handling] = {
     "--trial-schedule compressed": SEARCH,
     "autoprec profile --task digits-overflow": Handling(),
     "autoprec profile --task fp8-outliers --emulate fp8": Handling(),
+    "autoprec search --task late-overflow --train-steps 2000": SEARCH,
     "autoprec search --mode inference --scenario edge": SEARCH,
     "autoprec search --mode inference --scenario server --batch-sizes 1,64": SEARCH,
     "autoprec search --mode inference --scenario critical --checkpoint my_weights.pt": SEARCH,

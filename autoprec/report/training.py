@@ -7,6 +7,7 @@ import html
 from pathlib import Path
 
 from autoprec.report.confirmation import confirmation_section
+from autoprec.report.headroom import headroom_section, plot_headroom
 from autoprec.report.page import (
     cell,
     html_table,
@@ -51,6 +52,7 @@ def training_view(summary: Summary, out_dir: Path) -> tuple[list[Path], str]:
         plot_front(summary, "peak_memory_mb", out_dir / "front_memory.png"),
         plot_dtype_map(summary, out_dir / "dtype_map.png"),
     ]
+    headroom_chart = plot_headroom(summary, out_dir / "headroom.png")
     best = summary.best
     side = [summary.baseline, *sorted((t for t in summary.trials if t.anchor), key=anchor_rank)]
     if not best.is_baseline:
@@ -71,9 +73,10 @@ side with the baseline, their step times are those re-timings. Feasible: accurac
 <h2>Trade-offs</h2>
 {images(plots)}
 {layers_section(best)}
+{headroom_section(summary, headroom_chart)}
 {trials_section(summary, METRIC_HEADER, metric_row)}
 {confirmation_section(summary)}
 <h2>Advice from the fp32 baseline's gradients</h2>
 <ul>{advice or "<li>none: no layer would lose gradients or overflow in fp16</li>"}</ul>
 {settings_section(summary)}"""
-    return plots, body
+    return plots + ([headroom_chart] if headroom_chart else []), body

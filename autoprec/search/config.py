@@ -67,6 +67,9 @@ class SearchConfig:
       no confirmation. ``trial_schedule``: ``as-is`` (trials step the task's scheduler as
       the real run does) or ``compressed`` (its shape squeezed into the trials' steps,
       `autoprec.trial_schedule`).
+    - ``train_steps``: how long the user's real run trains, the step every layer's range
+      is forecast to (None: 10x ``steps``); ``forecast``: ``infeasible`` (a trial whose
+      forecast crosses its dtype's range within it is infeasible) or ``warn``.
     """
 
     trials: int = 12
@@ -93,6 +96,10 @@ class SearchConfig:
     # -- longer than a trial (issue 21): the long confirmation, the trials' schedule
     confirm_steps: int | None = None
     trial_schedule: str = "as-is"
+    # The range forecast (issue 21): the real run's length (None: 10x ``steps``), and
+    # whether a trial forecast to overflow within it is infeasible or only warned of.
+    train_steps: int | None = None
+    forecast: str = "infeasible"
     # The serving settings given flat, nested into ``serving`` (not kept as fields).
     scenario: InitVar[str | None] = None
     batch_size: InitVar[int | None] = None
@@ -146,6 +153,7 @@ class SearchConfig:
         if self.compile and self.mode != "training":
             raise AutoprecError("--compile: only with --mode training (serving is not compiled)")
         self._check_long_runs()
+        _check_forecast(self.train_steps, self.forecast, self.steps)
         if self.sampler not in SAMPLERS:
             raise AutoprecError(
                 f"--sampler: expected one of {', '.join(SAMPLERS)}, got {self.sampler!r}"
@@ -240,6 +248,18 @@ def _not_int(value: Any) -> bool:
 def _check_positive(value: Any, option: str, expected: str) -> None:
     if _not_int(value) or value < 1:
         raise AutoprecError(f"{option}: expected {expected}, got {value!r}")
+
+
+FORECAST_MODES = ("infeasible", "warn")
+
+
+def _check_forecast(train_steps: Any, mode: Any, steps: int) -> None:
+    if train_steps is not None and (_not_int(train_steps) or train_steps < steps):
+        raise AutoprecError(
+            f"--train-steps: expected an integer of at least --steps ({steps}), got {train_steps!r}"
+        )
+    if mode not in FORECAST_MODES:
+        raise AutoprecError(f"--forecast: expected infeasible or warn, got {mode!r}")
 
 
 def _owner(field: str) -> str:

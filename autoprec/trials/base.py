@@ -161,6 +161,8 @@ class Feasibility:
     tolerance: float
     min_top1_agreement: float | None = None
     max_rel_deviation: float | None = None
+    # Training: a trial whose range forecast crosses within the run stays feasible.
+    forecast_warns: bool = False
 
     def judge(self, result: Result, drop: float | None) -> bool:
         if result.state != TrialState.COMPLETE or drop is None or drop > self.tolerance + 1e-12:

@@ -28,6 +28,13 @@ from autoprec.compiled import Compilation, fresh_compiler
 from autoprec.devices import DTYPES, Backend
 from autoprec.emulation import emulated_dtypes
 from autoprec.errors import AutoprecError, TaskError, first_line
+from autoprec.forecast import (
+    Forecast,
+    default_train_steps,
+    forecast,
+    forecast_brief,
+    with_headroom,
+)
 from autoprec.observe import observed_dtypes, watch_task
 from autoprec.policy import Policy, share_of_parameters
 from autoprec.precision import Precision
@@ -69,11 +76,14 @@ LAYERS_ARTIFACT = "telemetry_layers.csv"  # a trial's per-layer telemetry, in ML
 
 @dataclass(frozen=True)
 class Budget:
-    """How long a trial trains. The first ``warmup_steps`` steps are not timed."""
+    """How long a trial trains. The first ``warmup_steps`` steps are not timed.
+    ``train_steps`` is how long the user's real run trains, the step every layer's range
+    is forecast to (None: `autoprec.forecast.FORECAST_MULTIPLE` times ``steps``)."""
 
     steps: int = 200
     warmup_steps: int = 5
     seed: int = 0
+    train_steps: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or self.steps < 3:
@@ -86,6 +96,10 @@ class Budget:
     @property
     def untimed_steps(self) -> int:
         return min(self.warmup_steps, self.steps // 2)
+
+    @property
+    def forecast_steps(self) -> int:
+        return self.train_steps or default_train_steps(self.steps)
 
 
 @dataclass
@@ -116,6 +130,8 @@ class TrialResult(Measured):
     compile_s: float | None = None
     compute_capability: str | None = None
     emulated: list[str] = field(default_factory=list)
+    forecast: dict[str, Any] = field(default_factory=dict)  # `autoprec.forecast.Forecast`
+    at_risk: str | None = None  # why the forecast says the real run would overflow
 
     METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
@@ -137,9 +153,14 @@ class TrialResult(Measured):
     def curves(self) -> dict[str, list[float]]:
         return {"train_loss": self.losses, "loss_scale": self.loss_scales}
 
+    def within(self, feasibility: Feasibility) -> bool:
+        """A trial whose forecast crosses within the run is infeasible, unless the
+        forecast only warns (``--forecast warn``)."""
+        return self.at_risk is None or feasibility.forecast_warns
+
     def artifacts(self) -> dict[str, str]:
         layers = (self.telemetry or {}).get("layers")
-        return {LAYERS_ARTIFACT: layers_csv(layers)} if layers else {}
+        return {LAYERS_ARTIFACT: layers_csv(with_headroom(layers, self.forecast))} if layers else {}
 
     def entry_fields(self) -> dict[str, Any]:
         return {"switches": self.switches, "execution": self.execution()}
@@ -154,12 +175,14 @@ class TrialResult(Measured):
         return {k: v for k, v in facts.items() if v is not None}
 
     def extra_metrics(self) -> dict[str, float]:
-        """A compiled trial's graph breaks and compile time (NaN where it measured none,
-        so that every child of a compiled search has the same metrics)."""
-        if not self.compiled:
-            return {}
-        values = {"graph_breaks": self.graph_breaks, "compile_s": self.compile_s}
-        return {k: math.nan if v is None else float(v) for k, v in values.items()}
+        """The forecast's least headroom now and at the run's length, its first crossing;
+        a compiled trial's graph breaks and compile time (NaN where it measured none, so
+        that every child of a compiled search has the same metrics)."""
+        metrics = Forecast.from_dict(self.forecast).metrics() if self.forecast else {}
+        if self.compiled:
+            values = {"graph_breaks": self.graph_breaks, "compile_s": self.compile_s}
+            metrics.update({k: math.nan if v is None else float(v) for k, v in values.items()})
+        return metrics
 
     def run_params(self) -> dict[str, str]:
         return {
@@ -179,6 +202,8 @@ class TrialResult(Measured):
             "warnings": telemetry.get("warnings", []),
             "loss_scale_final": scales[-1] if scales else None,
             "loss_scale_min": min(scales) if scales else None,
+            "forecast": forecast_brief(self.forecast),
+            "at_risk": self.at_risk,
         }
 
     def advice(self) -> list[str]:
@@ -409,7 +434,7 @@ class _Run:
         scale_used = prec.loss_scale
         with (
             self.meter.step() if measured else contextlib.nullcontext(),
-            self.monitor.activations() if observed else contextlib.nullcontext(),
+            self.monitor.activations(step) if observed else contextlib.nullcontext(),
         ):
             started_s = backend.now_s() if timed else 0.0
             # Observed steps run eager: telemetry's hooks would break a compiled graph.
@@ -491,6 +516,7 @@ class _Run:
         fp8 = self.monitor.fp8.evidence()  # the fp8 layer whose casts flush its values
         if fp8 is not None:
             result.reason = f"{result.reason}; {fp8}" if result.reason else fp8
+        self._forecast()
         result.grad_underflow_ratio = self.monitor.grad_underflow_ratio
         result.peak_memory_mb = self.meter.peak_mb(self.model, self.optimizer)
         if self.step_times_s:
@@ -508,6 +534,18 @@ class _Run:
                 result.reason = f"the task's metric returned {result.accuracy}"
                 result.accuracy = None
         return result
+
+    def _forecast(self) -> None:
+        """Every layer's range projected to the run's length; a crossing within it puts
+        the trial at risk, said in its reason."""
+        if self.monitor.ranges is None:
+            return
+        budget, result = self.budget, self.result
+        ahead = forecast(self.monitor.ranges, budget.forecast_steps, budget.steps)
+        result.forecast = ahead.to_dict()
+        result.at_risk = ahead.at_risk() if result.state == TrialState.COMPLETE else None
+        if result.at_risk is not None:
+            result.reason = "; ".join(r for r in (result.reason, result.at_risk) if r)
 
 
 def _underflow_evidence(
@@ -732,11 +770,13 @@ class TrainingTrials:
         study: str | None = None,
         stopping: EarlyStopping | None = None,
         compiled: bool = False,
+        forecast_warns: bool = False,
     ) -> None:
         self.task, self.model, self.backend, self.budget = task, model, backend, budget
         self.asked = (accuracy_tolerance, prefer, study)
         self.stopping = stopping
         self.compiled = compiled  # every trial under torch.compile (`autoprec.compiled`)
+        self.forecast_warns = forecast_warns
 
     @classmethod
     def of(
@@ -752,6 +792,7 @@ class TrainingTrials:
             prefer=config.prefer,
             study=config.study,
             compiled=bool(getattr(config, "compile", False) or task.compile),
+            forecast_warns=config.forecast == "warn",
         )
 
     @property
@@ -769,7 +810,10 @@ class TrainingTrials:
         """The space's tolerance unless one was given; speed first; the task's name."""
         tolerance, prefer, study = self.asked
         return Choice(
-            Feasibility(space.accuracy_tolerance if tolerance is None else tolerance),
+            Feasibility(
+                space.accuracy_tolerance if tolerance is None else tolerance,
+                forecast_warns=self.forecast_warns,
+            ),
             prefer or "speed",
             study or self.task.name,
         )
@@ -816,6 +860,7 @@ class TrainingTrials:
             study=study,
             stopping=EarlyStopping.from_baseline(baseline),
             compiled=self.compiled,
+            forecast_warns=self.forecast_warns,
         )
 
     def measure(self, policy: Policy) -> TrialResult:
