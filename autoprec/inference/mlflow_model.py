@@ -131,6 +131,10 @@ def save_mlflow_model(
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
     if int8 is not None:
         requirements += quantizer(int8).requirements()
+    if policy.fp8_method is not None and policy.fp8_method != int8:  # torchao's float8
+        requirements += [
+            r for r in quantizer(policy.fp8_method).requirements() if r not in requirements
+        ]
     formats = [] if has_torch_dynamic_int8(converted) else ["pt2"]
     if fp32 is not None and task_spec is not None:
         formats.append(FORMAT)

@@ -27,7 +27,12 @@ from torch import nn
 from autoprec._digest import file_sha256
 from autoprec.devices import DTYPES, Backend
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
-from autoprec.fp8_serving import FP8_SERVING_METHODS, default_fp8_method, search_refusal
+from autoprec.fp8_serving import (
+    FP8_SERVING_METHODS,
+    default_fp8_method,
+    fp8_serving_refusal,
+    search_refusal,
+)
 from autoprec.inference.convert import (
     convert,
     convert_policy,
@@ -587,8 +592,13 @@ def save_served_model(
     cpu = get_backend("cpu")
     int8 = trials.serving.int8
     fp32, _ = trials._loaded()
-    if "int8" in policy.resolve_inference(fp32).values():
+    dtypes = set(policy.resolve_inference(fp32).values())
+    if "int8" in dtypes:
         reason = int8_unavailable_reason("cpu", int8)
+        if reason is not None:
+            return None, f"{reason}, where the MLflow model runs"
+    if "fp8" in dtypes:  # weight-only fp8 runs on the CPU; the dynamic methods need CUDA
+        reason = fp8_serving_refusal(cpu, policy.fp8_method)
         if reason is not None:
             return None, f"{reason}, where the MLflow model runs"
     path = out_dir / MLFLOW_MODEL_DIR
