@@ -46,9 +46,27 @@ class Quantizer:
     exports: bool  # whether torch.export traces the quantized weights
     elsewhere: str  # why it cannot run on another device kind ({kind})
     _quantize: Callable[[nn.Module, list[str]], None]
-    # the torchao config's arguments as a torchao workflow writes them, and their imports
-    torchao_args: str = ""
-    torchao_imports: tuple[str, ...] = ()
+    # the torchao config's arguments: (keyword, torchao.quantization class made without
+    # arguments), e.g. (("granularity", "PerRow"),)
+    torchao_kwargs: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def torchao_args(self) -> str:
+        """The config's arguments as a torchao workflow writes them (``granularity=PerRow()``)."""
+        return ", ".join(f"{key}={value}()" for key, value in self.torchao_kwargs)
+
+    @property
+    def torchao_imports(self) -> tuple[str, ...]:
+        """What those arguments import from ``torchao.quantization``."""
+        return tuple(value for _, value in self.torchao_kwargs)
+
+    def torchao_config_object(self) -> Any:
+        """The torchao config itself (for torch's own ``dynamic``, its nearest)."""
+        import_torchao()
+        import torchao.quantization as quantization
+
+        kwargs = {key: getattr(quantization, value)() for key, value in self.torchao_kwargs}
+        return getattr(quantization, self.torchao_config)(**kwargs)
 
     def unavailable_reason(self, device_kind: str) -> str | None:
         """Why this method cannot run on the device kind, in one line; None when it can."""
@@ -99,17 +117,15 @@ def _torchao(config_name: str) -> Callable[[nn.Module, list[str]], None]:
     return quantize
 
 
-def _torchao_fp8(config_name: str, rowwise: bool) -> Callable[[nn.Module, list[str]], None]:
-    """torchao's float8 config ``config_name`` on the named layers (per-row scales for
-    the dynamic config where ``rowwise``, else torchao's default)."""
+def _torchao_fp8(method: str) -> Callable[[nn.Module, list[str]], None]:
+    """The registry's torchao float8 config of ``method`` on the named layers."""
 
     def quantize(model: nn.Module, names: list[str]) -> None:
         import_torchao()
         import torchao.quantization as quantization
 
         chosen = set(names)
-        kwargs = {"granularity": quantization.PerRow()} if rowwise else {}
-        config = getattr(quantization, config_name)(**kwargs)
+        config = QUANTIZERS[method].torchao_config_object()
         quantization.quantize_(model, config, filter_fn=lambda module, fqn: fqn in chosen)
 
     return quantize
@@ -168,7 +184,7 @@ QUANTIZERS: dict[str, Quantizer] = {
             True,
             True,
             "torchao has no float8 kernels for {kind}",
-            _torchao_fp8(_FP8_WEIGHT_ONLY, rowwise=False),
+            _torchao_fp8("torchao-fp8-weight-only"),
         ),
         Quantizer(
             "torchao-fp8-dynamic",
@@ -179,7 +195,7 @@ QUANTIZERS: dict[str, Quantizer] = {
             True,
             True,
             _FP8_ELSEWHERE,
-            _torchao_fp8(_FP8_DYNAMIC, rowwise=False),
+            _torchao_fp8("torchao-fp8-dynamic"),
         ),
         Quantizer(
             "torchao-fp8-dynamic-rowwise",
@@ -190,9 +206,8 @@ QUANTIZERS: dict[str, Quantizer] = {
             True,
             True,
             _FP8_ELSEWHERE,
-            _torchao_fp8(_FP8_DYNAMIC, rowwise=True),
-            "granularity=PerRow()",
-            ("PerRow",),
+            _torchao_fp8("torchao-fp8-dynamic-rowwise"),
+            (("granularity", "PerRow"),),
         ),
     )
 }
