@@ -10,9 +10,11 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -310,3 +312,52 @@ def test_the_exports_carry_the_fp8_layers(tmp_path):
     state = torch.load(names["served.pt"], weights_only=True)
     assert state[f"{linear[0]}.weight"].qdata.dtype == torch.float8_e4m3fn
     assert load_policy(names["policy.yaml"]).fp8_method == WEIGHT_ONLY
+
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_fp8.py"
+
+
+def _benchmark(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCHMARK), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(BENCHMARK.parents[1]), "PYTHONWARNINGS": "ignore"},
+        timeout=600,
+    )
+
+
+def test_the_gpu_fp8_script_runs_its_smoke_mode(tmp_path):
+    """benchmarks/gpu_fp8.py on a tiny model, emulated on the CPU and not compiled, with a
+    policy given (the built-in short search is the slow part, skipped here): it times the
+    four policies side by side and writes its figures."""
+    policy = Policy(
+        rules=(Rule("fp8", patterns=("blocks.0.*",), types=("Linear",)),),
+        default="bf16",
+        quantization=Quantization(fp8="rowwise"),
+    )
+    path = policy.save(tmp_path / "policy.yaml")
+    done = _benchmark(
+        *("--smoke", "--policy", str(path), "--warmup", "1", "--rounds", "2", "--block", "1"),
+        *("--out", str(tmp_path / "out")),
+        cwd=tmp_path,
+    )
+    assert done.returncode in (0, 1), done.stderr  # 1: a target missed (the figures decide)
+    figures = json.loads((tmp_path / "out" / "gpu_fp8.json").read_text())
+    rows = {row["name"]: row for row in figures["rows"]}
+    assert list(rows) == ["bf16", "fp8-tensorwise", "fp8-rowwise", "searched"]
+    assert rows["bf16"]["fp8_share"] == 0 and rows["bf16"]["feasible"]
+    # The uniform recipes put every block Linear in fp8; the head (500 outputs) stays bf16.
+    assert 0 < rows["searched"]["fp8_share"] < rows["fp8-tensorwise"]["fp8_share"] < 1
+    assert all(row["step_ms"] > 0 for row in rows.values())
+    assert figures["target_met"] == (done.returncode == 0)
+    assert "torchao's published float8 training speed-ups" in done.stdout
+
+
+@pytest.mark.skipif(CC_89, reason="checks the refusal on a machine without fp8 kernels")
+def test_the_gpu_fp8_script_refuses_without_an_fp8_gpu(tmp_path):
+    done = _benchmark(cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "compute capability 8.9" in lines[0], lines
