@@ -283,6 +283,34 @@ def test_the_mlflow_model_serves_the_fp8_layers(tmp_path, method):
     assert "torchao==" in (tmp_path / "model" / "requirements.txt").read_text()
 
 
+def test_fp8_beside_torch_s_dynamic_int8_is_rebuilt_at_load(tmp_path):
+    """What a CPU search with --emulate fp8 and int8 on can choose: torch's dynamic int8
+    does not export, so the MLflow model is rebuilt at load, fp8 layers and all."""
+    import mlflow
+
+    from autoprec.inference.mlflow_model import save_mlflow_model
+    from autoprec.tasks import load_task
+
+    task = load_task("digits-mlp")
+    model = task.model().eval()
+    batch = task.first_val_batch()
+    linear = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    policy = Policy(
+        rules=(Rule("int8", patterns=(linear[0],)), Rule("fp8", patterns=tuple(linear[1:]))),
+        serving=True,
+        quantization=Quantization(int8="dynamic", fp8=WEIGHT_ONLY),
+    )
+    served = convert_policy(model, policy, "cpu")
+    assert set(weight_dtypes(served).values()) >= {"int8", "fp8"}
+    path = tmp_path / "model"
+    fmt = save_mlflow_model(served, batch, policy, path, "dynamic", model, "digits-mlp")
+    assert fmt == "autoprec-rebuilt"
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    loaded = mlflow.pyfunc.load_model(str(path))
+    x = batch.args[0][:5]
+    assert (loaded.predict(x.numpy()) == outputs(served, x).numpy()).all()
+
+
 def test_the_exports_carry_the_fp8_layers(tmp_path):
     from autoprec.tasks import load_task
 
@@ -361,3 +389,12 @@ def test_the_gpu_fp8_script_refuses_without_an_fp8_gpu(tmp_path):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "compute capability 8.9" in lines[0], lines
+
+
+def test_the_training_formats_refuse_a_serving_fp8_policy_in_one_line(tmp_path):
+    from autoprec.errors import ExportError
+
+    model = mlp()
+    for fmt in ("fp8", "transformers"):
+        with pytest.raises(ExportError, match=r"serves layers in fp8 \(torchao-fp8-weight-only\)"):
+            export_policy(fp8_policy(), fmt, tmp_path / fmt, model=model)
