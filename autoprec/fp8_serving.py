@@ -82,7 +82,10 @@ def search_refusal(backend: Backend, method: str | None = None) -> str | None:
     device's."""
     reason = fp8_serving_refusal(backend, method)
     if reason is None and backend.kind == "cpu" and backend.fp8_refusal() is not None:
-        return f"fp8 serving: {backend.fp8_refusal()}"
+        return (
+            "fp8 serving on the CPU is emulated (torchao's float8 weights and outputs, no fp8 "
+            "device's latency); opt in with --emulate fp8 (SearchConfig(emulate=['fp8']))"
+        )
     return reason
 
 

@@ -162,12 +162,11 @@ def test_the_registry_names_fp8_beside_int8():
 @pytest.mark.skipif(not CC_89, reason="needs CUDA compute capability 8.9+ (never ran here)")
 @pytest.mark.parametrize("method", ["torchao-fp8-dynamic", "torchao-fp8-dynamic-rowwise"])
 def test_dynamic_fp8_on_a_gpu_is_torchao_s_exactly(method):
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).cuda().bfloat16()
-    policy = fp8_policy(method, ("0", "2"))
-    served = convert_policy(model.float(), policy, "cuda")
-    reference = torchao_reference(
-        model.float(), ("0", "2"), QUANTIZERS[method].torchao_config_object()
-    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).cuda().eval()
+    served = convert_policy(model, fp8_policy(method, ("0", "2")), "cuda")
+    config = QUANTIZERS[method].torchao_config_object()
+    reference = torchao_reference(model, ("0", "2"), config)
     x = torch.randn(8, 64, device="cuda")
     assert torch.equal(outputs(served, x), outputs(reference, x))
 
