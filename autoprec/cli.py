@@ -123,6 +123,7 @@ def _add_search(commands: Any) -> None:
     _add_where(s.add_argument_group("where it runs and is recorded"))
     _add_choice(s.add_argument_group("how the best policy is chosen"))
     _add_faults(s.add_argument_group("workers and faults"))
+    _add_compiled(s.add_argument_group("compiled trials"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -307,6 +308,17 @@ def _add_faults(group: Any) -> None:
     )
 
 
+def _add_compiled(group: Any) -> None:
+    group.add_argument(
+        "--compile",
+        action="store_true",
+        help="train every trial under torch.compile, whatever its policy (fp8 layers are "
+        "fast only compiled); records each trial's graph breaks and compile time, which "
+        "the step time leaves out (training only; a Task(compile=True) asks for it too; "
+        "on the CPU a first compile takes ~20 s)",
+    )
+
+
 def _add_other_commands(commands: Any) -> None:
     from autoprec.search.config import DEFAULT_TRACKING_URI
     from autoprec.tasks import DEFAULT_TASK
@@ -435,6 +447,7 @@ def _search(args: argparse.Namespace) -> int:
         mode=args.mode,
         serving=serving if serving.given() else None,  # --mode inference: the defaults
         emulate=tuple(args.emulate),
+        compile=args.compile,
     )
     result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
     summary = result.typed or result.summary

@@ -190,6 +190,12 @@ class Backend:
         device's): recorded with every figure measured on it."""
         return ()
 
+    def compute_capability(self) -> str:
+        """The device's compute capability as recorded with every trial: ``9.0`` on an
+        H100 or H200, the chip's name on an NPU where torch_npu gives it (``unknown``
+        where not), ``none`` on the CPU, which has no such thing."""
+        return "none"
+
     def selected(self) -> contextlib.AbstractContextManager[Any]:
         """This device as the current one while the block runs (``cuda:1`` or ``npu:3``
         in a single process), so that synchronisation, memory statistics, capability
@@ -267,6 +273,9 @@ class CUDABackend(Backend):
         major, minor = torch.cuda.get_device_capability(self.device)
         return int(major), int(minor)
 
+    def compute_capability(self) -> str:
+        return ".".join(map(str, self.capability()))
+
     def fp8_refusal(self) -> str | None:
         capability = self.capability()
         if capability >= FP8_MIN_CAPABILITY:
@@ -335,6 +344,14 @@ class NPUBackend(Backend):
 
     def fp8_refusal(self) -> str | None:
         return NPU_NO_FP8
+
+    def compute_capability(self) -> str:
+        """The chip's name (``Ascend910B3``): Ascend parts have no CUDA-style capability."""
+        name_of = getattr(self._npu(), "get_device_name", None)
+        try:
+            return str(name_of(self.index or 0)) if name_of is not None else "unknown"
+        except Exception:  # torch_npu's query failed: the trial still runs
+            return "unknown"
 
     @contextlib.contextmanager
     def selected(self) -> Iterator[None]:
@@ -571,6 +588,7 @@ def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
     """Bytes of each distinct storage behind the tensors, keyed by its address."""
     storages = {}
     for tensor in tensors:
+        tensor = getattr(tensor, "_local_tensor", tensor)  # a sharded DTensor: its shard
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return storages

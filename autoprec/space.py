@@ -189,6 +189,9 @@ class SearchSpace:
     # fitted for serving: the method its fp8 layers are measured with (`autoprec.fp8_serving`),
     # recorded in every policy with an fp8 layer, as int8's is
     fp8_method: str | None = None
+    # trials under FSDP2: the dtypes gradients may be reduced in (``fsdp.reduce_dtype``
+    # where several; `autoprec.distributed`); empty elsewhere
+    reduce_dtypes: tuple[str, ...] = ()
 
     @property
     def offers_fp8(self) -> bool:
@@ -488,6 +491,8 @@ class SearchSpace:
             content["fp8_method"] = self.fp8_method
         elif self.offers_fp8:
             content["fp8_recipes"] = self.fp8_recipes
+        if self.reduce_dtypes:  # likewise
+            content["reduce_dtypes"] = self.reduce_dtypes
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:12]
 
     # -- from Optuna parameters to a policy ----------------------------------------------
@@ -502,6 +507,10 @@ class SearchSpace:
         if self.switch is not None:
             name = f"switch.{self.switch}"
             params[name] = trial.suggest_categorical(name, [False, True])
+        if len(self.reduce_dtypes) > 1:
+            params["fsdp.reduce_dtype"] = trial.suggest_categorical(
+                "fsdp.reduce_dtype", list(self.reduce_dtypes)
+            )
         if FP8 in params.values() and len(self.fp8_recipes) > 1:
             params["fp8.recipe"] = trial.suggest_categorical("fp8.recipe", list(self.fp8_recipes))
         if "fp16" in params.values() and not self.inference:  # serving scales no loss
@@ -565,6 +574,9 @@ class SearchSpace:
             hf32=switches["hf32"],
             serving=self.inference,
             quantization=Quantization(int8=int8, fp8=fp8),
+            reduce_dtype=params.get(
+                "fsdp.reduce_dtype", self.reduce_dtypes[0] if self.reduce_dtypes else None
+            ),
         )
 
     def uniform_params(self, dtype: str) -> dict[str, Any]:
@@ -663,6 +675,8 @@ class SearchSpace:
             flat[f"loss_scale.{key}"] = f"{getattr(scale, key):g}" if dynamic else "-"
         if self.offers_fp8:
             flat["fp8.recipe"] = policy.fp8_recipe if FP8 in flat.values() else "-"
+        if self.reduce_dtypes:
+            flat["fsdp.reduce_dtype"] = policy.reduce_dtype or "fp32"
         return flat
 
 

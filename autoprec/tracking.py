@@ -411,7 +411,11 @@ class Tracker:
         self.client.log_batch(
             run_id,
             metrics=metrics,
-            params=[Param(k, str(v)) for k, v in log.params.items() if k not in logged],
+            params=[
+                Param(k, str(v))
+                for k, v in {**log.params, **result.run_params()}.items()
+                if k not in logged
+            ],
             tags=[RunTag(k, v) for k, v in log.tags.items()],
         )
         self.client.log_text(run_id, log.policy.to_yaml(), POLICY_ARTIFACT)

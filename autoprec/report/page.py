@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from autoprec._files import write_atomic
+from autoprec.emulation import emulated_mark, emulated_note
 from autoprec.report.gains import gains_line
 from autoprec.report.modes import mode_text
 from autoprec.search.summary_schema import Best, Entry, Summary, as_summary
@@ -44,12 +45,18 @@ def render_page(summary: Summary, out_dir: Path, view: View) -> list[Path]:
 <body>
 <h1>autoprec report: {study}</h1>
 <p><b>{html.escape(gains_line(summary))}</b></p>
-{body}
+{_emulated(summary)}{body}
 </body></html>
 """
     report = out_dir / "report.html"
     write_atomic(report, page)
     return [report, *plots]
+
+
+def _emulated(summary: Summary) -> str:
+    """The page's note on figures that ran emulated (marked in the trials tables)."""
+    note = emulated_note(summary.settings.emulated, (e.emulated for e in summary.entries))
+    return "" if note is None else f'<p class="note"><b>{html.escape(note)}</b></p>\n'
 
 
 def cell(value: Any, spec: str = "") -> str:
@@ -84,7 +91,7 @@ def notes(lines: list[str]) -> str:
 def outcome_cells(entry: Entry) -> list[str]:
     """The first cells of every trials table: the trial, its state, accuracy and drop."""
     return [
-        html.escape(entry.label),
+        html.escape(entry.label + emulated_mark(entry.emulated)),
         cell(entry.state),
         cell(entry.accuracy, ".4f"),
         cell(entry.accuracy_drop, "+.4f"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autoprec.emulation import emulated_mark, emulated_note
 from autoprec.report.modes import mode_text
 from autoprec.search.summary_schema import Summary, as_summary
 from autoprec.space import policy_label
@@ -40,8 +41,10 @@ def front_table(summary: Summary | dict[str, Any]) -> str:
                 e.key,
                 fmt(e.accuracy, ".4f"),
                 fmt(e.accuracy_drop, "+.4f"),
-                fmt(summary.time_ms(e), ".2f") + ("+" if e.confirmed_time_ms is not None else ""),
-                fmt(e.peak_memory_mb, ".2f"),
+                fmt(summary.time_ms(e), ".2f")
+                + ("+" if e.confirmed_time_ms is not None else "")
+                + emulated_mark(e.emulated),
+                fmt(e.peak_memory_mb, ".2f") + emulated_mark(e.emulated),
                 "yes" if e.feasible else "no",
                 policy_label(e.params),
             ]
@@ -54,4 +57,7 @@ def front_table(summary: Summary | dict[str, Any]) -> str:
         notes.append(f"+ {text.time_words} re-measured side by side with the fp32 baseline")
     if summary.peak_memory_is_estimate:
         notes.append(f"~ CPU memory is an estimate: {text.memory_counted}")
+    emulated = emulated_note(summary.settings.emulated, (e.emulated for e in front))
+    if emulated:
+        notes.append(emulated)
     return "\n".join([text_table(lines), *notes])

@@ -59,6 +59,8 @@ class SearchConfig:
       scenario's (training: speed).
     - ``emulate``: dtypes the device may run emulated (``("fp8",)`` on the CPU: torchao's
       float8 numerics without its speed), recorded in the summary's settings.
+    - ``compile``: train every trial under ``torch.compile`` (training only; a task may
+      ask for it too, ``Task(compile=True)``): `autoprec.compiled`.
     """
 
     trials: int = 12
@@ -81,6 +83,7 @@ class SearchConfig:
     mode: str | None = None  # None: inference with ``serving``, else training
     serving: ServingConfig | None = None
     emulate: tuple[str, ...] = ()
+    compile: bool = False
     # The serving settings given flat, nested into ``serving`` (not kept as fields).
     scenario: InitVar[str | None] = None
     batch_size: InitVar[int | None] = None
@@ -129,6 +132,10 @@ class SearchConfig:
                 f"--heartbeat: expected whole seconds >= 1, got {self.heartbeat_s!r}"
             )
         self._check_mode()
+        if not isinstance(self.compile, bool):
+            raise AutoprecError(f"--compile: expected True or False, got {self.compile!r}")
+        if self.compile and self.mode != "training":
+            raise AutoprecError("--compile: only with --mode training (serving is not compiled)")
         if self.sampler not in SAMPLERS:
             raise AutoprecError(
                 f"--sampler: expected one of {', '.join(SAMPLERS)}, got {self.sampler!r}"

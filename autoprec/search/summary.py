@@ -94,6 +94,7 @@ class _Read:
     latency_by_batch_ms: dict[int, float] | None
     telemetry: dict[str, Any]
     advice: list[str]
+    execution: dict[str, Any]  # compiled, compute capability, emulated dtypes
 
 
 def _read(result: Result) -> _Read:
@@ -105,6 +106,7 @@ def _read(result: Result) -> _Read:
         latency_by_batch_ms=_latency_by_batch(result),
         telemetry=result.telemetry_brief(),
         advice=result.advice(),
+        execution=fields.get("execution") or {},
     )
 
 
@@ -163,6 +165,7 @@ def summarize(
             switches=read.switches,
             latency_by_batch_ms=read.latency_by_batch_ms,
             telemetry=read.telemetry,
+            execution=read.execution,
         )
 
     chosen = Best.of(

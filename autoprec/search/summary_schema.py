@@ -68,6 +68,9 @@ class Entry:
     switches: dict[str, Any] = field(default_factory=dict)
     telemetry: dict[str, Any] = field(default_factory=dict)
     latency_by_batch_ms: dict[int, float] | None = None  # serving: at each batch size
+    # How the figures were made: compute_capability, and where so, compiled (graph_breaks,
+    # compile_s) and emulated (the dtypes run emulated: `autoprec.emulation`).
+    execution: dict[str, Any] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -93,6 +96,11 @@ class Entry:
     @property
     def peak_memory_mb(self) -> float | None:
         return self.metrics.get("peak_memory_mb")
+
+    @property
+    def emulated(self) -> list[str]:
+        """The dtypes this entry's figures ran emulated (``["fp8"]``; none: real)."""
+        return list(self.execution.get("emulated") or [])
 
     @property
     def confirmed_time_ms(self) -> float | None:
@@ -140,6 +148,7 @@ class Entry:
             "peak_memory_is_estimate": data.get("peak_memory_is_estimate", False),
             "switches": data.get("switches") or {},
             "telemetry": data.get("telemetry") or {},
+            "execution": dict(data.get("execution") or {}),
             "latency_by_batch_ms": None
             if by_batch is None
             else {int(k): _number(v) for k, v in by_batch.items()},
@@ -169,6 +178,8 @@ class Entry:
         if self.latency_by_batch_ms is not None:
             data["latency_by_batch_ms"] = {str(k): v for k, v in self.latency_by_batch_ms.items()}
         data["telemetry"] = self.telemetry
+        if self.execution:
+            data["execution"] = self.execution
         return data
 
 
@@ -342,6 +353,11 @@ class Settings:
     @property
     def device_name(self) -> str:
         return str(self.values.get("device_name", self.values.get("device", "?")))
+
+    @property
+    def emulated(self) -> list[str]:
+        """The dtypes the search's device ran emulated (``--emulate fp8``)."""
+        return [d for d in str(self.values.get("emulated") or "").split(",") if d]
 
     @property
     def int8(self) -> str | None:

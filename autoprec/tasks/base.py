@@ -116,7 +116,9 @@ class Task:
       (cycling is the task's business). A batch is ``(inputs, targets)`` with ``inputs``
       a tensor, a tuple/list (positional arguments) or a mapping (keyword arguments); or
       one mapping of keyword arguments whose ``labels`` are the targets. Tensors may be on
-      the CPU: autoprec moves them.
+      the CPU: autoprec moves them. Across several ranks it may take ``(seed, rank,
+      world)`` and yield that rank's batches; a ``train_data(seed)`` yields global
+      batches, which each rank slices (`autoprec.shard`).
     - ``val_data``: zero-argument callable returning an iterable of batches of that form.
     - ``loss``: ``(outputs, targets) -> scalar tensor``, given the outputs with every
       floating tensor in fp32 (container types kept: a ``ModelOutput`` stays one); None
@@ -132,6 +134,8 @@ class Task:
     - ``accumulate``: batches per optimizer step (gradient accumulation).
     - ``checkpoint``: a file of trained fp32 weights (a state dict), which a serving search
       (``--mode inference``) converts instead of training the model itself.
+    - ``compile``: train every trial under ``torch.compile`` (as ``--compile`` asks;
+      `autoprec.compiled`), for a model that is trained compiled.
     """
 
     name: str
@@ -145,6 +149,7 @@ class Task:
     clip_grad_norm: float | None = None
     accumulate: int = 1
     checkpoint: str | Path | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -171,6 +176,8 @@ class Task:
             raise TaskError(f"Task {self.name!r}: accumulate must be a positive integer")
         if self.accumulate < 1:
             raise TaskError(f"Task {self.name!r}: accumulate must be a positive integer")
+        if not isinstance(self.compile, bool):
+            raise TaskError(f"Task {self.name!r}: compile must be True or False")
 
     def batch(self, raw: RawBatch) -> Batch:
         """A raw batch of this task's data as the model is called with it."""

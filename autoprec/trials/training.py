@@ -16,15 +16,17 @@ import io
 import math
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from autoprec._structures import cast_floats
+from autoprec.compiled import Compilation, fresh_compiler
 from autoprec.devices import DTYPES, Backend
+from autoprec.emulation import emulated_dtypes
 from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.observe import observed_dtypes, watch_task
 from autoprec.policy import Policy, share_of_parameters
@@ -107,6 +109,13 @@ class TrialResult(Measured):
     loss_scales: list[float] = field(default_factory=list)
     switches: dict[str, bool] = field(default_factory=dict)
     telemetry: dict[str, Any] = field(default_factory=dict)
+    # How the figures were made (`autoprec.compiled`, `autoprec.emulation`): under
+    # torch.compile, on a device of this compute capability, with dtypes emulated.
+    compiled: bool = False
+    graph_breaks: int | None = None
+    compile_s: float | None = None
+    compute_capability: str | None = None
+    emulated: list[str] = field(default_factory=list)
 
     METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
@@ -133,7 +142,31 @@ class TrialResult(Measured):
         return {LAYERS_ARTIFACT: layers_csv(layers)} if layers else {}
 
     def entry_fields(self) -> dict[str, Any]:
-        return {"switches": self.switches}
+        return {"switches": self.switches, "execution": self.execution()}
+
+    def execution(self) -> dict[str, Any]:
+        """How the figures were made, as summary.json's entry holds it."""
+        facts: dict[str, Any] = {"compute_capability": self.compute_capability}
+        if self.compiled:
+            facts.update(compiled=True, graph_breaks=self.graph_breaks, compile_s=self.compile_s)
+        if self.emulated:
+            facts["emulated"] = list(self.emulated)
+        return {k: v for k, v in facts.items() if v is not None}
+
+    def extra_metrics(self) -> dict[str, float]:
+        """A compiled trial's graph breaks and compile time (NaN where it measured none,
+        so that every child of a compiled search has the same metrics)."""
+        if not self.compiled:
+            return {}
+        values = {"graph_breaks": self.graph_breaks, "compile_s": self.compile_s}
+        return {k: math.nan if v is None else float(v) for k, v in values.items()}
+
+    def run_params(self) -> dict[str, str]:
+        return {
+            "compute_capability": self.compute_capability or "unknown",
+            "compiled": str(self.compiled).lower(),
+            "emulated": ",".join(self.emulated) or "none",
+        }
 
     def telemetry_brief(self) -> dict[str, Any]:
         """The worst layers and the warnings (the full table is in MLflow)."""
@@ -223,12 +256,14 @@ def run_trial(
     backend: Backend,
     budget: Budget,
     early_stopping: EarlyStopping | None = None,
+    compiled: bool = False,
 ) -> TrialResult:
-    """Train ``task`` under ``policy`` on ``backend`` for ``budget``; never raises for a
-    problem of the trial itself (bad input to autoprec still raises AutoprecError)."""
+    """Train ``task`` under ``policy`` on ``backend`` for ``budget`` (``compiled``: under
+    torch.compile, `autoprec.compiled`); never raises for a problem of the trial itself
+    (bad input to autoprec still raises AutoprecError)."""
     started = time.perf_counter()
     try:
-        result = _train_and_evaluate(task, policy, backend, budget, early_stopping)
+        result = _train_and_evaluate(task, policy, backend, budget, early_stopping, compiled)
     except AutoprecError:
         raise
     except torch.OutOfMemoryError as error:
@@ -240,6 +275,8 @@ def run_trial(
     finally:
         backend.empty_cache()
     result.run_time_s = time.perf_counter() - started
+    result.compiled, result.compute_capability = compiled, backend.compute_capability()
+    result.emulated = emulated_dtypes(policy, backend)
     return result
 
 
@@ -273,9 +310,13 @@ def _train_and_evaluate(
     backend: Backend,
     budget: Budget,
     early_stopping: EarlyStopping | None,
+    compiled: bool = False,
+    ranks: Ranks | None = None,
 ) -> TrialResult:
     with backend.selected():
-        return _train_and_evaluate_here(task, policy, backend, budget, early_stopping)
+        return _train_and_evaluate_here(
+            task, policy, backend, budget, early_stopping, compiled, ranks
+        )
 
 
 def _train_and_evaluate_here(
@@ -284,11 +325,16 @@ def _train_and_evaluate_here(
     backend: Backend,
     budget: Budget,
     early_stopping: EarlyStopping | None,
+    compiled: bool = False,
+    ranks: Ranks | None = None,
 ) -> TrialResult:
     torch.manual_seed(budget.seed)
-    run = _Run(task, policy, backend, budget, early_stopping)
+    run = _Run(task, policy, backend, budget, early_stopping, compiled, ranks)
     try:
-        batches = iter(task.train_data(budget.seed))
+        data = (
+            task.train_data(budget.seed) if ranks is None else ranks.train_data(task, budget.seed)
+        )
+        batches = iter(data)
         for step in range(budget.steps):
             reason = run.step(step, _draw(task, batches, step, budget.steps, backend))
             if reason is not None:
@@ -299,8 +345,20 @@ def _train_and_evaluate_here(
         run.prec.remove()
 
 
+class Ranks(Protocol):
+    """How one rank of a trial across several devices trains (`autoprec.distributed`):
+    the model wrapped for its parallel mode, and a float made the mean over all ranks."""
+
+    def wrap(self, model: nn.Module, prec: Precision) -> nn.Module: ...
+
+    def mean(self, value: float) -> float: ...
+
+    def train_data(self, task: Task, seed: int) -> Iterable[Any]: ...
+
+
 class _Run:
-    """One trial's model, optimizer, precision, meters and what it measured so far."""
+    """One trial's model, optimizer, precision, meters and what it measured so far; on
+    one rank of several (``ranks``), the wrapped model trains and losses are means."""
 
     def __init__(
         self,
@@ -309,15 +367,22 @@ class _Run:
         backend: Backend,
         budget: Budget,
         early_stopping: EarlyStopping | None,
+        compiled: bool = False,
+        ranks: Ranks | None = None,
     ) -> None:
         self.task, self.backend, self.budget = task, backend, budget
         self.early_stopping = early_stopping
+        self.ranks = ranks
         self.model = task.model().to(backend.device)
         self.model.train()
-        self.optimizer = task.make_optimizer(self.model.parameters())
-        self.scheduler = task.make_scheduler(self.optimizer)
         share = _observed_share(task, policy, self.model, backend)
         self.prec = policy.apply(self.model, backend)
+        # What trains: the model itself, or a rank's wrapper of it (DDP, FSDP2), made
+        # before the optimizer, which takes the parameters the wrapper trains.
+        self.trained = self.model if ranks is None else ranks.wrap(self.model, self.prec)
+        self.optimizer = task.make_optimizer(self.trained.parameters())
+        self.scheduler = task.make_scheduler(self.optimizer)
+        self.compilation = Compilation(self.trained, compiled, backend.now_s)
         self.meter = backend.memory_meter()
         self.result = TrialResult(
             TrialState.COMPLETE,
@@ -347,10 +412,18 @@ class _Run:
             self.monitor.activations() if observed else contextlib.nullcontext(),
         ):
             started_s = backend.now_s() if timed else 0.0
-            loss_value, stepped = _train_step(
-                self.task, self.model, self.optimizer, prec, batches, self.scheduler
-            )
-            if timed:
+            # Observed steps run eager: telemetry's hooks would break a compiled graph.
+            with self.compilation.step() as compiling:
+                loss_value, stepped = _train_step(
+                    self.task,
+                    self.compilation.forward_model(eager=observed),
+                    self.optimizer,
+                    prec,
+                    batches,
+                    self.scheduler,
+                    None if self.ranks is None else self.ranks.mean,
+                )
+            if timed and not compiling.compiled:  # a step that compiled is compile time
                 self.step_times_s.append(backend.now_s() - started_s)
         if observed and stepped:  # skipped steps hold overflowed, not lost, gradients
             self.monitor.observe_gradients(scale_used)
@@ -419,11 +492,14 @@ class _Run:
         result.peak_memory_mb = self.meter.peak_mb(self.model, self.optimizer)
         if self.step_times_s:
             result.step_time_ms = statistics.median(self.step_times_s) * 1000.0
+        compiled = self.compilation.report()
+        if compiled is not None:
+            result.graph_breaks, result.compile_s = compiled.graph_breaks, compiled.compile_s
         finite = [v for v in result.losses if math.isfinite(v)]
         if finite:
             result.final_loss = statistics.fmean(finite[-FINAL_LOSS_WINDOW:])
         if result.state == TrialState.COMPLETE:
-            result.accuracy = _evaluate(self.task, self.model, prec, self.backend)
+            result.accuracy = _evaluate(self.task, self.trained, prec, self.backend)
             if not math.isfinite(result.accuracy):
                 result.state = TrialState.FAILED
                 result.reason = f"the task's metric returned {result.accuracy}"
@@ -517,19 +593,21 @@ def _train_step(
     prec: Precision,
     batches: list[Batch],
     scheduler: Any = None,
+    mean: Callable[[float], float] | None = None,
 ) -> tuple[float, bool | None]:
     """One optimizer step, as a user's loop runs it under the policy: a forward and
     backward per accumulated batch, gradient clipping on unscaled gradients, the step,
     and the scheduler after a step that was taken. Returns the mean loss and whether the
     optimizer stepped; None when a non-finite loss without loss scaling ended the step
-    before backward (stepping would corrupt the weights)."""
+    before backward (stepping would corrupt the weights). ``mean``: a rank's loss made
+    the mean over all ranks, so that every rank records and decides on the same loss."""
     optimizer.zero_grad(set_to_none=True)
     loss_value = 0.0
     for batch in batches:
         with prec.autocast():
             outputs = batch.run(model)
         loss = task.compute_loss(outputs, batch.targets) / len(batches)
-        part = float(loss.detach())
+        part = float(loss.detach()) if mean is None else mean(float(loss.detach()))
         loss_value += part
         if not math.isfinite(part) and not prec.scaler.settings.enabled:
             return loss_value, None
@@ -543,13 +621,21 @@ def _train_step(
 
 
 def time_policies_side_by_side(
-    task: Task, policies: list[Policy], backend: Backend, budget: Budget, rounds: int = 5
+    task: Task,
+    policies: list[Policy],
+    backend: Backend,
+    budget: Budget,
+    rounds: int = 5,
+    compiled: bool = False,
 ) -> list[float]:
     """Median step time (ms) of each policy, measured in alternating blocks (see
     `time_side_by_side`). Each policy trains its own copy of the model from the same
-    initial weights, on the same batches."""
+    initial weights, on the same batches; ``compiled``: under torch.compile, as the
+    trials were (the warm-up compiles; a step that compiles again is not timed)."""
+    if compiled:
+        fresh_compiler()
     with backend.selected():
-        candidates = [_Timed(task, policy, backend, budget) for policy in policies]
+        candidates = [_Timed(task, policy, backend, budget, compiled) for policy in policies]
     block = max(1, min(SIDE_BY_SIDE_BLOCK, (budget.steps - budget.untimed_steps) // rounds))
     data = iter(task.train_data(budget.seed))
     steps = budget.untimed_steps + block
@@ -567,12 +653,15 @@ def time_policies_side_by_side(
 class _Timed:
     """One policy's model, optimizer and precision, trained step by step for timing."""
 
-    def __init__(self, task: Task, policy: Policy, backend: Backend, budget: Budget) -> None:
+    def __init__(
+        self, task: Task, policy: Policy, backend: Backend, budget: Budget, compiled: bool = False
+    ) -> None:
         torch.manual_seed(budget.seed)
         self.task, self.policy, self.backend = task, policy, backend
         self.model = task.model().to(backend.device).train()
         self.optimizer = task.make_optimizer(self.model.parameters())
         self.prec = policy.apply(self.model, backend)
+        self.compilation = Compilation(self.model, compiled, backend.now_s, fresh=False)
         self.untimed = budget.untimed_steps
         self.batches: list[list[Batch]] = []
 
@@ -589,8 +678,11 @@ class _Timed:
         try:
             for step_batches in batches:
                 started_s = backend.now_s()
-                _train_step(self.task, self.model, self.optimizer, self.prec, step_batches)
-                times_s.append(backend.now_s() - started_s)
+                with self.compilation.step() as compiling:
+                    model = self.compilation.forward_model()
+                    _train_step(self.task, model, self.optimizer, self.prec, step_batches)
+                if not compiling.compiled:  # compile time is no step's
+                    times_s.append(backend.now_s() - started_s)
         finally:
             backend.restore_switches(previous)
         return times_s
@@ -636,10 +728,12 @@ class TrainingTrials:
         prefer: str | None = None,
         study: str | None = None,
         stopping: EarlyStopping | None = None,
+        compiled: bool = False,
     ) -> None:
         self.task, self.model, self.backend, self.budget = task, model, backend, budget
         self.asked = (accuracy_tolerance, prefer, study)
         self.stopping = stopping
+        self.compiled = compiled  # every trial under torch.compile (`autoprec.compiled`)
 
     @classmethod
     def of(
@@ -654,11 +748,13 @@ class TrainingTrials:
             accuracy_tolerance=config.accuracy_tolerance,
             prefer=config.prefer,
             study=config.study,
+            compiled=bool(getattr(config, "compile", False) or task.compile),
         )
 
     @property
     def settings(self) -> dict[str, Any]:
-        return {}
+        """Compiled trials' figures are not eager ones': a compiled study is its own."""
+        return {"compile": True} if self.compiled else {}
 
     def fit(self, space: SearchSpace, profile: Profile | None) -> SearchSpace:
         """Training runs under autocast: how it treats these layers is watched first."""
@@ -690,12 +786,13 @@ class TrainingTrials:
         results are discarded. It is cut off at ``limit_s``."""
         budget = self.budget
         short = Budget(steps=min(budget.steps, 2 * budget.untimed_steps + 2), seed=budget.seed)
+        how = " compiled" if self.compiled else ""  # a compiled run warms up apart
         for dtype in sorted({d for g in space.groups for d in g.dtypes}):
-            key = (self.task.name, self.backend.name, dtype)
+            key = (self.task.name, self.backend.name, dtype + how)
             if key not in TrainingTrials._warm:
                 policy = Policy.uniform(dtype)
                 run_with_time_limit(
-                    lambda: run_trial(self.task, policy, self.backend, short),  # noqa: B023
+                    lambda: run_trial(self.task, policy, self.backend, short, None, self.compiled),  # noqa: B023
                     limit_s,
                     self.failed,
                 )
@@ -715,16 +812,24 @@ class TrainingTrials:
             prefer=prefer,
             study=study,
             stopping=EarlyStopping.from_baseline(baseline),
+            compiled=self.compiled,
         )
 
     def measure(self, policy: Policy) -> TrialResult:
-        return run_trial(self.task, policy, self.backend, self.budget, self.stopping)
+        return run_trial(self.task, policy, self.backend, self.budget, self.stopping, self.compiled)
 
     def failed(self, reason: str) -> TrialResult:
-        return TrialResult(TrialState.FAILED, reason)
+        return TrialResult(
+            TrialState.FAILED,
+            reason,
+            compiled=self.compiled,
+            compute_capability=self.backend.compute_capability(),
+        )
 
     def retime(self, policies: list[Policy]) -> list[float]:
-        return time_policies_side_by_side(self.task, policies, self.backend, self.budget)
+        return time_policies_side_by_side(
+            self.task, policies, self.backend, self.budget, compiled=self.compiled
+        )
 
     def layer_table(self, policy: Policy, model: nn.Module) -> list[dict[str, Any]]:
         """What each layer computes in, as a forward under autocast shows it."""
