@@ -253,6 +253,10 @@ def test_an_emulated_serving_search_tries_fp8(emulated_search):
     assert summary["settings"]["fp8"] == WEIGHT_ONLY
     tried = [t for t in summary["trials"] if "fp8" in t["params"].values()]
     assert tried and all(t["state"] == "complete" for t in tried), summary["trials"]
+    # Their latencies are no fp8 device's, and say so; the others are real.
+    assert all(t["execution"]["emulated"] == ["fp8"] for t in tried)
+    others = [t for t in summary["trials"] if t not in tried]
+    assert others and all("emulated" not in t.get("execution", {}) for t in others)
 
 
 @pytest.mark.parametrize("method", [WEIGHT_ONLY, None])

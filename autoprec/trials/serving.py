@@ -363,6 +363,8 @@ def run_inference_trial(
                     converted, task, backend, size, timed_calls, warmup_calls
                 )
         result.low_precision_share = low_precision_share(model, layer_dtypes)
+        if "fp8" in layer_dtypes.values() and "fp8" in backend.emulated():
+            result.emulated = ["fp8"]
     except AutoprecError as error:  # a policy this model cannot be served in
         result = InferenceResult(TrialState.FAILED, first_line(error, 500))
     except Exception as error:  # any failure of a trial is its result
