@@ -158,6 +158,7 @@ def _add_what(group: Any) -> None:
 
 
 def _add_serving(group: Any) -> None:
+    from autoprec.fp8_serving import FP8_SERVING_METHODS
     from autoprec.inference.scenarios import SCENARIOS
     from autoprec.quantizers import INT8_METHODS
 
@@ -202,6 +203,14 @@ def _add_serving(group: Any) -> None:
         choices=("auto", "off", *INT8_METHODS),
         default="auto",
         help="int8 Linear layers: auto (where the device has kernels), off, or a method",
+    )
+    # -- fp8 for serving (autoprec.fp8_serving) --
+    group.add_argument(
+        "--fp8",
+        choices=("auto", "off", *FP8_SERVING_METHODS),
+        default="auto",
+        help="fp8 Linear layers for serving (torchao float8 weights): auto (CUDA 8.9+; on "
+        "the CPU only with --emulate fp8), off, or a method",
     )
 
 
@@ -477,6 +486,7 @@ def _search(args: argparse.Namespace) -> int:
         batch_sizes=args.batch_sizes,
         checkpoint=args.checkpoint,
         int8=args.int8,
+        fp8=args.fp8,
     )
     config = SearchConfig(
         trials=args.trials,

@@ -6,7 +6,9 @@ weights themselves, so it also has int8 (quantized Linear layers, by a method of
 `autoprec.inference.quantizers`). Training also has fp8 for Linear layers: torchao's
 float8 training swaps them for ``Float8Linear`` (scaled fp8 matmuls, fp32 master weights;
 `autoprec.fp8`), while the layers around them run in their autocast region. fp8 is not a
-torch dtype a region can autocast to, so it is not in ``TORCH_DTYPES``; serving has no fp8 yet.
+torch dtype a region can autocast to, so it is not in ``TORCH_DTYPES``. Serving has fp8 too:
+Linear layers whose weights are stored in float8 by a torchao method (`autoprec.fp8_serving`),
+quantized as int8 layers are, their activations handed to them in fp32.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 LOW_PRECISION: tuple[str, ...] = (FP16, BF16)
 # Dtypes stored as integers with a scale, whose layers are quantized rather than cast.
 QUANTIZED: tuple[str, ...] = (INT8,)
+# Dtypes serving quantizes a layer's weights to (fp8 by torchao's float8 configs).
+SERVING_QUANTIZED: tuple[str, ...] = (FP8, INT8)
 # What each mode may assign to a layer: regions' dtypes, and (training) fp8 Linear layers.
 AUTOCAST_DTYPES: tuple[str, ...] = tuple(TORCH_DTYPES)
 TRAINING_DTYPES: tuple[str, ...] = (*AUTOCAST_DTYPES, FP8)
-SERVING_DTYPES: tuple[str, ...] = (*AUTOCAST_DTYPES, *QUANTIZED)
+SERVING_DTYPES: tuple[str, ...] = (*AUTOCAST_DTYPES, *QUANTIZED, FP8)
 # Every dtype a policy may name, in either mode.
 POLICY_DTYPES: tuple[str, ...] = (*AUTOCAST_DTYPES, FP8, *QUANTIZED)
 
@@ -52,8 +56,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def activation_dtype(dtype: str) -> str:
     """The dtype a layer served in ``dtype`` takes its inputs in: a quantized layer
-    quantizes fp32 activations itself."""
-    return FP32 if dtype in QUANTIZED else dtype
+    quantizes fp32 activations itself (a served fp8 layer too)."""
+    return FP32 if dtype in SERVING_QUANTIZED else dtype
 
 
 def below_fp32(dtype: str) -> bool:

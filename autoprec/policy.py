@@ -48,6 +48,7 @@ from autoprec.devices import (
 from autoprec.dtypes import BF16, FP8, INT8, POLICY_DTYPES
 from autoprec.errors import PolicyError
 from autoprec.fp8 import DEFAULT_FP8_RECIPE, autocast_refusal, check_recipe, fp8_refusal
+from autoprec.fp8_serving import FP8_SERVING_METHODS, fp8_layer_refusal, is_fp8_serving_method
 from autoprec.observe import casts_inputs
 from autoprec.plan import (
     Plan,
@@ -196,8 +197,10 @@ class Quantization:
     int8 layers were measured with (one of `autoprec.quantizers.INT8_METHODS`; None: the
     device's default, as for a policy written by hand); ``fp8``, the torchao float8
     training recipe of its fp8 layers (one of `autoprec.fp8.FP8_RECIPES`; None:
-    tensorwise, torchao's default). Written in the YAML only where set, so a policy
-    without them reads and writes as before."""
+    tensorwise, torchao's default), or for a serving policy the method its fp8 layers were
+    measured with (one of `autoprec.fp8_serving.FP8_SERVING_METHODS`, as int8 records its
+    own). Written in the YAML only where set, so a policy without them reads and writes as
+    before."""
 
     int8: str | None = None
     fp8: str | None = None
@@ -208,8 +211,13 @@ class Quantization:
                 f"quantization.int8: unknown method {self.int8!r} "
                 f"(expected {', '.join(INT8_METHODS)})"
             )
-        if self.fp8 is not None:
-            check_recipe(self.fp8, "quantization.fp8")
+        if self.fp8 is not None and not is_fp8_serving_method(self.fp8):
+            try:
+                check_recipe(self.fp8, "quantization.fp8")
+            except PolicyError as error:
+                raise PolicyError(
+                    f"{error}; or, for serving, a method: {', '.join(FP8_SERVING_METHODS)}"
+                ) from None
 
     def to_dict(self) -> dict[str, Any]:
         pairs = (("int8", self.int8), ("fp8", self.fp8))
@@ -278,6 +286,13 @@ class Policy:
     def fp8_recipe(self) -> str:
         """The torchao float8 recipe of the policy's fp8 layers (default: tensorwise)."""
         return self.quantization.fp8 or DEFAULT_FP8_RECIPE
+
+    @property
+    def fp8_method(self) -> str | None:
+        """The fp8 serving method the policy was measured with (None: not a serving
+        policy's fp8, or the device's default)."""
+        fp8 = self.quantization.fp8
+        return fp8 if is_fp8_serving_method(fp8) else None
 
     @property
     def names_fp8(self) -> bool:
@@ -469,6 +484,8 @@ class Policy:
     def serving_only(self) -> bool:
         """Whether the policy names int8 (by its default or a rule): a serving policy,
         which training cannot apply."""
+        if self.fp8_method is not None and self.names_fp8:
+            return True  # its fp8 layers are served by a float8 serving method
         return INT8 in (self.default, *(rule.dtype for rule in self.rules))
 
     def _refuse_int8(self) -> None:
@@ -481,6 +498,11 @@ class Policy:
                     f"{where}: int8 is for serving only (autoprec.load_inference_model); "
                     "training runs fp32, fp16 or bf16"
                 )
+        if self.fp8_method is not None and self.names_fp8:
+            raise PolicyError(
+                f"quantization.fp8: {self.fp8_method} is a serving method "
+                "(autoprec.load_inference_model); training takes a torchao float8 recipe"
+            )
 
     def _check_used(self, used: list[bool], model: nn.Module) -> None:
         for i, rule in enumerate(self.rules):
@@ -494,13 +516,16 @@ class Policy:
         """Every leaf with parameters mapped to the dtype its weights are converted to for
         serving: its first matching rule's, or the default (no autocast table: serving
         converts the weights themselves). int8 from the default applies to the layers that
-        can be int8 (Linear, Conv1D), the others stay fp32; an explicit int8 rule on any
-        other layer is refused when the model is converted."""
+        can be int8 (Linear, Conv1D), the others stay fp32; fp8 from the default likewise
+        to the Linear layers its method takes. An explicit int8 or fp8 rule on any other
+        layer is refused when the model is converted."""
         resolved: dict[str, str] = {}
         for name, module, dtype in self._matched(model):
             if dtype is None:
                 dtype = self.default
                 if dtype == "int8" and not int8_capable(module):
+                    dtype = "fp32"
+                if dtype == FP8 and fp8_layer_refusal(module, self.fp8_method) is not None:
                     dtype = "fp32"
             resolved[name] = dtype
         return resolved

@@ -5,7 +5,8 @@ measures with it, and the conversion (`autoprec.inference.convert`), the ``torch
 export and the MLflow model all look it up here, so what is served is what was measured.
 Each entry says where it runs, how it quantizes the named layers, which torchao config a
 torchao workflow writes for it, whether ``torch.export`` can trace its weights, and what a
-saved model needs installed. An fp8 recipe will be one more entry (``dtype="fp8"``).
+saved model needs installed. The fp8 serving methods are entries too (``dtype="fp8"``:
+torchao's float8 weight-only and dynamic configs; where they run: `autoprec.fp8_serving`).
 
 The int8 methods and their defaults were chosen by measuring (benchmarks/bench_int8.py and
 benchmarks/README.md): torch's own dynamic quantization on the CPU; on CUDA torchao is the
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.dtypes import INT8
+from autoprec.dtypes import FP8, INT8
 from autoprec.errors import PolicyError
 
 
@@ -45,6 +46,27 @@ class Quantizer:
     exports: bool  # whether torch.export traces the quantized weights
     elsewhere: str  # why it cannot run on another device kind ({kind})
     _quantize: Callable[[nn.Module, list[str]], None]
+    # the torchao config's arguments: (keyword, torchao.quantization class made without
+    # arguments), e.g. (("granularity", "PerRow"),)
+    torchao_kwargs: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def torchao_args(self) -> str:
+        """The config's arguments as a torchao workflow writes them (``granularity=PerRow()``)."""
+        return ", ".join(f"{key}={value}()" for key, value in self.torchao_kwargs)
+
+    @property
+    def torchao_imports(self) -> tuple[str, ...]:
+        """What those arguments import from ``torchao.quantization``."""
+        return tuple(value for _, value in self.torchao_kwargs)
+
+    def torchao_config_object(self) -> Any:
+        """The torchao config itself (for torch's own ``dynamic``, its nearest)."""
+        import_torchao()
+        import torchao.quantization as quantization
+
+        kwargs = {key: getattr(quantization, value)() for key, value in self.torchao_kwargs}
+        return getattr(quantization, self.torchao_config)(**kwargs)
 
     def unavailable_reason(self, device_kind: str) -> str | None:
         """Why this method cannot run on the device kind, in one line; None when it can."""
@@ -95,6 +117,26 @@ def _torchao(config_name: str) -> Callable[[nn.Module, list[str]], None]:
     return quantize
 
 
+def _torchao_fp8(method: str) -> Callable[[nn.Module, list[str]], None]:
+    """The registry's torchao float8 config of ``method`` on the named layers."""
+
+    def quantize(model: nn.Module, names: list[str]) -> None:
+        import_torchao()
+        import torchao.quantization as quantization
+
+        chosen = set(names)
+        config = QUANTIZERS[method].torchao_config_object()
+        quantization.quantize_(model, config, filter_fn=lambda module, fqn: fqn in chosen)
+
+    return quantize
+
+
+_FP8_WEIGHT_ONLY = "Float8WeightOnlyConfig"
+_FP8_DYNAMIC = "Float8DynamicActivationFloat8WeightConfig"
+_FP8_ELSEWHERE = (
+    "torchao's float8 dynamic activations need CUDA compute capability 8.9 or later "
+    "(H100, H200, L40, B200); {kind} has none"
+)
 _WEIGHT_ONLY = "Int8WeightOnlyConfig"
 _DYNAMIC = "Int8DynamicActivationInt8WeightConfig"
 QUANTIZERS: dict[str, Quantizer] = {
@@ -132,6 +174,40 @@ QUANTIZERS: dict[str, Quantizer] = {
             True,
             "torchao has no int8 kernels for {kind}",
             _torchao(_WEIGHT_ONLY),
+        ),
+        Quantizer(
+            "torchao-fp8-weight-only",
+            FP8,
+            ("cpu", "cuda"),
+            "torchao",
+            _FP8_WEIGHT_ONLY,
+            True,
+            True,
+            "torchao has no float8 kernels for {kind}",
+            _torchao_fp8("torchao-fp8-weight-only"),
+        ),
+        Quantizer(
+            "torchao-fp8-dynamic",
+            FP8,
+            ("cuda",),
+            "torchao",
+            _FP8_DYNAMIC,
+            True,
+            True,
+            _FP8_ELSEWHERE,
+            _torchao_fp8("torchao-fp8-dynamic"),
+        ),
+        Quantizer(
+            "torchao-fp8-dynamic-rowwise",
+            FP8,
+            ("cuda",),
+            "torchao",
+            _FP8_DYNAMIC,
+            True,
+            True,
+            _FP8_ELSEWHERE,
+            _torchao_fp8("torchao-fp8-dynamic-rowwise"),
+            (("granularity", "PerRow"),),
         ),
     )
 }

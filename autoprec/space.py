@@ -55,6 +55,7 @@ from autoprec.devices import (
 from autoprec.dtypes import AUTOCAST_DTYPES, FP8, LOW_PRECISION, POLICY_DTYPES
 from autoprec.errors import PolicyError, SpaceError
 from autoprec.fp8 import DEFAULT_FP8_RECIPE, FAILS_UNDER_AUTOCAST, check_recipe, fp8_refusal
+from autoprec.fp8_serving import fp8_layer_refusal
 from autoprec.policy import (
     Policy,
     Quantization,
@@ -128,6 +129,8 @@ class Group:
     # fitted for training where it offers fp8: its layers, each of which fp8 can take, named
     # one by one so that an fp8 rule never meets a layer the group does not search
     fp8_leaves: tuple[str, ...] = ()
+    # fitted for serving, where only some of its layers can be fp8: the others stay fp32
+    fp8_kept: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,9 @@ class SearchSpace:
     int8_method: str | None = None
     # torchao float8 recipes searched for the fp8 layers (``fp8.recipe`` where several)
     fp8_recipes: tuple[str, ...] = (DEFAULT_FP8_RECIPE,)
+    # fitted for serving: the method its fp8 layers are measured with (`autoprec.fp8_serving`),
+    # recorded in every policy with an fp8 layer, as int8's is
+    fp8_method: str | None = None
     # trials under FSDP2: the dtypes gradients may be reduced in (``fsdp.reduce_dtype``
     # where several; `autoprec.distributed`); empty elsewhere
     reduce_dtypes: tuple[str, ...] = ()
@@ -286,6 +292,7 @@ class SearchSpace:
         device: str | torch.device | Backend | None = None,
         inference: bool = False,
         int8_method: str | None = None,
+        fp8_method: str | None = None,
     ) -> SearchSpace:
         """The space for this model on the device kind of ``device`` (default: where the
         model's parameters are); for serving, ``int8_method`` is what int8 layers are
@@ -294,7 +301,9 @@ class SearchSpace:
         embeddings, and on CUDA and Ascend LayerNorm and GroupNorm, compute in fp32
         whatever it says; for serving, ``inference``, every layer's weights convert); an
         optional group that takes none is dropped. For serving, a group whose layers can
-        all be int8 (Linear, Conv1D) may also take int8, and no other may.
+        all be int8 (Linear, Conv1D) may also take int8, and no other may; with
+        ``fp8_method`` (a serving method the device runs, `autoprec.fp8_serving`), a group
+        with a Linear layer that method takes may also take fp8.
 
         A ``groups: auto`` space builds its groups here (see `AutoGroups`), with the
         riskiest modules of ``profile`` as groups of their own; a space with groups
@@ -303,13 +312,14 @@ class SearchSpace:
         if not inference:
             self._refuse_int8()
         if self.offers_fp8:
-            self._refuse_fp8(device, model, inference)
+            self._refuse_fp8(device, model, inference and fp8_method is None)
         followers = _tie_followers(model) if inference else {}
         space = replace(
             self,
             inference=inference,
             ties=tuple((f, "") for f in followers),
             int8_method=int8_method if inference else None,
+            fp8_method=fp8_method if inference else None,
         )
         if self.auto is not None:
             specs = build_groups(
@@ -352,6 +362,7 @@ class SearchSpace:
         space = replace(space, head=last if len(kept) > 1 else None, ties=ties)
         if inference:
             kept = _with_int8_where_it_fits(kept, assigned, model)
+            kept = _with_fp8_serving_where_it_fits(kept, assigned, model, fp8_method)
             # The fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend): searched for serving.
             space = replace(space, switch={"cuda": "tf32", "npu": "hf32"}.get(kind))
         else:
@@ -364,12 +375,11 @@ class SearchSpace:
     def _refuse_fp8(
         self, device: str | torch.device | Backend | None, model: nn.Module, inference: bool
     ) -> None:
-        """fp8 is offered only where it runs: in training, on a device that runs it."""
-        if inference:
-            raise SpaceError(
-                f"{self.source}: dtypes: fp8 is searched for training only (serving has int8)"
-            )
+        """fp8 is offered only where it runs: on a device that runs it (for serving,
+        ``inference`` here: no fp8 serving method was settled for the search)."""
         reason = fp8_unavailable_reason(device, model)
+        if inference and reason is None:
+            reason = "fp8 serving is off (--fp8 off), or no fp8 serving method runs here"
         if reason is not None:
             raise SpaceError(f"{self.source}: dtypes: {reason}")
 
@@ -477,7 +487,9 @@ class SearchSpace:
         }
         if self.ties:  # only where there are any: older studies keep their fingerprint
             content["ties"] = self.ties
-        if self.offers_fp8:  # likewise
+        if self.offers_fp8 and self.inference:  # likewise
+            content["fp8_method"] = self.fp8_method
+        elif self.offers_fp8:
             content["fp8_recipes"] = self.fp8_recipes
         if self.reduce_dtypes:  # likewise
             content["reduce_dtypes"] = self.reduce_dtypes
@@ -552,6 +564,8 @@ class SearchSpace:
         fp8 = None
         if any(r.dtype == FP8 for r in rules):
             fp8 = params.get("fp8.recipe", self.fp8_recipes[0])
+            if self.inference:
+                fp8 = self.fp8_method
         return Policy(
             rules=rules,
             default="fp32",
@@ -575,7 +589,9 @@ class SearchSpace:
             params = {
                 f"dtype.{g.name}": "int8" if "int8" in g.dtypes else "fp32" for g in self.groups
             }
-        if dtype == FP8:
+        if dtype == FP8 and self.inference:  # as int8: what fp8 cannot take stays fp32
+            params = {f"dtype.{g.name}": FP8 if FP8 in g.dtypes else "fp32" for g in self.groups}
+        elif dtype == FP8:
             params = {f"dtype.{g.name}": dtype_beside(g, FP8) for g in self.groups}
             if len(self.fp8_recipes) > 1:
                 params["fp8.recipe"] = self.anchor_recipe
@@ -633,6 +649,8 @@ class SearchSpace:
                 anchors[f"uniform-{dtype}"] = self.uniform_params(dtype)
         if any("int8" in g.dtypes for g in self.groups):
             anchors["uniform-int8"] = self.uniform_params("int8")
+        if any(FP8 in g.dtypes for g in self.groups):
+            anchors["uniform-fp8"] = self.uniform_params(FP8)
         body = [g for g in self.groups if g.name != self.head]
         if self.head is not None and all("fp16" in g.dtypes for g in body):
             head = {f"dtype.{self.head}": "fp32"}
@@ -714,6 +732,11 @@ def _group_rules(group: Group, params: Mapping[str, Any]) -> tuple[Rule, ...]:
     """The rules a group's chosen dtype gives: one, or for int8 in a group only some of
     whose layers can take it, int8 for those and fp32 for the rest of the group."""
     dtype = params[f"dtype.{group.name}"]
+    if dtype == FP8 and group.fp8_kept:
+        return (
+            Rule(FP8, patterns=group.fp8_leaves, name=group.name),
+            replace(group.rule, dtype="fp32", name=f"{group.name}.kept"),
+        )
     if dtype == FP8:
         return (Rule(FP8, patterns=group.fp8_leaves, name=group.name),)
     if dtype == "int8" and group.int8_leaves:
@@ -765,6 +788,36 @@ def _with_int8_where_it_fits(
         if capable[group.name]:
             dtypes = (*dtypes, "int8")
         fitted.append(replace(group, dtypes=dtypes, int8_leaves=leaves))
+    return fitted
+
+
+def _with_fp8_serving_where_it_fits(
+    groups: list[Group], assignment: dict[str, str], model: nn.Module, method: str | None
+) -> list[Group]:
+    """For serving: fp8 offered (by ``method``; None: not at all) to the groups with a
+    Linear layer the method takes (`autoprec.fp8_serving.fp8_layer_refusal`); in a group
+    where only some can, fp8 takes those and the others stay fp32, as int8 does."""
+    modules = dict(model.named_modules())
+    capable: dict[str, list[str]] = {g.name: [] for g in groups}
+    others: dict[str, int] = {g.name: 0 for g in groups}
+    for leaf, group_name in assignment.items():
+        if method is not None and fp8_layer_refusal(modules[leaf], method) is None:
+            capable[group_name].append(leaf)
+        else:
+            others[group_name] += 1
+    fitted = []
+    for group in groups:
+        dtypes = tuple(d for d in group.dtypes if d != FP8)
+        if capable[group.name]:
+            dtypes = (*dtypes, FP8)
+        fitted.append(
+            replace(
+                group,
+                dtypes=dtypes,
+                fp8_leaves=tuple(capable[group.name]),
+                fp8_kept=bool(capable[group.name] and others[group.name]),
+            )
+        )
     return fitted
 
 

@@ -157,7 +157,7 @@ def test_each_trial_records_the_device_compute_capability():
     assert result.compute_capability == CPU.compute_capability() == "none"
     assert result.run_params()["compute_capability"] == "none"
     assert result.entry_fields()["execution"]["compute_capability"] == "none"
-    assert result.extra_metrics() == {}  # an eager trial has no compile metrics
+    assert not {"graph_breaks", "compile_s"} & set(result.extra_metrics())  # eager: none
     again = type(result).from_dict(result.to_dict())  # as the study stores it
     assert again.compute_capability == "none"
     failed = TrainingTrials(

@@ -78,6 +78,7 @@ HANDLED: dict[str, Handling] = {
     "autoprec search --mode inference --scenario server --batch-sizes 1,64": SEARCH,
     "autoprec search --mode inference --scenario critical --checkpoint my_weights.pt": SEARCH,
     "autoprec export --study digits-mlp-edge": Handling(),
+    "autoprec search --mode inference --emulate fp8 --int8 off --study digits-mlp-fp8": SEARCH,
     "autoprec search --task my_task.py:make_task --study my-task-npu --trials 200 --steps 300 "
     "--workers 8 --devices npu:0-7": Handling(budget=("--trials", "--steps"), npus=8, draws=True),
     "autoprec search --task my_task.py:make_task --study resnet-npu --trials 400 --steps 300 "

@@ -81,7 +81,8 @@ def export_policy(
     """
     if fmt in ("torch-npu", "cann", "transformers", "fp8") and policy.serving_only:
         raise ExportError(
-            f"format {fmt!r}: the policy serves layers in int8, which {fmt} cannot express "
+            f"format {fmt!r}: the policy serves layers in {_served_in(policy)}, which {fmt} "
+            "cannot express "
             f"(the int8 formats: {', '.join(SERVING_FORMATS)})"
         )
     if fmt == "yaml":
@@ -99,3 +100,11 @@ def export_policy(
     if fmt == "torchao":
         return export_torchao(policy, out_dir, model, int8, device or "cpu")
     raise ExportError(f"format {fmt!r}: unknown (expected one of {', '.join(FORMATS)})")
+
+
+def _served_in(policy: Policy) -> str:
+    """What makes a policy serving-only: int8 layers, and/or fp8 ones by a serving method."""
+    found = ["int8"] if "int8" in (policy.default, *(r.dtype for r in policy.rules)) else []
+    if policy.fp8_method is not None and policy.names_fp8:
+        found.append(f"fp8 ({policy.fp8_method})")
+    return " and ".join(found)

@@ -15,6 +15,9 @@ it is the user's safety net.
 - int8 leaves: Linear layers (and transformers' Conv1D, turned into the equivalent
   Linear) are quantized by a method of `autoprec.quantizers` (the one the policy records,
   so a policy serves what its trial measured); their activations stay fp32.
+- fp8 leaves: Linear layers get float8 weights by torchao's float8 configs (a method of
+  the same registry, the one the policy records; `autoprec.fp8_serving`), their
+  activations handed to them in fp32.
 - Boundaries: a uniform model casts its inputs once and runs in its dtype. Where layers of
   different dtypes meet, each largest same-dtype subtree (`autoprec.plan.boundaries`, the
   algorithm that places training's regions too) casts its floating inputs to its dtype
@@ -37,8 +40,18 @@ from torch import nn
 
 from autoprec._structures import cast_floats
 from autoprec.devices import Backend, get_backend
-from autoprec.dtypes import FP32, INT8, SERVING_DTYPES, TORCH_DTYPES, activation_dtype, dtype_name
+from autoprec.dtypes import (
+    FP8,
+    FP32,
+    INT8,
+    SERVING_DTYPES,
+    SERVING_QUANTIZED,
+    TORCH_DTYPES,
+    activation_dtype,
+    dtype_name,
+)
 from autoprec.errors import DeviceError, PolicyError, TaskError, first_line
+from autoprec.fp8_serving import default_fp8_method, fp8_layer_refusal, fp8_serving_refusal
 from autoprec.plan import boundaries
 from autoprec.policy import Policy, int8_capable, parameterised_leaves, tied_leaves
 from autoprec.quantizers import (
@@ -70,6 +83,7 @@ __all__ = [
     "weight_dtypes",
 ]
 _PLAIN = (torch.Tensor, nn.Parameter)
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def convert(
@@ -77,18 +91,26 @@ def convert(
     layer_dtypes: Mapping[str, str],
     device: str | torch.device | Backend = "cpu",
     int8: str | None = None,
+    fp8: str | None = None,
 ) -> nn.Module:
     """A copy of ``model`` on ``device`` in eval mode, each leaf with parameters converted
     to its dtype in ``layer_dtypes`` (leaves not named stay fp32), with casts at the
     boundaries and fp32 outputs. ``int8`` names the method (default: the device's, see
-    `autoprec.quantizers.DEFAULT_INT8_METHOD`). Raises PolicyError for a mapping that does
+    `autoprec.quantizers.DEFAULT_INT8_METHOD`), ``fp8`` the fp8 one (default: the device's,
+    `autoprec.fp8_serving.DEFAULT_FP8_METHOD`). Raises PolicyError for a mapping that does
     not fit the model and DeviceError for a dtype the device cannot run."""
     backend = get_backend(device)
     leaves = dict(parameterised_leaves(model))
     dtypes = _checked(model, leaves, layer_dtypes)
     method = _checked_int8(dtypes, backend, int8)
+    fp8_method = _checked_fp8(dtypes, leaves, backend, fp8)
     _check_tied(model, dtypes)
-    hooks = ServingPrecision(dtypes, backend, None if method is None else quantizer(method))
+    hooks = ServingPrecision(
+        dtypes,
+        backend,
+        None if method is None else quantizer(method),
+        None if fp8_method is None else quantizer(fp8_method),
+    )
     return hooks.convert_module(model)
 
 
@@ -99,8 +121,15 @@ def convert_policy(
     int8: str | None = None,
 ) -> nn.Module:
     """``model`` converted for serving as ``policy`` says (a copy; see `convert`), its int8
-    layers by ``int8``, else by the method the policy records, else the device's."""
-    return convert(model, policy.resolve_inference(model), device, int8 or policy.int8_method)
+    layers by ``int8``, else by the method the policy records, else the device's; its fp8
+    layers by the fp8 method the policy records, else the device's."""
+    return convert(
+        model,
+        policy.resolve_inference(model),
+        device,
+        int8 or policy.int8_method,
+        policy.fp8_method,
+    )
 
 
 class ServingPrecision:
@@ -111,11 +140,16 @@ class ServingPrecision:
     output conversions itself, as hooks, so that it serves alone (MLflow, export)."""
 
     def __init__(
-        self, layer_dtypes: Mapping[str, str], backend: Backend, int8: Quantizer | None = None
+        self,
+        layer_dtypes: Mapping[str, str],
+        backend: Backend,
+        int8: Quantizer | None = None,
+        fp8: Quantizer | None = None,
     ) -> None:
         self.layer_dtypes = dict(layer_dtypes)
         self.backend = backend
         self.int8 = int8
+        self.fp8 = fp8
         self.activation_dtypes = {n: activation_dtype(d) for n, d in self.layer_dtypes.items()}
 
     def convert_module(self, model: nn.Module) -> nn.Module:
@@ -131,6 +165,10 @@ class ServingPrecision:
         if quantized:
             assert self.int8 is not None
             _quantize(converted, quantized, self.int8)
+        in_fp8 = [name for name, dtype in self.layer_dtypes.items() if dtype == FP8]
+        if in_fp8:
+            assert self.fp8 is not None
+            _quantize_fp8(converted, in_fp8, self.fp8)
         modules = dict(converted.named_modules())
         for name, dtype in self.layer_dtypes.items():
             if dtype in TORCH_DTYPES and dtype != FP32:
@@ -202,7 +240,7 @@ def _checked(
             )
         if dtype not in SERVING_DTYPES:
             raise PolicyError(
-                f"layer {name!r}: unknown dtype {dtype!r} (expected fp32, fp16, bf16 or int8)"
+                f"layer {name!r}: unknown dtype {dtype!r} (expected fp32, fp16, bf16, int8 or fp8)"
             )
         if dtype == INT8 and not int8_capable(leaves[name]):
             raise PolicyError(
@@ -214,7 +252,7 @@ def _checked(
 
 def _checked_int8(dtypes: dict[str, str], backend: Backend, int8: str | None) -> str | None:
     """The int8 method to use, after checking that the device runs every dtype asked for."""
-    for dtype in sorted(set(dtypes.values()) - {FP32, INT8}):
+    for dtype in sorted(set(dtypes.values()) - {FP32, INT8, FP8}):  # fp8: `_checked_fp8`
         if not backend.supports(dtype):
             raise DeviceError(f"dtype {dtype}: not supported by device {backend.name}")
     if int8 is not None:
@@ -227,11 +265,30 @@ def _checked_int8(dtypes: dict[str, str], backend: Backend, int8: str | None) ->
     return int8 or default_int8_method(backend.kind)
 
 
+def _checked_fp8(
+    dtypes: dict[str, str], leaves: dict[str, nn.Module], backend: Backend, fp8: str | None
+) -> str | None:
+    """The fp8 method to use where some layer is fp8, after checking that the device runs
+    it and that each fp8 layer can take it."""
+    named = [name for name, dtype in dtypes.items() if dtype == FP8]
+    if not named:
+        return fp8
+    reason = fp8_serving_refusal(backend, fp8)
+    if reason is not None:
+        raise DeviceError(f"{reason} (device {backend.name})")
+    method = fp8 or default_fp8_method(backend.kind)
+    for name in named:
+        refusal = fp8_layer_refusal(leaves[name], method)
+        if refusal is not None:
+            raise PolicyError(f"layer {name!r}: cannot be served in fp8: {refusal}")
+    return method
+
+
 def _check_tied(model: nn.Module, dtypes: dict[str, str]) -> None:
     """Leaves that share a parameter must share a dtype: one tensor cannot be in two. An
-    int8 leaf gets a quantized copy of its own, so it may differ."""
+    int8 or fp8 leaf gets a quantized copy of its own, so it may differ."""
     for group in tied_leaves(model):
-        kept = [name for name in group if dtypes[name] != INT8]
+        kept = [name for name in group if dtypes[name] not in SERVING_QUANTIZED]
         for name in kept[1:]:
             if dtypes[name] != dtypes[kept[0]]:
                 raise PolicyError(
@@ -250,6 +307,15 @@ def _quantize(model: nn.Module, names: list[str], method: Quantizer) -> None:
     missed = [name for name in names if weight_dtypes(model.get_submodule(name)).get("") != INT8]
     if missed:
         raise PolicyError(f"layer {missed[0]!r}: int8 method {method.name!r} left it unquantized")
+
+
+def _quantize_fp8(model: nn.Module, names: list[str], method: Quantizer) -> None:
+    """The named Linear layers given float8 weights in place, by ``method`` (torchao
+    puts a new Parameter on each, so a tied neighbour keeps the floating one)."""
+    method.quantize(model, names)
+    missed = [name for name in names if weight_dtypes(model.get_submodule(name)).get("") != FP8]
+    if missed:
+        raise PolicyError(f"layer {missed[0]!r}: fp8 method {method.name!r} left it unquantized")
 
 
 def has_torch_dynamic_int8(model: nn.Module) -> bool:
@@ -349,13 +415,15 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def weight_dtypes(model: nn.Module) -> dict[str, str]:
-    """The dtype each leaf holds its weights in now, ``int8`` for quantized ones: what a
-    conversion really did, for checks and reports."""
+    """The dtype each leaf holds its weights in now, ``int8`` for quantized ones and
+    ``fp8`` for float8 ones: what a conversion really did, for checks and reports."""
     found: dict[str, str] = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if callable(weight) or (isinstance(weight, torch.Tensor) and type(weight) not in _PLAIN):
-            found[name] = "int8"
+            inner = list(_inner_tensors(weight)) if isinstance(weight, torch.Tensor) else []
+            float8 = any(t.dtype in _FLOAT8 for t in inner)
+            found[name] = FP8 if float8 else INT8
             continue
         first = next(module.parameters(recurse=False), None)
         if first is not None and next(module.children(), None) is None:

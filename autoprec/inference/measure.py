@@ -76,6 +76,9 @@ class InferenceResult(Measured):
     run_time_s: float = 0.0
     # Median latency at every batch size measured ("1", "8", "64"), the main one among them.
     latency_by_batch_ms: dict[str, float] = field(default_factory=dict)
+    # The dtypes its figures ran emulated (``["fp8"]`` for fp8 layers served on the CPU
+    # under --emulate fp8: `autoprec.emulation`); none: real.
+    emulated: list[str] = field(default_factory=list)
 
     METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
@@ -103,7 +106,10 @@ class InferenceResult(Measured):
         return {f"latency_p50_ms.batch_{size}": v for size, v in self.latency_by_batch_ms.items()}
 
     def entry_fields(self) -> dict[str, Any]:
-        return {"switches": {}, "latency_by_batch_ms": self.latency_by_batch_ms}
+        fields: dict[str, Any] = {"switches": {}, "latency_by_batch_ms": self.latency_by_batch_ms}
+        if self.emulated:  # labelled as training's are: no fp8 device's latency
+            fields["execution"] = {"emulated": list(self.emulated)}
+        return fields
 
     def within(self, feasibility: Feasibility) -> bool:
         """Agreement with fp32's top-1 predictions and deviation of the outputs within

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from autoprec.errors import AutoprecError, first_line
-from autoprec.inference.convert import has_torch_dynamic_int8
+from autoprec.fp8_serving import default_fp8_method
+from autoprec.inference.convert import has_torch_dynamic_int8, weight_dtypes
 from autoprec.inference.logits_path import served_logits
 from autoprec.inference.mlflow_rebuilt import FORMAT, write_data
 from autoprec.policy import Policy
@@ -131,6 +132,9 @@ def save_mlflow_model(
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
     if int8 is not None:
         requirements += quantizer(int8).requirements()
+    if "fp8" in weight_dtypes(converted).values():  # torchao's float8 weights
+        fp8 = policy.fp8_method or default_fp8_method("cpu") or ""
+        requirements += [r for r in quantizer(fp8).requirements() if r not in requirements]
     formats = [] if has_torch_dynamic_int8(converted) else ["pt2"]
     if fp32 is not None and task_spec is not None:
         formats.append(FORMAT)

@@ -27,6 +27,12 @@ from torch import nn
 from autoprec._digest import file_sha256
 from autoprec.devices import DTYPES, Backend
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
+from autoprec.fp8_serving import (
+    FP8_SERVING_METHODS,
+    default_fp8_method,
+    fp8_serving_refusal,
+    search_refusal,
+)
 from autoprec.inference.convert import (
     convert,
     convert_policy,
@@ -78,13 +84,16 @@ class ServingConfig:
     overriding it, the fp32 weights from ``checkpoint`` (else the task's, else trained
     once for the search's ``steps`` and kept as runs/<study>/fp32.pt), and ``int8``
     (``auto``: where the device has kernels; ``off``; or a method of
-    `autoprec.inference.INT8_METHODS`). Checked when made."""
+    `autoprec.inference.INT8_METHODS`), and ``fp8`` likewise (``auto``: where the device
+    serves fp8, on the CPU only with ``--emulate fp8``; ``off``; or a method of
+    `autoprec.fp8_serving.FP8_SERVING_METHODS`). Checked when made."""
 
     scenario: str | None = None
     batch_size: int | None = None
     batch_sizes: str | Sequence[int] | None = None
     checkpoint: str | Path | None = None
     int8: str = "auto"
+    fp8: str = "auto"
 
     def __post_init__(self) -> None:
         if self.scenario is not None:
@@ -106,6 +115,11 @@ class ServingConfig:
             raise AutoprecError(
                 f"--int8: expected auto, off or one of {', '.join(INT8_METHODS)}, got {self.int8!r}"
             )
+        if self.fp8 not in ("auto", "off", *FP8_SERVING_METHODS):
+            raise AutoprecError(
+                f"--fp8: expected auto, off or one of {', '.join(FP8_SERVING_METHODS)}, "
+                f"got {self.fp8!r}"
+            )
 
     def given(self) -> list[str]:
         """The options set away from their defaults, as the command line names them."""
@@ -117,6 +131,7 @@ class ServingConfig:
                 ("--batch-sizes", self.batch_sizes),
                 ("--checkpoint", self.checkpoint),
                 ("--int8", None if self.int8 == "auto" else self.int8),
+                ("--fp8", None if self.fp8 == "auto" else self.fp8),
             )
             if value is not None
         ]
@@ -131,6 +146,7 @@ class ServingConfig:
             else parse_batch_sizes(self.batch_sizes),
             "checkpoint": None if self.checkpoint is None else str(self.checkpoint),
             "int8": self.int8,
+            "fp8": self.fp8,
         }
 
 
@@ -154,24 +170,28 @@ def parse_batch_sizes(value: str | Sequence[int]) -> list[int]:
 class Serving:
     """A serving search's settings, settled for the task and the device: the scenario,
     the batch sizes measured (the first is the scenario's), the int8 method (None: no
-    int8) and the user's fp32 checkpoint."""
+    int8), the user's fp32 checkpoint and the fp8 method (None: no fp8)."""
 
     scenario: Scenario
     batch_sizes: tuple[int, ...]
     int8: str | None
     checkpoint: Path | None
+    fp8: str | None = None
 
     @property
     def settings(self) -> dict[str, Any]:
         """What the study is identified by, besides the training settings."""
         digest = None if self.checkpoint is None else _digest(self.checkpoint)
-        return {
+        settings = {
             "mode": "inference",
             "scenario": self.scenario.name,
             "batch_sizes": list(self.batch_sizes),
             "int8": self.int8,
             "checkpoint_sha256": digest,
         }
+        if self.fp8 is not None:  # only then: studies without fp8 keep their identity
+            settings["fp8"] = self.fp8
+        return settings
 
 
 def serving_of(config: ServingConfig, task: Task, model: nn.Module, backend: Backend) -> Serving:
@@ -200,7 +220,22 @@ def serving_of(config: ServingConfig, task: Task, model: nn.Module, backend: Bac
         with torch.no_grad():
             refuse_nan_outputs(task, batch.run(model), f"with the weights of {checkpoint}")
     check_batch_sizes(task, sizes)
-    return Serving(preset, sizes, int8, checkpoint)
+    return Serving(preset, sizes, int8, checkpoint, fp8_of(config.fp8, backend))
+
+
+def fp8_of(asked: str, backend: Backend) -> str | None:
+    """The fp8 serving method a search measures with (None: none): ``auto`` takes the
+    device's where it is offered (on the CPU only with ``--emulate fp8``), a named method
+    must run there (DeviceError in one line otherwise)."""
+    if asked == "off":
+        return None
+    if asked == "auto":
+        method = default_fp8_method(backend.kind)
+        return None if search_refusal(backend, method) is not None else method
+    reason = search_refusal(backend, asked)
+    if reason is not None:
+        raise DeviceError(f"--fp8 {asked}: {reason} (device {backend.name})")
+    return asked
 
 
 def load_checkpoint(model: nn.Module, path: Path, task: Task) -> nn.Module:
@@ -315,7 +350,9 @@ def run_inference_trial(
     previous = backend.set_switches(policy.tf32, policy.hf32)
     try:
         layer_dtypes = policy.resolve_inference(model)
-        converted = convert(model, layer_dtypes, backend, int8 or policy.int8_method)
+        converted = convert(
+            model, layer_dtypes, backend, int8 or policy.int8_method, policy.fp8_method
+        )
         result = measure_inference(
             task, converted, reference, backend, batch_sizes[0], timed_calls, warmup_calls
         )
@@ -326,6 +363,8 @@ def run_inference_trial(
                     converted, task, backend, size, timed_calls, warmup_calls
                 )
         result.low_precision_share = low_precision_share(model, layer_dtypes)
+        if "fp8" in layer_dtypes.values() and "fp8" in backend.emulated():
+            result.emulated = ["fp8"]
     except AutoprecError as error:  # a policy this model cannot be served in
         result = InferenceResult(TrialState.FAILED, first_line(error, 500))
     except Exception as error:  # any failure of a trial is its result
@@ -420,12 +459,19 @@ class ServingTrials:
         return self.serving.settings
 
     def fit(self, space: SearchSpace, profile: Profile | None) -> SearchSpace:
-        """Weights are converted: every layer's may be, int8 too where it runs."""
+        """Weights are converted: every layer's may be, int8 and fp8 too where they run."""
         supported = {d for d in DTYPES if self.backend.supports(d)}
         if self.serving.int8 is not None:
             supported.add("int8")
+        if self.serving.fp8 is not None:
+            supported.add("fp8")
         fitted = space.fit(
-            self.model, profile, self.backend, inference=True, int8_method=self.serving.int8
+            self.model,
+            profile,
+            self.backend,
+            inference=True,
+            int8_method=self.serving.int8,
+            fp8_method=self.serving.fp8,
         )
         return fitted.restrict(supported)
 
@@ -548,8 +594,13 @@ def save_served_model(
     cpu = get_backend("cpu")
     int8 = trials.serving.int8
     fp32, _ = trials._loaded()
-    if "int8" in policy.resolve_inference(fp32).values():
+    dtypes = set(policy.resolve_inference(fp32).values())
+    if "int8" in dtypes:
         reason = int8_unavailable_reason("cpu", int8)
+        if reason is not None:
+            return None, f"{reason}, where the MLflow model runs"
+    if "fp8" in dtypes:  # weight-only fp8 runs on the CPU; the dynamic methods need CUDA
+        reason = fp8_serving_refusal(cpu, policy.fp8_method)
         if reason is not None:
             return None, f"{reason}, where the MLflow model runs"
     path = out_dir / MLFLOW_MODEL_DIR
