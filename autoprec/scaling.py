@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -145,6 +146,9 @@ class LossScaler:
 
     def __init__(self, settings: LossScale) -> None:
         self.settings = settings
+        # On one rank of several: makes a found-inf flag (a float32 tensor) the maximum
+        # over all ranks, so that every rank skips or steps together (`autoprec.distributed`).
+        self.reduce_found_inf: Callable[[torch.Tensor], torch.Tensor] | None = None
         initial = settings.init_scale if settings.enabled else 1.0
         self._scale = torch.full((), initial, dtype=torch.float32)
         self._growth_tracker = torch.zeros((), dtype=torch.int32)
@@ -180,9 +184,11 @@ class LossScaler:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
-                    groups[(param.grad.device, param.grad.dtype)].append(param.grad)
+                    # A sharded (DTensor) gradient is unscaled as its local shard.
+                    grad = getattr(param.grad, "_local_tensor", param.grad)
+                    groups[(grad.device, grad.dtype)].append(grad)
         inv_scale = self._scale.double().reciprocal().float()
-        found = []
+        found = [torch.zeros(())]
         with torch.no_grad():
             for (device, _), grads in groups.items():
                 found_inf = torch.zeros((), device=device)
@@ -190,7 +196,10 @@ class LossScaler:
                     grads, found_inf, inv_scale.to(device)
                 )
                 found.append(found_inf.to("cpu"))
-        return bool(torch.stack(found).sum().item()) if found else False
+        flag = torch.stack(found).sum()
+        if self.reduce_found_inf is not None:
+            flag = self.reduce_found_inf(flag)
+        return bool(flag.item())
 
     def unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s gradients were unscaled in this iteration already."""

@@ -16,10 +16,10 @@ import io
 import math
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -273,9 +273,10 @@ def _train_and_evaluate(
     backend: Backend,
     budget: Budget,
     early_stopping: EarlyStopping | None,
+    ranks: Ranks | None = None,
 ) -> TrialResult:
     with backend.selected():
-        return _train_and_evaluate_here(task, policy, backend, budget, early_stopping)
+        return _train_and_evaluate_here(task, policy, backend, budget, early_stopping, ranks)
 
 
 def _train_and_evaluate_here(
@@ -284,11 +285,15 @@ def _train_and_evaluate_here(
     backend: Backend,
     budget: Budget,
     early_stopping: EarlyStopping | None,
+    ranks: Ranks | None = None,
 ) -> TrialResult:
     torch.manual_seed(budget.seed)
-    run = _Run(task, policy, backend, budget, early_stopping)
+    run = _Run(task, policy, backend, budget, early_stopping, ranks)
     try:
-        batches = iter(task.train_data(budget.seed))
+        data = (
+            task.train_data(budget.seed) if ranks is None else ranks.train_data(task, budget.seed)
+        )
+        batches = iter(data)
         for step in range(budget.steps):
             reason = run.step(step, _draw(task, batches, step, budget.steps, backend))
             if reason is not None:
@@ -299,8 +304,20 @@ def _train_and_evaluate_here(
         run.prec.remove()
 
 
+class Ranks(Protocol):
+    """How one rank of a trial across several devices trains (`autoprec.distributed`):
+    the model wrapped for its parallel mode, and a float made the mean over all ranks."""
+
+    def wrap(self, model: nn.Module, prec: Precision) -> nn.Module: ...
+
+    def mean(self, value: float) -> float: ...
+
+    def train_data(self, task: Task, seed: int) -> Iterable[Any]: ...
+
+
 class _Run:
-    """One trial's model, optimizer, precision, meters and what it measured so far."""
+    """One trial's model, optimizer, precision, meters and what it measured so far; on
+    one rank of several (``ranks``), the wrapped model trains and losses are means."""
 
     def __init__(
         self,
@@ -309,15 +326,20 @@ class _Run:
         backend: Backend,
         budget: Budget,
         early_stopping: EarlyStopping | None,
+        ranks: Ranks | None = None,
     ) -> None:
         self.task, self.backend, self.budget = task, backend, budget
         self.early_stopping = early_stopping
+        self.ranks = ranks
         self.model = task.model().to(backend.device)
         self.model.train()
-        self.optimizer = task.make_optimizer(self.model.parameters())
-        self.scheduler = task.make_scheduler(self.optimizer)
         share = _observed_share(task, policy, self.model, backend)
         self.prec = policy.apply(self.model, backend)
+        # What trains: the model itself, or a rank's wrapper of it (DDP, FSDP2), made
+        # before the optimizer, which takes the parameters the wrapper trains.
+        self.trained = self.model if ranks is None else ranks.wrap(self.model, self.prec)
+        self.optimizer = task.make_optimizer(self.trained.parameters())
+        self.scheduler = task.make_scheduler(self.optimizer)
         self.meter = backend.memory_meter()
         self.result = TrialResult(
             TrialState.COMPLETE,
@@ -348,7 +370,13 @@ class _Run:
         ):
             started_s = backend.now_s() if timed else 0.0
             loss_value, stepped = _train_step(
-                self.task, self.model, self.optimizer, prec, batches, self.scheduler
+                self.task,
+                self.trained,
+                self.optimizer,
+                prec,
+                batches,
+                self.scheduler,
+                None if self.ranks is None else self.ranks.mean,
             )
             if timed:
                 self.step_times_s.append(backend.now_s() - started_s)
@@ -423,7 +451,7 @@ class _Run:
         if finite:
             result.final_loss = statistics.fmean(finite[-FINAL_LOSS_WINDOW:])
         if result.state == TrialState.COMPLETE:
-            result.accuracy = _evaluate(self.task, self.model, prec, self.backend)
+            result.accuracy = _evaluate(self.task, self.trained, prec, self.backend)
             if not math.isfinite(result.accuracy):
                 result.state = TrialState.FAILED
                 result.reason = f"the task's metric returned {result.accuracy}"
@@ -517,19 +545,21 @@ def _train_step(
     prec: Precision,
     batches: list[Batch],
     scheduler: Any = None,
+    mean: Callable[[float], float] | None = None,
 ) -> tuple[float, bool | None]:
     """One optimizer step, as a user's loop runs it under the policy: a forward and
     backward per accumulated batch, gradient clipping on unscaled gradients, the step,
     and the scheduler after a step that was taken. Returns the mean loss and whether the
     optimizer stepped; None when a non-finite loss without loss scaling ended the step
-    before backward (stepping would corrupt the weights)."""
+    before backward (stepping would corrupt the weights). ``mean``: a rank's loss made
+    the mean over all ranks, so that every rank records and decides on the same loss."""
     optimizer.zero_grad(set_to_none=True)
     loss_value = 0.0
     for batch in batches:
         with prec.autocast():
             outputs = batch.run(model)
         loss = task.compute_loss(outputs, batch.targets) / len(batches)
-        part = float(loss.detach())
+        part = float(loss.detach()) if mean is None else mean(float(loss.detach()))
         loss_value += part
         if not math.isfinite(part) and not prec.scaler.settings.enabled:
             return loss_value, None

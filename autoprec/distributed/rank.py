@@ -1,0 +1,193 @@
+"""One rank of a trial across several devices: the program torchrun starts on each.
+
+The interface between the launcher (`autoprec.distributed.launch`) and the ranks:
+
+- **Command**: ``python -m torch.distributed.run --nproc-per-node N ... -m
+  autoprec.distributed.rank SPEC_JSON_PATH RESULT_JSON_PATH``; torchrun sets ``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+- **SPEC_JSON_PATH** holds one JSON object:
+
+  - ``task``: the task spec string, as `autoprec.tasks.loading.load_task` takes it;
+  - ``policy``: the policy's dict form (`Policy.to_dict`);
+  - ``budget``: the fields of `autoprec.trials.training.Budget` (``steps``,
+    ``warmup_steps``, ``seed``);
+  - ``parallel``: ``"ddp"`` or ``"fsdp2"``;
+  - ``backend``: the process group's backend, ``"gloo"``, ``"nccl"`` or ``"hccl"``;
+  - ``devices``: one device per local rank, ``["cpu", "cpu"]`` or ``["cuda:0",
+    "cuda:1"]``; rank ``i`` of the host uses ``devices[LOCAL_RANK]``;
+  - ``reduce_dtype`` (optional, FSDP2 only): ``"fp32"`` (default) or ``"bf16"``, the
+    dtype gradients are reduced in;
+  - ``emulate`` (optional): the dtypes the backend may emulate (``["fp8"]``), as
+    ``--emulate`` says;
+  - ``timeout_s`` (optional, default 1800): the process group's collective timeout.
+
+- **RESULT_JSON_PATH**: rank 0 writes one JSON object, the `TrialResult` as a dict
+  (``TrialResult.to_dict``: state, reason, losses, accuracy, ...), with the figures of all
+  ranks combined: ``step_time_ms`` is the slowest rank's median step, ``peak_memory_mb``
+  the largest rank's; and beside them ``nproc``, ``parallel``, ``backend``,
+  ``reduce_dtype`` and ``ranks``, one record per rank (its device, step time, peak
+  memory, final loss scale, and whether its layers ran in the dtypes the policy resolves
+  for them, with the mismatches). The same record is in the result's
+  ``telemetry["distributed"]``. `trial_result_from_json` reads the file back.
+- **Exit code**: 0 when the trial ran to a result on every rank, whatever that result
+  (complete, pruned on a non-finite loss, failed by its metric). Non-zero when a rank
+  raised or could not start: that rank writes a failed result with its reason to
+  RESULT_JSON_PATH first where no rank has written one yet, so the launcher should read
+  the file whenever it exists, and fail the trial as crashed where it does not.
+
+Every rank runs the single-device trial's loop (`autoprec.trials.training`) with
+`RankTraining`: the same losses, loss scaling, early stops and measurements, with the
+model wrapped (DDP, or FSDP2 units from the policy's dtypes), the rank's slice of the data
+(`autoprec.distributed.data`), losses averaged over the ranks and the loss scaler's
+overflow decision all-reduced, so that every rank takes every decision alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoprec._files import write_atomic
+from autoprec.devices import get_backend
+from autoprec.distributed.collectives import gather_records
+from autoprec.distributed.parallel import RankTraining
+from autoprec.errors import AutoprecError, first_line
+from autoprec.policy import Policy
+from autoprec.tasks.loading import load_task
+from autoprec.trials.base import TrialState
+from autoprec.trials.training import Budget, TrialResult, _train_and_evaluate
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def trial_result_from_json(path: str | Path) -> TrialResult:
+    """The `TrialResult` rank 0 wrote to ``path`` (the launcher's side of the interface)."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or "state" not in data:
+        raise AutoprecError(f"{path}: not a trial result written by autoprec.distributed.rank")
+    return TrialResult.from_dict(data)
+
+
+def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
+    """This rank's part of the trial ``spec`` describes (the process group initialised):
+    the combined result (the same on every rank) and the distributed record."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    devices = spec["devices"]
+    backend = get_backend(devices[local_rank], spec.get("emulate") or ())
+    task = load_task(spec["task"])
+    policy = Policy.from_dict(spec["policy"], "spec.policy")
+    budget = Budget(**spec.get("budget", {}))
+    ranks = RankTraining(spec["parallel"], backend.device, spec.get("reduce_dtype", "fp32"))
+    started = time.perf_counter()
+    with backend.selected():
+        result = _train_and_evaluate(task, policy, backend, budget, None, ranks)
+    ranks.stop_watching()
+    result.run_time_s = time.perf_counter() - started
+    mine = {
+        "rank": dist.get_rank(),
+        "device": str(backend.device),
+        "state": str(result.state),
+        "step_time_ms": result.step_time_ms,
+        "peak_memory_mb": result.peak_memory_mb,
+        "accuracy": result.accuracy,
+        "final_loss": result.final_loss,
+        "loss_scale_final": result.loss_scales[-1] if result.loss_scales else None,
+        "overflow_steps": result.overflow_steps,
+        "grad_underflow_ratio": result.grad_underflow_ratio,
+        "run_time_s": result.run_time_s,
+        "dtypes_hold": not ranks.dtype_mismatches() and bool(ranks.observed_dtypes),
+        "dtype_mismatches": ranks.dtype_mismatches()[:5],
+    }
+    records = gather_records(mine)
+    record = {
+        "nproc": dist.get_world_size(),
+        "parallel": spec["parallel"],
+        "backend": dist.get_backend(),
+        "reduce_dtype": spec.get("reduce_dtype", "fp32") if spec["parallel"] == "fsdp2" else None,
+        "ranks": records,
+    }
+    return combine(result, records, record), record
+
+
+def combine(
+    result: TrialResult, records: list[dict[str, Any]], record: dict[str, Any]
+) -> TrialResult:
+    """Rank 0's result with the figures of every rank: the slowest rank's median step, the
+    largest rank's peak memory, the worst underflow, the longest run; a trial whose ranks
+    disagree on how it ended failed (that is a bug of ours, not the policy's)."""
+    times = [r["step_time_ms"] for r in records if r["step_time_ms"] is not None]
+    memory = [r["peak_memory_mb"] for r in records if r["peak_memory_mb"] is not None]
+    underflow = [
+        r["grad_underflow_ratio"] for r in records if r["grad_underflow_ratio"] is not None
+    ]
+    result.step_time_ms = max(times) if times else None
+    result.peak_memory_mb = max(memory) if memory else None
+    result.grad_underflow_ratio = max(underflow) if underflow else None
+    result.run_time_s = max(r["run_time_s"] for r in records)
+    result.telemetry = {**(result.telemetry or {}), "distributed": record}
+    if result.telemetry.get("grad_underflow_ratio") is not None:
+        result.telemetry["grad_underflow_ratio"] = result.grad_underflow_ratio
+    states = {r["state"] for r in records}
+    scales = {r["loss_scale_final"] for r in records}
+    if len(states) > 1 or len(scales) > 1:
+        result.state = TrialState.FAILED
+        result.reason = (
+            f"the ranks disagree: states {sorted(states)}, loss scales {sorted(map(str, scales))}"
+        )
+        result.accuracy = None
+    return result
+
+
+def _write(path: Path, result: TrialResult, record: dict[str, Any]) -> None:
+    data = {**result.to_dict(), **record}
+    write_atomic(path, json.dumps(data, default=str, allow_nan=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run this rank; the exit code as the module's docstring says."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print(
+            "usage: python -m autoprec.distributed.rank SPEC_JSON_PATH RESULT_JSON_PATH",
+            file=sys.stderr,
+        )
+        return 2
+    spec_path, result_path = Path(args[0]), Path(args[1])
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        spec = json.loads(spec_path.read_text())
+        _init_process_group(spec)
+        result, record = run_rank(spec)
+    except BaseException as error:  # a crashed rank: say why, where no rank has yet
+        reason = f"rank {rank}: {type(error).__name__}: {first_line(error, 400)}"[:500]
+        if not result_path.exists():
+            failed = TrialResult(TrialState.FAILED, reason)
+            _write(result_path, failed, {"crashed_rank": rank})
+        print(reason, file=sys.stderr)
+        return 1
+    if rank == 0:
+        _write(result_path, result, record)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _init_process_group(spec: dict[str, Any]) -> None:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(spec["devices"][local_rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=float(spec.get("timeout_s", DEFAULT_TIMEOUT_S)))
+    dist.init_process_group(spec["backend"], timeout=timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
