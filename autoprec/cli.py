@@ -123,6 +123,7 @@ def _add_search(commands: Any) -> None:
     _add_where(s.add_argument_group("where it runs and is recorded"))
     _add_choice(s.add_argument_group("how the best policy is chosen"))
     _add_faults(s.add_argument_group("workers and faults"))
+    _add_launch(s.add_argument_group("trials across several devices"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -298,6 +299,24 @@ def _add_faults(group: Any) -> None:
     )
 
 
+def _add_launch(group: Any) -> None:
+    group.add_argument(
+        "--nproc-per-trial",
+        type=int,
+        default=1,
+        metavar="N",
+        help="launch each trial through torchrun as N ranks on N devices (gloo on the "
+        "CPU, nccl on CUDA, hccl on NPUs); with --devices cuda:0-7 and N=4, two trials "
+        "run at once",
+    )
+    group.add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp2"),
+        default=None,
+        help="how the ranks share the model (default with N>1: ddp)",
+    )
+
+
 def _add_other_commands(commands: Any) -> None:
     from autoprec.search.config import DEFAULT_TRACKING_URI
     from autoprec.tasks import DEFAULT_TASK
@@ -425,6 +444,8 @@ def _search(args: argparse.Namespace) -> int:
         mode=args.mode,
         serving=serving if serving.given() else None,  # --mode inference: the defaults
         emulate=tuple(args.emulate),
+        nproc_per_trial=args.nproc_per_trial,
+        parallel=args.parallel,
     )
     result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
     summary = result.typed or result.summary

@@ -184,11 +184,6 @@ class LaunchOutcome:
     def timed_out(self) -> bool:
         return self.exit_code is None
 
-    @property
-    def ran(self) -> bool:
-        """The trial itself ran (it may still have failed as a trial)."""
-        return self.exit_code == 0 and self.result_path.is_file()
-
     def reason(self, limit_s: float, nproc: int) -> str:
         """Why the launch gave no result, in one line."""
         log = self.log_path
@@ -399,6 +394,8 @@ class LaunchPlan:
             "devices": local_group(self.group),
             "reduce_dtype": getattr(policy, "reduce_dtype", None) or self.reduce_dtype,
             "emulate": list(self.emulate),
+            # The ranks' collectives give up no later than the launch is ended.
+            **({"timeout_s": self.limit_s} if self.limit_s else {}),
         }
 
     def environment(self) -> dict[str, str]:
@@ -478,10 +475,15 @@ class LaunchedTrials(TrainingTrials):
             plan.environment(),
             plan.module,
         )
-        if not outcome.ran:
-            result = TrialResult(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
-        else:
+        if outcome.result_path.is_file():  # a rank that raised wrote why, as a failed result
             result = read_result(outcome.result_path)
+            if outcome.exit_code != 0 and result.state == TrialState.FAILED:
+                result.reason = f"{result.reason} (log: {outcome.log_path})"
+            elif outcome.exit_code != 0:  # a rank died after rank 0 wrote the result
+                result = TrialResult(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
+        else:
+            result = TrialResult(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
+        if result.state != TrialState.FAILED:
             shutil.rmtree(folder, ignore_errors=True)  # a failed launch keeps its log
         result.run_time_s = outcome.elapsed_s
         return result
@@ -497,12 +499,13 @@ class LaunchedTrials(TrainingTrials):
 
 
 def read_result(path: Path) -> TrialResult:
-    """The trial's result as rank 0 wrote it."""
+    """The trial's result as its ranks wrote it (a damaged file: a failed trial)."""
+    from autoprec.distributed.rank import trial_result_from_json
+
     try:
-        from autoprec.distributed.rank import trial_result_from_json
-    except ImportError:  # the rank side's reader, where it is not there yet
-        return TrialResult.from_dict(json.loads(path.read_text()))
-    return trial_result_from_json(path)  # type: ignore[no-any-return]
+        return trial_result_from_json(path)
+    except (AutoprecError, ValueError, TypeError) as error:
+        return TrialResult(TrialState.FAILED, f"unreadable result: {first_line(error, 300)}")
 
 
 def launched(

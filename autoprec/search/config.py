@@ -57,6 +57,9 @@ class SearchConfig:
       ``mode="inference"`` (``scenario="edge"``).
       ``prefer`` may then also be ``latency`` or ``throughput``; None takes the
       scenario's (training: speed).
+    - ``nproc_per_trial``: each trial launched through torchrun as that many ranks on as
+      many devices (`autoprec.distributed.launch`); ``parallel``: ``ddp`` (the default
+      past one rank) or ``fsdp2``.
     - ``emulate``: dtypes the device may run emulated (``("fp8",)`` on the CPU: torchao's
       float8 numerics without its speed), recorded in the summary's settings.
     """
@@ -81,6 +84,8 @@ class SearchConfig:
     mode: str | None = None  # None: inference with ``serving``, else training
     serving: ServingConfig | None = None
     emulate: tuple[str, ...] = ()
+    nproc_per_trial: int = 1  # trials across several devices (autoprec.distributed)
+    parallel: str | None = None
     # The serving settings given flat, nested into ``serving`` (not kept as fields).
     scenario: InitVar[str | None] = None
     batch_size: InitVar[int | None] = None
@@ -129,6 +134,12 @@ class SearchConfig:
                 f"--heartbeat: expected whole seconds >= 1, got {self.heartbeat_s!r}"
             )
         self._check_mode()
+        from autoprec.distributed.launch import settle_parallel
+
+        parallel = settle_parallel(
+            self.nproc_per_trial, self.parallel, self.mode, self.devices, self.workers
+        )
+        object.__setattr__(self, "parallel", parallel)
         if self.sampler not in SAMPLERS:
             raise AutoprecError(
                 f"--sampler: expected one of {', '.join(SAMPLERS)}, got {self.sampler!r}"
