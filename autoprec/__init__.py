@@ -37,6 +37,7 @@ if _TYPE_CHECKING:
         SummaryError,
         TaskError,
     )
+    from autoprec.distributed import apply_fsdp2, shard
     from autoprec.inference import load_inference_model
     from autoprec.policy import Policy, Rule, load_policy
     from autoprec.precision import Precision
@@ -72,11 +73,13 @@ _WHERE = {
     "SearchConfig": "autoprec.search",
     "SearchResult": "autoprec.search",
     "Task": "autoprec.tasks",
+    "apply_fsdp2": "autoprec.distributed",
     "load_best_policy": "autoprec.tracking",
     "load_inference_model": "autoprec.inference",
     "load_policy": "autoprec.policy",
     "profile_task": "autoprec.profile",
     "search": "autoprec.search",
+    "shard": "autoprec.distributed",
 }
 __all__ = [
     "AutoprecError",
@@ -100,11 +103,13 @@ __all__ = [
     "SummaryError",
     "Task",
     "TaskError",
+    "apply_fsdp2",
     "load_best_policy",
     "load_inference_model",
     "load_policy",
     "profile_task",
     "search",
+    "shard",
 ]
 __version__ = "0.1.0"
 

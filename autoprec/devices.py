@@ -571,6 +571,7 @@ def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
     """Bytes of each distinct storage behind the tensors, keyed by its address."""
     storages = {}
     for tensor in tensors:
+        tensor = getattr(tensor, "_local_tensor", tensor)  # a sharded DTensor: its shard
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return storages

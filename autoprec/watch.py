@@ -113,7 +113,8 @@ class Watcher:
             for param in module.parameters(recurse=False):
                 if param.grad is not None and id(param) not in seen:
                     seen.add(id(param))
-                    self._add(name, PARAM_GRAD, param.grad, counts)
+                    grad = getattr(param.grad, "_local_tensor", param.grad)  # a shard's
+                    self._add(name, PARAM_GRAD, grad, counts)
 
     def _add(self, name: str, kind: str, tensor: torch.Tensor, counts: Counts) -> None:
         """Count one tensor under (``name``, ``kind``), if it is floating and not empty."""

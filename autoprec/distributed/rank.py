@@ -48,6 +48,8 @@ import json
 import os
 import sys
 import time
+import traceback
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,7 @@ from autoprec.trials.base import TrialState
 from autoprec.trials.training import Budget, TrialResult, _train_and_evaluate
 
 DEFAULT_TIMEOUT_S = 1800.0
+MAX_LISTED_LEAVES = 64  # of the observed dtypes, per rank, in the result
 
 
 def trial_result_from_json(path: str | Path) -> TrialResult:
@@ -105,6 +108,7 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
         "run_time_s": result.run_time_s,
         "dtypes_hold": not ranks.dtype_mismatches() and bool(ranks.observed_dtypes),
         "dtype_mismatches": ranks.dtype_mismatches()[:5],
+        "observed_dtypes": dict(list(ranks.observed_dtypes.items())[:MAX_LISTED_LEAVES]),
     }
     records = gather_records(mine)
     record = {
@@ -113,6 +117,7 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
         "backend": dist.get_backend(),
         "reduce_dtype": spec.get("reduce_dtype", "fp32") if spec["parallel"] == "fsdp2" else None,
         "ranks": records,
+        "units": [asdict(unit) for unit in ranks.units],
     }
     return combine(result, records, record), record
 
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if not result_path.exists():
             failed = TrialResult(TrialState.FAILED, reason)
             _write(result_path, failed, {"crashed_rank": rank})
-        print(reason, file=sys.stderr)
+        traceback.print_exc()
         return 1
     if rank == 0:
         _write(result_path, result, record)

@@ -1,0 +1,240 @@
+"""A trial's ranks (`autoprec.distributed.rank`) under DDP and FSDP2: the data split, the
+FSDP2 units, the combined result; and, run by torchrun on 2 CPU ranks over gloo (slow:
+each launch starts three Python processes), the equivalence of 2 DDP ranks with 1 rank,
+a mixed bf16/fp32 policy under FSDP2, an overflow on one rank only, a crashed rank, and a
+user's own loop with ``policy.apply`` under DDP and ``autoprec.apply_fsdp2``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoprec
+from autoprec.devices import get_backend
+from autoprec.distributed.data import rank_train_data, shard, takes_rank
+from autoprec.distributed.fsdp import ShardUnit, shard_units
+from autoprec.distributed.rank import combine, trial_result_from_json
+from autoprec.errors import TaskError
+from autoprec.policy import Policy
+from autoprec.tasks.loading import load_task
+from autoprec.trials.base import TrialState
+from autoprec.trials.training import Budget, TrialResult, run_trial
+from tests.distributed_tasks import Net
+
+ROOT = Path(__file__).resolve().parent.parent
+TASKS = "tests/distributed_tasks.py"
+BUDGET = {"steps": 6, "warmup_steps": 1, "seed": 0}
+MIXED = {
+    "default": "bf16",
+    "rules": [
+        {"patterns": ["blocks.1"], "dtype": "fp32"},
+        {"patterns": ["head"], "dtype": "fp32"},
+    ],
+    "loss_scale": {"mode": "none"},
+}
+
+
+# -- the data contract -------------------------------------------------------------------
+
+
+def test_shard_gives_each_rank_its_slice_of_the_global_batch():
+    inputs, targets = torch.arange(12.0).reshape(6, 2), torch.arange(6)
+    parts = [shard((inputs, targets), rank, 3) for rank in range(3)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), inputs)
+    assert torch.equal(torch.cat([p[1] for p in parts]), targets)
+    mapping = shard({"input_ids": inputs, "labels": targets}, 1, 2)
+    assert torch.equal(mapping["labels"], targets[3:])
+
+
+def test_shard_refuses_a_batch_that_does_not_split_evenly():
+    with pytest.raises(TaskError, match="does not split into 4 equal parts"):
+        shard((torch.zeros(6, 2), torch.zeros(6)), 0, 4)
+    with pytest.raises(TaskError, match="differ in their first dimension"):
+        shard((torch.zeros(4, 2), torch.zeros(2)), 0, 2)
+
+
+def test_a_task_that_takes_the_rank_yields_its_own_batches():
+    def own(seed, rank, world):
+        yield (torch.full((2, 1), float(rank)), torch.zeros(2))
+
+    def single(seed):
+        yield (torch.arange(4.0).reshape(4, 1), torch.zeros(4))
+
+    assert takes_rank(own) and not takes_rank(single)
+    assert next(rank_train_data(own, 0, 1, 2))[0].tolist() == [[1.0], [1.0]]
+    assert next(rank_train_data(single, 0, 1, 2))[0].tolist() == [[2.0], [3.0]]
+
+
+# -- FSDP2 units -------------------------------------------------------------------------
+
+
+def test_fsdp2_units_follow_blocks_and_cast_at_dtype_boundaries():
+    model = Net()
+    leaf_dtypes = Policy.from_dict(MIXED).plan(model, "cpu").leaf_dtypes
+    assert leaf_dtypes == {
+        "inp": "bf16",
+        "blocks.0.fc": "bf16",
+        "blocks.1.fc": "fp32",
+        "head": "fp32",
+    }
+    assert shard_units(model, leaf_dtypes) == [
+        # a bf16 block before an fp32 one hands on fp32 (the mat1/mat2 failure otherwise)
+        ShardUnit("blocks.0", "bf16", "fp32"),
+        ShardUnit("blocks.1", "fp32", None),
+        ShardUnit("head", "fp32", None),  # an fp32 layer in the bf16 root: a unit of its own
+        ShardUnit("", "bf16", "fp32"),
+    ]
+    uniform = Policy.uniform("bf16").plan(model, "cpu").leaf_dtypes
+    assert [u.output_dtype for u in shard_units(model, uniform)] == [None, None, "fp32"]
+
+
+# -- the combined result -----------------------------------------------------------------
+
+
+def _record(rank, step_ms, memory_mb, scale=1.0):
+    return {
+        "rank": rank,
+        "state": "complete",
+        "step_time_ms": step_ms,
+        "peak_memory_mb": memory_mb,
+        "grad_underflow_ratio": 0.0,
+        "loss_scale_final": scale,
+        "run_time_s": 1.0 + rank,
+    }
+
+
+def test_the_slowest_rank_and_the_largest_memory_are_the_trial_s(tmp_path):
+    result = TrialResult(TrialState.COMPLETE, accuracy=0.5, step_time_ms=1.0)
+    records = [_record(0, 3.0, 10.0), _record(1, 5.0, 7.0)]
+    combined = combine(result, records, {"nproc": 2, "ranks": records})
+    assert (combined.step_time_ms, combined.peak_memory_mb, combined.run_time_s) == (5.0, 10.0, 2.0)
+    assert combined.telemetry["distributed"]["nproc"] == 2
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({**combined.to_dict(), "nproc": 2}))
+    assert trial_result_from_json(path) == combined
+
+
+def test_ranks_that_disagree_on_the_loss_scale_fail_the_trial():
+    result = TrialResult(TrialState.COMPLETE, accuracy=0.5)
+    records = [_record(0, 3.0, 1.0, scale=128.0), _record(1, 3.0, 1.0, scale=256.0)]
+    combined = combine(result, records, {"ranks": records})
+    assert combined.state == TrialState.FAILED and "disagree" in combined.reason
+    assert combined.accuracy is None
+
+
+# -- 2 ranks under torchrun (gloo, CPU) --------------------------------------------------
+
+
+def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return subprocess.run(
+        [*command, "--nproc-per-node", "2", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _trial(tmp_path: Path, **spec) -> tuple[subprocess.CompletedProcess, dict]:
+    spec = {"budget": BUDGET, "backend": "gloo", "devices": ["cpu", "cpu"], **spec}
+    spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
+    spec_path.write_text(json.dumps(spec))
+    done = _torchrun(tmp_path, "-m", "autoprec.distributed.rank", str(spec_path), str(result_path))
+    data = json.loads(result_path.read_text()) if result_path.exists() else {}
+    return done, data
+
+
+def _finite_from_both_ranks(data: dict) -> None:
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    for record in data["ranks"]:
+        assert math.isfinite(record["step_time_ms"]) and record["step_time_ms"] > 0
+        assert math.isfinite(record["peak_memory_mb"]) and record["peak_memory_mb"] > 0
+        assert record["dtypes_hold"], record["dtype_mismatches"]
+    assert data["step_time_ms"] == max(r["step_time_ms"] for r in data["ranks"])
+    assert data["peak_memory_mb"] == max(r["peak_memory_mb"] for r in data["ranks"])
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_train_as_one_rank_on_the_same_global_batch(tmp_path):
+    policy = Policy.uniform("fp32")
+    done, data = _trial(tmp_path, task=f"{TASKS}:blocks", policy=policy.to_dict(), parallel="ddp")
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = run_trial(load_task(f"{TASKS}:blocks"), policy, get_backend("cpu"), Budget(**BUDGET))
+    result = trial_result_from_json(tmp_path / "result.json")
+    assert result.state == TrialState.COMPLETE
+    assert result.losses == pytest.approx(one.losses, rel=1e-5)
+    assert result.accuracy == pytest.approx(one.accuracy)
+    assert (data["nproc"], data["parallel"], data["backend"]) == (2, "ddp", "gloo")
+    assert result.telemetry["distributed"]["nproc"] == 2
+    _finite_from_both_ranks(data)
+
+
+@pytest.mark.slow
+def test_a_mixed_policy_trains_under_fsdp2_in_its_dtypes_on_every_rank(tmp_path):
+    done, data = _trial(tmp_path, task=f"{TASKS}:blocks", policy=MIXED, parallel="fsdp2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert data["state"] == "complete", data["reason"]
+    assert {"name": "blocks.0", "param_dtype": "bf16", "output_dtype": "fp32"} in data["units"]
+    for record in data["ranks"]:  # forward hooks on each rank's first training step
+        assert record["observed_dtypes"] == {
+            "inp": "bf16",
+            "blocks.0.fc": "bf16",
+            "blocks.1.fc": "fp32",
+            "head": "fp32",
+        }
+    assert 0 < data["low_precision_share"] < 1
+    _finite_from_both_ranks(data)
+
+
+@pytest.mark.slow
+def test_an_overflow_on_one_rank_skips_the_step_on_both(tmp_path):
+    policy = {"default": "fp32", "loss_scale": {"mode": "dynamic", "init_scale": 256.0}}
+    done, data = _trial(tmp_path, task=f"{TASKS}:poisoned", policy=policy, parallel="fsdp2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Rank 1 puts an inf in a row of the gradient that rank 0's shard holds: only rank 0
+    # finds it locally, and both must skip that step and back off alike.
+    assert data["state"] == "complete", data["reason"]
+    assert [r["overflow_steps"] for r in data["ranks"]] == [1, 1]
+    assert [r["loss_scale_final"] for r in data["ranks"]] == [128.0, 128.0]
+    assert data["loss_scales"].count(256.0) == 3  # the inf came on the third step
+
+
+@pytest.mark.slow
+def test_a_crashed_rank_exits_non_zero_with_a_failed_result(tmp_path):
+    policy = Policy.uniform("fp32").to_dict()
+    done, _ = _trial(tmp_path, task=f"{TASKS}:no_such_task", policy=policy, parallel="ddp")
+    assert done.returncode != 0
+    result = trial_result_from_json(tmp_path / "result.json")
+    assert result.state == TrialState.FAILED and "no_such_task" in result.reason
+
+
+@pytest.mark.slow
+def test_a_user_loop_applies_the_policy_under_ddp_and_fsdp2(tmp_path):
+    done = _torchrun(tmp_path, "tests/distributed_loop.py", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for report in reports:
+        for mode in ("ddp", "fsdp2"):
+            assert report[mode]["seen"] == report[mode]["resolved"]
+            assert set(report[mode]["seen"].values()) == {"bf16", "fp32"}
+            assert all(math.isfinite(v) for v in report[mode]["losses"])
+        assert report["fsdp2"]["sharded"]
+    # DDP and FSDP2 train the same model on the same batches alike
+    assert reports[0]["ddp"]["losses"] == pytest.approx(reports[0]["fsdp2"]["losses"], rel=1e-2)
+
+
+def test_the_public_names_are_the_distributed_ones():
+    assert autoprec.shard is shard
+    from autoprec.distributed.fsdp import apply_fsdp2
+
+    assert autoprec.apply_fsdp2 is apply_fsdp2
