@@ -74,3 +74,40 @@ def _run(spec: dict, result_path: Path, rank: int, world: int) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# -- a real task whose rank 1 dies in one launch, for the search's tests ------------------
+
+KILL_DIR_ENV = "AUTOPREC_TEST_KILL_DIR"  # where rank 1 counts its launches
+KILL_AT_ENV = "AUTOPREC_TEST_KILL_AT"  # the launch (1: the baseline's) whose rank 1 dies
+
+
+def killed_blocks() -> object:
+    """tests/distributed_tasks.py's ``blocks``, whose rank 1 kills itself (SIGKILL) after
+    two batches of the ``$AUTOPREC_TEST_KILL_AT``-th launch: a rank that dies mid-trial.
+    Loaded as ``tests.distributed_fakes:killed_blocks`` by the search and the ranks."""
+    import dataclasses
+    import importlib.util
+
+    here = Path(__file__).with_name("distributed_tasks.py")
+    loader = importlib.util.spec_from_file_location("_distributed_tasks", here)
+    assert loader is not None and loader.loader is not None
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    task = module.blocks()
+    inner = task.train_data
+
+    def train_data(seed: int):  # type: ignore[no-untyped-def]
+        if os.environ.get("RANK") != "1" or KILL_DIR_ENV not in os.environ:
+            yield from inner(seed)
+            return
+        launches = Path(os.environ[KILL_DIR_ENV])
+        launches.mkdir(parents=True, exist_ok=True)
+        (launches / str(os.getpid())).touch()
+        doomed = len(list(launches.iterdir())) == int(os.environ.get(KILL_AT_ENV, "2"))
+        for drawn, batch in enumerate(inner(seed)):
+            if doomed and drawn == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield batch
+
+    return dataclasses.replace(task, name="killed-blocks", train_data=train_data)
