@@ -97,7 +97,31 @@ def test_the_agents_failure_report_names_the_rank_and_why():
 ============================================================
 """
     assert failure_of(report) == "rank 3 exited with code 1: RuntimeError: boom"
-    assert failure_of("no report\nlast words\n") == "the launch failed: last words"
+    # A rank killed: the agent ends the other (SIGTERM), which had lost its peer.
+    killed = """Failures:
+[1]:
+  time      : 2026-12-01_14:38:44
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 24028)  (SIGTERM)
+  error_file: /tmp/x/error.json
+  traceback : Traceback (most recent call last):
+    File "distributed_c10d.py", line 5356, in barrier
+  RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:14758.
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_14:38:44
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 24029)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 24029
+============================================================
+"""
+    assert failure_of(killed) == (
+        "rank 1 exited with code -9 (SIGKILL): Signal 9 (SIGKILL) received by PID 24029"
+    )
 
 
 # -- one launch of the real torchrun ----------------------------------------------------
@@ -222,6 +246,6 @@ def test_a_rank_killed_mid_trial_fails_that_trial_and_the_search_goes_on(tmp_pat
     results = [t.user_attrs["autoprec"]["result"] for t in trials]
     failed = [r for r in results if r["state"] == "failed"]
     assert len(failed) == 1, [r["reason"] for r in results]
-    assert failed[0]["reason"].startswith("rank 1 exited with code -9 (SIGKILL)")
+    assert failed[0]["reason"].startswith("rank 1 exited with code -9 (SIGKILL)"), failed
     assert failed[0]["run_time_s"] < timeout_s  # ended by the agent, not by the limit
     assert sum(r["state"] == "complete" for r in results) == 2  # the next trials ran

@@ -204,22 +204,35 @@ def _read(path: Path) -> str:
         return ""
 
 
-_ROOT_CAUSE = re.compile(
+_FAILURE = re.compile(
     r"rank\s*:\s*(?P<rank>\d+).*?exitcode\s*:\s*(?P<code>-?\d+)"
-    r"(?:.*?traceback\s*:\s*(?P<why>.*?)(?:\n\s*=+|\Z))?",
+    r"(?:[^\n]*\n\s*error_file[^\n]*\n\s*traceback\s*:\s*(?P<why>.*?))?"
+    r"(?=\n\s*\[\d+\]:|\n\s*-{10,}|\n\s*={10,}|\Z)",
     re.S,
 )
 
 
 def failure_of(agent_log: str) -> str:
-    """The first failed rank, its exit code and why, as torchrun's failure report (the
-    ``Root Cause`` block its agent prints) says; the log's last line where it has none."""
-    _, marker, after = agent_log.partition("Root Cause")
-    found = _ROOT_CAUSE.search(after) if marker else None
-    if found is None:
+    """The rank that failed first, its exit code and why, as torchrun's failure report
+    says (the ``Failures`` and ``Root Cause`` blocks its agent prints); the log's last
+    line where it has none. A rank ended by a signal (killed, out of host memory) is
+    named before the ranks that then lost their connection to it, or were ended by the
+    agent (SIGTERM)."""
+    _, marker, report = agent_log.partition("Failures:")
+    if not marker:
+        _, marker, report = agent_log.partition("Root Cause")
+    failures = list(_FAILURE.finditer(report)) if marker else []
+    if not failures:
         lines = [line for line in agent_log.splitlines() if line.strip()]
         last = first_line(lines[-1], 300) if lines else "no output"
         return f"the launch failed: {last}"
+    root = report.find("Root Cause")
+    rooted = [f for f in failures if f.start() > root >= 0]
+    # SIGTERM is how the agent ends the others; any other signal ended a rank itself.
+    ended_by_agent = -int(signal.SIGTERM)
+    signalled = [f for f in [*rooted, *failures] if int(f["code"]) not in (0, ended_by_agent)]
+    signalled = [f for f in signalled if int(f["code"]) < 0]
+    found = (signalled or rooted or failures)[0]
     why_lines = [line.strip() for line in (found["why"] or "").splitlines() if line.strip()]
     # A Python traceback says why on its last line; a signal, on its only one.
     why = why_lines[-1] if why_lines else ""
@@ -478,7 +491,10 @@ class LaunchedTrials(TrainingTrials):
         if outcome.result_path.is_file():  # a rank that raised wrote why, as a failed result
             result = read_result(outcome.result_path)
             if outcome.exit_code != 0 and result.state == TrialState.FAILED:
-                result.reason = f"{result.reason} (log: {outcome.log_path})"
+                # The agent names the rank that died first; the written reason is what
+                # the rank that wrote it saw then (often: its peer gone).
+                agent = failure_of(_read(outcome.log_path))
+                result.reason = f"{agent}; {result.reason}"[:600] + f" (log: {outcome.log_path})"
             elif outcome.exit_code != 0:  # a rank died after rank 0 wrote the result
                 result = TrialResult(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
         else:
