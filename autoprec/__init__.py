@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 if _TYPE_CHECKING:
+    from autoprec.distributed import apply_fsdp2, shard
     from autoprec.errors import (
         AutoprecError,
         DeviceError,
@@ -37,7 +38,6 @@ if _TYPE_CHECKING:
         SummaryError,
         TaskError,
     )
-    from autoprec.distributed import apply_fsdp2, shard
     from autoprec.inference import load_inference_model
     from autoprec.policy import Policy, Rule, load_policy
     from autoprec.precision import Precision

@@ -65,7 +65,16 @@ from autoprec.scaling import LossScale
 
 # The name the training trial has imported the share by (one function: `autoprec.plan`).
 share_of_parameters = low_precision_share
-_POLICY_FIELDS = ("name", "default", "rules", "loss_scale", "switches", "quantization")
+_POLICY_FIELDS = (
+    "name",
+    "default",
+    "rules",
+    "loss_scale",
+    "switches",
+    "quantization",
+    "reduce_dtype",
+)
+REDUCE_DTYPES = ("fp32", "bf16")  # what FSDP2 may reduce gradients in
 _QUANTIZATION_FIELDS = ("int8", "fp8")
 # Where the default is fp8, the layers fp8 cannot take (norms, embeddings, Linear layers
 # of odd sizes) run in bf16, as torchao's users run the rest of the model.
@@ -235,7 +244,9 @@ class Policy:
     loss is scaled, so its YAML has no ``loss_scale``; a YAML without one reads back so
     (which changes only how it is written again). ``quantization``: for serving, the
     method its int8 layers are quantized with (`Quantization`), so that converting by the
-    policy alone serves what the search measured.
+    policy alone serves what the search measured. ``reduce_dtype``: under FSDP2, the dtype
+    gradients are reduced in (`autoprec.apply_fsdp2`; None: fp32), searched where a
+    search's trials run under FSDP2.
     """
 
     rules: tuple[Rule, ...] = ()
@@ -246,9 +257,14 @@ class Policy:
     name: str | None = None
     serving: bool = field(default=False, compare=False)
     quantization: Quantization = field(default_factory=Quantization)
+    reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _check_dtype(self.default, "default")
+        if self.reduce_dtype not in (None, *REDUCE_DTYPES):
+            raise PolicyError(
+                f"reduce_dtype: expected {' or '.join(REDUCE_DTYPES)}, got {self.reduce_dtype!r}"
+            )
         object.__setattr__(self, "rules", tuple(self.rules))
         if not isinstance(self.quantization, Quantization):
             raise PolicyError("quantization: expected a Quantization")
@@ -292,6 +308,8 @@ class Policy:
         quantization = self.quantization.to_dict()
         if quantization:
             data["quantization"] = quantization
+        if self.reduce_dtype is not None:
+            data["reduce_dtype"] = self.reduce_dtype
         return data
 
     @classmethod
@@ -318,11 +336,18 @@ class Policy:
                     raise PolicyError(f"switches.{key}: expected true, false or null")
             name = _check_name(data.get("name"), "name")
             quantization = Quantization.from_dict(data.get("quantization"))
+            reduce_dtype = data.get("reduce_dtype")
+            if reduce_dtype not in (None, *REDUCE_DTYPES):
+                raise PolicyError(
+                    f"reduce_dtype: expected {' or '.join(REDUCE_DTYPES)}, got {reduce_dtype!r}"
+                )
         except PolicyError as error:
             raise PolicyError(f"{source}: {error}") from None
         tf32, hf32 = switches.get("tf32"), switches.get("hf32")
         serving = "loss_scale" not in data
-        return cls(rules, default, loss_scale, tf32, hf32, name, serving, quantization)
+        return cls(
+            rules, default, loss_scale, tf32, hf32, name, serving, quantization, reduce_dtype
+        )
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -520,6 +545,8 @@ class Policy:
         measured: list[Any] = [dtypes, scaling, self.tf32, self.hf32]
         if FP8 in dtypes.values():  # only then: other policies keep their identities
             measured.append(self.fp8_recipe)
+        if self.reduce_dtype is not None:  # likewise
+            measured.append({"reduce_dtype": self.reduce_dtype})
         text = json.dumps(measured, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 

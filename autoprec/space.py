@@ -183,6 +183,9 @@ class SearchSpace:
     int8_method: str | None = None
     # torchao float8 recipes searched for the fp8 layers (``fp8.recipe`` where several)
     fp8_recipes: tuple[str, ...] = (DEFAULT_FP8_RECIPE,)
+    # trials under FSDP2: the dtypes gradients may be reduced in (``fsdp.reduce_dtype``
+    # where several; `autoprec.distributed`); empty elsewhere
+    reduce_dtypes: tuple[str, ...] = ()
 
     @property
     def offers_fp8(self) -> bool:
@@ -476,6 +479,8 @@ class SearchSpace:
             content["ties"] = self.ties
         if self.offers_fp8:  # likewise
             content["fp8_recipes"] = self.fp8_recipes
+        if self.reduce_dtypes:  # likewise
+            content["reduce_dtypes"] = self.reduce_dtypes
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:12]
 
     # -- from Optuna parameters to a policy ----------------------------------------------
@@ -490,6 +495,10 @@ class SearchSpace:
         if self.switch is not None:
             name = f"switch.{self.switch}"
             params[name] = trial.suggest_categorical(name, [False, True])
+        if len(self.reduce_dtypes) > 1:
+            params["fsdp.reduce_dtype"] = trial.suggest_categorical(
+                "fsdp.reduce_dtype", list(self.reduce_dtypes)
+            )
         if FP8 in params.values() and len(self.fp8_recipes) > 1:
             params["fp8.recipe"] = trial.suggest_categorical("fp8.recipe", list(self.fp8_recipes))
         if "fp16" in params.values() and not self.inference:  # serving scales no loss
@@ -551,6 +560,9 @@ class SearchSpace:
             hf32=switches["hf32"],
             serving=self.inference,
             quantization=Quantization(int8=int8, fp8=fp8),
+            reduce_dtype=params.get(
+                "fsdp.reduce_dtype", self.reduce_dtypes[0] if self.reduce_dtypes else None
+            ),
         )
 
     def uniform_params(self, dtype: str) -> dict[str, Any]:
@@ -645,6 +657,8 @@ class SearchSpace:
             flat[f"loss_scale.{key}"] = f"{getattr(scale, key):g}" if dynamic else "-"
         if self.offers_fp8:
             flat["fp8.recipe"] = policy.fp8_recipe if FP8 in flat.values() else "-"
+        if self.reduce_dtypes:
+            flat["fsdp.reduce_dtype"] = policy.reduce_dtype or "fp32"
         return flat
 
 

@@ -181,9 +181,13 @@ def test_two_ddp_ranks_train_as_one_rank_on_the_same_global_batch(tmp_path):
 
 @pytest.mark.slow
 def test_a_mixed_policy_trains_under_fsdp2_in_its_dtypes_on_every_rank(tmp_path):
-    done, data = _trial(tmp_path, task=f"{TASKS}:blocks", policy=MIXED, parallel="fsdp2")
+    policy = {**MIXED, "reduce_dtype": "bf16"}  # the policy's, over the spec's fp32
+    done, data = _trial(
+        tmp_path, task=f"{TASKS}:blocks", policy=policy, parallel="fsdp2", reduce_dtype="fp32"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert data["state"] == "complete", data["reason"]
+    assert data["reduce_dtype"] == "bf16"
     assert {"name": "blocks.0", "param_dtype": "bf16", "output_dtype": "fp32"} in data["units"]
     for record in data["ranks"]:  # forward hooks on each rank's first training step
         assert record["observed_dtypes"] == {
@@ -238,3 +242,35 @@ def test_the_public_names_are_the_distributed_ones():
     from autoprec.distributed.fsdp import apply_fsdp2
 
     assert autoprec.apply_fsdp2 is apply_fsdp2
+
+
+# -- the reduce dtype, a searched setting ------------------------------------------------
+
+
+def test_a_policy_carries_its_reduce_dtype_and_is_measured_apart_by_it():
+    plain = Policy.from_dict(MIXED)
+    reduced = Policy.from_dict({**MIXED, "reduce_dtype": "bf16"})
+    assert "reduce_dtype" not in plain.to_dict()  # other policies read and hash as before
+    assert Policy.from_yaml(reduced.to_yaml()) == reduced
+    assert reduced.identity() != plain.identity()
+    with pytest.raises(autoprec.PolicyError, match="reduce_dtype: expected fp32 or bf16"):
+        Policy.from_dict({**MIXED, "reduce_dtype": "fp16"})
+
+
+def test_a_space_for_fsdp2_searches_the_reduce_dtype():
+    import dataclasses
+
+    import optuna
+
+    from autoprec.space import load_space
+
+    space = load_space("default").fit(Net())
+    params = {f"dtype.{g.name}": "fp32" for g in space.groups}
+    assert "fsdp.reduce_dtype" not in space.flat_params(space.policy(params))
+    assert space.policy(params).reduce_dtype is None
+    fsdp = dataclasses.replace(space, reduce_dtypes=("fp32", "bf16"))
+    policy = fsdp.suggest(optuna.trial.FixedTrial({**params, "fsdp.reduce_dtype": "bf16"}))
+    assert policy.reduce_dtype == "bf16"
+    assert fsdp.flat_params(policy)["fsdp.reduce_dtype"] == "bf16"
+    assert fsdp.policy(params).reduce_dtype == "fp32"  # the anchors reduce in fp32
+    assert fsdp.fingerprint() != space.fingerprint()

@@ -33,13 +33,12 @@ from autoprec.autogroups import _blocks
 from autoprec.dtypes import TORCH_DTYPES, below_fp32
 from autoprec.errors import PolicyError
 from autoprec.plan import own_parameters
+from autoprec.policy import REDUCE_DTYPES
 
 if TYPE_CHECKING:
     from autoprec.devices import Backend
     from autoprec.policy import Policy
     from autoprec.precision import Precision
-
-REDUCE_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,7 @@ def apply_fsdp2(
     model: nn.Module,
     policy: Policy,
     mesh: Any = None,
-    reduce_dtype: str = "fp32",
+    reduce_dtype: str | None = None,
     device: str | torch.device | Backend | None = None,
 ) -> Precision:
     """Apply ``policy`` to ``model`` and shard it with FSDP2 as a trial did: the policy's
@@ -149,12 +148,14 @@ def apply_fsdp2(
     dtypes (see the module's docstring), and the loss scaler's overflow decision made
     across the ranks. Call it on every rank, with the model on the rank's device and the
     process group initialised; create the optimizer afterwards, from
-    ``model.parameters()`` (the sharded ones). Returns the Precision the loop calls
+    ``model.parameters()`` (the sharded ones). ``reduce_dtype``: the gradients' reduction
+    dtype, default the policy's (``reduce_dtype``), else fp32. Returns the Precision the loop calls
     (``prec.autocast()``, ``prec.backward(loss)``, ``prec.step(optimizer)``)."""
     from autoprec.distributed.collectives import max_over_ranks
 
     prec = policy.apply(model, device)
-    shard_model(model, prec.plan.leaf_dtypes, mesh, reduce_dtype)
+    reduce = reduce_dtype or policy.reduce_dtype or "fp32"
+    shard_model(model, prec.plan.leaf_dtypes, mesh, reduce)
     group = None if mesh is None else mesh.get_group()
     prec.scaler.reduce_found_inf = max_over_ranks(prec.backend.device, group)
     return prec

@@ -16,7 +16,8 @@ The interface between the launcher (`autoprec.distributed.launch`) and the ranks
   - ``devices``: one device per local rank, ``["cpu", "cpu"]`` or ``["cuda:0",
     "cuda:1"]``; rank ``i`` of the host uses ``devices[LOCAL_RANK]``;
   - ``reduce_dtype`` (optional, FSDP2 only): ``"fp32"`` (default) or ``"bf16"``, the
-    dtype gradients are reduced in;
+    dtype gradients are reduced in where the policy does not say (its ``reduce_dtype``,
+    a searched setting, wins);
   - ``emulate`` (optional): the dtypes the backend may emulate (``["fp8"]``), as
     ``--emulate`` says;
   - ``timeout_s`` (optional, default 1800): the process group's collective timeout.
@@ -88,7 +89,8 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
     task = load_task(spec["task"])
     policy = Policy.from_dict(spec["policy"], "spec.policy")
     budget = Budget(**spec.get("budget", {}))
-    ranks = RankTraining(spec["parallel"], backend.device, spec.get("reduce_dtype", "fp32"))
+    reduce_dtype = policy.reduce_dtype or spec.get("reduce_dtype") or "fp32"
+    ranks = RankTraining(spec["parallel"], backend.device, reduce_dtype)
     started = time.perf_counter()
     with backend.selected():
         result = _train_and_evaluate(task, policy, backend, budget, None, ranks)
@@ -115,7 +117,7 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
         "nproc": dist.get_world_size(),
         "parallel": spec["parallel"],
         "backend": dist.get_backend(),
-        "reduce_dtype": spec.get("reduce_dtype", "fp32") if spec["parallel"] == "fsdp2" else None,
+        "reduce_dtype": reduce_dtype if spec["parallel"] == "fsdp2" else None,
         "ranks": records,
         "units": [asdict(unit) for unit in ranks.units],
     }
