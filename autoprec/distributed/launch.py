@@ -23,6 +23,7 @@ A launch that goes wrong fails its trial and the search goes on:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,7 @@ RANK_MODULE = "autoprec.distributed.rank"
 # baseline's launch, which sets that limit.
 LAUNCH_TIMEOUT_S = 900.0
 KILL_GRACE_S = 10.0  # between SIGTERM and SIGKILL of a launch's process groups
+_LAUNCHES = itertools.count(1)  # this process's launches, each in a folder of its own
 # torchrun's own variables, which a search itself run under torchrun must not hand on.
 _INHERITED = re.compile(
     r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|"
@@ -390,6 +392,7 @@ class LaunchPlan:
     task_spec: str
     folder: Path
     limit_s: float
+    default_limit: bool = False  # no --trial-timeout: LAUNCH_TIMEOUT_S until the baseline
     threads: int = 1
     emulate: tuple[str, ...] = ()
     reduce_dtype: str = "fp32"
@@ -438,6 +441,7 @@ def plan_for(config: Any, task_spec: str | None, devices: list[str], folder: Pat
         task_spec=task_spec,
         folder=folder,
         limit_s=limit,
+        default_limit=config.trial_timeout_s is None,
         threads=max(1, torch.get_num_threads() // nproc),
         emulate=tuple(config.emulate),
     )
@@ -460,7 +464,6 @@ class LaunchedTrials(TrainingTrials):
             study=study,
         )
         self.plan = plan
-        self._launches = 0
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -472,14 +475,20 @@ class LaunchedTrials(TrainingTrials):
         """Nothing: every launch is a fresh set of processes, which no warm-up here helps."""
 
     def judged_against(self, baseline: Any, early_stopping: bool) -> LaunchedTrials:
-        """These trials, unchanged: launched trials are not stopped early."""
-        return self
+        """These trials, not stopped early (a launch runs to its end), with the search's
+        default time limit once the baseline sets it (25x its trial, at least 300 s)
+        where no ``--trial-timeout`` was given."""
+        if not self.plan.default_limit:
+            return self
+        from autoprec.search._session import TRIAL_TIMEOUT_FACTOR, TRIAL_TIMEOUT_MIN_S
+
+        limit_s = max(TRIAL_TIMEOUT_MIN_S, TRIAL_TIMEOUT_FACTOR * baseline.run_time_s)
+        return LaunchedTrials(self, replace(self.plan, limit_s=limit_s, default_limit=False))
 
     def measure(self, policy: Policy) -> TrialResult:
         """One launch of the policy's trial; a launch that failed is a failed trial."""
         plan = self.plan
-        self._launches += 1
-        folder = plan.folder / f"{os.getpid()}-{self._launches}"
+        folder = plan.folder / f"{os.getpid()}-{next(_LAUNCHES)}"
         outcome = launch(
             plan.spec(policy, self.budget),
             plan.nproc,
