@@ -226,14 +226,15 @@ def failure_of(agent_log: str) -> str:
     failures = list(_FAILURE.finditer(report)) if marker else []
     if not failures:
         lines = [line for line in agent_log.splitlines() if line.strip()]
-        last = first_line(lines[-1], 300) if lines else "no output"
+        last = _cut(lines[-1]) if lines else "no output"
         return f"the launch failed: {last}"
     root = report.find("Root Cause")
     rooted = [f for f in failures if f.start() > root >= 0]
     # SIGTERM is how the agent ends the others; any other signal ended a rank itself.
     ended_by_agent = -int(signal.SIGTERM)
-    signalled = [f for f in [*rooted, *failures] if int(f["code"]) not in (0, ended_by_agent)]
-    signalled = [f for f in signalled if int(f["code"]) < 0]
+    signalled = [
+        f for f in [*rooted, *failures] if int(f["code"]) < 0 and int(f["code"]) != ended_by_agent
+    ]
     found = (signalled or rooted or failures)[0]
     why_lines = [line.strip() for line in (found["why"] or "").splitlines() if line.strip()]
     # A Python traceback says why on its last line; a signal, on its only one.
@@ -245,7 +246,12 @@ def failure_of(agent_log: str) -> str:
         with contextlib.suppress(ValueError):
             signal_name = f" ({signal.Signals(-code).name})"
     text = f"rank {found['rank']} exited with code {code}{signal_name}"
-    return f"{text}: {first_line(why, 300)}" if why else text
+    return f"{text}: {_cut(why)}" if why else text
+
+
+def _cut(text: str) -> str:
+    """A line of a log, cut as an error's message is (`first_line`)."""
+    return first_line(AutoprecError(text), 300)
 
 
 def launch(
