@@ -1,19 +1,23 @@
 """Step time and per-rank peak memory of a trial at 1 rank against 2 ranks, in one run.
 
 Run by hand: ``python benchmarks/bench_multi_device.py [--task digits-mlp] [--steps 60]
-[--rounds 2] [--device cpu]``. Each configuration is one launch of the real torchrun, as
-``autoprec search --nproc-per-trial N`` launches a trial (`autoprec.distributed.launch`):
-1 rank (DDP over a world of one), 2 ranks under DDP, 2 ranks under FSDP2, each on the
-same task, policy and global batch. The configurations alternate round after round, so
-that the shared machine's drift reaches all of them alike; the medians are printed side
-by side, with each rank's own step time and peak memory.
+[--rounds 2] [--threads 1] [--device cpu]``. Each configuration is one launch of the
+real torchrun, as ``autoprec search --nproc-per-trial N`` launches a trial
+(`autoprec.distributed.launch`): 1 rank (DDP over a world of one), 2 ranks under DDP, 2
+ranks under FSDP2, each on the same task, policy and global batch. The configurations
+alternate round after round, so that the shared machine's drift reaches all of them
+alike; the medians are printed side by side, with each rank's own step time and peak
+memory. Every rank gets ``--threads`` CPU threads (default 1): on a loaded machine one
+process with 2 threads can be slower than two with 1 each, for OpenMP's spinning
+threads, not for anything of the launch.
 
 What 2 CPU cores can show: that a trial spans ranks (gloo), the per-rank split of the
 global batch (activations per rank), what FSDP2's sharding does to a rank's share of
 the parameters, gradients and optimizer state (CPU memory is autoprec's estimate, not an
 allocator's), and what the collectives cost on top of compute. What they cannot show:
-speed-up. One rank gets both cores' threads; two ranks get one each and contend for the
-same memory bandwidth, so 2 ranks are not expected to be faster here. Nothing of nccl,
+a speed-up worth the name. At one thread a rank, 2 ranks do half the batch each on
+twice the cores, but share the memory bandwidth and 8 engineers' load, and pay gloo's
+all-reduce over loopback. Nothing of nccl,
 hccl, an interconnect's bandwidth, a bf16 ``reduce_dtype``'s saving, device memory, or 8
 devices is measured on this machine.
 """
@@ -37,7 +41,14 @@ CONFIGS = ((1, "ddp"), (2, "ddp"), (2, "fsdp2"))
 
 
 def run_once(
-    task: str, policy: Policy, budget: Budget, nproc: int, parallel: str, device: str, folder: Path
+    task: str,
+    policy: Policy,
+    budget: Budget,
+    nproc: int,
+    parallel: str,
+    device: str,
+    threads: int,
+    folder: Path,
 ) -> dict:
     kind = device.split(":")[0]
     group = ["cpu"] * nproc if kind == "cpu" else [f"{kind}:{i}" for i in range(nproc)]
@@ -49,7 +60,7 @@ def run_once(
         task_spec=task,
         folder=folder,
         limit_s=900.0,
-        threads=max(1, (os.cpu_count() or 1) // nproc),
+        threads=threads,
     )
     outcome = launch(plan.spec(policy, budget), nproc, folder, plan.limit_s, plan.environment())
     if not outcome.result_path.is_file():
@@ -73,6 +84,7 @@ def main() -> None:
     parser.add_argument("--policy", default="fp32", help="a uniform dtype")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or npu (its first 2)")
     args = parser.parse_args()
     policy = Policy.uniform(args.policy)
@@ -83,11 +95,14 @@ def main() -> None:
             for nproc, parallel in CONFIGS:
                 where = Path(folder) / f"{round_}-{nproc}-{parallel}"
                 runs[(nproc, parallel)].append(
-                    run_once(args.task, policy, budget, nproc, parallel, args.device, where)
+                    run_once(
+                        args.task, policy, budget, nproc, parallel, args.device, args.threads, where
+                    )
                 )
     print(
         f"{args.task}, uniform {args.policy}, {args.steps} steps, {args.rounds} rounds "
-        f"alternating, {args.device} ({os.cpu_count()} cores), torch {torch.__version__}"
+        f"alternating, {args.device} ({os.cpu_count()} cores, {args.threads} thread(s) a rank), "
+        f"torch {torch.__version__}"
     )
     print(
         f"{'ranks':>5} {'parallel':>8} {'step ms':>9} {'vs 1':>6} {'per-rank step ms':>20} "
