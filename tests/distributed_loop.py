@@ -60,6 +60,32 @@ def train(trained: nn.Module, prec: Any, rank: int) -> list[float]:
     return losses
 
 
+def bare_units(rank: int) -> dict[str, Any]:
+    """FSDP2's own casts alone (no autocast, no regions): autoprec's units train, where
+    units that set only a bf16 ``param_dtype`` fail at the bf16-to-fp32 boundary."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from autoprec.distributed.fsdp import shard_model
+
+    inputs, labels = _data()
+    x, y = inputs[rank * 4 : rank * 4 + 4], labels[rank * 4 : rank * 4 + 4]
+    torch.manual_seed(0)
+    model = Net()
+    shard_model(model, POLICY.plan(model, "cpu").leaf_dtypes)
+    loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    naive = Net()
+    fully_shard(naive.blocks[0], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(naive.blocks[1])
+    fully_shard(naive)
+    try:
+        naive(x.bfloat16())
+        failure = None
+    except RuntimeError as error:
+        failure = str(error)
+    return {"loss": float(loss.detach()), "naive_failure": failure}
+
+
 def main(out_dir: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -88,6 +114,7 @@ def main(out_dir: Path) -> None:
         "sharded": all(hasattr(p, "_local_tensor") for p in model.parameters()),
         "loss_scale": prec.loss_scale,
     }
+    report["bare"] = bare_units(rank)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 

@@ -21,6 +21,7 @@ from autoprec.devices import get_backend
 from autoprec.distributed.data import rank_train_data, shard, takes_rank
 from autoprec.distributed.fsdp import ShardUnit, shard_units
 from autoprec.distributed.rank import combine, trial_result_from_json
+from autoprec.distributed.telemetry import reduce_telemetry
 from autoprec.errors import TaskError
 from autoprec.policy import Policy
 from autoprec.tasks.loading import load_task
@@ -87,8 +88,8 @@ def test_fsdp2_units_follow_blocks_and_cast_at_dtype_boundaries():
     assert shard_units(model, leaf_dtypes) == [
         # a bf16 block before an fp32 one hands on fp32 (the mat1/mat2 failure otherwise)
         ShardUnit("blocks.0", "bf16", "fp32"),
-        ShardUnit("blocks.1", "fp32", None),
-        ShardUnit("head", "fp32", None),  # an fp32 layer in the bf16 root: a unit of its own
+        ShardUnit("blocks.1", "fp32", "bf16"),  # into the bf16 root's head
+        ShardUnit("head", "fp32", "bf16"),  # an fp32 layer in the bf16 root: a unit of its own
         ShardUnit("", "bf16", "fp32"),
     ]
     uniform = Policy.uniform("bf16").plan(model, "cpu").leaf_dtypes
@@ -129,6 +130,34 @@ def test_ranks_that_disagree_on_the_loss_scale_fail_the_trial():
     assert combined.accuracy is None
 
 
+def test_telemetry_counts_shards_once_each_and_every_rank_s_activations():
+    def report(flushed, act_max):
+        layer = {
+            "name": "fc",
+            "grad_elements": 10,
+            "grad_nonzero": 8,
+            "grad_zero": 2,
+            "grad_flushed": flushed,
+            "grad_nonfinite": 0,
+            "act_elements": 4,
+            "act_nonfinite": 0,
+            "act_at_fp16_max": 0,
+            "act_overflow_origin": 0,
+            "act_max_abs": act_max,
+        }
+        return {"observed_steps": 1, "layers": [layer], "warnings": [f"w{flushed}"]}
+
+    reports = [report(0, 3.0), report(4, 5.0)]
+    ddp, fsdp2 = reduce_telemetry(reports, "ddp"), reduce_telemetry(reports, "fsdp2")
+    assert ddp["layers"][0]["grad_elements"] == 10  # the same all-reduced gradient
+    assert fsdp2["layers"][0]["grad_elements"] == 20  # two shards
+    assert fsdp2["grad_underflow_ratio"] == 4 / 16
+    for reduced in (ddp, fsdp2):
+        assert reduced["layers"][0]["act_elements"] == 8
+        assert reduced["layers"][0]["act_max_abs"] == 5.0
+        assert reduced["warnings"] == ["w0", "w4"]
+
+
 # -- 2 ranks under torchrun (gloo, CPU) --------------------------------------------------
 
 
@@ -154,6 +183,24 @@ def _trial(tmp_path: Path, **spec) -> tuple[subprocess.CompletedProcess, dict]:
     return done, data
 
 
+def _elements(telemetry: dict, kind: str) -> dict[str, int]:
+    return {layer["name"]: layer[f"{kind}_elements"] for layer in telemetry["layers"]}
+
+
+def _telemetry_covers_the_whole_model_and_batch(data: dict) -> None:
+    """Gradients counted once over the whole of each layer's parameters, activations over
+    the whole global batch, as on one device."""
+    telemetry, modules = data["telemetry"], dict(Net().named_modules())
+    linears = {name for name, module in modules.items() if isinstance(module, torch.nn.Linear)}
+    steps, observed = telemetry["gradient_steps"], telemetry["observed_steps"]
+    assert steps >= 1 and linears <= set(_elements(telemetry, "grad"))
+    for name, elements in _elements(telemetry, "grad").items():
+        assert elements == steps * sum(p.numel() for p in modules[name].parameters(recurse=False))
+    for name in linears:
+        width = modules[name].out_features
+        assert _elements(telemetry, "act")[name] == 8 * observed * width
+
+
 def _finite_from_both_ranks(data: dict) -> None:
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
     for record in data["ranks"]:
@@ -167,15 +214,19 @@ def _finite_from_both_ranks(data: dict) -> None:
 @pytest.mark.slow
 def test_two_ddp_ranks_train_as_one_rank_on_the_same_global_batch(tmp_path):
     policy = Policy.uniform("fp32")
-    done, data = _trial(tmp_path, task=f"{TASKS}:blocks", policy=policy.to_dict(), parallel="ddp")
-    assert done.returncode == 0, done.stderr[-3000:]
     one = run_trial(load_task(f"{TASKS}:blocks"), policy, get_backend("cpu"), Budget(**BUDGET))
+    spec = {"policy": policy.to_dict(), "parallel": "ddp", "baseline": one.to_dict()}
+    done, data = _trial(tmp_path, task=f"{TASKS}:blocks", **spec)  # judged against itself
+    assert done.returncode == 0, done.stderr[-3000:]
     result = trial_result_from_json(tmp_path / "result.json")
     assert result.state == TrialState.COMPLETE
     assert result.losses == pytest.approx(one.losses, rel=1e-5)
     assert result.accuracy == pytest.approx(one.accuracy)
     assert (data["nproc"], data["parallel"], data["backend"]) == (2, "ddp", "gloo")
     assert result.telemetry["distributed"]["nproc"] == 2
+    assert _elements(result.telemetry, "act") == _elements(one.telemetry, "act")
+    assert _elements(result.telemetry, "grad") == _elements(one.telemetry, "grad")
+    _telemetry_covers_the_whole_model_and_batch(data)
     _finite_from_both_ranks(data)
 
 
@@ -197,6 +248,7 @@ def test_a_mixed_policy_trains_under_fsdp2_in_its_dtypes_on_every_rank(tmp_path)
             "head": "fp32",
         }
     assert 0 < data["low_precision_share"] < 1
+    _telemetry_covers_the_whole_model_and_batch(data)  # the shards' counts add up
     _finite_from_both_ranks(data)
 
 
@@ -216,8 +268,9 @@ def test_an_overflow_on_one_rank_skips_the_step_on_both(tmp_path):
 @pytest.mark.slow
 def test_a_crashed_rank_exits_non_zero_with_a_failed_result(tmp_path):
     policy = Policy.uniform("fp32").to_dict()
-    done, _ = _trial(tmp_path, task=f"{TASKS}:no_such_task", policy=policy, parallel="ddp")
+    done, data = _trial(tmp_path, task=f"{TASKS}:no_such_task", policy=policy, parallel="ddp")
     assert done.returncode != 0
+    assert data["bad_input"] and data["error"] == "TaskError"
     result = trial_result_from_json(tmp_path / "result.json")
     assert result.state == TrialState.FAILED and "no_such_task" in result.reason
 
@@ -233,6 +286,8 @@ def test_a_user_loop_applies_the_policy_under_ddp_and_fsdp2(tmp_path):
             assert set(report[mode]["seen"].values()) == {"bf16", "fp32"}
             assert all(math.isfinite(v) for v in report[mode]["losses"])
         assert report["fsdp2"]["sharded"]
+        assert math.isfinite(report["bare"]["loss"])  # FSDP2's casts alone at the boundary
+        assert "mat1 and mat2 must have the same dtype" in report["bare"]["naive_failure"]
     # DDP and FSDP2 train the same model on the same batches alike
     assert reports[0]["ddp"]["losses"] == pytest.approx(reports[0]["fsdp2"]["losses"], rel=1e-2)
 

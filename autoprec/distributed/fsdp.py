@@ -8,10 +8,13 @@
 - **A layer of another dtype inside a unit** (an fp32 layer kept inside a bf16 block) is
   a unit of its own with its own ``param_dtype``: it still runs in its dtype, where one
   unit-wide cast would have handed it bf16 weights.
-- **Dtype boundaries**: a low-precision unit inside surroundings of another dtype, or
-  followed by a block of another dtype, has ``output_dtype`` fp32; every unit casts its
-  inputs to its own ``param_dtype`` (``cast_forward_inputs``). Without this a bf16 block
-  before an fp32 one fails with ``mat1 and mat2 must have the same dtype``.
+- **Dtype boundaries**: a unit inside surroundings of another dtype hands its outputs on
+  in the surroundings' dtype (``output_dtype``: a bf16 block in an fp32 model outputs
+  fp32, an fp32 block in a bf16 model bf16, which its next layer takes); a low-precision
+  block followed by a block of another dtype outputs fp32; every unit casts its inputs
+  to its own ``param_dtype`` (``cast_forward_inputs``). So FSDP2's casts alone carry a
+  mixed model across its boundaries; without them a bf16 block before an fp32 one fails
+  with ``mat1 and mat2 must have the same dtype``.
 - **Gradients are reduced in fp32** by default (``reduce_dtype``); bf16 halves their
   traffic at some accuracy risk, which is the trial's to measure.
 
@@ -81,19 +84,21 @@ def shard_units(model: nn.Module, leaf_dtypes: dict[str, str]) -> list[ShardUnit
         assert dtype is not None
         units += _odd_leaves(owned[block], leaf_dtypes, dtype)
         following = dtypes[ordered[index + 1]] if index + 1 < len(ordered) else root
-        boundary = below_fp32(dtype) and (dtype != root or following != dtype)
-        units.append(ShardUnit(block, dtype, "fp32" if boundary else None))
+        if dtype != root:
+            output: str | None = root
+        else:
+            output = "fp32" if below_fp32(dtype) and following != dtype else None
+        units.append(ShardUnit(block, dtype, output))
     units += _odd_leaves(owned[""], leaf_dtypes, root)
     units.append(ShardUnit("", root, "fp32" if below_fp32(root) else None))
     return units
 
 
 def _odd_leaves(leaves: list[str], leaf_dtypes: dict[str, str], around: str) -> list[ShardUnit]:
-    """Leaves of another dtype than their unit's, each a unit of its own."""
+    """Leaves of another dtype than their unit's, each a unit of its own that hands its
+    outputs on in the unit's dtype."""
     return [
-        ShardUnit(leaf, leaf_dtypes[leaf], "fp32" if below_fp32(leaf_dtypes[leaf]) else None)
-        for leaf in leaves
-        if leaf_dtypes[leaf] != around
+        ShardUnit(leaf, leaf_dtypes[leaf], around) for leaf in leaves if leaf_dtypes[leaf] != around
     ]
 
 

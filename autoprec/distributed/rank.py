@@ -20,7 +20,10 @@ The interface between the launcher (`autoprec.distributed.launch`) and the ranks
     a searched setting, wins);
   - ``emulate`` (optional): the dtypes the backend may emulate (``["fp8"]``), as
     ``--emulate`` says;
-  - ``timeout_s`` (optional, default 1800): the process group's collective timeout.
+  - ``timeout_s`` (optional, default 1800): the process group's collective timeout;
+  - ``baseline`` (optional): the fp32 baseline's `TrialResult` as a dict, to stop a
+    hopeless trial early against it (`EarlyStopping.from_baseline`), as
+    ``TrainingTrials.judged_against`` does on one device.
 
 - **RESULT_JSON_PATH**: rank 0 writes one JSON object, the `TrialResult` as a dict
   (``TrialResult.to_dict``: state, reason, losses, accuracy, ...), with the figures of all
@@ -33,8 +36,11 @@ The interface between the launcher (`autoprec.distributed.launch`) and the ranks
 - **Exit code**: 0 when the trial ran to a result on every rank, whatever that result
   (complete, pruned on a non-finite loss, failed by its metric). Non-zero when a rank
   raised or could not start: that rank writes a failed result with its reason to
-  RESULT_JSON_PATH first where no rank has written one yet, so the launcher should read
-  the file whenever it exists, and fail the trial as crashed where it does not.
+  RESULT_JSON_PATH first where no rank has written one yet (with ``crashed_rank``,
+  ``error``, the exception's type, and ``bad_input``, true where autoprec refused its
+  input, an `AutoprecError`, which a single-device trial raises rather than records), so
+  the launcher should read the file whenever it exists, and fail the trial as crashed
+  where it does not.
 
 Every rank runs the single-device trial's loop (`autoprec.trials.training`) with
 `RankTraining`: the same losses, loss scaling, early stops and measurements, with the
@@ -62,11 +68,12 @@ from autoprec._files import write_atomic
 from autoprec.devices import get_backend
 from autoprec.distributed.collectives import gather_records
 from autoprec.distributed.parallel import RankTraining
+from autoprec.distributed.telemetry import reduce_telemetry
 from autoprec.errors import AutoprecError, first_line
 from autoprec.policy import Policy
 from autoprec.tasks.loading import load_task
 from autoprec.trials.base import TrialState
-from autoprec.trials.training import Budget, TrialResult, _train_and_evaluate
+from autoprec.trials.training import Budget, EarlyStopping, TrialResult, _train_and_evaluate
 
 DEFAULT_TIMEOUT_S = 1800.0
 MAX_LISTED_LEAVES = 64  # of the observed dtypes, per rank, in the result
@@ -89,11 +96,16 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
     task = load_task(spec["task"])
     policy = Policy.from_dict(spec["policy"], "spec.policy")
     budget = Budget(**spec.get("budget", {}))
+    stopping = (
+        None
+        if spec.get("baseline") is None
+        else EarlyStopping.from_baseline(TrialResult.from_dict(spec["baseline"]))
+    )
     reduce_dtype = policy.reduce_dtype or spec.get("reduce_dtype") or "fp32"
     ranks = RankTraining(spec["parallel"], backend.device, reduce_dtype)
     started = time.perf_counter()
     with backend.selected():
-        result = _train_and_evaluate(task, policy, backend, budget, None, ranks)
+        result = _train_and_evaluate(task, policy, backend, budget, stopping, ranks)
     ranks.stop_watching()
     result.run_time_s = time.perf_counter() - started
     mine = {
@@ -113,6 +125,7 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
         "observed_dtypes": dict(list(ranks.observed_dtypes.items())[:MAX_LISTED_LEAVES]),
     }
     records = gather_records(mine)
+    telemetry = reduce_telemetry(gather_records(result.telemetry or {}), spec["parallel"])
     record = {
         "nproc": dist.get_world_size(),
         "parallel": spec["parallel"],
@@ -121,14 +134,18 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
         "ranks": records,
         "units": [asdict(unit) for unit in ranks.units],
     }
-    return combine(result, records, record), record
+    return combine(result, records, record, telemetry), record
 
 
 def combine(
-    result: TrialResult, records: list[dict[str, Any]], record: dict[str, Any]
+    result: TrialResult,
+    records: list[dict[str, Any]],
+    record: dict[str, Any],
+    telemetry: dict[str, Any] | None = None,
 ) -> TrialResult:
     """Rank 0's result with the figures of every rank: the slowest rank's median step, the
-    largest rank's peak memory, the worst underflow, the longest run; a trial whose ranks
+    largest rank's peak memory, the longest run, the telemetry of all ranks
+    (`reduce_telemetry`; without it, the worst rank's underflow); a trial whose ranks
     disagree on how it ended failed (that is a bug of ours, not the policy's)."""
     times = [r["step_time_ms"] for r in records if r["step_time_ms"] is not None]
     memory = [r["peak_memory_mb"] for r in records if r["peak_memory_mb"] is not None]
@@ -139,9 +156,9 @@ def combine(
     result.peak_memory_mb = max(memory) if memory else None
     result.grad_underflow_ratio = max(underflow) if underflow else None
     result.run_time_s = max(r["run_time_s"] for r in records)
-    result.telemetry = {**(result.telemetry or {}), "distributed": record}
-    if result.telemetry.get("grad_underflow_ratio") is not None:
-        result.telemetry["grad_underflow_ratio"] = result.grad_underflow_ratio
+    if telemetry:
+        result.grad_underflow_ratio = telemetry["grad_underflow_ratio"]
+    result.telemetry = {**(telemetry or result.telemetry or {}), "distributed": record}
     states = {r["state"] for r in records}
     scales = {r["loss_scale_final"] for r in records}
     if len(states) > 1 or len(scales) > 1:
@@ -177,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         reason = f"rank {rank}: {type(error).__name__}: {first_line(error, 400)}"[:500]
         if not result_path.exists():
             failed = TrialResult(TrialState.FAILED, reason)
-            _write(result_path, failed, {"crashed_rank": rank})
+            crash = {
+                "crashed_rank": rank,
+                "error": type(error).__name__,
+                "bad_input": isinstance(error, AutoprecError),  # autoprec's own refusal
+            }
+            _write(result_path, failed, crash)
         traceback.print_exc()
         return 1
     if rank == 0:
@@ -192,6 +214,8 @@ def _init_process_group(spec: dict[str, Any]) -> None:
     device = torch.device(spec["devices"][local_rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif device.type == "npu":  # torch_npu's device module (never run here)
+        torch.npu.set_device(device)  # type: ignore[attr-defined]
     timeout = timedelta(seconds=float(spec.get("timeout_s", DEFAULT_TIMEOUT_S)))
     dist.init_process_group(spec["backend"], timeout=timeout)
 

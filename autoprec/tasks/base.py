@@ -116,7 +116,9 @@ class Task:
       (cycling is the task's business). A batch is ``(inputs, targets)`` with ``inputs``
       a tensor, a tuple/list (positional arguments) or a mapping (keyword arguments); or
       one mapping of keyword arguments whose ``labels`` are the targets. Tensors may be on
-      the CPU: autoprec moves them.
+      the CPU: autoprec moves them. Across several ranks it may take ``(seed, rank,
+      world)`` and yield that rank's batches; a ``train_data(seed)`` yields global
+      batches, which each rank slices (`autoprec.shard`).
     - ``val_data``: zero-argument callable returning an iterable of batches of that form.
     - ``loss``: ``(outputs, targets) -> scalar tensor``, given the outputs with every
       floating tensor in fp32 (container types kept: a ``ModelOutput`` stays one); None
