@@ -111,3 +111,13 @@ def killed_blocks() -> object:
             yield batch
 
     return dataclasses.replace(task, name="killed-blocks", train_data=train_data)
+
+
+def refused_on_ranks() -> object:
+    """``killed_blocks``'s task in the search's process; on a rank, a task autoprec
+    refuses (a TaskError), as a task file that only loads where it was written would."""
+    if "RANK" in os.environ:
+        from autoprec.errors import TaskError
+
+        raise TaskError("task refused on the ranks, on purpose")
+    return killed_blocks()

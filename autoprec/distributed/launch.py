@@ -492,7 +492,8 @@ class LaunchedTrials(TrainingTrials):
         return LaunchedTrials(self, replace(self.plan, limit_s=limit_s, default_limit=False))
 
     def measure(self, policy: Policy) -> TrialResult:
-        """One launch of the policy's trial; a launch that failed is a failed trial."""
+        """One launch of the policy's trial; a launch that failed is a failed trial, and
+        one whose rank was refused its input (an AutoprecError) raises it here."""
         plan = self.plan
         folder = plan.folder / f"{os.getpid()}-{next(_LAUNCHES)}"
         outcome = launch(
@@ -505,6 +506,8 @@ class LaunchedTrials(TrainingTrials):
         )
         if outcome.result_path.is_file():  # a rank that raised wrote why, as a failed result
             result = read_result(outcome.result_path)
+            if _refused(outcome.result_path):  # as a trial on one device raises it
+                raise AutoprecError(f"{result.reason} (log: {outcome.log_path})")
             if outcome.exit_code != 0 and result.state == TrialState.FAILED:
                 # The agent names the rank that died first; the written reason is what
                 # the rank that wrote it saw then (often: its peer gone).
@@ -527,6 +530,15 @@ class LaunchedTrials(TrainingTrials):
             result = self.measure(policy)
             times.append(result.step_time_ms if result.step_time_ms is not None else math.inf)
         return times
+
+
+def _refused(path: Path) -> bool:
+    """Whether a rank crashed on autoprec refusing its input (an AutoprecError): bad
+    input to the search, not a result of the policy."""
+    try:
+        return json.loads(path.read_text()).get("bad_input") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def read_result(path: Path) -> TrialResult:
