@@ -399,6 +399,7 @@ class LaunchPlan:
     folder: Path
     limit_s: float
     default_limit: bool = False  # no --trial-timeout: LAUNCH_TIMEOUT_S until the baseline
+    baseline: dict[str, Any] | None = None  # the fp32 baseline's result: early stopping
     threads: int = 1
     emulate: tuple[str, ...] = ()
     reduce_dtype: str = "fp32"
@@ -416,6 +417,7 @@ class LaunchPlan:
             "devices": local_group(self.group),
             "reduce_dtype": getattr(policy, "reduce_dtype", None) or self.reduce_dtype,
             "emulate": list(self.emulate),
+            "baseline": self.baseline,
             # The ranks' collectives give up no later than the launch is ended.
             **({"timeout_s": self.limit_s} if self.limit_s else {}),
         }
@@ -481,15 +483,18 @@ class LaunchedTrials(TrainingTrials):
         """Nothing: every launch is a fresh set of processes, which no warm-up here helps."""
 
     def judged_against(self, baseline: Any, early_stopping: bool) -> LaunchedTrials:
-        """These trials, not stopped early (a launch runs to its end), with the search's
-        default time limit once the baseline sets it (25x its trial, at least 300 s)
-        where no ``--trial-timeout`` was given."""
-        if not self.plan.default_limit:
-            return self
-        from autoprec.search._session import TRIAL_TIMEOUT_FACTOR, TRIAL_TIMEOUT_MIN_S
+        """These trials, stopped early against the baseline on the ranks
+        (``early_stopping``), with the search's default time limit once the baseline
+        sets it (25x its trial, at least 300 s) where no ``--trial-timeout`` was given."""
+        plan = self.plan
+        if plan.default_limit:
+            from autoprec.search._session import TRIAL_TIMEOUT_FACTOR, TRIAL_TIMEOUT_MIN_S
 
-        limit_s = max(TRIAL_TIMEOUT_MIN_S, TRIAL_TIMEOUT_FACTOR * baseline.run_time_s)
-        return LaunchedTrials(self, replace(self.plan, limit_s=limit_s, default_limit=False))
+            limit_s = max(TRIAL_TIMEOUT_MIN_S, TRIAL_TIMEOUT_FACTOR * baseline.run_time_s)
+            plan = replace(plan, limit_s=limit_s, default_limit=False)
+        if early_stopping and isinstance(baseline, TrialResult):
+            plan = replace(plan, baseline=baseline.to_dict())
+        return self if plan is self.plan else LaunchedTrials(self, plan)
 
     def measure(self, policy: Policy) -> TrialResult:
         """One launch of the policy's trial; a launch that failed is a failed trial, and
