@@ -253,3 +253,20 @@ def test_a_rank_killed_mid_trial_fails_that_trial_and_the_search_goes_on(tmp_pat
     # failed too, as it should: so the others are only required to have run.)
     later = [t for t in trials[1:] if t.datetime_start >= trials[0].datetime_complete]
     assert len(later) == 2 and results[-1]["state"] == "complete", [r["reason"] for r in results]
+
+
+@pytest.mark.slow
+def test_input_a_rank_refuses_stops_the_search_as_bad_input(tmp_path):
+    command = [sys.executable, "-m", "autoprec.cli", "search", "--no-progress"]
+    command += ["--task", "tests.distributed_fakes:refused_on_ranks", "--trials", "2"]
+    command += ["--steps", "6", "--device", "cpu", "--nproc-per-trial", "2"]
+    done = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "task refused on the ranks, on purpose" in done.stderr
