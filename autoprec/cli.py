@@ -126,6 +126,7 @@ def _add_search(commands: Any) -> None:
     _add_compiled(s.add_argument_group("compiled trials"))
     _add_long_runs(s.add_argument_group("longer than a trial"))
     _add_forecast(s.add_argument_group("forecast to the real run's length (issue 21)"))
+    _add_launch(s.add_argument_group("trials across several devices"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -371,6 +372,24 @@ def _add_forecast(group: Any) -> None:
     )
 
 
+def _add_launch(group: Any) -> None:
+    group.add_argument(
+        "--nproc-per-trial",
+        type=int,
+        default=1,
+        metavar="N",
+        help="launch each trial through torchrun as N ranks on N devices (gloo on the "
+        "CPU, nccl on CUDA, hccl on NPUs); with --devices cuda:0-7 and N=4, two trials "
+        "run at once",
+    )
+    group.add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp2"),
+        default=None,
+        help="how the ranks share the model (default with N>1: ddp)",
+    )
+
+
 def _add_other_commands(commands: Any) -> None:
     from autoprec.search.config import DEFAULT_TRACKING_URI
     from autoprec.tasks import DEFAULT_TASK
@@ -512,6 +531,8 @@ def _search(args: argparse.Namespace) -> int:
         **_long_run_settings(args),
         train_steps=args.train_steps,
         forecast=args.forecast,
+        nproc_per_trial=args.nproc_per_trial,
+        parallel=args.parallel,
     )
     result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
     summary = result.typed or result.summary

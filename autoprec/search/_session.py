@@ -26,6 +26,7 @@ from optuna.trial import TrialState as OptunaState
 from torch import nn
 
 from autoprec.devices import Backend, get_backend, parse_devices
+from autoprec.distributed.launch import launched, trial_devices
 from autoprec.errors import AutoprecError, StoreError, first_line, redact
 from autoprec.fp8_risk import fp8_group_order
 from autoprec.guided import GuidedStrategy
@@ -149,7 +150,11 @@ def prepare(
 ) -> Prepared:
     """Load and check everything a search is given, before any store is opened."""
     devices = parse_devices(config.devices)
-    workers = config.workers if config.workers is not None else max(1, len(devices))
+    nproc = config.nproc_per_trial  # trials across several devices: one worker per group
+    if nproc > 1:
+        devices = trial_devices(devices, config.device, nproc)
+    default_workers = max(1, len(devices) // nproc if devices and devices[0] != "cpu" else 1)
+    workers = config.workers if config.workers is not None else default_workers
     if workers > 1 and not (isinstance(task, str) and isinstance(space, str | Path | None)):
         raise AutoprecError(
             "--workers: worker processes load the task and the space themselves; "
@@ -182,6 +187,9 @@ def prepare(
     feasibility = replace(
         choice.feasibility, tolerance=check_tolerance(choice.feasibility.tolerance)
     )
+    study = check_study_name(choice.study)
+    launches = Path(config.runs_dir) / study / "launches"
+    trials = launched(trials, config, task_spec, devices, launches.resolve())
     return Prepared(
         config=config,
         task=task,
@@ -194,7 +202,7 @@ def prepare(
         devices=devices,
         budget=budget,
         feasibility=feasibility,
-        study=check_study_name(choice.study),
+        study=study,
         workers=workers,
         prefer=choice.prefer,
         trials=trials,

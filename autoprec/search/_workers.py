@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from autoprec.devices import visible_devices_env
+from autoprec.distributed.launch import device_groups, group_env, local_group
 from autoprec.errors import AutoprecError, redact
 from autoprec.search._events import Callbacks, Progress
 from autoprec.search._loop import run_trials
@@ -53,15 +53,15 @@ STOP_GRACE_S = 60.0  # how long workers get to record an interrupted trial after
 def pinned_env(device: str, threads: int) -> dict[str, str]:
     """The environment of a worker pinned to ``device`` with ``threads`` CPU threads."""
     env = dict(os.environ)
-    kind, _, index = device.partition(":")
-    variable = visible_devices_env(kind)
-    if variable is not None:
-        # Indices are as this process sees the devices: under an existing restriction
-        # (a batch scheduler's), device i is the i-th of the visible ones.
-        visible = [v for v in env.get(variable, "").split(",") if v.strip()]
-        env[variable] = visible[int(index)].strip() if visible else index
-    env["OMP_NUM_THREADS"] = str(threads)
-    return env
+    # Indices are as this process sees the devices: under an existing restriction (a
+    # batch scheduler's), device i is the i-th of the visible ones. A group of devices
+    # (--nproc-per-trial) is listed in one variable.
+    return group_env(device.split(","), threads, env)
+
+
+def _local_devices(group: list[str]) -> str | None:
+    """A worker's own ``--devices``: its group as it sees it (None: one device)."""
+    return ",".join(local_group(group)) if len(group) > 1 and group[0] != "cpu" else None
 
 
 def local_device(device: str) -> str:
@@ -173,7 +173,10 @@ def run_workers(session: Session, workers: int) -> None:
     """Start ``workers`` processes on this host, pinned round-robin to the search's
     devices, and follow the study until they are done."""
     prepared, config = session.prepared, session.prepared.config
-    pinned = [prepared.devices[i % len(prepared.devices)] for i in range(workers)]
+    # With --nproc-per-trial N, each worker is pinned to a group of N devices.
+    groups = device_groups(prepared.devices, config.nproc_per_trial)
+    pinned_groups = [groups[i % len(groups)] for i in range(workers)]
+    pinned = [",".join(group) for group in pinned_groups]
     cores = os.cpu_count() or 1
     threads = max(1, cores // workers)  # on the CPU, the workers share its cores
     settings = {
@@ -193,9 +196,9 @@ def run_workers(session: Session, workers: int) -> None:
             prepared.task_spec or "",
             prepared.space_spec,
             threads,
-            {**settings, "device": local_device(d)},
+            {**settings, "device": local_device(g[0]), "devices": _local_devices(g)},
         )
-        for i, d in enumerate(pinned)
+        for i, g in enumerate(pinned_groups)
     ]
     kind = prepared.backend.kind
     session.callbacks.workers_started(workers, pinned, cores, threads, kind)

@@ -58,6 +58,9 @@ class SearchConfig:
       ``mode="inference"`` (``scenario="edge"``).
       ``prefer`` may then also be ``latency`` or ``throughput``; None takes the
       scenario's (training: speed).
+    - ``nproc_per_trial``: each trial launched through torchrun as that many ranks on as
+      many devices (`autoprec.distributed.launch`); ``parallel``: ``ddp`` (the default
+      past one rank) or ``fsdp2``.
     - ``emulate``: dtypes the device may run emulated (``("fp8",)`` on the CPU: torchao's
       float8 numerics without its speed), recorded in the summary's settings.
     - ``compile``: train every trial under ``torch.compile`` (training only; a task may
@@ -100,6 +103,8 @@ class SearchConfig:
     # whether a trial forecast to overflow within it is infeasible or only warned of.
     train_steps: int | None = None
     forecast: str = "infeasible"
+    nproc_per_trial: int = 1  # trials across several devices (autoprec.distributed)
+    parallel: str | None = None
     # The serving settings given flat, nested into ``serving`` (not kept as fields).
     scenario: InitVar[str | None] = None
     batch_size: InitVar[int | None] = None
@@ -154,6 +159,13 @@ class SearchConfig:
             raise AutoprecError("--compile: only with --mode training (serving is not compiled)")
         self._check_long_runs()
         _check_forecast(self.train_steps, self.forecast, self.steps)
+        from autoprec.distributed.launch import settle_parallel
+
+        parallel = settle_parallel(
+            self.nproc_per_trial, self.parallel, self.mode, self.devices, self.workers
+        )
+        object.__setattr__(self, "parallel", parallel)
+        self._check_launched()
         if self.sampler not in SAMPLERS:
             raise AutoprecError(
                 f"--sampler: expected one of {', '.join(SAMPLERS)}, got {self.sampler!r}"
@@ -209,6 +221,24 @@ class SearchConfig:
                 f"--trial-schedule: expected {' or '.join(TRIAL_SCHEDULES)}, "
                 f"got {self.trial_schedule!r}"
             )
+
+    def _check_launched(self) -> None:
+        """What a trial launched as several ranks does not do yet: refused in one line,
+        rather than run on one device or eager while the search says otherwise."""
+        if self.nproc_per_trial == 1:
+            return
+        unsupported = {
+            "--compile": self.compile,
+            "--trial-schedule compressed": self.trial_schedule == "compressed",
+            "--confirm-steps": self.confirm_steps is not None,
+        }
+        for option, asked in unsupported.items():
+            if asked:
+                raise AutoprecError(
+                    f"{option}: not with --nproc-per-trial {self.nproc_per_trial} yet "
+                    "(launched trials run eager, on the task's own schedule, and are not "
+                    "confirmed); drop one of them"
+                )
 
     def public(self) -> dict[str, Any]:
         """The settings as they may be written down or shown (summary.json, the MLflow

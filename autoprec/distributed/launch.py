@@ -1,0 +1,565 @@
+"""Trials that span several devices: each trial one launch of torch's own launcher.
+
+``autoprec search --nproc-per-trial N`` runs every training trial (the fp32 baseline too)
+as ``python -m torch.distributed.run --nproc-per-node N --standalone -m
+autoprec.distributed.rank SPEC RESULT``: torchrun's elastic agent starts the N ranks,
+and rank 0 writes the trial's result. To the search a launch is one trial: one
+``measure()`` call, under the worker's heartbeat, lease and time limit. Several trials
+run at once where there are devices for them: ``--devices cuda:0-7 --nproc-per-trial 4``
+is two workers, each launching on its own 4 devices (``CUDA_VISIBLE_DEVICES`` or
+``ASCEND_RT_VISIBLE_DEVICES`` set to them; rank ``i`` uses its device ``i``).
+
+A launch that goes wrong fails its trial and the search goes on:
+- a rank that dies (a crash, out of memory, killed) makes the agent end the other ranks
+  and exit non-zero; the reason names the rank and its exit code, from the agent's
+  failure report;
+- a rank that hangs is ended by the time limit: the agent's process group and every
+  rank's (each rank runs in a session of its own) get SIGTERM, then SIGKILL, so that no
+  rank is left holding its device;
+- the agent dies with the process that launched it (PR_SET_PDEATHSIG), and then ends its
+  ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autoprec.devices import parse_devices, visible_devices_env
+from autoprec.errors import AutoprecError, first_line
+from autoprec.trials.base import TrialState
+from autoprec.trials.training import TrainingTrials, TrialResult
+
+if TYPE_CHECKING:
+    from autoprec.policy import Policy
+    from autoprec.space import SearchSpace
+
+PARALLEL_MODES = ("ddp", "fsdp2")
+REDUCE_DTYPES = ("fp32", "bf16")
+# The collective backend of each kind of device.
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+RANK_MODULE = "autoprec.distributed.rank"
+# The time limit of a launch when --trial-timeout is not given. The search's own limit
+# (25x the baseline's trial) applies to the trials too; this one also bounds the fp32
+# baseline's launch, which sets that limit.
+LAUNCH_TIMEOUT_S = 900.0
+KILL_GRACE_S = 10.0  # between SIGTERM and SIGKILL of a launch's process groups
+_LAUNCHES = itertools.count(1)  # this process's launches, each in a folder of its own
+# torchrun's own variables, which a search itself run under torchrun must not hand on.
+_INHERITED = re.compile(
+    r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|"
+    r"ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*)$"
+)
+# The agent dies with its launcher (Linux: PR_SET_PDEATHSIG); on that SIGTERM it ends
+# its ranks. Then it is torch's launcher, run as ``python -m torch.distributed.run``.
+_AGENT = """import ctypes, runpy, signal, sys
+try:
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+except OSError:
+    pass
+sys.argv[0] = "torch.distributed.run"
+runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+"""
+
+
+# -- the settings -----------------------------------------------------------------------
+
+
+def settle_parallel(
+    nproc: Any,
+    parallel: str | None,
+    mode: str | None,
+    devices: str | Sequence[str] | None,
+    workers: int | None,
+) -> str | None:
+    """The parallel mode of a search's launched trials (``ddp`` unless given; None for
+    trials on one device), after checking ``--nproc-per-trial`` against the other
+    settings. Raises AutoprecError with one line naming the option."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise AutoprecError(f"--nproc-per-trial: expected a positive integer, got {nproc!r}")
+    if parallel is not None and parallel not in PARALLEL_MODES:
+        raise AutoprecError(f"--parallel: expected {' or '.join(PARALLEL_MODES)}, got {parallel!r}")
+    if nproc == 1:
+        if parallel is not None:
+            raise AutoprecError(
+                f"--parallel {parallel}: only with --nproc-per-trial 2 or more "
+                "(a trial on one device has nothing to spread)"
+            )
+        return None
+    if mode not in (None, "training"):
+        raise AutoprecError(f"--nproc-per-trial {nproc}: only with --mode training")
+    listed = parse_devices(devices)
+    if listed and listed[0] != "cpu":
+        if len(listed) < nproc:
+            raise AutoprecError(
+                f"--nproc-per-trial {nproc}: --devices {_text(devices)} lists {len(listed)} "
+                f"device(s); a trial needs {nproc}"
+            )
+        if len(listed) % nproc:
+            raise AutoprecError(
+                f"--nproc-per-trial {nproc}: does not divide the {len(listed)} devices of "
+                f"--devices {_text(devices)} (each trial takes {nproc})"
+            )
+        groups = len(listed) // nproc
+        if workers is not None and workers > groups:
+            raise AutoprecError(
+                f"--workers {workers}: --devices {_text(devices)} makes {groups} group(s) of "
+                f"{nproc} devices, one per worker"
+            )
+    return parallel or "ddp"
+
+
+def _text(devices: str | Sequence[str] | None) -> str:
+    return devices if isinstance(devices, str) else ",".join(devices or ())
+
+
+def device_groups(devices: list[str], nproc: int) -> list[list[str]]:
+    """The devices in groups of ``nproc``, one group per worker (the CPU: one group,
+    whose ranks share its cores)."""
+    if nproc == 1 or not devices or devices[0] == "cpu":
+        return [[d] for d in devices] if nproc == 1 else [["cpu"]]
+    return [devices[i : i + nproc] for i in range(0, len(devices) - nproc + 1, nproc)]
+
+
+def trial_devices(devices: list[str], device: Any, nproc: int) -> list[str]:
+    """The devices a search with ``--nproc-per-trial`` launches on: ``--devices``, else
+    the first ``nproc`` from ``--device`` on (``cuda`` or ``cuda:2``), else the CPU."""
+    if devices:
+        return devices
+    from autoprec.devices import get_backend
+
+    backend = get_backend(device)
+    if backend.kind == "cpu":
+        return ["cpu"]
+    first = backend.device.index or 0
+    return [f"{backend.kind}:{first + i}" for i in range(nproc)]
+
+
+def group_env(group: list[str], threads: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process given ``group`` of devices and ``threads`` CPU threads:
+    the device kind's visible-devices variable names the group (as this process sees its
+    devices, under an existing restriction too)."""
+    env = dict(os.environ if env is None else env)
+    kind = group[0].split(":")[0]
+    variable = visible_devices_env(kind)
+    if variable is not None:
+        visible = [v.strip() for v in env.get(variable, "").split(",") if v.strip()]
+        indices = [int(d.partition(":")[2]) for d in group]
+        env[variable] = ",".join(visible[i] if visible else str(i) for i in indices)
+    env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def local_group(group: list[str]) -> list[str]:
+    """What a process restricted to ``group`` calls its devices: ``cuda:0`` and on."""
+    kind = group[0].split(":")[0]
+    return ["cpu"] * len(group) if kind == "cpu" else [f"{kind}:{i}" for i in range(len(group))]
+
+
+# -- one launch -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchOutcome:
+    """How a launch ended: the agent's exit code (None: ended by the time limit), the
+    result file rank 0 wrote if any, and the agent's log (its output and the ranks')."""
+
+    exit_code: int | None
+    result_path: Path
+    log_path: Path
+    elapsed_s: float
+
+    @property
+    def timed_out(self) -> bool:
+        return self.exit_code is None
+
+    def reason(self, limit_s: float, nproc: int) -> str:
+        """Why the launch gave no result, in one line."""
+        log = self.log_path
+        if self.timed_out:
+            return (
+                f"TrialTimeout: no result after {limit_s:.0f} s (the per-trial time limit); "
+                f"its {nproc} ranks were ended (log: {log})"
+            )
+        if self.exit_code == 0:
+            return f"rank 0 wrote no result though every rank exited 0 (log: {log})"
+        return f"{failure_of(_read(log))} (log: {log})"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+_FAILURE = re.compile(
+    r"rank\s*:\s*(?P<rank>\d+).*?exitcode\s*:\s*(?P<code>-?\d+)"
+    r"(?:[^\n]*\n\s*error_file[^\n]*\n\s*traceback\s*:\s*(?P<why>.*?))?"
+    r"(?=\n\s*\[\d+\]:|\n\s*-{10,}|\n\s*={10,}|\Z)",
+    re.S,
+)
+
+
+def failure_of(agent_log: str) -> str:
+    """The rank that failed first, its exit code and why, as torchrun's failure report
+    says (the ``Failures`` and ``Root Cause`` blocks its agent prints); the log's last
+    line where it has none. A rank ended by a signal (killed, out of host memory) is
+    named before the ranks that then lost their connection to it, or were ended by the
+    agent (SIGTERM)."""
+    _, marker, report = agent_log.partition("Failures:")
+    if not marker:
+        _, marker, report = agent_log.partition("Root Cause")
+    failures = list(_FAILURE.finditer(report)) if marker else []
+    if not failures:
+        lines = [line for line in agent_log.splitlines() if line.strip()]
+        last = _cut(lines[-1]) if lines else "no output"
+        return f"the launch failed: {last}"
+    root = report.find("Root Cause")
+    rooted = [f for f in failures if f.start() > root >= 0]
+    # SIGTERM is how the agent ends the others; any other signal ended a rank itself.
+    ended_by_agent = -int(signal.SIGTERM)
+    signalled = [
+        f for f in [*rooted, *failures] if int(f["code"]) < 0 and int(f["code"]) != ended_by_agent
+    ]
+    found = (signalled or rooted or failures)[0]
+    why_lines = [line.strip() for line in (found["why"] or "").splitlines() if line.strip()]
+    # A Python traceback says why on its last line; a signal, on its only one.
+    why = why_lines[-1] if why_lines else ""
+    why = "" if why.startswith("To enable traceback") else why
+    code = int(found["code"])
+    signal_name = ""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            signal_name = f" ({signal.Signals(-code).name})"
+    text = f"rank {found['rank']} exited with code {code}{signal_name}"
+    return f"{text}: {_cut(why)}" if why else text
+
+
+def _cut(text: str) -> str:
+    """A line of a log, cut as an error's message is (`first_line`)."""
+    return first_line(AutoprecError(text), 300)
+
+
+def launch(
+    spec: dict[str, Any],
+    nproc: int,
+    folder: Path,
+    limit_s: float,
+    env: dict[str, str] | None = None,
+    module: str = RANK_MODULE,
+) -> LaunchOutcome:
+    """Run ``module`` as ``nproc`` ranks through torchrun, given ``spec`` (written to
+    ``folder/spec.json``); rank 0 writes ``folder/result.json``. Past ``limit_s`` (0: no
+    limit), and whatever ends this call (a Ctrl-C, the search's own time limit), every
+    process of the launch is ended."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path, log_path = (
+        folder / "spec.json",
+        folder / "result.json",
+        folder / "launch.log",
+    )
+    result_path.unlink(missing_ok=True)
+    spec_path.write_text(json.dumps(spec, indent=1, default=str))
+    command = [
+        sys.executable, "-c", _AGENT,
+        "--nproc-per-node", str(nproc),
+        "--standalone",
+        "--max-restarts", "0",
+        "--monitor-interval", "0.5",
+        "-m", module, str(spec_path), str(result_path),
+    ]  # fmt: skip
+    environment = {k: v for k, v in (env or dict(os.environ)).items() if not _INHERITED.match(k)}
+    started_s = time.monotonic()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            command,
+            env=environment,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, ended as one
+        )
+    code: int | None = None
+    try:
+        code = process.wait(timeout=limit_s or None)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        end_launch(process)
+    return LaunchOutcome(code, result_path, log_path, time.monotonic() - started_s)
+
+
+def end_launch(process: subprocess.Popen[Any], grace_s: float = KILL_GRACE_S) -> None:
+    """End the agent and every rank, each in its own process group: SIGTERM, then SIGKILL
+    after ``grace_s``. Nothing is sent once the agent has exited on its own (it ended its
+    ranks itself)."""
+    if process.poll() is not None:
+        return
+    # Who is there now, by pid and start time (a pid is only signalled again while it is
+    # still the same process), and their process groups (torchrun starts each rank in a
+    # session of its own), never this process's own group.
+    members = {pid: _started(pid) for pid in [process.pid, *_descendants(process.pid)]}
+    groups: dict[int, int] = {}  # group -> the member it was read from
+    for pid in members:
+        with contextlib.suppress(OSError):
+            groups[os.getpgid(pid)] = pid
+    groups.pop(os.getpgrp(), None)
+    _signal(groups, members, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace_s)
+    _signal(groups, members, signal.SIGKILL)
+    process.wait()
+    # Killed is not yet gone: a device is freed once its process has been reaped.
+    deadline_s = time.monotonic() + grace_s
+    while time.monotonic() < deadline_s and _still_there(members):
+        time.sleep(0.05)
+
+
+def _still_there(members: dict[int, str | None]) -> bool:
+    """Whether any of ``members`` is still running (a zombie has ended)."""
+    for pid, started in members.items():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if stat[19] == started and stat[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _signal(groups: dict[int, int], members: dict[int, str | None], sig: int) -> None:
+    """``sig`` to each group whose member is still the process seen, and to each such
+    member (a rank that left its group)."""
+    same = {pid for pid, started in members.items() if started and _started(pid) == started}
+    for group, member in groups.items():
+        if member in same:
+            with contextlib.suppress(OSError):
+                os.killpg(group, sig)
+    for pid in same:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+def _started(pid: int) -> str | None:
+    """A process's start time (field 22 of /proc/PID/stat): who a pid is, now."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (Linux /proc), children before their own."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+# -- the trials -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How a search launches each trial: ``nproc`` ranks in ``parallel`` mode over
+    ``backend``, on ``group`` (as this process sees its devices), ``threads`` CPU
+    threads per rank, and the task as ``task_spec`` names it (each rank loads it)."""
+
+    nproc: int
+    parallel: str
+    backend: str
+    group: list[str]
+    task_spec: str
+    folder: Path
+    limit_s: float
+    default_limit: bool = False  # no --trial-timeout: LAUNCH_TIMEOUT_S until the baseline
+    baseline: dict[str, Any] | None = None  # the fp32 baseline's result: early stopping
+    threads: int = 1
+    emulate: tuple[str, ...] = ()
+    reduce_dtype: str = "fp32"
+    module: str = RANK_MODULE
+    env: dict[str, str] = field(default_factory=dict)
+
+    def spec(self, policy: Policy, budget: Any) -> dict[str, Any]:
+        """The rank program's spec: what `autoprec.distributed.rank` reads."""
+        return {
+            "task": self.task_spec,
+            "policy": policy.to_dict(),
+            "budget": asdict(budget),
+            "parallel": self.parallel,
+            "backend": self.backend,
+            "devices": local_group(self.group),
+            "reduce_dtype": getattr(policy, "reduce_dtype", None) or self.reduce_dtype,
+            "emulate": list(self.emulate),
+            "baseline": self.baseline,
+            # The ranks' collectives give up no later than the launch is ended.
+            **({"timeout_s": self.limit_s} if self.limit_s else {}),
+        }
+
+    def environment(self) -> dict[str, str]:
+        return group_env(self.group, self.threads, {**os.environ, **self.env})
+
+
+def plan_for(config: Any, task_spec: str | None, devices: list[str], folder: Path) -> LaunchPlan:
+    """The launch plan of a search's settings on ``devices`` (the first group of
+    ``config.nproc_per_trial``; a worker is given only its own group)."""
+    nproc = config.nproc_per_trial
+    if task_spec is None:
+        raise AutoprecError(
+            f"--nproc-per-trial {nproc}: each rank loads the task itself; name it "
+            "(built-in name, module:attr or file.py:attr)"
+        )
+    group = device_groups(devices, nproc)[0]
+    kind = group[0].split(":")[0]
+    group = [group[0]] * nproc if kind == "cpu" else group
+    import torch
+
+    limit = LAUNCH_TIMEOUT_S if config.trial_timeout_s is None else float(config.trial_timeout_s)
+    return LaunchPlan(
+        nproc=nproc,
+        parallel=config.parallel or "ddp",
+        backend=BACKENDS[kind],
+        group=group,
+        task_spec=task_spec,
+        folder=folder,
+        limit_s=limit,
+        default_limit=config.trial_timeout_s is None,
+        threads=max(1, torch.get_num_threads() // nproc),
+        emulate=tuple(config.emulate),
+    )
+
+
+class LaunchedTrials(TrainingTrials):
+    """The training mode with every trial launched across ``plan.nproc`` devices: what
+    is measured comes from the ranks; the rest (fitting the space, the profile, the
+    choice) is the training mode's, in this process."""
+
+    def __init__(self, inner: TrainingTrials, plan: LaunchPlan) -> None:
+        tolerance, prefer, study = inner.asked
+        super().__init__(
+            task=inner.task,
+            model=inner.model,
+            backend=inner.backend,
+            budget=inner.budget,
+            accuracy_tolerance=tolerance,
+            prefer=prefer,
+            study=study,
+        )
+        self.plan = plan
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """A study at N ranks is not continued at another N, mode or backend."""
+        plan = self.plan
+        return {"nproc_per_trial": plan.nproc, "parallel": plan.parallel, "backend": plan.backend}
+
+    def warm_up(self, space: SearchSpace, limit_s: float) -> None:
+        """Nothing: every launch is a fresh set of processes, which no warm-up here helps."""
+
+    def judged_against(self, baseline: Any, early_stopping: bool) -> LaunchedTrials:
+        """These trials, stopped early against the baseline on the ranks
+        (``early_stopping``), with the search's default time limit once the baseline
+        sets it (25x its trial, at least 300 s) where no ``--trial-timeout`` was given."""
+        plan = self.plan
+        if plan.default_limit:
+            from autoprec.search._session import TRIAL_TIMEOUT_FACTOR, TRIAL_TIMEOUT_MIN_S
+
+            limit_s = max(TRIAL_TIMEOUT_MIN_S, TRIAL_TIMEOUT_FACTOR * baseline.run_time_s)
+            plan = replace(plan, limit_s=limit_s, default_limit=False)
+        if early_stopping and isinstance(baseline, TrialResult):
+            plan = replace(plan, baseline=baseline.to_dict())
+        return self if plan is self.plan else LaunchedTrials(self, plan)
+
+    def measure(self, policy: Policy) -> TrialResult:
+        """One launch of the policy's trial; a launch that failed is a failed trial, and
+        one whose rank was refused its input (an AutoprecError) raises it here."""
+        plan = self.plan
+        folder = plan.folder / f"{os.getpid()}-{next(_LAUNCHES)}"
+        outcome = launch(
+            plan.spec(policy, self.budget),
+            plan.nproc,
+            folder,
+            plan.limit_s,
+            plan.environment(),
+            plan.module,
+        )
+        if outcome.result_path.is_file():  # a rank that raised wrote why, as a failed result
+            result = read_result(outcome.result_path)
+            if _refused(outcome.result_path):  # as a trial on one device raises it
+                raise AutoprecError(f"{result.reason} (log: {outcome.log_path})")
+            if outcome.exit_code != 0 and result.state == TrialState.FAILED:
+                # The agent names the rank that died first; the written reason is what
+                # the rank that wrote it saw then (often: its peer gone).
+                agent = failure_of(_read(outcome.log_path))
+                result.reason = f"{agent}; {result.reason}"[:600] + f" (log: {outcome.log_path})"
+            elif outcome.exit_code != 0:  # a rank died after rank 0 wrote the result
+                result = TrialResult(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
+        else:
+            result = TrialResult(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
+        if result.state != TrialState.FAILED:
+            shutil.rmtree(folder, ignore_errors=True)  # a failed launch keeps its log
+        result.run_time_s = outcome.elapsed_s
+        return result
+
+    def retime(self, policies: list[Policy]) -> list[float]:
+        """Each policy launched again, one after another (a launch holds the devices: no
+        two run side by side); a launch that gives no time counts as infinitely slow."""
+        times = []
+        for policy in policies:
+            result = self.measure(policy)
+            times.append(result.step_time_ms if result.step_time_ms is not None else math.inf)
+        return times
+
+
+def _refused(path: Path) -> bool:
+    """Whether a rank crashed on autoprec refusing its input (an AutoprecError): bad
+    input to the search, not a result of the policy."""
+    try:
+        return json.loads(path.read_text()).get("bad_input") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_result(path: Path) -> TrialResult:
+    """The trial's result as its ranks wrote it (a damaged file: a failed trial)."""
+    from autoprec.distributed.rank import trial_result_from_json
+
+    try:
+        return trial_result_from_json(path)
+    except (AutoprecError, ValueError, TypeError) as error:
+        return TrialResult(TrialState.FAILED, f"unreadable result: {first_line(error, 300)}")
+
+
+def launched(
+    trials: Any, config: Any, task_spec: str | None, devices: list[str], folder: Path
+) -> Any:
+    """The search's trials, launched across devices where ``--nproc-per-trial`` says so."""
+    if getattr(config, "nproc_per_trial", 1) <= 1:
+        return trials
+    return LaunchedTrials(trials, plan_for(config, task_spec, devices, folder))

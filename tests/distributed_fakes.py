@@ -1,0 +1,123 @@
+"""A rank program for the launcher's tests, run by the real torchrun as
+``python -m tests.distributed_fakes SPEC RESULT``: its ranks join a real gloo process
+group, then behave as the spec's ``fake`` says, so that the launcher is tested against
+torch's own agent with ranks that die, crash or hang on purpose.
+
+- ``ok``: an all-reduce, then rank 0 writes a result (the sum shows both ranks took part);
+- ``die``: rank ``fake_rank`` kills itself with SIGKILL while the others wait in a barrier;
+- ``crash``: rank ``fake_rank`` raises RuntimeError while the others wait;
+- ``hang``: rank ``fake_rank`` ignores SIGTERM and sleeps; the others wait in a barrier;
+- ``silent``: every rank exits 0 and none writes a result.
+Every rank writes its pid to ``pids/<rank>`` beside the result, so that a test can check
+that none is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+
+def main() -> int:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    result_path = Path(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    pids = result_path.parent / "pids"
+    pids.mkdir(exist_ok=True)
+    (pids / str(rank)).write_text(str(os.getpid()))  # before the slow imports
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_run)(spec, result_path, rank, world)
+
+
+def _run(spec: dict, result_path: Path, rank: int, world: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    behaviour, chosen = spec.get("fake", "ok"), rank == spec.get("fake_rank", 1)
+    if behaviour == "die" and chosen:
+        time.sleep(float(spec.get("after_s", 0.5)))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if behaviour == "crash" and chosen:
+        raise RuntimeError(f"rank {rank} crashed on purpose")
+    if behaviour == "hang" and chosen:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(1)
+    if behaviour in ("die", "crash", "hang"):
+        dist.barrier()  # waits for the chosen rank, which never comes
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    if rank == 0 and behaviour == "ok":
+        result = {
+            "state": "complete",
+            "accuracy": 0.5,
+            "final_loss": 1.0,
+            "step_time_ms": float(total.item()),  # 1 + 2 + ... + world
+            "peak_memory_mb": 1.0,
+            "steps_run": 3,
+            "nproc": world,
+            "parallel": spec.get("parallel"),
+            "backend": dist.get_backend(),
+        }
+        result_path.write_text(json.dumps(result))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# -- a real task whose rank 1 dies in one launch, for the search's tests ------------------
+
+KILL_DIR_ENV = "AUTOPREC_TEST_KILL_DIR"  # where rank 1 counts its launches
+KILL_AT_ENV = "AUTOPREC_TEST_KILL_AT"  # the launch (1: the baseline's) whose rank 1 dies
+
+
+def killed_blocks() -> object:
+    """tests/distributed_tasks.py's ``blocks``, whose rank 1 kills itself (SIGKILL) after
+    two batches of the ``$AUTOPREC_TEST_KILL_AT``-th launch: a rank that dies mid-trial.
+    Loaded as ``tests.distributed_fakes:killed_blocks`` by the search and the ranks."""
+    import dataclasses
+    import importlib.util
+
+    here = Path(__file__).with_name("distributed_tasks.py")
+    loader = importlib.util.spec_from_file_location("_distributed_tasks", here)
+    assert loader is not None and loader.loader is not None
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    task = module.blocks()
+    inner = task.train_data
+
+    def train_data(seed: int):  # type: ignore[no-untyped-def]
+        if os.environ.get("RANK") != "1" or KILL_DIR_ENV not in os.environ:
+            yield from inner(seed)
+            return
+        launches = Path(os.environ[KILL_DIR_ENV])
+        launches.mkdir(parents=True, exist_ok=True)
+        (launches / str(os.getpid())).touch()
+        doomed = len(list(launches.iterdir())) == int(os.environ.get(KILL_AT_ENV, "2"))
+        for drawn, batch in enumerate(inner(seed)):
+            if doomed and drawn == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield batch
+
+    return dataclasses.replace(task, name="killed-blocks", train_data=train_data)
+
+
+def refused_on_ranks() -> object:
+    """``killed_blocks``'s task in the search's process; on a rank, a task autoprec
+    refuses (a TaskError), as a task file that only loads where it was written would."""
+    if "RANK" in os.environ:
+        from autoprec.errors import TaskError
+
+        raise TaskError("task refused on the ranks, on purpose")
+    return killed_blocks()

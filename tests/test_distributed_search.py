@@ -1,0 +1,281 @@
+"""Trials across several devices, from the launcher's side: ``--nproc-per-trial`` checked
+before anything loads, every trial one launch of the real torchrun, and a launch whose
+rank dies, crashes or hangs failing its trial in time with every rank ended.
+
+The launcher's own tests run torchrun on `tests.distributed_fakes` (ranks that misbehave
+on purpose in a real gloo process group); the searches run ``autoprec search`` as typed,
+with the real rank program (`autoprec.distributed.rank`), at 2 ranks on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from autoprec.cli import main
+from autoprec.distributed.launch import (
+    device_groups,
+    failure_of,
+    group_env,
+    launch,
+    local_group,
+    settle_parallel,
+)
+from autoprec.errors import AutoprecError
+from tests.distributed_fakes import KILL_AT_ENV, KILL_DIR_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+FAKES = "tests.distributed_fakes"
+TASK = f"{REPO}/tests/distributed_tasks.py:blocks"
+
+
+# -- the settings -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--nproc-per-trial", "0"], "--nproc-per-trial: expected a positive integer, got 0"),
+        (["--parallel", "fsdp2"], "--parallel fsdp2: only with --nproc-per-trial 2 or more"),
+        (["--nproc-per-trial", "4", "--devices", "npu:0-1"], "lists 2 device(s); a trial needs 4"),
+        (["--nproc-per-trial", "3", "--devices", "cuda:0-7"], "does not divide the 8 devices"),
+        (["--nproc-per-trial", "2", "--mode", "inference"], "only with --mode training"),
+        (
+            ["--nproc-per-trial", "4", "--devices", "cuda:0-7", "--workers", "3"],
+            "--workers 3: --devices cuda:0-7 makes 2 group(s) of 4 devices",
+        ),
+        (["--nproc-per-trial", "2", "--compile"], "--compile: not with --nproc-per-trial 2"),
+        (
+            ["--nproc-per-trial", "2", "--confirm-steps", "50"],
+            "--confirm-steps: not with --nproc-per-trial 2",
+        ),
+        (
+            ["--nproc-per-trial", "2", "--trial-schedule", "compressed"],
+            "--trial-schedule compressed: not with --nproc-per-trial 2",
+        ),
+    ],
+)
+def test_bad_launch_settings_exit_2_with_one_line(options, message, in_tmp, capsys):
+    assert main(["search", "--trials", "1", *options]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (in_tmp / "runs").exists()  # refused before any store was opened
+
+
+def test_parallel_defaults_to_ddp_past_one_rank():
+    assert settle_parallel(2, None, "training", None, None) == "ddp"
+    assert settle_parallel(2, "fsdp2", "training", "cuda:0-3", 2) == "fsdp2"
+    assert settle_parallel(1, None, "training", "cuda:0-7", None) is None
+    with pytest.raises(AutoprecError, match="--parallel ddp: only with"):
+        settle_parallel(1, "ddp", "training", None, None)
+
+
+def test_eight_devices_at_four_per_trial_make_two_groups_each_seen_as_its_own():
+    groups = device_groups([f"cuda:{i}" for i in range(8)], 4)
+    assert groups == [[f"cuda:{i}" for i in range(4)], [f"cuda:{i}" for i in range(4, 8)]]
+    env = group_env(groups[1], 3, {"PATH": "/bin"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and env["OMP_NUM_THREADS"] == "3"
+    assert local_group(groups[1]) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    # Under a scheduler's restriction, indices are of the devices this process sees.
+    npus = group_env(["npu:2", "npu:3"], 1, {"ASCEND_RT_VISIBLE_DEVICES": "8,9,10,11"})
+    assert npus["ASCEND_RT_VISIBLE_DEVICES"] == "10,11"
+    assert device_groups(["cpu"], 2) == [["cpu"]]  # the ranks share the CPU's cores
+
+
+def test_the_agents_failure_report_names_the_rank_and_why():
+    report = """Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_14:38:50
+  host      : localhost
+  rank      : 3 (local_rank: 3)
+  exitcode  : 1 (pid: 24042)
+  error_file: /tmp/x/error.json
+  traceback : Traceback (most recent call last):
+    File "rank.py", line 45, in main
+      raise RuntimeError("boom")
+  RuntimeError: boom
+
+============================================================
+"""
+    assert failure_of(report) == "rank 3 exited with code 1: RuntimeError: boom"
+    # A rank killed: the agent ends the other (SIGTERM), which had lost its peer.
+    killed = """Failures:
+[1]:
+  time      : 2026-12-01_14:38:44
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 24028)  (SIGTERM)
+  error_file: /tmp/x/error.json
+  traceback : Traceback (most recent call last):
+    File "distributed_c10d.py", line 5356, in barrier
+  RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:14758.
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_14:38:44
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 24029)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 24029
+============================================================
+"""
+    assert failure_of(killed) == (
+        "rank 1 exited with code -9 (SIGKILL): Signal 9 (SIGKILL) received by PID 24029"
+    )
+
+
+# -- one launch of the real torchrun ----------------------------------------------------
+
+
+def _pids(folder: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted((folder / "pids").iterdir())]
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_launch_and_the_next_launch_runs(tmp_path):
+    limit_s = 120.0
+    dead = launch({"fake": "die"}, 2, tmp_path / "die", limit_s, module=FAKES)
+    assert dead.exit_code not in (0, None)
+    reason = dead.reason(limit_s, 2)
+    assert reason.startswith("rank 1 exited with code -9 (SIGKILL)"), reason
+    assert dead.elapsed_s < limit_s / 2  # the agent noticed: the limit never came into it
+    assert not any(_running(pid) for pid in _pids(tmp_path / "die"))
+    started = time.monotonic()
+    fine = launch({"fake": "ok"}, 2, tmp_path / "ok", limit_s, module=FAKES)
+    assert fine.exit_code == 0 and time.monotonic() - started < limit_s
+    result = json.loads(fine.result_path.read_text())
+    assert result["step_time_ms"] == 3.0 and result["nproc"] == 2  # 1 + 2: both ranks
+    assert result["backend"] == "gloo"
+
+
+@pytest.mark.slow
+def test_a_crashing_rank_names_its_error(tmp_path):
+    crashed = launch({"fake": "crash"}, 2, tmp_path, 120.0, module=FAKES)
+    assert crashed.reason(120.0, 2).startswith(
+        "rank 1 exited with code 1: RuntimeError: rank 1 crashed on purpose"
+    )
+
+
+@pytest.mark.slow
+def test_a_hanging_rank_that_ignores_sigterm_is_ended_by_the_limit(tmp_path):
+    limit_s = 30.0
+    hung = launch({"fake": "hang"}, 2, tmp_path, limit_s, module=FAKES)
+    assert hung.timed_out
+    assert "TrialTimeout: no result after 30 s" in hung.reason(limit_s, 2)
+    assert hung.elapsed_s < limit_s + 20  # the limit, the grace, then SIGKILL
+    pids = _pids(tmp_path)
+    assert len(pids) == 2 and not any(_running(pid) for pid in pids)
+
+
+# -- searches through the CLI -----------------------------------------------------------
+
+
+def _search(folder: Path, *options: str, env: dict[str, str] | None = None) -> str:
+    command = [sys.executable, "-m", "autoprec.cli", "search", "--no-progress", *options]
+    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    done = subprocess.run(
+        command, cwd=folder, env=environment, capture_output=True, text=True, timeout=1500
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _trials(folder: Path, study: str) -> list[optuna.trial.FrozenTrial]:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = f"sqlite:///{folder}/runs/optuna.db"
+    return optuna.load_study(study_name=study, storage=storage).trials
+
+
+def _parent_runs(folder: Path, study: str) -> int:
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{folder}/runs/mlflow.db")
+    runs = mlflow.search_runs(experiment_names=[study])
+    return int(runs["tags.mlflow.parentRunId"].isna().sum())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_a_search_at_two_ranks_finishes(parallel, tmp_path):
+    _search(
+        tmp_path,
+        *("--task", TASK, "--trials", "3", "--steps", "6", "--device", "cpu"),
+        *("--nproc-per-trial", "2", "--parallel", parallel, "--confirm-top", "1"),
+    )
+    summary = json.loads((tmp_path / "runs/blocks/summary.json").read_text())
+    settings = summary["settings"]
+    assert (settings["nproc_per_trial"], settings["parallel"], settings["backend"]) == (
+        2,
+        parallel,
+        "gloo",
+    )
+    trials = _trials(tmp_path, "blocks")
+    assert len(trials) == 3 and len(summary["trials"]) == 3
+    assert _parent_runs(tmp_path, "blocks") == 1
+    for trial in trials:
+        result = trial.user_attrs["autoprec"]["result"]
+        record = result["telemetry"]["distributed"]
+        assert (record["nproc"], record["parallel"], record["backend"]) == (2, parallel, "gloo")
+        assert [r["rank"] for r in record["ranks"]] == [0, 1]
+        for rank in record["ranks"]:
+            if rank["state"] == "complete":
+                assert math.isfinite(rank["step_time_ms"]) and math.isfinite(rank["final_loss"])
+                assert math.isfinite(rank["peak_memory_mb"])
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_trial_fails_that_trial_and_the_search_goes_on(tmp_path):
+    timeout_s = 400
+    _search(
+        tmp_path,
+        *("--task", "tests.distributed_fakes:killed_blocks", "--trials", "3", "--steps", "6"),
+        *("--device", "cpu", "--nproc-per-trial", "2", "--confirm-top", "0"),
+        *("--trial-timeout", str(timeout_s)),
+        env={KILL_DIR_ENV: str(tmp_path / "launches"), KILL_AT_ENV: "2"},  # the first trial
+    )
+    trials = _trials(tmp_path, "killed-blocks")
+    assert len(trials) == 3
+    results = [t.user_attrs["autoprec"]["result"] for t in trials]
+    killed = results[0]  # launch 2: the first trial after the baseline's
+    assert killed["state"] == "failed", [r["reason"] for r in results]
+    assert killed["reason"].startswith("rank 1 exited with code -9 (SIGKILL)"), killed
+    assert killed["run_time_s"] < timeout_s  # ended by the agent, not by the limit
+    # The next trials ran. (Once, under heavy load, a later launch's rank aborted at its
+    # start in gloo, "terminate called without an active exception", and that trial
+    # failed too, as it should: so the others are only required to have run.)
+    later = [t for t in trials[1:] if t.datetime_start >= trials[0].datetime_complete]
+    assert len(later) == 2 and results[-1]["state"] == "complete", [r["reason"] for r in results]
+
+
+@pytest.mark.slow
+def test_input_a_rank_refuses_stops_the_search_as_bad_input(tmp_path):
+    command = [sys.executable, "-m", "autoprec.cli", "search", "--no-progress"]
+    command += ["--task", "tests.distributed_fakes:refused_on_ranks", "--trials", "2"]
+    command += ["--steps", "6", "--device", "cpu", "--nproc-per-trial", "2"]
+    done = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "task refused on the ranks, on purpose" in done.stderr
