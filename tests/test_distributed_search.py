@@ -54,7 +54,7 @@ TASK = f"{REPO}/tests/distributed_tasks.py:blocks"
         ),
         (["--nproc-per-trial", "2", "--compile"], "--compile: not with --nproc-per-trial 2"),
         (
-            ["--nproc-per-trial", "2", "--confirm-steps", "50"],
+            ["--nproc-per-trial", "2", "--confirm-steps", "500"],
             "--confirm-steps: not with --nproc-per-trial 2",
         ),
         (
