@@ -470,8 +470,17 @@ class LaunchedTrials(TrainingTrials):
             accuracy_tolerance=tolerance,
             prefer=prefer,
             study=study,
+            forecast_warns=inner.forecast_warns,
         )
         self.plan = plan
+
+    def fit(self, space: SearchSpace, profile: Any) -> SearchSpace:
+        """The training mode's space; under FSDP2 the gradients' reduce dtype is searched
+        too (fp32 or bf16), unless the space file names its own."""
+        fitted = super().fit(space, profile)
+        if self.plan.parallel == "fsdp2" and not fitted.reduce_dtypes:
+            fitted = replace(fitted, reduce_dtypes=REDUCE_DTYPES)
+        return fitted
 
     @property
     def settings(self) -> dict[str, Any]:

@@ -190,6 +190,7 @@ def prepare(
     study = check_study_name(choice.study)
     launches = Path(config.runs_dir) / study / "launches"
     trials = launched(trials, config, task_spec, devices, launches.resolve())
+    fitted = trials.fit(space, None)  # launched trials may search more (FSDP2's reduction)
     return Prepared(
         config=config,
         task=task,
