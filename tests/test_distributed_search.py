@@ -238,6 +238,12 @@ def test_a_search_at_two_ranks_finishes(parallel, tmp_path):
             if rank["state"] == "complete":
                 assert math.isfinite(rank["step_time_ms"]) and math.isfinite(rank["final_loss"])
                 assert math.isfinite(rank["peak_memory_mb"])
+    # FSDP2's gradient reduction dtype is a searched setting; DDP has none to search
+    reduce = {t.params.get("fsdp.reduce_dtype") for t in trials}
+    if parallel == "fsdp2":
+        assert reduce <= {"fp32", "bf16"} and reduce != {None}, reduce
+    else:
+        assert reduce == {None}
 
 
 @pytest.mark.slow
