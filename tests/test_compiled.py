@@ -229,7 +229,7 @@ def test_a_compiled_trial_trains_as_the_eager_one(policy):
     assert compiled.step_time_ms is not None and compiled.step_time_ms < compiled.compile_s * 1e3
     execution = compiled.entry_fields()["execution"]
     assert execution["compiled"] is True and execution["compile_s"] == compiled.compile_s
-    assert set(compiled.extra_metrics()) == {"graph_breaks", "compile_s"}
+    assert {"graph_breaks", "compile_s"} <= set(compiled.extra_metrics())
 
 
 @pytest.mark.slow
