@@ -131,6 +131,32 @@ Root Cause (first observed failure):
     assert failure_of(killed) == (
         "rank 1 exited with code -9 (SIGKILL): Signal 9 (SIGKILL) received by PID 24029"
     )
+    # A rank raised; the other's collective lost its peer and torchrun's clock, a few ms
+    # off, names that one the root cause (seen on a loaded machine).
+    raced = """Failures:
+[1]:
+  time      : 2026-12-01_16:02:11
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 3101)
+  error_file: /tmp/x/error.json
+  traceback : Traceback (most recent call last):
+    File "distributed_fakes.py", line 40, in main
+  RuntimeError: rank 1 crashed on purpose
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_16:02:10
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 3100)
+  error_file: /tmp/x/error.json
+  traceback : Traceback (most recent call last):
+    File "distributed_c10d.py", line 5356, in barrier
+  RuntimeError: [/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1.
+============================================================
+"""
+    assert failure_of(raced) == "rank 1 exited with code 1: RuntimeError: rank 1 crashed on purpose"
 
 
 # -- one launch of the real torchrun ----------------------------------------------------

@@ -214,12 +214,19 @@ _FAILURE = re.compile(
 )
 
 
+_LOST_PEER = re.compile(
+    r"connection closed by peer|connection reset by peer|broken pipe|gloo/transport"
+    r"|communicator was aborted|nccl.*(abort|timeout)|hccl.*(abort|timeout)",
+    re.IGNORECASE,
+)
+
+
 def failure_of(agent_log: str) -> str:
     """The rank that failed first, its exit code and why, as torchrun's failure report
     says (the ``Failures`` and ``Root Cause`` blocks its agent prints); the log's last
     line where it has none. A rank ended by a signal (killed, out of host memory) is
     named before the ranks that then lost their connection to it, or were ended by the
-    agent (SIGTERM)."""
+    agent (SIGTERM); a rank that raised, before one whose collective lost its peer."""
     _, marker, report = agent_log.partition("Failures:")
     if not marker:
         _, marker, report = agent_log.partition("Root Cause")
@@ -235,7 +242,10 @@ def failure_of(agent_log: str) -> str:
     signalled = [
         f for f in [*rooted, *failures] if int(f["code"]) < 0 and int(f["code"]) != ended_by_agent
     ]
-    found = (signalled or rooted or failures)[0]
+    # A rank whose collective lost its peer failed because another rank did first, even
+    # where torchrun's clock names it the root cause.
+    own = [f for f in [*rooted, *failures] if not _LOST_PEER.search(f["why"] or "")]
+    found = (signalled or own or rooted or failures)[0]
     why_lines = [line.strip() for line in (found["why"] or "").splitlines() if line.strip()]
     # A Python traceback says why on its last line; a signal, on its only one.
     why = why_lines[-1] if why_lines else ""
