@@ -125,7 +125,7 @@ def _add_search(commands: Any) -> None:
     _add_faults(s.add_argument_group("workers and faults"))
     _add_compiled(s.add_argument_group("compiled trials"))
     _add_long_runs(s.add_argument_group("longer than a trial"))
-    _add_forecast(s.add_argument_group("forecast to the real run's length (issue 21)"))
+    _add_forecast(s.add_argument_group("forecast to the real run's length"))
     _add_launch(s.add_argument_group("trials across several devices"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 

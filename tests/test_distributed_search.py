@@ -54,6 +54,10 @@ TASK = f"{REPO}/tests/distributed_tasks.py:blocks"
         ),
         (["--nproc-per-trial", "2", "--compile"], "--compile: not with --nproc-per-trial 2"),
         (
+            ["--nproc-per-trial", "3", "--device", "cpu"],
+            "--nproc-per-trial 3: a batch of 64 does not split into 3 equal parts",
+        ),
+        (
             ["--nproc-per-trial", "2", "--confirm-steps", "500"],
             "--confirm-steps: not with --nproc-per-trial 2",
         ),

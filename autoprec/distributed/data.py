@@ -75,3 +75,18 @@ def rank_train_data(
         return
     for batch in train_data(seed):
         yield shard(batch, rank, world)
+
+
+def check_shardable(train_data: Callable[..., Iterable[Any]], seed: int, world: int) -> None:
+    """Before any store is opened: a task without its own ``(seed, rank, world)`` data
+    must give global batches that split into ``world`` equal parts (`shard`)."""
+    if world <= 1 or takes_rank(train_data):
+        return
+    first = next(iter(train_data(seed)), None)
+    if first is None:
+        return  # the task's own data check says it ran out
+    try:
+        shard(first, 0, world)
+    except TaskError as error:
+        message = str(error).removeprefix("shard: ")
+        raise TaskError(f"--nproc-per-trial {world}: {message}") from None

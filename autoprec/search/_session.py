@@ -26,6 +26,7 @@ from optuna.trial import TrialState as OptunaState
 from torch import nn
 
 from autoprec.devices import Backend, get_backend, parse_devices
+from autoprec.distributed.data import check_shardable
 from autoprec.distributed.launch import launched, trial_devices
 from autoprec.errors import AutoprecError, StoreError, first_line, redact
 from autoprec.fp8_risk import fp8_group_order
@@ -179,6 +180,7 @@ def prepare(
     budget = Budget(steps=config.steps, seed=config.seed, train_steps=config.train_steps)
     if check_data:  # a long confirmation draws as many batches as it trains steps
         check_task_data(task, model, max(budget.steps, config.confirm_steps or 0), budget.seed)
+        check_shardable(task.train_data, budget.seed, config.nproc_per_trial)
     task = for_trials(task, model, config)  # --trial-schedule compressed
     assert config.mode is not None  # settled when the config was made
     trials = trials_of(config.mode, config, task, model, backend, budget)
