@@ -184,15 +184,16 @@ def prepare(
     task = for_trials(task, model, config)  # --trial-schedule compressed
     assert config.mode is not None  # settled when the config was made
     trials = trials_of(config.mode, config, task, model, backend, budget)
+    # The study's name never depends on the space; launched trials, which keep their
+    # launches under it, may search more of the space (FSDP2's reduction), so they fit it.
+    study = check_study_name(trials.choice(space).study)
+    launches = Path(config.runs_dir) / study / "launches"
+    trials = launched(trials, config, task_spec, devices, launches.resolve())
     fitted = trials.fit(space, None)  # to a profile later
     choice = trials.choice(fitted)
     feasibility = replace(
         choice.feasibility, tolerance=check_tolerance(choice.feasibility.tolerance)
     )
-    study = check_study_name(choice.study)
-    launches = Path(config.runs_dir) / study / "launches"
-    trials = launched(trials, config, task_spec, devices, launches.resolve())
-    fitted = trials.fit(space, None)  # launched trials may search more (FSDP2's reduction)
     return Prepared(
         config=config,
         task=task,
