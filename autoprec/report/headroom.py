@@ -32,7 +32,7 @@ def horizon_text(summary: Summary | dict[str, Any]) -> str | None:
     brief = next((b for e in summary.entries if (b := _brief(e))), None)
     if brief is None:
         return None
-    given = summary.settings.values.get("train_steps")
+    given = summary.settings.values.get("train_steps_asked")
     how = (
         "--train-steps"
         if given

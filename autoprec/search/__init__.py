@@ -208,6 +208,8 @@ def _settings(session: Session) -> dict[str, Any]:
         "confirm_top": config.confirm_top,
         "confirm_steps": config.confirm_steps,
         "trial_schedule": config.trial_schedule,
+        "train_steps_asked": config.train_steps,  # None: the forecast's default horizon
+        "forecast": config.forecast,
         "accuracy_tolerance": prepared.tolerance,
         "storage": config.public()["storage"],
         "tracking_uri": config.public()["tracking_uri"],
