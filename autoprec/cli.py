@@ -40,8 +40,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="autoprec",
         description="Find the per-layer precision policy that trains as well as fp32 "
-        "(fp32/fp16/bf16 and loss scaling) or serves as accurately as fp32 (fp32/fp16/bf16/"
-        "int8, --mode inference) with the least time or memory.",
+        "(fp32/fp16/bf16/fp8 and loss scaling) or serves as accurately as fp32 (fp32/fp16/"
+        "bf16/int8/fp8, --mode inference) with the least time or memory. fp8 runs where the "
+        "device has its kernels (CUDA 8.9+), on the CPU only emulated (--emulate fp8).",
     )
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
@@ -64,7 +65,7 @@ def _version() -> str:
 
 
 def _add_export(commands: Any) -> None:
-    from autoprec.exports import FORMATS
+    from autoprec._names import EXPORT_FORMATS as FORMATS
 
     e = commands.add_parser(
         "export",
@@ -131,12 +132,12 @@ def _add_search(commands: Any) -> None:
 
 
 def _add_what(group: Any) -> None:
-    from autoprec.tasks import BUILTIN_TASKS, DEFAULT_TASK
+    from autoprec._names import BUILTIN_TASK_NAMES, DEFAULT_TASK
 
     group.add_argument(
         "--task",
         default=DEFAULT_TASK,
-        help=f"built-in ({', '.join(sorted(BUILTIN_TASKS))}), package.module:attr or "
+        help=f"built-in ({', '.join(sorted(BUILTIN_TASK_NAMES))}), package.module:attr or "
         "path/to/file.py:attr (a Task or a callable returning one)",
     )
     group.add_argument(
@@ -159,9 +160,8 @@ def _add_what(group: Any) -> None:
 
 
 def _add_serving(group: Any) -> None:
-    from autoprec.fp8_serving import FP8_SERVING_METHODS
+    from autoprec._names import FP8_SERVING_METHODS, INT8_METHODS
     from autoprec.inference.scenarios import SCENARIOS
-    from autoprec.quantizers import INT8_METHODS
 
     group.add_argument(
         "--mode",
@@ -216,7 +216,7 @@ def _add_serving(group: Any) -> None:
 
 
 def _add_where(group: Any) -> None:
-    from autoprec.search.config import DEFAULT_STORAGE, DEFAULT_TRACKING_URI
+    from autoprec._names import DEFAULT_STORAGE, DEFAULT_TRACKING_URI
 
     group.add_argument(
         "--device", default="auto", help="auto (npu, then cuda, then cpu), cpu, cuda[:N], npu[:N]"
@@ -237,7 +237,7 @@ def _add_where(group: Any) -> None:
 
 
 def _add_choice(group: Any) -> None:
-    from autoprec.search.config import SAMPLERS
+    from autoprec._names import SAMPLERS
     from autoprec.selection import TRAINING_PREFERENCES
 
     group.add_argument(
@@ -277,7 +277,7 @@ def _add_choice(group: Any) -> None:
 
 
 def _add_faults(group: Any) -> None:
-    from autoprec.search.config import HEARTBEAT_INTERVAL_S
+    from autoprec._names import HEARTBEAT_INTERVAL_S
 
     group.add_argument(
         "--workers",
@@ -368,7 +368,7 @@ def _add_forecast(group: Any) -> None:
         choices=("infeasible", "warn"),
         default="infeasible",
         help="a trial whose forecast overflows a layer's dtype within --train-steps is "
-        "'at risk': infeasible (default), or only warned of",
+        "'at risk': infeasible, or only warned of",
     )
 
 
@@ -391,12 +391,12 @@ def _add_launch(group: Any) -> None:
 
 
 def _add_other_commands(commands: Any) -> None:
-    from autoprec.search.config import DEFAULT_TRACKING_URI
-    from autoprec.tasks import DEFAULT_TASK
+    from autoprec._names import DEFAULT_TASK, DEFAULT_TRACKING_URI
 
     pr = commands.add_parser(
         "profile",
-        help="rank every layer by numerical risk in fp16/bf16 (one cheap pass, no search)",
+        help="rank every layer by numerical risk in fp16/bf16, and fp8 with --emulate fp8 or "
+        "on CUDA 8.9+ (one cheap pass, no search)",
         description="Train a few fp32 steps with every module watched (values past the "
         "low dtypes' range, values they would flush to zero), then run each module alone "
         "in fp16/bf16 and measure how far the loss and output move. Prints the ranking "

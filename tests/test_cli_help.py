@@ -4,7 +4,11 @@ for, the description names both kinds of search, and `--version` answers."""
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+import textwrap
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +47,72 @@ def test_version_prints_the_installed_version(capsys):
         main(["--version"])
     assert stopped.value.code == 0
     assert capsys.readouterr().out.strip() == f"autoprec {version('autoprec')}"
+
+
+HEAVY = ("torch", "mlflow", "optuna")
+COMMANDS = ("search", "profile", "best", "resolve", "report", "compare", "ui", "export")
+
+
+def test_version_and_every_help_import_no_torch_mlflow_or_optuna():
+    """`--version` and each `--help` answer from the parser alone (which would otherwise
+    take seconds to import torch): checked in a fresh interpreter, which modules came in."""
+    code = textwrap.dedent(
+        f"""
+        import contextlib, io, sys
+        from autoprec.cli import main
+        for argv in (["--version"], ["--help"], *([c, "--help"] for c in {COMMANDS!r})):
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                try:
+                    main(argv)
+                except SystemExit as stopped:
+                    assert stopped.code == 0, (argv, stopped.code)
+            assert out.getvalue().strip(), argv
+        print(",".join(m for m in {HEAVY!r} if m in sys.modules))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", f"imported by --help/--version: {done.stdout.strip()}"
+
+
+def test_the_console_script_prints_the_version_and_the_help():
+    script = Path(sys.executable).with_name("autoprec")
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "autoprec.cli"]
+    done = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == f"autoprec {version('autoprec')}"
+    done = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("usage: autoprec")
+    for command_name in COMMANDS:
+        assert command_name in done.stdout
+
+
+def test_the_cli_names_are_the_registries_names():
+    """The names the parser offers without importing torch are those the code runs."""
+    from autoprec import _names
+    from autoprec.exports import FORMATS
+    from autoprec.fp8_serving import FP8_SERVING_METHODS
+    from autoprec.quantizers import INT8_METHODS
+    from autoprec.search import config
+    from autoprec.tasks import BUILTIN_TASKS, DEFAULT_TASK
+    from autoprec.tracking import DEFAULT_TRACKING_URI
+
+    assert _names.BUILTIN_TASK_NAMES == tuple(BUILTIN_TASKS)
+    assert _names.DEFAULT_TASK == DEFAULT_TASK
+    assert _names.EXPORT_FORMATS == FORMATS
+    assert _names.INT8_METHODS == INT8_METHODS
+    assert _names.FP8_SERVING_METHODS == FP8_SERVING_METHODS
+    assert _names.DEFAULT_STORAGE == config.DEFAULT_STORAGE
+    assert _names.DEFAULT_TRACKING_URI == DEFAULT_TRACKING_URI
+    assert _names.SAMPLERS == config.SAMPLERS
+    assert _names.HEARTBEAT_INTERVAL_S == config.HEARTBEAT_INTERVAL_S
+
+
+def test_the_top_level_help_names_fp8_and_no_default_is_said_twice():
+    parser = _build_parser()
+    assert "fp8" in parser.format_help()
+    for name, sub in _subcommands(parser).items():
+        formatter = sub.formatter_class(prog=name)
+        for action in sub._actions:
+            shown = formatter._get_help_string(action) or ""
+            if shown != (action.help or ""):  # the formatter appends "(default: ...)"
+                assert "default" not in (action.help or ""), f"{name} {action.option_strings}"

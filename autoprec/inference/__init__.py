@@ -1,26 +1,41 @@
 """Inference precision: convert a trained fp32 model per layer for serving, and measure it
 against the fp32 model (agreement, latency, throughput, memory)."""
 
-from autoprec.devices import INFERENCE_DTYPES
-from autoprec.inference.convert import (
-    INT8_METHODS,
-    convert,
-    default_int8_method,
-    int8_available,
-    int8_unavailable_reason,
-    tied_leaves,
-    weight_bytes,
-    weight_dtypes,
-)
-from autoprec.inference.load import load_inference_model
-from autoprec.inference.measure import (
-    InferenceResult,
-    Reference,
-    latency_ms,
-    measure_inference,
-    peak_memory_bytes,
-    timing_batch,
-)
+import importlib
+import sys
+import types
+from typing import Any
+
+# Imported on first use (PEP 562), so that autoprec.inference.scenarios, which the CLI's
+# help reads, is importable without torch.
+_WHERE = {
+    "INFERENCE_DTYPES": "autoprec.devices",
+    **dict.fromkeys(
+        (
+            "INT8_METHODS",
+            "convert",
+            "default_int8_method",
+            "int8_available",
+            "int8_unavailable_reason",
+            "tied_leaves",
+            "weight_bytes",
+            "weight_dtypes",
+        ),
+        "autoprec.inference.convert",
+    ),
+    "load_inference_model": "autoprec.inference.load",
+    **dict.fromkeys(
+        (
+            "InferenceResult",
+            "Reference",
+            "latency_ms",
+            "measure_inference",
+            "peak_memory_bytes",
+            "timing_batch",
+        ),
+        "autoprec.inference.measure",
+    ),
+}
 
 __all__ = [
     "INFERENCE_DTYPES",
@@ -40,3 +55,23 @@ __all__ = [
     "weight_bytes",
     "weight_dtypes",
 ]
+
+
+class _Package(types.ModuleType):
+    """Keeps ``convert`` the function: importing the submodule of that name would otherwise
+    make it the package's attribute, where the eager imports used to rebind it."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not (name in _WHERE and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
