@@ -96,7 +96,7 @@ def test_the_cli_names_are_the_registries_names():
     from autoprec.tasks import BUILTIN_TASKS, DEFAULT_TASK
     from autoprec.tracking import DEFAULT_TRACKING_URI
 
-    assert _names.BUILTIN_TASK_NAMES == tuple(BUILTIN_TASKS)
+    assert tuple(BUILTIN_TASKS) == _names.BUILTIN_TASK_NAMES
     assert _names.DEFAULT_TASK == DEFAULT_TASK
     assert _names.EXPORT_FORMATS == FORMATS
     assert _names.INT8_METHODS == INT8_METHODS
