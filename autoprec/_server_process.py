@@ -6,10 +6,15 @@ not, and they keep serving. So the server gets a process group of its own, every
 and SIGTERM autoprec receives is forwarded to that whole group, and autoprec returns only
 once nothing of the group is left (on Linux it also adopts the workers the server
 orphans, so that none is left a zombie either).
+
+The server's own output (its start-up log, and the traceback uvicorn prints when a SIGINT
+stops it) is kept from the terminal: autoprec prints its own lines, and shows the server's
+last lines only where the server exits by itself with an error.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import os
@@ -17,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -27,6 +33,7 @@ from autoprec.errors import AutoprecError
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
 GRACE_S = 20.0  # after a forwarded signal, before the group is killed outright
 POLL_S = 0.2
+TAIL_LINES = 30  # of the server's output, shown where it fails on its own
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -43,10 +50,16 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def serve(
-    command: list[str], env: dict[str, str], ready_url: str, on_ready: Callable[[], None]
+    command: list[str],
+    env: dict[str, str],
+    ready_url: str,
+    on_ready: Callable[[], None],
+    prepare: Callable[[], None] = lambda: None,
 ) -> int:
-    """Run ``command`` until it exits or autoprec is signalled; ``on_ready`` is called once
-    ``ready_url`` answers. Returns the server's exit status, 0 when stopped by a signal."""
+    """Run ``command`` until it exits or autoprec is signalled. ``prepare`` runs while the
+    server starts (its error stops the server and is raised); ``on_ready`` is called once
+    ``ready_url`` answers. Returns the server's exit status, 0 when stopped by a SIGTERM;
+    stopped by a SIGINT, raises KeyboardInterrupt once nothing of the server is left."""
     _adopt_orphans()
     stopped: list[int] = []
     child: subprocess.Popen[bytes] | None = None
@@ -58,9 +71,18 @@ def serve(
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
-        child = subprocess.Popen(command, env=env, start_new_session=True)
+        child = subprocess.Popen(
+            command,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        tail = _keep_tail(child)
         if stopped:  # signalled while the child was being started
             _signal_group(child.pid, stopped[0])
+        prepare()
         ready = False
         while child.poll() is None:
             if not ready and not stopped and _answers(ready_url):
@@ -70,13 +92,32 @@ def serve(
             if stopped and not _waited(child, GRACE_S):
                 _signal_group(child.pid, signal.SIGKILL)
         _reap_group(child.pid)
+        if not stopped and child.returncode != 0:
+            lines = "".join(tail).rstrip("\n")
+            print(f"{lines}\n(the server exited with status {child.returncode})", file=sys.stderr)
     finally:
         if child is not None and child.poll() is None:  # an error here: leave nothing behind
             _signal_group(child.pid, signal.SIGKILL)
             child.wait()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if signal.SIGINT in stopped:
+        raise KeyboardInterrupt
     return 0 if stopped else child.returncode
+
+
+def _keep_tail(child: subprocess.Popen[bytes]) -> collections.deque[str]:
+    """Read the child's output as it comes (a full pipe would block it), keeping its last
+    TAIL_LINES lines."""
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+
+    def read() -> None:
+        assert child.stdout is not None
+        for line in child.stdout:
+            tail.append(line.decode(errors="replace"))
+
+    threading.Thread(target=read, daemon=True).start()
+    return tail
 
 
 def _waited(child: subprocess.Popen[bytes], timeout_s: float) -> bool:

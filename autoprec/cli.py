@@ -98,8 +98,9 @@ def _add_export(commands: Any) -> None:
     e.add_argument(
         "--checkpoint",
         default=None,
-        help="the trained fp32 weights (default: the search's --checkpoint, else "
-        "runs/<study>/fp32.pt)",
+        help="the trained fp32 weights, a state dict (default: the search's --checkpoint, "
+        "else runs/<study>/fp32.pt, which only a serving search keeps: a training study's "
+        "cann export needs it)",
     )
     e.add_argument(
         "--device",
@@ -574,9 +575,16 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _best(args: argparse.Namespace) -> int:
+    from autoprec.errors import StoreError
     from autoprec.tracking import load_best_policy
 
-    policy = load_best_policy(args.study, args.tracking_uri)
+    try:
+        policy = load_best_policy(args.study, args.tracking_uri)
+    except StoreError as error:
+        names = _tracked_studies(args.tracking_uri)
+        if args.study in names or not names:
+            raise
+        raise StoreError(f"{error}{_did_you_mean(args.study, names)}") from None
     print(
         json.dumps(policy.to_dict(), indent=2) if args.json else policy.to_yaml(),
         end="\n" if args.json else "",
@@ -626,9 +634,48 @@ def without_password(uri: str | None) -> str | None:
     return f"{scheme}://{rest.split('@', 1)[1]}"
 
 
+def _did_you_mean(study: str, known: list[str]) -> str:
+    """The end of a line refusing an unknown study: the closest name, else those there are."""
+    from difflib import get_close_matches
+
+    close = get_close_matches(study, known, n=1)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    if known:
+        shown = ", ".join(repr(name) for name in sorted(known)[:5])
+        return f" (its studies: {shown}{', ...' if len(known) > 5 else ''})"
+    return " (run autoprec search first)"
+
+
+def _check_study_exists(runs_dir: str, study: str) -> None:
+    """A study with no summary under ``runs_dir`` is refused in one line naming the closest
+    study that has one (a typo), before anything is read."""
+    folder = Path(runs_dir)
+    if (folder / study / "summary.json").is_file():
+        return
+    known = []
+    if folder.is_dir():
+        known = [entry.name for entry in folder.iterdir() if (entry / "summary.json").is_file()]
+    raise AutoprecError(
+        f"--study {study!r}: no study of that name in {folder}{_did_you_mean(study, known)}"
+    )
+
+
+def _tracked_studies(tracking_uri: str) -> list[str]:
+    """The studies an MLflow store holds (its experiments' names); none where it cannot
+    be read."""
+    from autoprec.tracking import mlflow_client
+
+    try:
+        return [e.name for e in mlflow_client(tracking_uri).search_experiments()]
+    except Exception:  # the store's own error was already said
+        return []
+
+
 def _read_summary(runs_dir: str, study: str) -> Summary:
     from autoprec.search._summary_file import read_summary
 
+    _check_study_exists(runs_dir, study)
     return read_summary(Path(runs_dir) / study / "summary.json", study)
 
 
@@ -658,6 +705,7 @@ def _export(args: argparse.Namespace) -> int:
     from autoprec.tasks import check_task, load_task
     from autoprec.trials.serving import FP32_CHECKPOINT, load_checkpoint
 
+    _check_study_exists(args.runs_dir, args.study)
     header = read_header(Path(args.runs_dir) / args.study / "summary.json", args.study)
     settings, serving = header.settings, header.serving
     fmt = args.format or ("model" if serving else "yaml")
@@ -679,9 +727,14 @@ def _export(args: argparse.Namespace) -> int:
         model = check_task(task)
         weights = args.checkpoint or settings.checkpoint or folder / FP32_CHECKPOINT
         if fmt in ("model", "cann") and not Path(weights).is_file():
+            why = (
+                f"{weights} does not exist"
+                if args.checkpoint or serving
+                else "a training search keeps no weights: its trials train only --steps steps"
+            )
             raise AutoprecError(
-                f"--format {fmt}: no trained fp32 weights ({weights} does not exist); pass "
-                "--checkpoint"
+                f"--format {fmt}: no trained fp32 weights ({why}); pass --checkpoint PATH, "
+                "your trained model's state dict (torch.save(model.state_dict(), PATH))"
             )
         if Path(weights).is_file():
             model = load_checkpoint(model, Path(weights), task)
@@ -712,33 +765,40 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _ui(args: argparse.Namespace) -> int:
     from autoprec._server_process import check_port_free, serve
-    from autoprec.tracking import check_tracking_uri
     from autoprec.ui import check_store_exists, find_runs_view, write_runs_view
 
-    check_tracking_uri(args.tracking_uri)
     if not 0 < args.port < 65536:
         raise AutoprecError(f"--port {args.port}: expected a port from 1 to 65535")
     check_store_exists(args.tracking_uri)
     mlflow = shutil.which("mlflow")
     if mlflow is None:
         raise AutoprecError("the 'mlflow' command is not on PATH; install mlflow")
-    view = find_runs_view(args.tracking_uri, args.study)
     check_port_free(args.host, args.port)
-    if view is not None:
-        write_runs_view(args.tracking_uri, view)
     command = [mlflow, "ui", "--backend-store-uri", args.tracking_uri]
     command += ["--host", args.host, "--port", str(args.port), "--workers", "1"]
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     shown = f"[{shown}]" if ":" in shown else shown
     base = f"http://{shown}:{args.port}"
-    print(f"starting the MLflow UI on {base} ...", file=sys.stderr, flush=True)
+    views: list[Any] = []
+
+    def prepare() -> None:
+        """While the server starts (tens of seconds): the URI checked, the study's view
+        found and written. An error here stops the server before it answers."""
+        from autoprec.tracking import check_tracking_uri
+
+        check_tracking_uri(args.tracking_uri)
+        views.append(find_runs_view(args.tracking_uri, args.study))
+        if views[0] is not None:
+            write_runs_view(args.tracking_uri, views[0])
+        print(f"starting the MLflow UI on {base} ...", file=sys.stderr, flush=True)
 
     def ready() -> None:
+        view = views[0]
         where = f"study {view.study}: {base}{view.path}" if view else f"no study yet: {base}"
         print(f"MLflow UI: {where} (Ctrl-C to stop)", file=sys.stderr, flush=True)
 
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    return serve(command, env, f"{base}/health", ready)
+    return serve(command, env, f"{base}/health", ready, prepare)
 
 
 def _check_study_names(args: argparse.Namespace) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,10 @@ def _experiment(client: Any, study: str | None, role_tag: str) -> Any:
     if study is not None:
         experiment = client.get_experiment_by_name(study)
         if experiment is None:
-            raise StoreError(f"--study {study!r}: no such study in this tracking store")
+            names = [e.name for e in client.search_experiments()]
+            close = get_close_matches(study, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise StoreError(f"--study {study!r}: no such study in this tracking store{hint}")
         return experiment
     experiments = [e.experiment_id for e in client.search_experiments()]
     if not experiments:

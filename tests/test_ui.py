@@ -105,10 +105,19 @@ def _stop_leaves_nothing(ui: _Ui, signum: int, port: int) -> None:
     server = ui.descendants()
     assert server, "mlflow ui was not started as autoprec's child"
     os.kill(ui.proc.pid, signum)  # autoprec alone, as kill or a supervisor sends it
-    assert ui.proc.wait(timeout=START_LIMIT_S) == 0
+    # Ctrl-C is an interruption (exit 130, as the search's); a SIGTERM a normal stop
+    assert ui.proc.wait(timeout=START_LIMIT_S) == (130 if signum == signal.SIGINT else 0)
     left = [pid for pid in server if Path(f"/proc/{pid}").exists()]
     assert not left, f"processes of mlflow ui still there: {left}"
     assert _port_free(port)
+
+
+def _rest(ui: _Ui) -> list[str]:
+    """What autoprec ui printed after the lines already read, once it has exited."""
+    lines = []
+    while line := ui.lines.get(timeout=START_LIMIT_S):
+        lines.append(line.rstrip("\n"))
+    return lines
 
 
 def _browser(flags: list[str], url: str) -> subprocess.CompletedProcess[str]:
@@ -161,12 +170,19 @@ def test_ui_url_opens_the_runs_table_with_trials_and_metrics(searched, tmp_path)
 
 
 @pytest.mark.slow
-def test_sigterm_stops_mlflow_and_its_workers(searched):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_mlflow_and_its_workers_in_one_line(searched, signum):
+    """Only autoprec's own lines reach the terminal: not MLflow's start-up log, nor the
+    traceback uvicorn prints when a Ctrl-C stops it."""
     port = _free_port()
     ui = _Ui(searched, port, "--study", "tiny")
     try:
-        assert "study tiny: http://" in ui.wait_for("MLflow UI:")
-        _stop_leaves_nothing(ui, signal.SIGTERM, port)
+        first = ui.lines.get(timeout=START_LIMIT_S)
+        assert first.startswith(f"starting the MLflow UI on http://127.0.0.1:{port} ...")
+        assert "study tiny: http://" in ui.lines.get(timeout=START_LIMIT_S)
+        _stop_leaves_nothing(ui, signum, port)
+        rest = [line for line in _rest(ui) if line]
+        assert rest == (["autoprec ui: interrupted"] if signum == signal.SIGINT else [])
     finally:
         ui.kill()
 
@@ -175,6 +191,10 @@ def test_sigterm_stops_mlflow_and_its_workers(searched):
     ("args", "message"),
     [
         (["--study", "nope"], "--study 'nope': no such study"),
+        (
+            ["--study", "tin"],
+            "--study 'tin': no such study in this tracking store (did you mean 'tiny'?)",
+        ),
         (["--tracking-uri", "sqlite:///elsewhere/mlflow.db"], "no such store"),
         (["--port", "{busy}"], "--port {busy}: cannot listen on 127.0.0.1"),
     ],

@@ -179,65 +179,90 @@ def _or_nan(value: float | None) -> float:
     return math.nan if value is None else value
 
 
+_COMPARE_NOTE = (
+    "step time: one training step (training studies); latency: one batch served (serving "
+    "studies); each re-timed side by side with fp32 where its study re-timed it."
+)
+
+
 def _ms(summary: Summary, entry: Entry) -> float:
     return _or_nan(summary.time_ms(entry))
 
 
 def render_comparison(summaries: Sequence[Summary | dict[str, Any]], path: Path) -> Path:
-    """One page comparing studies (e.g. one model on two devices): baseline and chosen
-    policy of each, and their fronts in one plot. A serving study's time is its latency
-    at its batch size, a training study's its step time."""
+    """One page comparing studies (e.g. one model on two devices): the fp32 baseline and the
+    chosen policy of each (one row where fp32 was chosen, the chosen row marked), and their
+    fronts in one plot. A training study's time is its step time, a serving study's its
+    latency at its batch size: each in a column of its own."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     typed = [as_summary(s) for s in summaries]
-    kinds = {mode_text(s).time_words for s in typed}
-    time_name = kinds.pop() if len(kinds) == 1 else "step time or latency"
+    time_words = list(dict.fromkeys(mode_text(s).time_words for s in typed))
+    time_name = " or ".join(time_words)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
     for summary in typed:
         front = sorted((e for e in summary.entries if e.pareto), key=lambda e: _ms(summary, e))
         for ax, timed in zip(axes, (True, False), strict=True):
             xs = [_ms(summary, e) if timed else _or_nan(e.peak_memory_mb) for e in front]
-            ax.scatter(xs, [_or_nan(e.accuracy) for e in front], label=summary.study)
+            dots = ax.scatter(xs, [_or_nan(e.accuracy) for e in front], label=summary.study)
+            chosen = _ms(summary, summary.best) if timed else _or_nan(summary.best.peak_memory_mb)
+            ax.scatter(
+                [chosen],
+                [_or_nan(summary.best.accuracy)],
+                marker="*",
+                s=220,
+                color=dots.get_facecolor()[0],
+                edgecolors="black",
+                zorder=3,
+            )
     axes[0].set_xlabel(f"{time_name} (ms)")
     axes[1].set_xlabel("peak memory (MB)")
     for ax in axes:
         ax.set_ylabel("accuracy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("Pareto fronts")
+    fig.suptitle("Pareto fronts (star: each study's chosen policy)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     png = path.with_name(f"{path.stem}-fronts.png")
     fig.savefig(png)
     plt.close(fig)
-    rows = []
+    rows, classes = [], []
     for summary in typed:
         size = summary.batch_size
-        for entry in (summary.baseline, summary.best):
+        own = time_words.index(mode_text(summary).time_words)
+        chosen_fp32 = summary.best.key == summary.baseline.key
+        for entry in (summary.baseline,) if chosen_fp32 else (summary.baseline, summary.best):
+            chosen = entry is summary.best or chosen_fp32
+            times = ["" for _ in time_words]
+            times[own] = cell(summary.time_ms(entry), ".3f")
             rows.append(
                 [
                     html.escape(summary.study)
                     + ("" if size is None else f" (serving, batch {size})"),
                     html.escape(summary.settings.device_name),
                     html.escape(entry.label),
+                    "&#9733; chosen" if chosen else "",
                     cell(entry.accuracy, ".4f"),
-                    cell(summary.time_ms(entry), ".3f"),
+                    *times,
                     cell(entry.peak_memory_mb, ".3f"),
                     html.escape(policy_label(entry.params)),
                 ]
             )
+            classes.append("best" if chosen else "")
     image = base64.b64encode(png.read_bytes()).decode()
-    time_header = {"step time": "step ms", "latency": "latency ms"}.get(time_name, "time ms")
     studies = html.escape(", ".join(s.study for s in typed))
-    header = ["study", "device", "policy", "accuracy", time_header, "memory MB", "dtypes"]
+    header = ["study", "device", "policy", "chosen", "accuracy"]
+    header += [f"{words} ms" for words in time_words] + ["memory MB", "dtypes"]
     path.write_text(f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>autoprec comparison</title>
 <style>{STYLE}</style></head><body>
 <h1>autoprec comparison: {studies}</h1>
-{html_table(header, rows)}
+<p class="note">{_COMPARE_NOTE}</p>
+{html_table(header, rows, classes)}
 <img alt="fronts" src="data:image/png;base64,{image}">
 </body></html>
 """)

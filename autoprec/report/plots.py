@@ -93,7 +93,6 @@ def front_figure(
         [x_of(best)], [y_of(best)], s=180, facecolors="none", edgecolors="black", label="chosen"
     )
     ax.margins(x=0.08, y=0.12)
-    _label_points(summary, ax, [(e, x_of(e), y_of(e)) for e in complete], point_names)
     unit = (
         f"{mode_text(summary).time_at(summary)} (ms)"
         if x_metric in TIMED
@@ -102,6 +101,8 @@ def front_figure(
     ax.set_xlabel(unit)
     ax.set_ylabel("accuracy")
     ax.set_title(f"{summary.study}: accuracy against {unit.split(' (')[0]}")
+    fig.tight_layout()  # the axes' final size, before labels are placed in it
+    _label_points(summary, ax, [(e, x_of(e), y_of(e)) for e in complete], point_names)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     unplaced = _unplaced_note(summary)
@@ -117,27 +118,66 @@ def _label_points(
     point_names: dict[str, str] | None,
 ) -> None:
     """Names of the baseline, the anchors and the chosen policy beside their points
-    (entry, x, y): a label near the top or right edge goes below or left of its point, so
-    that it stays inside the axes (and off the title)."""
+    (entry, x, y). Each label takes the first of a few places around its point, moving
+    out step by step, where it overlaps no label already placed and no other point and
+    stays inside the axes (and off the title); a label set away from its point gets a
+    thin line to it. ``point_names`` give short names by entry key."""
     named = [p for p in points if p[0].is_baseline or p[0].key == summary.best.key or p[0].anchor]
-    if point_names is not None:  # short names, staggered
-        named.sort(key=lambda p: p[1])
-    (x_low, x_high), (y_low, y_high) = ax.get_xlim(), ax.get_ylim()
-    for index, (entry, x, y) in enumerate(named):
-        right = (x - x_low) > 0.6 * (x_high - x_low)
-        top = (y - y_low) > 0.75 * (y_high - y_low)
-        dy = 4 if point_names is None else (4, -11, 15, -22)[index % 4]
+    named.sort(key=lambda p: (p[1], p[2]))
+    renderer = ax.figure.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    title = ax.title.get_window_extent(renderer)
+    dots = [ax.transData.transform((x, y)) for _, x, y in points]
+    taken: list[Any] = []
+    for entry, x, y in named:
         text = entry.label if point_names is None else point_names.get(entry.key, entry.label)
-        ax.annotate(
-            text,
-            (x, y),
-            fontsize=7,
-            xytext=(-4 if right else 4, -abs(dy) - 6 if top else dy),
-            textcoords="offset points",
-            ha="right" if right else "left",
-            annotation_clip=True,
-            clip_on=True,
-        )
+        own = ax.transData.transform((x, y))
+        label = None
+        # The first clear place inside the axes; where none is, the first inside.
+        for tries, (dx, dy) in enumerate([*_LABEL_PLACES, *_LABEL_PLACES], 1):
+            if label is not None:
+                label.remove()
+            label = ax.annotate(
+                text,
+                (x, y),
+                fontsize=7,
+                xytext=(dx, dy),
+                textcoords="offset points",
+                ha="left" if dx >= 0 else "right",
+                va="bottom" if dy >= 0 else "top",
+                annotation_clip=True,
+                clip_on=True,
+                arrowprops=None
+                if abs(dy) <= _NEAR_PT
+                else {"arrowstyle": "-", "color": "#888888", "lw": 0.5, "shrinkA": 0},
+            )
+            box = label.get_window_extent(renderer).expanded(1.04, 1.1)
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1
+            inside = inside and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            inside = inside and not box.overlaps(title)
+            if inside and (tries > len(_LABEL_PLACES) or _clear(box, taken, dots, own)):
+                break
+        assert label is not None
+        taken.append(label.get_window_extent(renderer))
+
+
+def _clear(box: Any, taken: list[Any], dots: list[Any], own: Any) -> bool:
+    """Whether a label's box overlaps no label placed and no point but its own."""
+    if any(box.overlaps(other) for other in taken):
+        return False
+    return not any(
+        box.x0 - 3 <= px <= box.x1 + 3 and box.y0 - 3 <= py <= box.y1 + 3
+        for px, py in dots
+        if abs(px - own[0]) + abs(py - own[1]) > 1
+    )
+
+
+# Where a label may go, in points from its point: beside it first, then further above or
+# below it (with a line to it), right of it before left of it.
+_NEAR_PT = 4
+_LABEL_PLACES = [
+    (dx, sign * dy) for dy in (_NEAR_PT, 12, 20, 28, 36, 44) for sign in (1, -1) for dx in (5, -5)
+]
 
 
 def _unplaced_note(summary: Summary) -> str:
