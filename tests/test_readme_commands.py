@@ -63,7 +63,7 @@ class Handling:
 SEARCH = Handling(budget=("--trials", "--steps"), draws=True)
 HANDLED: dict[str, Handling] = {
     "autoprec search": SEARCH,
-    "autoprec search --task digits-cnn --prefer memory": SEARCH,
+    "autoprec search --task digits-cnn --prefer memory --trials 6 --steps 60": SEARCH,
     "autoprec search --task my_task.py:make_task --trials 30 --steps 100 --device auto": SEARCH,
     "autoprec report --study digits-mlp": Handling(),
     "autoprec compare --study digits-mlp --study digits-cnn": Handling(),

@@ -57,7 +57,7 @@ def _table(page: str) -> tuple[list[str], list[tuple[str, list[str]]]]:
 def test_compare_lists_fp32_once_marks_the_chosen_and_splits_the_times(studies, capsys):
     status, out, _ = _run(studies, capsys, "compare", "--study", "train", "--study", "serve")
     assert status == 0
-    page = Path(out.strip()).read_text()
+    page = (studies / out.strip()).read_text()  # the path printed, under runs/
     header, rows = _table(page)
     assert "step time ms" in header and "latency ms" in header
     assert "time ms" not in header

@@ -39,6 +39,37 @@ def test_point_labels_stay_inside_the_axes(summary, x_metric):
         assert not extent.overlaps(ax.title.get_window_extent(renderer)), label.get_text()
 
 
+def _text_boxes(figure):
+    from matplotlib.text import Text
+
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    ax = figure.axes[0]
+    labels = [t for t in ax.texts if t.get_text().startswith(("trial", "fp32"))]
+    return ax, renderer, {t.get_text(): Text.get_window_extent(t, renderer) for t in labels}
+
+
+@pytest.mark.parametrize("x_metric", ["step_time_ms", "peak_memory_mb"])
+def test_point_labels_overlap_no_other_label_even_where_the_points_crowd(summary, x_metric):
+    """The search's own points, then the same with every trial placed a hair apart (as
+    policies of one speed are): each label still stands clear of the others."""
+    crowded = copy.deepcopy(summary)
+    for index, row in enumerate(crowded["trials"]):
+        row["metrics"]["accuracy"] = crowded["baseline"]["metrics"]["accuracy"]
+        row["metrics"][x_metric] = crowded["baseline"]["metrics"][x_metric] * (1 + 0.01 * index)
+        row["metrics"].pop("confirmed_step_time_ms", None)  # the plot's time: this one
+    crowded["baseline"]["metrics"].pop("confirmed_step_time_ms", None)
+    for case in (summary, crowded):
+        ax, renderer, boxes = _text_boxes(front_figure(case, x_metric))
+        assert len(boxes) >= 2
+        frame = ax.get_window_extent(renderer)
+        names = sorted(boxes)
+        for i, name in enumerate(names):
+            assert frame.x0 - 1 <= boxes[name].x0 and boxes[name].x1 <= frame.x1 + 1, name
+            for other in names[i + 1 :]:
+                assert not boxes[name].overlaps(boxes[other]), (name, other)
+
+
 def test_the_legend_lists_only_what_is_drawn(summary):
     _, legend, texts = _legend_and_texts(front_figure(summary, "step_time_ms"))
     drawn_infeasible = any(

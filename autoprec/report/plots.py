@@ -151,14 +151,22 @@ def _label_points(
                 if abs(dy) <= _NEAR_PT
                 else {"arrowstyle": "-", "color": "#888888", "lw": 0.5, "shrinkA": 0},
             )
-            box = label.get_window_extent(renderer).expanded(1.04, 1.1)
+            box = _text_box(label, renderer).expanded(1.04, 1.1)
             inside = frame.x0 <= box.x0 and box.x1 <= frame.x1
             inside = inside and frame.y0 <= box.y0 and box.y1 <= frame.y1
             inside = inside and not box.overlaps(title)
             if inside and (tries > len(_LABEL_PLACES) or _clear(box, taken, dots, own)):
                 break
         assert label is not None
-        taken.append(label.get_window_extent(renderer))
+        taken.append(_text_box(label, renderer))
+
+
+def _text_box(label: Any, renderer: Any) -> Any:
+    """A label's text alone (an annotation's own extent includes its line to the point)."""
+    from matplotlib.text import Text
+
+    label.update_positions(renderer)
+    return Text.get_window_extent(label, renderer)
 
 
 def _clear(box: Any, taken: list[Any], dots: list[Any], own: Any) -> bool:

@@ -388,6 +388,10 @@ class Session:
             return TrialRecord("baseline", policy, result, 0.0, True)
         tags = {"autoprec.role": "baseline"}
         tracker.start_trial("baseline", BASELINE_RUN, tags)
+        # The writer's first work (the store made, the parent run and the profile logged)
+        # takes seconds of the CPU: done first, so that the baseline's steps are not timed
+        # beside it (on two cores they were ~100x slower than fp32 re-timed alone).
+        tracker.flush(FLUSH_WAIT_S)
         try:
             result = self.trials.measure(policy)
         except BaseException:
