@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Callable
 from types import FrameType
 
-from autoprec.errors import AutoprecError
+from autoprec.errors import AutoprecError, redact
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
 GRACE_S = 20.0  # after a forwarded signal, before the group is killed outright
@@ -79,7 +79,7 @@ def serve(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        tail = _keep_tail(child)
+        tail, reader = _keep_tail(child)
         if stopped:  # signalled while the child was being started
             _signal_group(child.pid, stopped[0])
         prepare()
@@ -93,7 +93,8 @@ def serve(
                 _signal_group(child.pid, signal.SIGKILL)
         _reap_group(child.pid)
         if not stopped and child.returncode != 0:
-            lines = "".join(tail).rstrip("\n")
+            reader.join(timeout=POLL_S * 10)  # the last lines it wrote
+            lines = redact("".join(tail).rstrip("\n"))
             print(f"{lines}\n(the server exited with status {child.returncode})", file=sys.stderr)
     finally:
         if child is not None and child.poll() is None:  # an error here: leave nothing behind
@@ -106,9 +107,11 @@ def serve(
     return 0 if stopped else child.returncode
 
 
-def _keep_tail(child: subprocess.Popen[bytes]) -> collections.deque[str]:
+def _keep_tail(
+    child: subprocess.Popen[bytes],
+) -> tuple[collections.deque[str], threading.Thread]:
     """Read the child's output as it comes (a full pipe would block it), keeping its last
-    TAIL_LINES lines."""
+    TAIL_LINES lines; the reading thread with them."""
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     def read() -> None:
@@ -116,8 +119,9 @@ def _keep_tail(child: subprocess.Popen[bytes]) -> collections.deque[str]:
         for line in child.stdout:
             tail.append(line.decode(errors="replace"))
 
-    threading.Thread(target=read, daemon=True).start()
-    return tail
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return tail, reader
 
 
 def _waited(child: subprocess.Popen[bytes], timeout_s: float) -> bool:

@@ -216,3 +216,22 @@ def test_ui_bad_input_is_one_line_and_starts_nothing(searched, args, message):
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and message.replace("{busy}", port) in done.stderr
     assert not (searched / "elsewhere").exists()
+
+
+def test_a_server_that_fails_by_itself_shows_its_last_lines(capfd):
+    """Its output is kept from the terminal while it runs; where it exits with an error
+    before anyone stopped it, its last lines (passwords redacted) say why."""
+    from autoprec._server_process import serve
+
+    code = "print('x' * 10); print('cannot open postgresql://u:hunter2@db/optuna'); raise SystemExit(3)"
+    ready: list[bool] = []
+    status = serve(
+        [sys.executable, "-c", code],
+        dict(os.environ),
+        "http://127.0.0.1:9/health",
+        lambda: ready.append(True),
+    )
+    err = capfd.readouterr().err
+    assert status == 3 and not ready
+    assert "cannot open" in err and "hunter2" not in err
+    assert err.rstrip().endswith("(the server exited with status 3)")
