@@ -1,6 +1,6 @@
 """The fp32 baseline is timed on a quiet process: the MLflow writer's first work (the store
-made, the parent run and the profile logged) is done before the baseline's steps run, where
-it had made the baseline's median step ~100x the side-by-side re-timing of the same policy."""
+made, the parent run and the profile logged) is done before the baseline's steps run, rather
+than beside them, where it takes a core from torch's threads."""
 
 from __future__ import annotations
 

@@ -390,7 +390,8 @@ class Session:
         tracker.start_trial("baseline", BASELINE_RUN, tags)
         # The writer's first work (the store made, the parent run and the profile logged)
         # takes seconds of the CPU: done first, so that the baseline's steps are not timed
-        # beside it (on two cores they were ~100x slower than fp32 re-timed alone).
+        # beside it (a busy core makes torch's two threads wait on each other: on a loaded
+        # 2-core CPU a step took ~90x as long on two threads as on one).
         tracker.flush(FLUSH_WAIT_S)
         try:
             result = self.trials.measure(policy)
