@@ -662,12 +662,13 @@ def _check_study_exists(runs_dir: str, study: str) -> None:
 
 
 def _tracked_studies(tracking_uri: str) -> list[str]:
-    """The studies an MLflow store holds (its experiments' names); none where it cannot
-    be read."""
+    """The studies an MLflow store holds (its experiments' names, but MLflow's own
+    "Default", id 0); none where it cannot be read."""
     from autoprec.tracking import mlflow_client
 
     try:
-        return [e.name for e in mlflow_client(tracking_uri).search_experiments()]
+        experiments = mlflow_client(tracking_uri).search_experiments()
+        return [e.name for e in experiments if e.experiment_id != "0"]
     except Exception:  # the store's own error was already said
         return []
 
