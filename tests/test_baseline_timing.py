@@ -4,10 +4,14 @@ than beside them, where it takes a core from torch's threads."""
 
 from __future__ import annotations
 
+import pytest
+
 import autoprec
 from autoprec import tracking
 from autoprec.trials import training
 from tests.contract_tasks import make_tiny_task
+
+pytestmark = pytest.mark.slow  # a real search
 
 STEPS = 20  # more than the warm-up's steps (2x the untimed 5, plus 2), which run first
 
