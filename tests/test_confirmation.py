@@ -423,3 +423,41 @@ def test_cli_takes_both_flags(tmp_path, monkeypatch, capsys):
     argv += ["--confirm-steps", "24", "--trial-schedule", "compressed"]
     assert main(argv) == 0
     assert "confirmation at 24 steps:" in capsys.readouterr().out
+
+
+# -- what the telemetry saw first, and bf16 before fp32 (issue 27 item 3) ------------------
+
+UNDERFLOW_STEPS = 40
+UNDERFLOW_CONFIRM = 5 * UNDERFLOW_STEPS
+UNDERFLOW_SPACE = """\
+name: underflow
+accuracy_tolerance: 0.02
+dtypes: [fp16, bf16]
+groups:
+  - {name: body, patterns: [embed, mix, head]}
+loss_scale:
+  modes: [none]
+"""
+
+
+def test_a_late_underflow_is_named_as_a_flush_of_the_layer_that_flushed():
+    """The premise and the reason: uniform fp16 (no loss scaling) trains like fp32 for a
+    40-step trial and stops before 200 steps on a non-finite loss. What the telemetry saw
+    first is the kernel's values flushing to zero, not the head whose output went
+    non-finite after the division; bf16 and fp32 train the 200 steps."""
+    from autoprec.scaling import LossScale
+    from tests.underflow_task import underflow_task
+
+    task, backend = underflow_task(), get_backend("cpu")
+    fp16 = Policy.uniform("fp16", LossScale())
+    short = run_trial(task, fp16, backend, Budget(steps=UNDERFLOW_STEPS))
+    assert short.state == "complete" and short.nonfinite_steps == 0
+    long = run_trial(task, fp16, backend, Budget(steps=UNDERFLOW_CONFIRM))
+    assert long.state == "pruned" and UNDERFLOW_STEPS < long.steps_run < UNDERFLOW_CONFIRM
+    assert long.reason.startswith("underflow: flush to zero in kernel (fp16)"), long.reason
+    assert "non-finite loss" in long.reason
+    assert long.first_events[0]["mechanism"] == "flush to zero"
+    assert long.first_events[0]["layer"] == "kernel"
+    for dtype in ("bf16", "fp32"):
+        held = run_trial(task, Policy.uniform(dtype), backend, Budget(steps=UNDERFLOW_CONFIRM))
+        assert held.state == "complete" and held.nonfinite_steps == 0, dtype
