@@ -33,6 +33,7 @@ FLUSH = "flush to zero"
 OVERFLOW = "overflow"
 SCALE_COLLAPSE = "loss scale collapse"
 MOSTLY_ZERO = 0.5  # the share of once-nonzero values that must be zero now
+KEPT = 32  # first events a result keeps
 LOW_PRECISION = frozenset({"fp16", "bf16", "fp8"})
 _TORCH = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Which mechanism's words open a reason, when it is the earliest.
@@ -139,8 +140,10 @@ class FirstEvents:
         return cls({(e.mechanism, e.layer or ""): e for e in events})
 
     def to_list(self) -> list[dict[str, Any]]:
-        """Every first event, the earliest first (a result's ``first_events``)."""
-        return [e.to_dict() for e in sorted(self.events.values(), key=lambda e: (e.step, e.order))]
+        """The ``KEPT`` earliest first events, the earliest first (a result's
+        ``first_events``: what the first ones were matters, not how far it spread)."""
+        ordered = sorted(self.events.values(), key=lambda e: (e.step, e.order))
+        return [e.to_dict() for e in ordered[:KEPT]]
 
     def _zeros(
         self, what: str, layer: str, step: int, share: float, dtype: str | None, order: int

@@ -26,7 +26,7 @@ from autoprec.search.summary import candidates
 from autoprec.search.summary_schema import Best, Summary
 from autoprec.selection import select_best
 from autoprec.space import policy_label
-from autoprec.tracking import FLUSH_WAIT_S, ROLE_TAG
+from autoprec.tracking import FLUSH_WAIT_S, INTERRUPTED_FLUSH_S, ROLE_TAG
 from autoprec.trial_schedule import real_task
 from autoprec.trials.base import TrialState, measured, run_with_time_limit
 from autoprec.trials.training import Budget, EarlyStopping, TrialResult, run_trial
@@ -144,6 +144,10 @@ class _Confirmer:
         except KeyboardInterrupt:  # the short trials' choice stands; what ran is kept
             confirmation.interrupted = True
             confirmation.reason = "interrupted (Ctrl-C); the short trials' choice stands"
+            self.session.callbacks.warning(
+                f"interrupted (Ctrl-C) during the confirmation at {self.steps} steps: the "
+                "short trials' choice stands; writing what was measured"
+            )
         self._add_run_ids(confirmation)
         return confirmation
 
@@ -289,7 +293,7 @@ class _Confirmer:
         """The MLflow child runs of the long runs, once written (none while the tracking
         store is unreachable)."""
         tracker = self.session.tracker
-        if not tracker.flush(FLUSH_WAIT_S):
+        if not tracker.flush(INTERRUPTED_FLUSH_S if confirmation.interrupted else FLUSH_WAIT_S):
             return
         try:
             run_ids = tracker.run_ids()
