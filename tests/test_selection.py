@@ -120,6 +120,7 @@ loss_scale:
 """
 
 
+@pytest.mark.slow
 def test_a_real_search_chooses_the_same_in_any_order(tmp_path, monkeypatch):
     """A real search under --prefer memory: uniform fp16 and uniform bf16 use the same
     memory (CPU estimates count 2 bytes for both), so between them the tie rule decides:
@@ -157,7 +158,7 @@ def test_a_real_search_chooses_the_same_in_any_order(tmp_path, monkeypatch):
     records = [record_of(t, feasibility, TrialResult) for t in finished(study)]
     baseline = TrialRecord(
         "baseline",
-        Policy.uniform("fp32"),
+        Policy.from_dict(summary.baseline.policy),
         result_of(study.user_attrs["baseline"]["result"], TrialResult),
         0.0,
         True,
