@@ -110,15 +110,17 @@ def select_best(
 
     time, memory = _by("step_time_ms"), _by("peak_memory_mb")
     primary = {"speed": time, "memory": memory, "balanced": balanced}[prefer]
-    stages: list[tuple[Callable[[Candidate], float], float]] = [
-        (primary, MEMORY_TIE if prefer == "memory" else TIME_TIE),
-        (_headroom, HEADROOM_TIE_BITS),
-    ]
-    stages += {
+    Stage = tuple[Callable[[Candidate], float], float]
+    others: dict[str, list[Stage]] = {
         "speed": [(memory, MEMORY_TIE), (_accuracy, 0.0)],
         "memory": [(time, TIME_TIE), (_accuracy, 0.0)],
         "balanced": [(_accuracy, 0.0)],
-    }[prefer]
+    }
+    stages: list[Stage] = [
+        (primary, MEMORY_TIE if prefer == "memory" else TIME_TIE),
+        (_headroom, HEADROOM_TIE_BITS),
+        *others[prefer],
+    ]
     for metric, tie in stages:
         pool = _tied(pool, metric, tie, absolute=metric is _headroom)
     return min(pool, key=lambda c: (primary(c), _identity(c)))

@@ -491,7 +491,7 @@ class _Run:
         forward = partial(_forward, self.model, self.prec, batch)
         layer = diagnose_forward(self.model, forward, events, step)
         how = ", no loss scaling" if stepped is None else f", {in_a_row} steps in a row"
-        stop = f"non-finite loss ({loss_value}) at step {step}{how}"
+        loss_line = f"non-finite loss ({loss_value}) at step {step}{how}"
         first = events.earliest(self._fp32_flushed)
         if first is not None and first.mechanism == OVERFLOW and first.layer is not None:
             layer, at = first.layer, "" if first.step == step else f", first at step ~{first.step}"
@@ -500,8 +500,8 @@ class _Run:
         dtype = _dtype_of(layer, self.prec.plan.leaf_dtypes)
         where = f"; first non-finite output: {layer} ({dtype}){at}" if layer else ""
         if first is None or first.mechanism == OVERFLOW:
-            return f"overflow: {stop}{where}"
-        return f"{first.words}: {first.describe()}; then {stop}{where}"
+            return f"overflow: {loss_line}{where}"
+        return f"{first.words}: {first.describe()}; then {loss_line}{where}"
 
     @property
     def _fp32_flushed(self) -> frozenset[str]:
