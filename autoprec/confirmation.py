@@ -32,6 +32,11 @@ class ConfirmationCheck:
     overflow_steps: int = 0
     reused: bool = False  # read back from the study: an earlier run confirmed it
     mlflow_run_id: str | None = None
+    # What the telemetry saw first in a run that did not hold (`autoprec.first_events`):
+    # flush to zero, overflow or loss scale collapse, in which layer, on which step.
+    mechanism: str | None = None
+    layer: str | None = None
+    first_step: int | None = None
 
     @property
     def is_baseline(self) -> bool:

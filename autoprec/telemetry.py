@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from autoprec._structures import tensors
+from autoprec.first_events import FirstEvents
 from autoprec.forecast import RangeSeries, dtype_code, dtype_of_code
 from autoprec.fp8_telemetry import Fp8Telemetry
 from autoprec.watch import CALL, PARAM_GRAD, Counts, Watcher
@@ -149,13 +150,16 @@ def _grad_range(grad: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def _activation_range_counts(args: Any, kwargs: Any, output: Any) -> torch.Tensor:
-    """`_activation_counts`, then the output dtype's code (`autoprec.forecast.dtype_code`)."""
+    """`_activation_counts`, then the output dtype's code (`autoprec.forecast.dtype_code`)
+    and the count of outputs that are exactly zero (for `autoprec.first_events`)."""
     counts = _activation_counts(args, kwargs, output)
     floating = [t for t in tensors(output) if t.is_floating_point() and t.numel()]
     code = max((dtype_code(str(t.dtype).removeprefix("torch.")) for t in floating), default=0)
-    return torch.cat(
-        [counts, torch.full((1,), float(code), dtype=counts.dtype, device=counts.device)]
-    )
+    zeros = torch.zeros(1, dtype=counts.dtype, device=counts.device)
+    for tensor in floating:
+        zeros = zeros + (tensor.detach() == 0).sum().to(counts.device)
+    code_column = torch.full((1,), float(code), dtype=counts.dtype, device=counts.device)
+    return torch.cat([counts, code_column, zeros])
 
 
 # The watcher's totals by kind, in LayerStats' terms: calls hold the activation counts.
@@ -194,6 +198,10 @@ class GradientMonitor:
         self._stats = {name: LayerStats(name) for name, _ in self.layers}
         self.fp8 = Fp8Telemetry(model, self._watcher)  # torchao float8 layers' casts
         self.observed_steps = 0  # forward passes watched
+        # What each observed step showed first (`autoprec.first_events`), and the dtype
+        # each layer's outputs were last seen in.
+        self.first_events = FirstEvents()
+        self.computes: dict[str, str | None] = {}
         self.gradient_steps = 0  # optimizer steps whose gradients were counted
 
     @property
@@ -227,7 +235,7 @@ class GradientMonitor:
 
     def _collect(self) -> None:
         """Bring the watcher's changed totals into the per-layer stats."""
-        for name, kind in self._watcher.collect():
+        for order, (name, kind) in enumerate(self._watcher.collect()):
             if kind not in _FIELDS:
                 continue  # fp8 casts: self.fp8 reads them from the watcher's totals
             stats = self._stats.setdefault(name, LayerStats(name))
@@ -236,6 +244,17 @@ class GradientMonitor:
                 setattr(stats, field_name, value if field_name == "act_max_abs" else int(value))
             if self.ranges is not None:
                 self._add_range(name, kind, self._watcher.latest[(name, kind)])
+                self._add_first_events(name, kind, self._watcher.latest[(name, kind)], order)
+
+    def _add_first_events(self, name: str, kind: str, row: list[float], order: int) -> None:
+        """One observed step of one layer, for what the telemetry saw first."""
+        if kind == CALL:
+            dtype = dtype_of_code(row[5])
+            self.computes[name] = dtype
+            self.first_events.activation(name, self._step, row[0], row[1], row[6], dtype, order)
+        elif kind == PARAM_GRAD:
+            dtype = self.computes.get(name)
+            self.first_events.gradient(name, self._step, row[0], row[2], dtype, order)
 
     def _add_range(self, name: str, kind: str, row: list[float]) -> None:
         """One observed step's range of one layer, into the series."""

@@ -64,6 +64,9 @@ HTTP_TIMEOUT_S = 10
 HTTP_RETRIES = 2
 RETRY_WAIT_S = (1.0, 30.0)  # between attempts while the store is unreachable: first, most
 FLUSH_WAIT_S = 30.0  # how long the end of a search waits for writes still queued
+# ... and after a Ctrl-C, which promises a prompt exit: what is left is written by the
+# next run of the study.
+INTERRUPTED_FLUSH_S = 5.0
 
 
 def check_tracking_uri(uri: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import optuna
 import pytest
 import torch
 from torch import nn
@@ -20,7 +21,8 @@ from autoprec.confirmation import Confirmation, ConfirmationCheck
 from autoprec.devices import get_backend
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
-from autoprec.search._records import TrialRecord
+from autoprec.search._records import TrialRecord, record_of
+from autoprec.search._studies import finished
 from autoprec.search.confirm import CONFIRMATION_ROLE, KIND_TAG, confirmation_order
 from autoprec.search.summary import best_record
 from autoprec.search.summary_schema import Summary
@@ -423,3 +425,174 @@ def test_cli_takes_both_flags(tmp_path, monkeypatch, capsys):
     argv += ["--confirm-steps", "24", "--trial-schedule", "compressed"]
     assert main(argv) == 0
     assert "confirmation at 24 steps:" in capsys.readouterr().out
+
+
+# -- what the telemetry saw first, and bf16 before fp32 (issue 27 item 3) ------------------
+
+UNDERFLOW_STEPS = 40
+UNDERFLOW_CONFIRM = 5 * UNDERFLOW_STEPS
+UNDERFLOW_SPACE = """\
+name: underflow
+accuracy_tolerance: 0.02
+dtypes: [fp16, bf16]
+groups:
+  - {name: body, patterns: [embed, mix, head]}
+loss_scale:
+  modes: [none]
+"""
+
+
+@pytest.mark.slow
+def test_a_late_underflow_is_named_as_a_flush_of_the_layer_that_flushed():
+    """The premise and the reason: uniform fp16 (no loss scaling) trains like fp32 for a
+    40-step trial and stops before 200 steps on a non-finite loss. What the telemetry saw
+    first is the kernel's values flushing to zero, not the head whose output went
+    non-finite after the division; bf16 and fp32 train the 200 steps."""
+    from autoprec.scaling import LossScale
+    from tests.underflow_task import underflow_task
+
+    task, backend = underflow_task(), get_backend("cpu")
+    fp16 = Policy.uniform("fp16", LossScale())
+    short = run_trial(task, fp16, backend, Budget(steps=UNDERFLOW_STEPS))
+    assert short.state == "complete" and short.nonfinite_steps == 0
+    long = run_trial(task, fp16, backend, Budget(steps=UNDERFLOW_CONFIRM))
+    assert long.state == "pruned" and UNDERFLOW_STEPS < long.steps_run < UNDERFLOW_CONFIRM
+    assert long.reason.startswith("underflow: flush to zero in kernel (fp16)"), long.reason
+    assert "non-finite loss" in long.reason
+    assert long.first_events[0]["mechanism"] == "flush to zero"
+    assert long.first_events[0]["layer"] == "kernel"
+    for dtype in ("bf16", "fp32"):
+        held = run_trial(task, Policy.uniform(dtype), backend, Budget(steps=UNDERFLOW_CONFIRM))
+        assert held.state == "complete" and held.nonfinite_steps == 0, dtype
+
+
+@pytest.fixture(scope="module")
+def underflow_search(tmp_path_factory):
+    """The underflow task searched under --prefer memory from 40-step trials (uniform
+    fp16 and uniform bf16 tie on memory), confirmed at 200 steps."""
+    from tests.underflow_task import underflow_task
+
+    folder = tmp_path_factory.mktemp("underflow")
+    (folder / "underflow.yaml").write_text(UNDERFLOW_SPACE)
+    settings = dict(
+        trials=2,
+        steps=UNDERFLOW_STEPS,
+        confirm_steps=UNDERFLOW_CONFIRM,
+        study="underflow",
+        device="cpu",
+        prefer="memory",
+        sampler="random",
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        result = autoprec.search(underflow_task(), folder / "underflow.yaml", **settings)
+    return folder, result
+
+
+@pytest.mark.slow
+def test_a_tie_on_memory_goes_to_bf16_which_holds_at_the_real_length(underflow_search):
+    """The tie rule chooses uniform bf16 (the headroom) over uniform fp16, which would
+    fail at 200 steps; the confirmation holds it, and fp32 is not the answer."""
+    _, result = underflow_search
+    summary = result.typed
+    confirmation = summary.confirmation
+    assert summary.best.params["dtype.body"] == "bf16"
+    assert confirmation.held == summary.best.number != "baseline"
+    assert confirmation.checks[-1].held and not confirmation.failed
+
+
+@pytest.mark.slow
+def test_after_a_failed_fp16_candidate_bf16_is_confirmed_before_fp32(underflow_search):
+    """The choice the issue's other run made (uniform fp16, timing noise breaking the
+    tie): its long run fails, the reason names the kernel's flush, and the next in the
+    choice's order, uniform bf16, holds; fp32 is never reached."""
+    from autoprec.search._records import TrialRecord, result_of
+    from autoprec.search.confirm import first_seen
+    from autoprec.trials.base import Feasibility
+    from tests.underflow_task import underflow_task
+
+    folder, result = underflow_search
+    summary = result.typed
+    fp16 = next(e for e in summary.trials if e.params["dtype.body"] == "fp16")
+    study = optuna.load_study(study_name="underflow", storage=f"sqlite:///{folder}/runs/optuna.db")
+    feasibility = Feasibility(summary.accuracy_tolerance)
+    records = [record_of(t, feasibility, TrialResult) for t in finished(study)]
+    baseline_result = result_of(study.user_attrs["baseline"]["result"], TrialResult)
+    baseline = TrialRecord("baseline", Policy.uniform("fp32"), baseline_result, 0.0, True)
+    order = confirmation_order(records, baseline, "memory", fp16.number)
+    assert next(r.number for r in order) == fp16.number
+    assert order[1].policy.to_dict() == summary.best.policy  # uniform bf16
+    assert order[-1].number == "baseline"
+    # Each in turn at the real length, as the confirmation trains them.
+    task, backend = underflow_task(), get_backend("cpu")
+    budget = Budget(steps=UNDERFLOW_CONFIRM)
+    fp32 = run_trial(task, baseline.policy, backend, budget)
+    failed = run_trial(task, order[0].policy, backend, budget)
+    first = first_seen(failed, fp32)
+    assert first is not None and (first.mechanism, first.layer) == ("flush to zero", "kernel")
+    assert failed.reason.startswith("underflow: flush to zero in kernel")
+    held = next(c for c in summary.confirmation.checks if c.held)
+    assert held.key == order[1].number  # the search's own confirmation held it
+
+
+# -- Ctrl-C during the long confirmation (issue 28) ----------------------------------------
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_confirmation_exits_130_promptly_with_a_consistent_summary(tmp_path):
+    """As a user meets it: ``autoprec search --confirm-steps`` in a terminal, Ctrl-C (a
+    SIGINT to the process group) while a long run trains. The command says it was
+    interrupted, exits 130 within the 120 s the issue allowed, and what it wrote agrees:
+    summary.json's best is best_policy.yaml, the short trials' choice, its confirmation
+    marked interrupted (``autoprec best`` reads finished searches only)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    task = f"{Path(__file__).with_name('contract_tasks.py')}:make_tiny_task"
+    command = [sys.executable, "-m", "autoprec.cli", "search", "--task", task]
+    command += ["--steps", "12", "--trials", "2", "--device", "cpu", "--sampler", "random"]
+    command += ["--confirm-steps", "1000000", "--study", "cc", "--no-progress"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    err_path = tmp_path / "stderr.txt"
+    with err_path.open("w") as err:
+        process = subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            deadline = time.monotonic() + 540
+            while "confirming" not in err_path.read_text() and time.monotonic() < deadline:
+                assert process.poll() is None, err_path.read_text()[-2000:]
+                time.sleep(0.5)
+            assert "confirming" in err_path.read_text()
+            time.sleep(2)  # inside the long run
+            os.killpg(process.pid, signal.SIGINT)
+            interrupted_at = time.monotonic()
+            _out, _ = process.communicate(timeout=120)
+            exited_s = time.monotonic() - interrupted_at
+            print(f"exited {exited_s:.1f} s after the SIGINT")
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    stderr = err_path.read_text()
+    assert process.returncode == 130, stderr[-2000:]
+    assert exited_s < 120
+    assert "interrupted (Ctrl-C) during the confirmation" in stderr
+    assert "autoprec search: interrupted; results so far in runs/cc/summary.json" in stderr
+    data = json.loads((tmp_path / "runs/cc/summary.json").read_text())
+    summary = Summary.from_json(data)
+    assert summary.interrupted and summary.confirmation.interrupted
+    assert summary.confirmation.held is None
+    assert summary.best.number == summary.confirmation.chosen_before
+    saved = autoprec.load_policy(tmp_path / "runs/cc/best_policy.yaml")
+    assert saved.to_dict() == summary.best.policy

@@ -83,3 +83,54 @@ def test_fp32_chosen_because_low_precision_overflowed_says_so(folder):
     assert trial["state"] == "pruned" and "overflow" in trial["reason"]
     assert line.startswith("best: the fp32 baseline - no low-precision trial finished (1 pruned)")
     assert f"trial 0 (uniform-fp16) was pruned: {trial['reason']}" in line
+
+
+def _table_keys(stdout: str) -> set[str]:
+    """The trial column of the printed table (rows up to its notes)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["trial", "accuracy"])
+    keys = set()
+    for line in lines[start + 1 :]:
+        cells = line.split()
+        if not cells or cells[:2] == ["*", "chosen"]:
+            break
+        keys.add(cells[1] if cells[0] == "*" else cells[0])
+    return keys
+
+
+def test_the_closest_the_last_line_names_is_in_the_table(folder):
+    """issue 28: the closing line named "the closest, trial 4", which the table did not
+    show. Through the CLI: whatever trial the line names is a row of the table; and where
+    that trial is off the Pareto front, the table still shows it, and says why."""
+    import re
+    from dataclasses import replace
+
+    from autoprec.report import front_table
+    from autoprec.report.gains import closest_entry, gains_line
+    from autoprec.search.summary_schema import Best, Summary
+
+    args = ["--task", "task.py:factory", "--trials", "3", "--steps", "10", "--study", "named"]
+    done = subprocess.run(
+        [sys.executable, "-m", "autoprec.cli", "search", *args, "--no-progress"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = _table_keys(done.stdout)
+    for named in re.findall(r"the closest, trial (\d+)", done.stdout):
+        assert named in rows, done.stdout
+
+    summary = Summary.from_json(json.loads((folder / "runs/named/summary.json").read_text()))
+    summary = replace(summary, best=Best.of(summary.baseline, 1.0, 0.0))  # fp32 chosen
+    closest = closest_entry(summary)
+    assert closest is not None and not closest.is_baseline
+    off_front = replace(
+        summary,
+        trials=[replace(t, pareto=False) if t.key == closest.key else t for t in summary.trials],
+    )
+    table = front_table(off_front)
+    assert f"the closest, {closest.name}" in gains_line(off_front)
+    assert str(closest.key) in _table_keys(table)
+    assert f"and {closest.name}, the closest" in table

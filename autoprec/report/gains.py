@@ -42,26 +42,45 @@ def gains_line(summary: Summary | dict[str, Any]) -> str:
     )
 
 
+def closest_entry(summary: Summary | dict[str, Any]) -> Entry | None:
+    """The low-precision policy the gains line names as "the closest" when fp32 is
+    chosen (None when it names none), so that the table beside it can show it: the most
+    accurate when none was feasible, else the lightest (``--prefer memory``), else the
+    fastest against fp32 (re-timed side by side where any was)."""
+    summary = as_summary(summary)
+    if not summary.best.is_baseline:
+        return None
+    trials = [t for t in summary.trials if t.complete and t.metrics]
+    feasible = [t for t in trials if t.feasible]
+    if not trials:
+        return None
+    if not feasible:
+        return max(trials, key=lambda t: _or(t.accuracy, float("-inf")))
+    if summary.prefer == "memory":
+        return min(feasible, key=lambda t: _or(t.peak_memory_mb, float("inf")))
+    retimed = [t for t in feasible if summary.retimed(t)]
+    return max(retimed or feasible, key=lambda t: _speedup(summary, t))
+
+
 def _why_fp32(summary: Summary) -> str:
     """Why no low-precision policy was chosen, and the closest one's figures."""
     trials = [t for t in summary.trials if t.complete and t.metrics]
     feasible = [t for t in trials if t.feasible]
-    if not trials:
+    closest = closest_entry(summary)
+    if closest is None:
         return _none_finished(summary.trials)
     if not feasible:
-        closest = max(trials, key=lambda t: _or(t.accuracy, float("-inf")))
         return (
             f"no low-precision policy kept accuracy within {summary.accuracy_tolerance:g} "
             f"of fp32's; the closest, {closest.name}, changed it by {_change_pt(closest)} pt"
         )
     if summary.prefer == "memory":
-        closest = min(feasible, key=lambda t: _or(t.peak_memory_mb, float("inf")))
         more = _or(closest.peak_memory_mb, 0.0) / _or(summary.baseline.peak_memory_mb, 1.0) - 1
         return (
             "it uses the least memory (--prefer memory): no feasible low-precision policy "
             f"used less; the closest, {closest.name}, used {more:.0%} more"
         )
-    return _why_fp32_on_time(summary, feasible)
+    return _why_fp32_on_time(summary, feasible, closest)
 
 
 def _or(value: float | None, default: float) -> float:
@@ -81,12 +100,10 @@ def _none_finished(trials: list[Entry]) -> str:
     return f"no low-precision trial finished ({counts}); {first.name} was {first.state}{reason}"
 
 
-def _why_fp32_on_time(summary: Summary, feasible: list[Entry]) -> str:
+def _why_fp32_on_time(summary: Summary, feasible: list[Entry], closest: Entry) -> str:
     """fp32 chosen for its time (or time and memory): against the re-timing where there
     is one, else the trials' own timing, said as such."""
     retimed = [t for t in feasible if summary.retimed(t)]
-    pool = retimed or feasible
-    closest = max(pool, key=lambda t: _speedup(summary, t))
     speedup = _speedup(summary, closest)
     timing = "side by side" if retimed else "in the trials' own timing"
     caveat = "" if retimed else f" (not re-timed side by side: {_why_not_retimed(summary)})"

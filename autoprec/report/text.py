@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from autoprec.emulation import emulated_mark, emulated_note
+from autoprec.report.gains import closest_entry
 from autoprec.report.modes import mode_text
 from autoprec.search.summary_schema import Summary, as_summary
 from autoprec.space import policy_label
@@ -30,7 +31,9 @@ def front_table(summary: Summary | dict[str, Any]) -> str:
     summary = as_summary(summary)
     text = mode_text(summary)
     best = summary.best.key
-    front = [e for e in summary.entries if e.pareto or e.key == best or e.is_baseline]
+    closest = closest_entry(summary)  # the policy the gains line names, fp32 chosen
+    named = None if closest is None else closest.key
+    front = [e for e in summary.entries if e.pareto or e.key in (best, named) or e.is_baseline]
     memory_label = "memory MB" + ("~" if summary.peak_memory_is_estimate else "")
     header = ["", "trial", "accuracy", "drop", text.time_column, memory_label, "feasible"]
     lines = [[*header, "policy"]]
@@ -49,9 +52,10 @@ def front_table(summary: Summary | dict[str, Any]) -> str:
                 policy_label(e.params),
             ]
         )
+    also = "" if closest is None or closest.pareto else f", and {closest.name}, the closest"
     notes = [
         "* chosen policy; rows: the Pareto front (accuracy, memory, "
-        f"{text.time_at(summary)}) and the fp32 baseline"
+        f"{text.time_at(summary)}) and the fp32 baseline{also}"
     ]
     if summary.step_times_confirmed:
         notes.append(f"+ {text.time_words} re-measured side by side with the fp32 baseline")

@@ -38,7 +38,7 @@ from autoprec.search.summary import completed, numeric, summarize, write_outputs
 from autoprec.search.summary_schema import ProfileRow, ServedModel, Serving, Summary
 from autoprec.space import SearchSpace
 from autoprec.tasks import DEFAULT_TASK, Task
-from autoprec.tracking import FLUSH_WAIT_S, Tracker
+from autoprec.tracking import FLUSH_WAIT_S, INTERRUPTED_FLUSH_S, Tracker
 from autoprec.trial_schedule import schedule_warning
 
 __all__ = ["Callbacks", "SearchConfig", "SearchInterrupted", "SearchResult", "search"]
@@ -186,7 +186,7 @@ def _finish(
         status="KILLED" if interrupted else "FINISHED",
     )
     tracker.mark_children({e.key for e in summary.entries if e.pareto}, best_key)
-    tracker.close()
+    tracker.close(INTERRUPTED_FLUSH_S if interrupted else FLUSH_WAIT_S)
     data = summary.to_json()
     session.callbacks.done(data)
     result = SearchResult(prepared.study, best_policy, data, policy_path, summary_path, summary)

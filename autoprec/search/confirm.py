@@ -19,13 +19,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from autoprec.confirmation import Confirmation, ConfirmationCheck
+from autoprec.first_events import FirstEvent, FirstEvents
 from autoprec.search._loop import trial_log
 from autoprec.search._records import TrialRecord
 from autoprec.search.summary import candidates
 from autoprec.search.summary_schema import Best, Summary
 from autoprec.selection import select_best
 from autoprec.space import policy_label
-from autoprec.tracking import FLUSH_WAIT_S, ROLE_TAG
+from autoprec.tracking import FLUSH_WAIT_S, INTERRUPTED_FLUSH_S, ROLE_TAG
 from autoprec.trial_schedule import real_task
 from autoprec.trials.base import TrialState, measured, run_with_time_limit
 from autoprec.trials.training import Budget, EarlyStopping, TrialResult, run_trial
@@ -95,6 +96,13 @@ def with_confirmation(summary: Summary, confirmation: Confirmation) -> Summary:
     return replace(summary, best=Best.of(held, speedup, saving))
 
 
+def first_seen(result: TrialResult, fp32: TrialResult) -> FirstEvent | None:
+    """What the telemetry saw first in a long run, not blaming low precision for a layer
+    whose values went mostly zero in fp32's run as well."""
+    also_in_fp32 = FirstEvents.from_list(fp32.first_events).flushed_layers()
+    return FirstEvents.from_list(result.first_events).earliest(also_in_fp32)
+
+
 class _Confirmer:
     """The long runs of one confirmation: fp32 first, then each candidate in turn."""
 
@@ -122,7 +130,10 @@ class _Confirmer:
                 return confirmation
             stopping = None
             if self.session.prepared.config.early_stopping:
-                stopping = EarlyStopping.from_baseline(fp32)
+                # Judged at K steps, by accuracy: a loss that trails fp32's on the way
+                # (bf16's often does, early) does not end a long run; a scaler stuck
+                # at its floor and non-finite losses in a row still do.
+                stopping = replace(EarlyStopping.from_baseline(fp32), reference_losses=())
             for record in order:
                 check = self._check(record, fp32, stopping)
                 confirmation.checks.append(check)
@@ -133,6 +144,10 @@ class _Confirmer:
         except KeyboardInterrupt:  # the short trials' choice stands; what ran is kept
             confirmation.interrupted = True
             confirmation.reason = "interrupted (Ctrl-C); the short trials' choice stands"
+            self.session.callbacks.warning(
+                f"interrupted (Ctrl-C) during the confirmation at {self.steps} steps: the "
+                "short trials' choice stands; writing what was measured"
+            )
         self._add_run_ids(confirmation)
         return confirmation
 
@@ -169,6 +184,7 @@ class _Confirmer:
             self.session.callbacks.confirmation_start(label, self.steps)
             result = self._train(key, record.policy, stopping, fp32)
         held, reason, drop = self._verdict(result, fp32)
+        first = None if held else first_seen(result, fp32)
         return ConfirmationCheck(
             record.number,
             label,
@@ -181,6 +197,9 @@ class _Confirmer:
             result.nonfinite_steps,
             result.overflow_steps,
             reused,
+            mechanism=None if first is None else first.mechanism,
+            layer=None if first is None else first.layer,
+            first_step=None if first is None else first.step,
         )
 
     def _train(
@@ -218,7 +237,17 @@ class _Confirmer:
         return result
 
     def _verdict(self, result: TrialResult, fp32: TrialResult) -> tuple[bool, str | None, Any]:
-        """Whether a long run holds against fp32's, and if not, what failed."""
+        """Whether a long run holds against fp32's, and if not, what failed (with what
+        the telemetry saw first, where the reason does not already say it)."""
+        held, reason, drop = self._judge(result, fp32)
+        if held or reason is None:
+            return held, reason, drop
+        first = first_seen(result, fp32)
+        if first is not None and first.describe() not in reason:
+            reason = f"{reason}; the telemetry saw first: {first.describe()}"
+        return held, reason, drop
+
+    def _judge(self, result: TrialResult, fp32: TrialResult) -> tuple[bool, str | None, Any]:
         if result.state != TrialState.COMPLETE or result.accuracy is None:
             return False, result.reason or f"the run ended {result.state}", None
         drop = measured(fp32.accuracy, "accuracy") - result.accuracy
@@ -264,7 +293,7 @@ class _Confirmer:
         """The MLflow child runs of the long runs, once written (none while the tracking
         store is unreachable)."""
         tracker = self.session.tracker
-        if not tracker.flush(FLUSH_WAIT_S):
+        if not tracker.flush(INTERRUPTED_FLUSH_S if confirmation.interrupted else FLUSH_WAIT_S):
             return
         try:
             run_ids = tracker.run_ids()

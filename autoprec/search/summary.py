@@ -40,13 +40,15 @@ from autoprec.trials.base import measured
 
 INTERRUPTED = "interrupted (Ctrl-C) before it ended; not counted"
 KILLED = "its process stopped before the trial ended (killed?): failed by heartbeat; not counted"
+HEADROOM_METRIC = "headroom_now_bits"  # a trial's least activation headroom (the forecast's)
 
 
 def candidates(
     records: list[TrialRecord], confirmed: dict[str, float] | None = None
 ) -> list[Candidate]:
     """Completed records as candidates. A confirmed step time replaces the trial's own;
-    the others are scaled by the baseline's confirmed-to-own ratio, so that all compare."""
+    the others are scaled by the baseline's confirmed-to-own ratio, so that all compare.
+    Each names its policy (the tie's last word) and the least headroom its trial saw."""
     confirmed = confirmed or {}
     scale = 1.0
     baseline = next((r for r in records if r.number == "baseline"), None)
@@ -59,6 +61,8 @@ def candidates(
             measured(r.result.peak_memory_mb, "peak memory"),
             confirmed.get(str(r.number), measured(r.result.time_ms, "time") * scale),
             r.feasible,
+            identity=json.dumps(r.policy.to_dict(), sort_keys=True),
+            headroom_bits=r.result.extra_metrics().get(HEADROOM_METRIC),
         )
         for r in records
         if r.result.state == "complete" and r.result.accuracy is not None

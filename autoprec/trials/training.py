@@ -28,6 +28,7 @@ from autoprec.compiled import Compilation, fresh_compiler
 from autoprec.devices import DTYPES, Backend
 from autoprec.emulation import emulated_dtypes
 from autoprec.errors import AutoprecError, TaskError, first_line
+from autoprec.first_events import OVERFLOW, FirstEvents, diagnose_forward
 from autoprec.forecast import (
     Forecast,
     default_train_steps,
@@ -41,7 +42,7 @@ from autoprec.precision import Precision
 from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch
-from autoprec.telemetry import GradientMonitor, first_nonfinite_layer
+from autoprec.telemetry import GradientMonitor
 from autoprec.trials.base import (
     SIDE_BY_SIDE_BLOCK,
     Choice,
@@ -132,6 +133,8 @@ class TrialResult(Measured):
     emulated: list[str] = field(default_factory=list)
     forecast: dict[str, Any] = field(default_factory=dict)  # `autoprec.forecast.Forecast`
     at_risk: str | None = None  # why the forecast says the real run would overflow
+    # What the telemetry saw first, per mechanism and layer (`autoprec.first_events`).
+    first_events: list[dict[str, Any]] = field(default_factory=list)
 
     METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
@@ -237,6 +240,9 @@ class EarlyStopping:
 
     reference_losses: tuple[float, ...] = ()
     reference_zero_share: dict[str, float] = field(default_factory=dict)
+    # The layers whose values went mostly zero in the fp32 run too: no flush of theirs
+    # is blamed on low precision.
+    reference_flushed: frozenset[str] = frozenset()
     window: int = 5
     start_fraction: float = 0.2
     trail_fraction: float = 0.5
@@ -249,6 +255,7 @@ class EarlyStopping:
         return cls(
             reference_losses=tuple(baseline.losses),
             reference_zero_share={layer["name"]: layer["grad_zero_share"] for layer in layers},
+            reference_flushed=FirstEvents.from_list(baseline.first_events).flushed_layers(),
         )
 
     def trailing(
@@ -459,6 +466,10 @@ class _Run:
         # A skip counts against the policy only once the scale cannot go lower.
         self.stuck.append(not stepped and prec.scaler.at_floor)
         result.overflow_steps += 0 if stepped else 1
+        settings = prec.scaler.settings
+        self.monitor.first_events.loss_scale(
+            step, scale_used, settings.mode == "dynamic", max(settings.min_scale, 1.0)
+        )
         if not math.isfinite(loss_value):
             return self._nonfinite(step, loss_value, stepped, batches[-1])
         self.nonfinite_in_a_row = 0
@@ -476,11 +487,26 @@ class _Run:
         )
         if not stop:
             return None
-        layer = first_nonfinite_layer(self.model, partial(_forward, self.model, self.prec, batch))
-        dtype = _dtype_of(layer, self.prec.plan.leaf_dtypes)
-        where = f"; first non-finite output: {layer} ({dtype})" if layer else ""
+        events = self.monitor.first_events
+        forward = partial(_forward, self.model, self.prec, batch)
+        layer = diagnose_forward(self.model, forward, events, step)
         how = ", no loss scaling" if stepped is None else f", {in_a_row} steps in a row"
-        return f"overflow: non-finite loss ({loss_value}) at step {step}{how}{where}"
+        loss_line = f"non-finite loss ({loss_value}) at step {step}{how}"
+        first = events.earliest(self._fp32_flushed)
+        if first is not None and first.mechanism == OVERFLOW and first.layer is not None:
+            layer, at = first.layer, "" if first.step == step else f", first at step ~{first.step}"
+        else:
+            at = ""
+        dtype = _dtype_of(layer, self.prec.plan.leaf_dtypes)
+        where = f"; first non-finite output: {layer} ({dtype}){at}" if layer else ""
+        if first is None or first.mechanism == OVERFLOW:
+            return f"overflow: {loss_line}{where}"
+        return f"{first.words}: {first.describe()}; then {loss_line}{where}"
+
+    @property
+    def _fp32_flushed(self) -> frozenset[str]:
+        stopping = self.early_stopping
+        return frozenset() if stopping is None else stopping.reference_flushed
 
     def _hopeless(self, step: int) -> str | None:
         """Stop when the scaler keeps skipping at its floor, or the loss trails fp32's."""
@@ -513,6 +539,7 @@ class _Run:
             if evidence:
                 result.reason = f"underflow: {evidence}"
         result.telemetry = self.monitor.report()
+        result.first_events = self.monitor.first_events.to_list()
         fp8 = self.monitor.fp8.evidence()  # the fp8 layer whose casts flush its values
         if fp8 is not None:
             result.reason = f"{result.reason}; {fp8}" if result.reason else fp8
