@@ -90,6 +90,9 @@ class Victims:
         """Every victim as it was: no file created, none changed."""
         for path in sorted(self.folder.iterdir()):
             assert path.name.startswith("kept-"), f"{path} was created through a link"
+            if path.is_dir():
+                assert list(path.iterdir()) == [], f"{path}: written into through a link"
+                continue
             assert path.read_text() == VICTIM_TEXT, f"{path} was written through a link"
 
 
@@ -161,15 +164,21 @@ def test_report_and_compare_write_in_place_of_planted_links(studies):
     links += [root / "runs" / "compare-trained-served-fronts.png"]
     for link in links:
         victims.plant(link)
+    written = {"runs/compare-trained-served-fronts.png"}
     for study in ("trained", "served"):
         done = _cli(root, "report", "--study", study)
         assert done.returncode == 0, done.stderr[-2000:]
         _no_secret(done.stdout + done.stderr, f"report --study {study}")
-    compared = _cli(root, "compare", "--study", "trained", "served")
+        written.update(done.stdout.split())
+    compared = _cli(root, "compare", "--study", "trained", "--study", "served")
     assert compared.returncode == 0, compared.stderr[-2000:]
+    written.update(compared.stdout.split())
+    assert len(written) >= 11, written  # both reports' pages and plots, the comparison
     for link in links:
-        if link.name != "headroom.png" or link.exists():  # drawn where the data has headroom
+        if str(link.relative_to(root)) in written:
             _replaced(link)
+        else:  # a plot the study has no data for (headroom): not written, link untouched
+            assert link.is_symlink(), link
     victims.check()
 
 
@@ -181,14 +190,21 @@ def test_no_secret_on_the_console_in_runs_or_in_the_stores(studies):
     for name, run in done.items():
         _no_secret(run.stdout + run.stderr, f"search {name}")
     closing = done["trained"].stdout.splitlines()[-1]
-    assert closing == "compare:     autoprec ui --tracking-uri sqlite:///runs/mlflow.db?password=***"
+    assert (
+        closing == "compare:     autoprec ui --tracking-uri sqlite:///runs/mlflow.db?password=***"
+    )
     best = _cli(root, "best", "--study", "trained", "--tracking-uri", TRACKING)
     assert best.returncode == 0, best.stderr[-2000:]
     _no_secret(best.stdout + best.stderr, "best")
     unreachable = [
         ("best", "--study", "trained", "--tracking-uri", "http://SECRETTOKEN@127.0.0.1:9"),
-        ("best", "--study", "trained", "--tracking-uri", "http://u:SECRETUSERPASS@127.0.0.1:9"),
-        ("best", "--study", "trained", "--tracking-uri", "http://127.0.0.1:9/?api_key=SECRETAPIKEY"),
+        (
+            "best",
+            "--study",
+            "trained",
+            "--tracking-uri",
+            "http://127.0.0.1:9/?api_key=SECRETAPIKEY",
+        ),
         ("report", "--study", "trained", "--tracking-uri", "http://SECRETTOKEN@127.0.0.1:9/"),
         ("search", "--storage", "postgresql://u:SECRETUSERPASS@127.0.0.1:9/db", "--trials", "1"),
         ("search", "--storage", "postgresql://SECRETTOKEN@127.0.0.1:9/db?sig=SECRETSIG"),
@@ -284,7 +300,7 @@ def test_a_planted_link_is_replaced_never_written_through(tmp_path):
         log.write(b"line\n")
     _replaced(runs / "s" / "new.log")
     victims.plant(runs / "s" / "appended.log")
-    with pytest.raises(WriteError, match="appended.log: cannot write .a symbolic link"):
+    with pytest.raises(WriteError, match=r"appended.log: cannot write \(a symbolic link"):
         open_log(runs / "s" / "appended.log", append=True)
     assert sorted(p.name for p in (runs / "s").iterdir()) == [
         "a.json", "appended.log", "b.json", "new.log",
@@ -358,9 +374,7 @@ except WriteError as error:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("disk", ["read-only", "full"])
-def test_report_on_a_read_only_or_full_runs_folder_is_one_line_and_exit_2(
-    studies, tmp_path, disk
-):
+def test_report_on_a_read_only_or_full_runs_folder_is_one_line_and_exit_2(studies, tmp_path, disk):
     root, _, _ = studies
     summary = (root / "runs" / "trained" / "summary.json").read_bytes()
     size_kb = 16 + len(summary) // 1024 + 8  # the summary fits; the report's PNGs do not
@@ -421,3 +435,71 @@ def test_the_settings_written_down_hold_no_secret(url):
     storage = STORAGE if url.startswith("http") else url  # Optuna's: a database URL
     public = SearchConfig(storage=storage, tracking_uri=url).public()
     _no_secret(json.dumps(public), url)
+
+
+# -- what export runs ------------------------------------------------------------------------
+
+MARKED_TASK = """
+from pathlib import Path
+
+Path(__file__).with_name("IMPORTED").touch()  # what importing this module does
+
+from autoprec.tasks import load_task
+
+
+def task():
+    return load_task("digits-mlp")
+"""
+
+
+@pytest.mark.slow
+def test_export_imports_the_task_a_summary_names_except_for_yaml_or_another_task(studies, tmp_path):
+    """As the README's Security section says: summary.json is data, but the task module it
+    names is imported to build the model, for every format but yaml, unless --task names
+    the task instead."""
+    root, _, _ = studies
+    (tmp_path / "marked_task.py").write_text(MARKED_TASK)
+    marker = tmp_path / "IMPORTED"
+    study = tmp_path / "runs" / "marked"
+    shutil.copytree(root / "runs" / "trained", study, ignore=shutil.ignore_patterns("*.png"))
+    summary = json.loads((study / "summary.json").read_text())
+    summary["study"] = "marked"
+    summary["settings"]["task_spec"] = f"{tmp_path / 'marked_task.py'}:task"
+    (study / "summary.json").write_text(json.dumps(summary))
+    done = _cli(tmp_path, "export", "--study", "marked", "--format", "yaml")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not marker.exists()
+    done = _cli(tmp_path, "export", "--study", "marked", "--format", "torch-npu", "--task",
+                "digits-mlp", "--out", str(tmp_path / "named"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not marker.exists()
+    done = _cli(tmp_path, "export", "--study", "marked", "--format", "torch-npu")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert marker.exists()
+    refused = _cli(tmp_path, "export", "--study", "marked", "--format", "fp8", "--device", "npu")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "Ascend 910 NPUs have no fp8 matmuls" in refused.stderr
+    assert not (study / "export-fp8").exists()
+
+
+def test_a_refused_export_leaves_no_folder_behind(tmp_path):
+    task = load_task("digits-mlp")
+    model = task.model()
+    serving = Policy(rules=(Rule("fp32", patterns=("head",)),), default="int8")
+    out = tmp_path / "export-model"
+    with pytest.raises(Exception, match="cuda:99"):  # no such device: refused
+        export_policy(serving, "model", out, model, device="cuda:99")
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "mine.txt").write_text("x")
+    with pytest.raises(Exception, match="cuda:99"):
+        export_policy(serving, "model", kept, model, device="cuda:99")
+    assert sorted(p.name for p in kept.iterdir()) == ["mine.txt"]  # an existing folder stays
+
+
+def test_fp8_export_for_the_npu_is_refused_in_one_line(tmp_path):
+    fp8 = Policy(rules=(Rule("fp32", patterns=("head",)),), default="fp8")
+    with pytest.raises(ExportError, match="format 'fp8': --device npu: fp8: Ascend 910"):
+        export_policy(fp8, "fp8", tmp_path / "out", load_task("tiny-bert").model(), device="npu")
+    assert not (tmp_path / "out").exists()
