@@ -222,9 +222,9 @@ def test_every_export_format_refuses_or_writes_in_place_of_planted_links(studies
     root, victims, _ = studies
     task = load_task("digits-mlp")
     model, batch = task.model().eval(), task.batch(next(iter(task.val_data())))
-    training = Policy(rules=(Rule("fp32", patterns=("head",)),), default="fp16")
+    training = Policy(rules=(Rule("fp32", patterns=("head", "classifier")),), default="fp16")
     serving = Policy(rules=(Rule("fp32", patterns=("head",)),), default="int8")
-    fp8 = Policy(rules=(Rule("fp32", patterns=("head",)),), default="fp8")
+    fp8 = Policy(rules=(Rule("fp32", patterns=("head", "classifier")),), default="fp8")
     bert = load_task("tiny-bert").model()
     formats = [
         ("yaml", training, {}),
@@ -503,3 +503,12 @@ def test_fp8_export_for_the_npu_is_refused_in_one_line(tmp_path):
     with pytest.raises(ExportError, match="format 'fp8': --device npu: fp8: Ascend 910"):
         export_policy(fp8, "fp8", tmp_path / "out", load_task("tiny-bert").model(), device="npu")
     assert not (tmp_path / "out").exists()
+
+
+def test_outputs_recorded_before_a_token_was_redacted_still_continue():
+    from autoprec.search._identity import StudyIdentity, refuse_other_storage
+
+    url = "postgresql://autoprec@db.example/optuna"
+    recorded = StudyIdentity(url, "id")  # as summary.json recorded it before
+    refuse_other_storage("s", "runs/s", recorded, StudyIdentity.of(url, "id").storage)
+    assert StudyIdentity.of(url, "id").storage == "postgresql://***@db.example/optuna"

@@ -94,7 +94,7 @@ def export_onnx(
             torch.onnx.export(
                 model,
                 args,
-                out,
+                out,  # type: ignore[arg-type]  # the TorchScript exporter takes a file object
                 kwargs=kwargs or None,
                 dynamo=False,
                 opset_version=opset_version,
