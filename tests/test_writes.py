@@ -260,7 +260,7 @@ def test_every_export_format_refuses_or_writes_in_place_of_planted_links(studies
                 export_policy(policy, fmt, folder, **given)
             victims.check()
     # The CLI's own exports of the two studies, with links at the record's names.
-    for study, fmt in (("trained", "yaml"), ("served", "model"), ("served", "torchao")):
+    for study, fmt in (("trained", "yaml"), ("served", "model")):
         folder = root / "runs" / study / f"export-{fmt}"
         victims.plant(folder / ".autoprec-export.json", existing=False)
         victims.plant(folder / ".autoprec-export.json.partial")
@@ -268,6 +268,14 @@ def test_every_export_format_refuses_or_writes_in_place_of_planted_links(studies
         assert done.returncode == 0, done.stderr[-2000:]
         _replaced(folder / ".autoprec-export.json")
     victims.check()
+    # torchao: refused where the chosen policy serves no layer in int8, leaving no folder.
+    done = _cli(root, "export", "--study", "served", "--format", "torchao")
+    folder = root / "runs" / "served" / "export-torchao"
+    if done.returncode == 0:
+        _replaced(folder / ".autoprec-export.json")
+    else:
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert not folder.exists()
 
 
 @pytest.mark.slow
