@@ -81,8 +81,9 @@ def export_policy(
     input batch, e.g. ``task.batch(raw)``) by ``cann``, and by ``model`` for its program.
     ``device`` is, for ``cann`` and ``transformers``, the device kind whose autocast decides
     which layers run in fp32 (``Policy.resolve``; default ``npu``), for ``fp8`` the device
-    kind its layers are planned for (default ``cuda``), and for ``model`` the
-    device served on (default ``cpu``); ``torch-npu`` always resolves on the NPU. ``int8``
+    kind its layers are planned for (default ``cuda``; ``npu`` is refused: Ascend has no
+    fp8 matmuls), and for ``model`` the device served on (default ``cpu``); ``torch-npu``
+    always resolves on the NPU. ``int8``
     is the int8 method the serving search measured (``model``, ``torchao``); ``task`` a
     task's name or file, which ``model``'s ``load_model.py`` builds the model from.
     """
