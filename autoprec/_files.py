@@ -7,24 +7,38 @@ takes about 14 s and 180 MB per MB of YAML), it must be UTF-8 text, it is parsed
 is refused rather than silently overridden by the last one, and anchors may not expand
 it past `MAX_YAML_VALUES` values. Every failure is one line naming the file.
 
-Writing: summary.json, best_policy.yaml and profile.json are rewritten by every run of a
-study; a crash, a full disk or a Ctrl-C in the middle of a plain rewrite would leave half
-a file where the last good one was. So each is written to a temporary file beside its
-target and renamed over it (`os.replace` is atomic within one file system): a reader
-finds the old file or the new one, never a mix.
+Writing: every file autoprec writes goes through `write_atomic` (or `atomic_file`, for
+a library that writes into a file object; `open_log` for a log a child process writes).
+A runs folder may be shared, so anyone who can write into it could plant a symbolic link
+at a name autoprec writes, to make the next command overwrite a file elsewhere. So no
+write follows a link: the new content goes to a temporary file created beside the target
+with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a fresh inode, never an existing file or a link's
+target), which is then renamed over the target (``os.replace`` replaces a link planted
+there itself, not what it points to). The rename is also what makes a rewrite atomic: a
+crash, a full disk or a Ctrl-C leaves the old file or the new one, never half of one.
+
+Folders: a writer given ``within`` (the runs folder, for the files of a study) creates
+and opens every folder from ``within`` down to the file one at a time, refusing a folder
+that is a link (``O_NOFOLLOW``), so a study folder swapped for a link leads nowhere; the
+folder ``within`` itself, and any folder the user names (``--out``), are taken as given:
+a runs folder linked to a bigger disk is the user's choice. A write that fails (a
+read-only or full disk, no permission, a link in the way) raises `WriteError`, one line
+naming the file (the CLI prints it and exits 2).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
-from autoprec.errors import AutoprecError, DuplicateKey
+from autoprec.errors import AutoprecError, DuplicateKey, WriteError
 
 MAX_YAML_BYTES = 256 * 1024  # a policy or space of thousands of rules is under 100 KB
 MAX_YAML_VALUES = 100_000  # values after anchors are expanded (a "billion laughs" file)
@@ -118,24 +132,144 @@ def _expanded_size(data: Any) -> int:
     return count
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> Path:
-    """Write ``data`` (text as UTF-8) to ``path`` through a temporary file in the same
-    folder, renamed over ``path`` once complete; on any error ``path`` is left as it was
-    and the temporary file is removed."""
+def write_atomic(path: str | Path, data: str | bytes, within: str | Path | None = None) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` without following a link (see the module
+    docstring): through a temporary file in the same folder, renamed over ``path`` once
+    complete. On any error ``path`` is left as it was, the temporary file is removed, and
+    a `WriteError` names the file."""
+    with atomic_file(path, within) as out:
+        out.write(data.encode() if isinstance(data, str) else data)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, within: str | Path | None = None) -> Iterator[IO[bytes]]:
+    """A binary file to write ``path``'s new content into (``torch.save(obj, out)``,
+    ``fig.savefig(out)``); renamed over ``path`` when the block ends without an error,
+    removed otherwise. No link is followed (see the module docstring)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = data.encode() if isinstance(data, str) else data
-    temporary = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial"
-    # Created as open() would create it (0666 less the umask), not 0600 as mkstemp does.
-    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    temporary = f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial"
+    with _failing_as_write_error(path):
+        folder = open_folder(path.parent, within)
+    created = False
     try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(payload)
+        with _failing_as_write_error(path):
+            # Created as open() would create it (0666 less the umask), not 0600 as mkstemp does.
+            handle = os.open(temporary, _NEW_FILE, 0o666, dir_fd=folder)
+            created = True
+        with _failing_as_write_error(path), os.fdopen(handle, "wb") as out:
+            yield out
             out.flush()
             os.fsync(out.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+        with _failing_as_write_error(path):
+            os.replace(temporary, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+            created = False
+    finally:
+        if created:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary, dir_fd=folder)
+        os.close(folder)
+
+
+def open_log(path: str | Path, within: str | Path | None = None, append: bool = False) -> IO[bytes]:
+    """``path`` opened for a log that a child process writes as it runs (so it cannot be
+    renamed into place once complete). A fresh log is created as `atomic_file` creates
+    a file and renamed into place at once, replacing a link planted there; a log appended
+    to is opened with ``O_NOFOLLOW``, so a link there is refused, not written through."""
+    path = Path(path)
+    with _failing_as_write_error(path):
+        folder = open_folder(path.parent, within)
+        try:
+            if append:
+                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                return os.fdopen(os.open(path.name, flags, 0o666, dir_fd=folder), "ab")
+            temporary = f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial"
+            handle = os.open(temporary, _NEW_FILE, 0o666, dir_fd=folder)
+            try:
+                os.replace(temporary, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+            except BaseException:
+                os.close(handle)
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary, dir_fd=folder)
+                raise
+            return os.fdopen(handle, "wb")
+        finally:
+            os.close(folder)
+
+
+def make_folder(path: str | Path, within: str | Path | None = None) -> Path:
+    """``path`` created where missing, no link followed below ``within`` (as the writers
+    create the folders of the files they write)."""
+    path = Path(path)
+    with _failing_as_write_error(path):
+        os.close(open_folder(path, within))
     return path
+
+
+def refuse_links(folder: str | Path, within: str | Path) -> None:
+    """A `WriteError` where a folder from ``within`` (itself excluded) down to ``folder``
+    is a link, checked before anything is created (the writers check again as they
+    create each folder)."""
+    root = Path(os.path.abspath(within))
+    try:
+        relative = Path(os.path.abspath(folder)).relative_to(root)
+    except ValueError:
+        return
+    for depth in range(1, len(relative.parts) + 1):
+        path = root.joinpath(*relative.parts[:depth])
+        if path.is_symlink():
+            raise WriteError(
+                f"{path}: a symbolic link under {root}; autoprec writes no file through one "
+                "(remove it, or choose another folder)"
+            )
+
+
+def open_folder(folder: Path, within: str | Path | None) -> int:
+    """A descriptor of ``folder`` (created where missing) to create files in by name.
+    Below ``within``, each folder is created and opened one at a time without following
+    a link; ``within`` itself, or ``folder`` where no ``within`` is given, is taken as
+    the caller names it."""
+    if within is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        return os.open(folder, _FOLDER)
+    root = Path(os.path.abspath(within))
+    try:
+        relative = Path(os.path.abspath(folder)).relative_to(root)
+    except ValueError:  # not inside ``within``: a folder the caller named
+        return open_folder(folder, None)
+    root.mkdir(parents=True, exist_ok=True)
+    handle = os.open(root, _FOLDER)
+    try:
+        for part in relative.parts:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o777, dir_fd=handle)
+            try:
+                child = os.open(part, _FOLDER | os.O_NOFOLLOW, dir_fd=handle)
+            except OSError as failure:
+                if failure.errno in (errno.ELOOP, errno.ENOTDIR):  # a link, or a file
+                    refuse_links(folder, root)  # names the link
+                raise
+            os.close(handle)
+            handle = child
+    except BaseException:
+        os.close(handle)
+        raise
+    return handle
+
+
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+@contextlib.contextmanager
+def _failing_as_write_error(path: Path) -> Iterator[None]:
+    """An OSError in the block as a `WriteError` naming ``path``: one line, no traceback."""
+    try:
+        yield
+    except WriteError:
+        raise
+    except OSError as failure:
+        reason = failure.strerror or str(failure) or type(failure).__name__
+        if failure.errno == errno.ELOOP:
+            reason = "a symbolic link, which autoprec writes no file through"
+        raise WriteError(f"{path}: cannot write ({reason})") from None

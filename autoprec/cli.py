@@ -627,8 +627,8 @@ def _resolve(args: argparse.Namespace) -> int:
 
 
 def without_password(uri: str | None) -> str | None:
-    """A URI written with its password redacted, without the user part at all."""
-    if uri is None or ":***@" not in uri:
+    """A URI written with its password or token redacted, without the user part at all."""
+    if uri is None or "***@" not in uri:
         return uri
     scheme, _, rest = uri.partition("://")
     return f"{scheme}://{rest.split('@', 1)[1]}"
@@ -685,7 +685,7 @@ def _report(args: argparse.Namespace) -> int:
     from autoprec.tracking import Tracker
 
     summary = _read_summary(args.runs_dir, args.study)
-    files = render_report(summary, Path(args.runs_dir) / args.study)
+    files = render_report(summary, Path(args.runs_dir) / args.study, Path(args.runs_dir))
     # The summary holds the URI with its password redacted: without one, MLflow takes
     # MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD from the environment.
     uri = args.tracking_uri or without_password(summary.settings.tracking_uri)
@@ -700,6 +700,7 @@ def _report(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import warnings
 
+    from autoprec._files import refuse_links
     from autoprec.exports import SERVING_FORMATS, ExportWarning, export_policy
     from autoprec.policy import load_policy
     from autoprec.search._summary_file import read_header
@@ -742,6 +743,8 @@ def _export(args: argparse.Namespace) -> int:
         example = task.first_val_batch()
     device = args.device or (settings.device if fmt in SERVING_FORMATS else None)
     out = Path(args.out or folder / f"export-{fmt}")
+    if args.out is None:  # no link below the runs folder is followed (a folder named is)
+        refuse_links(out, args.runs_dir)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ExportWarning)
         paths = export_policy(policy, fmt, out, model, example, device, settings.int8, spec)
@@ -760,7 +763,8 @@ def _compare(args: argparse.Namespace) -> int:
         raise AutoprecError("--study: give two or more studies to compare")
     summaries = [_read_summary(args.runs_dir, study) for study in args.study]
     out = Path(args.out or Path(args.runs_dir) / f"compare-{'-'.join(args.study)}.html")
-    print(render_comparison(summaries, out))
+    # Below the runs folder no link is followed; a page the user names is written there.
+    print(render_comparison(summaries, out, None if args.out else Path(args.runs_dir)))
     return 0
 
 

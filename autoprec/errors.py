@@ -30,6 +30,7 @@ __all__ = [
     "SummaryError",
     "TaskError",
     "TrialTimeout",
+    "WriteError",
     "first_line",
     "redact",
 ]
@@ -66,6 +67,12 @@ class StoreError(AutoprecError):
 
 class SummaryError(AutoprecError):
     """A field of summary.json is missing or of the wrong type (the message names it)."""
+
+
+class WriteError(AutoprecError, OSError):
+    """A file could not be written (a read-only or full disk, no permission, a symbolic
+    link where autoprec writes no file through one); the message names the file. An
+    OSError too, so that code catching the OSError of a write still catches it."""
 
 
 class ExportError(AutoprecError):
@@ -115,15 +122,35 @@ _PASSWORD = re.compile(
     r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*):(?P<password>\S*)@"
     r"(?=[^\s/@?#]*(?:[/?#]|\s|$))"
 )
-# A secret in a URL's query: ?password=..., &sslpassword=..., ;pwd=..., ?token=...
+# User-info without a colon, scheme://TOKEN@host: the form token proxies and git hosts
+# use, where the "user" is the secret. Runs to the last "@" a host follows, as above.
+_TOKEN = re.compile(
+    r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<token>[^:/\s]+)@(?=[^\s/@?#]*(?:[/?#]|\s|$))"
+)
+# A secret in a URL's query or fragment: a parameter whose name contains one of these
+# (?password=, &sslpassword=, ;pwd=, ?api_key=, &X-Amz-Signature=, &sig=, #access_token=).
+QUERY_SECRET_NAMES = (
+    "password",
+    "passwd",
+    "pwd",
+    "secret",
+    "token",
+    "key",  # api_key, apikey, access_key, sas_key
+    "auth",
+    "sig",  # sig, signature
+    "credential",
+)
 _QUERY_SECRET = re.compile(
-    r"(?i)(?P<head>[?&;][\w.-]*(?:password|passwd|pwd|secret|token)=)[^&#;\s'\"]*"
+    r"(?i)(?P<head>[?&;#][\w.-]*(?:" + "|".join(QUERY_SECRET_NAMES) + r")[\w.-]*=)[^&#;\s'\"]*"
 )
 
 
 def redact(text: str) -> str:
-    """``text`` with the password of every URL in it replaced by ``***``
-    (``postgresql://user:***@db/optuna``, ``...?sslpassword=***``), for anything written
+    """``text`` with every secret of every URL in it replaced by ``***``: the password of
+    the user-info (``postgresql://user:***@db/optuna``), a user-info that is a token
+    (``https://***@host``), and every query parameter whose name says it holds a secret
+    (``...?sslpassword=***``, ``...&api_key=***``, ``...&sig=***``), for anything written
     down or printed."""
     text = _PASSWORD.sub(lambda m: f"{m['head']}:***@", text)
+    text = _TOKEN.sub(lambda m: f"{m['head']}***@", text)
     return _QUERY_SECRET.sub(lambda m: f"{m['head']}***", text)

@@ -603,7 +603,8 @@ def load_best_policy(study: str, tracking_uri: str = DEFAULT_TRACKING_URI) -> Po
     """The best policy of a finished search, read back from MLflow."""
     check_tracking_uri(tracking_uri)
     local = absolute_sqlite_uri(tracking_uri)
-    if local.startswith("sqlite:///") and not Path(local.removeprefix("sqlite:///")).is_file():
+    database = local.removeprefix("sqlite:///").partition("?")[0]  # less its query
+    if local.startswith("sqlite:///") and not Path(database).is_file():
         raise StoreError(f"MLflow store {redact(tracking_uri)}: no such database file")
     try:
         client = mlflow_client(tracking_uri)

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autoprec._files import open_log, write_atomic
 from autoprec.devices import parse_devices, visible_devices_env
 from autoprec.errors import AutoprecError, first_line
 from autoprec.trials.base import TrialState
@@ -276,14 +277,14 @@ def launch(
     ``folder/spec.json``); rank 0 writes ``folder/result.json``. Past ``limit_s`` (0: no
     limit), and whatever ends this call (a Ctrl-C, the search's own time limit), every
     process of the launch is ended."""
-    folder.mkdir(parents=True, exist_ok=True)
     spec_path, result_path, log_path = (
         folder / "spec.json",
         folder / "result.json",
         folder / "launch.log",
     )
+    # No link is followed: not the launch's folder, nor a file planted at one of its names.
+    write_atomic(spec_path, json.dumps(spec, indent=1, default=str), within=folder.parent)
     result_path.unlink(missing_ok=True)
-    spec_path.write_text(json.dumps(spec, indent=1, default=str))
     command = [
         sys.executable, "-c", _AGENT,
         "--nproc-per-node", str(nproc),
@@ -294,7 +295,7 @@ def launch(
     ]  # fmt: skip
     environment = {k: v for k, v in (env or dict(os.environ)).items() if not _INHERITED.match(k)}
     started_s = time.monotonic()
-    with log_path.open("w") as log:
+    with open_log(log_path) as log:
         process = subprocess.Popen(
             command,
             env=environment,

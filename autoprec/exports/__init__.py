@@ -29,7 +29,10 @@ from typing import Any
 from torch import nn
 
 from autoprec import Policy
+from autoprec.devices import NPU_NO_FP8, device_kind
+from autoprec.exports import cann, fp8, hf, npu, served, torchao_file, yaml_file
 from autoprec.exports._common import ExportError, ExportWarning
+from autoprec.exports._owned import removed_if_refused
 from autoprec.exports.cann import export_cann
 from autoprec.exports.fp8 import export_fp8
 from autoprec.exports.hf import export_transformers
@@ -40,6 +43,10 @@ from autoprec.exports.yaml_file import export_yaml
 
 FORMATS = ("yaml", "torch-npu", "cann", "transformers", "fp8", "model", "torchao")
 SERVING_FORMATS = ("model", "torchao")
+# Every name an export writes: what a refused export into a folder it made removes.
+_NAMES = sorted(
+    {yaml_file.POLICY_FILE}.union(*(m.FILES for m in (cann, fp8, hf, npu, served, torchao_file)))
+)
 
 __all__ = [
     "FORMATS",
@@ -74,8 +81,9 @@ def export_policy(
     input batch, e.g. ``task.batch(raw)``) by ``cann``, and by ``model`` for its program.
     ``device`` is, for ``cann`` and ``transformers``, the device kind whose autocast decides
     which layers run in fp32 (``Policy.resolve``; default ``npu``), for ``fp8`` the device
-    kind its layers are planned for (default ``cuda``), and for ``model`` the
-    device served on (default ``cpu``); ``torch-npu`` always resolves on the NPU. ``int8``
+    kind its layers are planned for (default ``cuda``; ``npu`` is refused: Ascend has no
+    fp8 matmuls), and for ``model`` the device served on (default ``cpu``); ``torch-npu``
+    always resolves on the NPU. ``int8``
     is the int8 method the serving search measured (``model``, ``torchao``); ``task`` a
     task's name or file, which ``model``'s ``load_model.py`` builds the model from.
     """
@@ -85,6 +93,22 @@ def export_policy(
             "cannot express "
             f"(the int8 formats: {', '.join(SERVING_FORMATS)})"
         )
+    if fmt == "fp8" and device is not None and device_kind(device) == "npu":
+        raise ExportError(f"format 'fp8': --device {device}: {NPU_NO_FP8}")
+    with removed_if_refused(out_dir, _NAMES):
+        return _export(policy, fmt, out_dir, model, example, device, int8, task)
+
+
+def _export(
+    policy: Policy,
+    fmt: str,
+    out_dir: str | Path,
+    model: nn.Module | None,
+    example: Any,
+    device: str | None,
+    int8: str | None,
+    task: str | None,
+) -> list[Path]:
     if fmt == "yaml":
         return export_yaml(policy, out_dir)
     if fmt == "torch-npu":

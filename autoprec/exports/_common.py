@@ -41,8 +41,8 @@ def out_folder(out_dir: str | Path) -> Path:
 def write(path: Path, text: str) -> Path:
     try:
         write_atomic(path, text)
-    except OSError as error:
-        raise ExportError(f"{path}: cannot write ({error.strerror or error})") from None
+    except OSError as error:  # a WriteError: its message names the file
+        raise ExportError(str(error)) from None
     return path
 
 

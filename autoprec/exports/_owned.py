@@ -9,12 +9,14 @@ before writing anything, where a file of a name it writes is someone else's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from autoprec._digest import file_sha256
+from autoprec._files import write_atomic
 from autoprec.exports._common import ExportError, out_folder
 
 RECORD_FILE = ".autoprec-export.json"
@@ -55,13 +57,31 @@ def record_written(folder: Path, written: list[Path], names: Iterable[str]) -> l
             del owned[name]
     owned.update({path.name: file_sha256(path) for path in written})
     text = json.dumps({"written_by": "autoprec export", "files": owned}, indent=2) + "\n"
-    partial = folder / f"{RECORD_FILE}.partial"
     try:
-        partial.write_text(text)
-        os.replace(partial, folder / RECORD_FILE)
+        write_atomic(folder / RECORD_FILE, text)
     except OSError as error:
-        raise ExportError(f"{folder / RECORD_FILE}: cannot write ({error.strerror})") from None
+        raise ExportError(str(error)) from None
     return written
+
+
+@contextlib.contextmanager
+def removed_if_refused(out_dir: str | Path, names: Iterable[str]) -> Iterator[None]:
+    """An export into ``out_dir`` that leaves nothing behind when it fails: where the
+    folder did not exist before, the files of ``names`` (and the record) it wrote are
+    removed, then the folder, once empty (a refused export leaves no empty folder)."""
+    folder = Path(out_dir)
+    existed = os.path.lexists(folder)
+    try:
+        yield
+    except BaseException:
+        if not existed and folder.is_dir() and not folder.is_symlink():
+            for name in (*names, RECORD_FILE):
+                path = folder / name
+                if path.is_file() and not path.is_symlink():
+                    path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # not empty: someone else's files
+                folder.rmdir()
+        raise
 
 
 def _read(folder: Path) -> dict[str, str]:

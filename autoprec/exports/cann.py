@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from autoprec import Policy
+from autoprec._files import atomic_file
+from autoprec.errors import WriteError
 from autoprec.exports._common import (
     ExportError,
     OneLowDtype,
@@ -86,18 +88,20 @@ def export_onnx(
     was_training = model.training
     model.eval()
     try:
-        with warnings.catch_warnings():
+        with atomic_file(path) as out, warnings.catch_warnings():
             # Chosen on purpose (the node names), and its tracer's notes are not ours to show.
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 model,
                 args,
-                str(path),
+                out,  # type: ignore[arg-type]  # the TorchScript exporter takes a file object
                 kwargs=kwargs or None,
                 dynamo=False,
                 opset_version=opset_version,
                 training=torch.onnx.TrainingMode.PRESERVE,
             )
+    except WriteError as error:  # its message names the file
+        raise ExportError(str(error)) from None
     except Exception as error:  # the ONNX exporter's failures have no common type
         message = (str(error).splitlines() or [""])[0][:200]
         raise ExportError(

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from autoprec import Policy
+from autoprec._files import atomic_file
 from autoprec._structures import map_tensors, tensors, to_device
 from autoprec.devices import get_backend
 from autoprec.errors import first_line
@@ -192,17 +193,19 @@ def _int8_method(policy: Policy, model: nn.Module, kind: str, int8: str | None) 
 
 def _save(value: Any, path: Path) -> Path:
     try:
-        torch.save(value, path)
-    except OSError as error:
-        raise ExportError(f"{path}: cannot write ({error.strerror or error})") from None
+        with atomic_file(path) as out:
+            torch.save(value, out)
+    except OSError as error:  # a WriteError: its message names the file
+        raise ExportError(str(error)) from None
     return path
 
 
 def _save_program(program: torch.export.ExportedProgram, path: Path) -> Path:
     try:
-        torch.export.save(program, path)
+        with atomic_file(path) as out:
+            torch.export.save(program, out)
     except OSError as error:
-        raise ExportError(f"{path}: cannot write ({error.strerror or error})") from None
+        raise ExportError(str(error)) from None
     return path
 
 

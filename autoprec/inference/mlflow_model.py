@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.errors import AutoprecError, first_line
+from autoprec._files import make_folder
+from autoprec.errors import AutoprecError, WriteError, first_line
 from autoprec.fp8_serving import default_fp8_method
 from autoprec.inference.convert import has_torch_dynamic_int8, weight_dtypes
 from autoprec.inference.logits_path import served_logits
@@ -151,7 +152,10 @@ def save_mlflow_model(
         "inputs_stacked_on_dim_1": stacked,
     }
     errors = []
-    folder = Path(tempfile.mkdtemp())
+    # MLflow writes the model's files itself, following links: it writes them into a
+    # fresh private folder (mkdtemp's, 0700) beside ``path``, which is renamed into place.
+    folder = Path(tempfile.mkdtemp(dir=make_folder(path.parent), prefix=f".{path.name}."))
+    staged = folder / "model"
     try:
         policy_file = policy.save(folder / "policy.yaml")
         data = None
@@ -162,16 +166,37 @@ def save_mlflow_model(
             common["metadata"] = {**metadata, "serialization": fmt, "unpickles": fmt == "pickle"}
             try:
                 if fmt == FORMAT:
-                    _save_rebuilt(path, data, common)
+                    _save_rebuilt(staged, data, common)
                 else:
-                    _save_pytorch(path, wrapped, fmt, policy_file, common)
-                return fmt
+                    _save_pytorch(staged, wrapped, fmt, policy_file, common)
             except Exception as error:  # MLflow's save: try the next format
                 errors.append(f"{fmt}: {type(error).__name__}: {first_line(error, 160)}")
+                continue
+            _put_in_place(staged, path)
+            return fmt
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    shutil.rmtree(path, ignore_errors=True)
+    _remove(path)
     raise AutoprecError("the model could not be saved for MLflow (" + "; ".join(errors) + ")")
+
+
+def _put_in_place(staged: Path, path: Path) -> None:
+    """The staged model folder renamed to ``path``, whatever was there removed first (a
+    link itself, not what it points to). A link planted between the two makes the
+    rename fail (a folder is not renamed over a link), never write through it."""
+    _remove(path)
+    try:
+        staged.rename(path)
+    except OSError as error:
+        raise WriteError(f"{path}: cannot write ({error.strerror or error})") from None
+
+
+def _remove(path: Path) -> None:
+    """``path`` gone: a link or a file unlinked, a folder (not a link) removed whole."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _signature(array: Any, output: Any) -> Any:
@@ -191,7 +216,7 @@ def _save_pytorch(
     """MLflow's PyTorch flavour, ``fmt`` pt2 or pickle, the policy beside it."""
     import mlflow.pytorch
 
-    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(path, ignore_errors=True)  # a failed format's files (a private folder)
     with warnings.catch_warnings(), _quiet("mlflow.pytorch"):
         warnings.simplefilter("ignore")  # MLflow's and the tracer's, not the user's
         mlflow.pytorch.save_model(

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from autoprec._files import atomic_file, write_atomic
 from autoprec.policy import Policy
 
 FORMAT = "autoprec-rebuilt"
@@ -36,11 +37,11 @@ def write_data(
     stacked: bool,
 ) -> Path:
     """The model's data folder: what `_load_pyfunc` rebuilds the served model from."""
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save(fp32_state, folder / WEIGHTS_FILE)
+    with atomic_file(folder / WEIGHTS_FILE) as out:  # no link followed (autoprec._files)
+        torch.save(fp32_state, out)
     policy.save(folder / POLICY_FILE)
     settings = {"task": task_spec, "int8": int8, "inputs": names, "stacked": stacked}
-    (folder / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    write_atomic(folder / SETTINGS_FILE, json.dumps(settings, indent=2) + "\n")
     return folder
 
 

@@ -66,11 +66,14 @@ VIEWS: dict[str, View] = {"training": training_view, "inference": serving_view}
 plot_batch_latency = plot_latency_by_batch  # its name before the report was split
 
 
-def render_report(summary: Summary | dict[str, Any], out_dir: Path) -> list[Path]:
+def render_report(
+    summary: Summary | dict[str, Any], out_dir: Path, within: Path | None = None
+) -> list[Path]:
     """Write report.html (self-contained: plots embedded) and the PNG plots beside it, in
-    the view of the study's mode."""
+    the view of the study's mode. No folder below ``within`` (the runs folder, where the
+    CLI writes) is followed where it is a link (see `autoprec._files`)."""
     typed = as_summary(summary)
-    return render_page(typed, out_dir, VIEWS[typed.mode])
+    return render_page(typed, out_dir, VIEWS[typed.mode], within)
 
 
 def serving_batch_size(summary: Summary | dict[str, Any]) -> int | None:

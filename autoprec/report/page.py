@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from autoprec._files import write_atomic
+from autoprec._files import make_folder, write_atomic
 from autoprec.emulation import emulated_mark, emulated_note
 from autoprec.report.gains import gains_line
 from autoprec.report.modes import mode_text
@@ -33,10 +33,13 @@ th{background:#f4f4f4}tr.best{background:#fff3c4}tr.front td:first-child{font-we
 """
 
 
-def render_page(summary: Summary, out_dir: Path, view: View) -> list[Path]:
+def render_page(
+    summary: Summary, out_dir: Path, view: View, within: Path | None = None
+) -> list[Path]:
     """Write report.html (self-contained: plots embedded) around ``view``'s body, and the
-    view's PNG plots beside it."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    view's PNG plots beside it. No folder below ``within`` (the runs folder, where the
+    CLI writes) may be a link (see `autoprec._files`)."""
+    make_folder(out_dir, within)
     plots, body = view(summary, out_dir)
     study = html.escape(summary.study)
     page = f"""<!DOCTYPE html>
@@ -49,7 +52,7 @@ def render_page(summary: Summary, out_dir: Path, view: View) -> list[Path]:
 </body></html>
 """
     report = out_dir / "report.html"
-    write_atomic(report, page)
+    write_atomic(report, page, within)
     return [report, *plots]
 
 
@@ -189,12 +192,17 @@ def _ms(summary: Summary, entry: Entry) -> float:
     return _or_nan(summary.time_ms(entry))
 
 
-def render_comparison(summaries: Sequence[Summary | dict[str, Any]], path: Path) -> Path:
+def render_comparison(
+    summaries: Sequence[Summary | dict[str, Any]], path: Path, within: Path | None = None
+) -> Path:
     """One page comparing studies (e.g. one model on two devices): the fp32 baseline and the
     chosen policy of each (one row where fp32 was chosen, the chosen row marked), and their
     fronts in one plot. A training study's time is its step time, a serving study's its
-    latency at its batch size: each in a column of its own."""
+    latency at its batch size: each in a column of its own. No folder below ``within`` may
+    be a link (see `autoprec._files`)."""
     import matplotlib
+
+    from autoprec.report.plots import png_bytes
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
@@ -226,10 +234,8 @@ def render_comparison(summaries: Sequence[Summary | dict[str, Any]], path: Path)
         ax.legend(fontsize=8)
     fig.suptitle("Pareto fronts (star: each study's chosen policy)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    png = path.with_name(f"{path.stem}-fronts.png")
-    fig.savefig(png)
-    plt.close(fig)
+    drawn = png_bytes(fig)
+    write_atomic(path.with_name(f"{path.stem}-fronts.png"), drawn, within)
     rows, classes = [], []
     for summary in typed:
         size = summary.batch_size
@@ -253,11 +259,13 @@ def render_comparison(summaries: Sequence[Summary | dict[str, Any]], path: Path)
                 ]
             )
             classes.append("best" if chosen else "")
-    image = base64.b64encode(png.read_bytes()).decode()
+    image = base64.b64encode(drawn).decode()
     studies = html.escape(", ".join(s.study for s in typed))
     header = ["study", "device", "policy", "chosen", "accuracy"]
     header += [f"{words} ms" for words in time_words] + ["memory MB", "dtypes"]
-    path.write_text(f"""<!DOCTYPE html>
+    write_atomic(
+        path,
+        f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>autoprec comparison</title>
 <style>{STYLE}</style></head><body>
 <h1>autoprec comparison: {studies}</h1>
@@ -265,5 +273,7 @@ def render_comparison(summaries: Sequence[Summary | dict[str, Any]], path: Path)
 {html_table(header, rows, classes)}
 <img alt="fronts" src="data:image/png;base64,{image}">
 </body></html>
-""")
+""",
+        within,
+    )
     return path

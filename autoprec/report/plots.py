@@ -3,9 +3,11 @@ dtype of each layer group by policy, and a serving study's latency by batch size
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
+from autoprec._files import write_atomic
 from autoprec.report.modes import SERVING_DTYPE_COLOURS, mode_text
 from autoprec.search.summary_schema import BatchBest, Entry, Summary, as_summary
 
@@ -201,13 +203,22 @@ def _unplaced_note(summary: Summary) -> str:
 
 
 def saved(fig: Any, path: Path) -> Path:
-    """Lay the figure out, write it to ``path`` and free it."""
+    """Lay the figure out, write it to ``path`` and free it. It is drawn into memory and
+    written by `write_atomic`, since ``savefig`` given a path writes through a link."""
+    fig.tight_layout()
+    return write_atomic(path, png_bytes(fig))
+
+
+def png_bytes(fig: Any) -> bytes:
+    """The figure drawn as a PNG, in memory; the figure is freed."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    drawn = io.BytesIO()
+    try:
+        fig.savefig(drawn, format="png")
+    finally:
+        plt.close(fig)
+    return drawn.getvalue()
 
 
 def plot_dtype_map(summary: Summary | dict[str, Any], path: Path, top: int = 8) -> Path:

@@ -74,7 +74,8 @@ def refuse_other_storage(
 ) -> None:
     """A StoreError if ``where`` (the outputs, the MLflow parent run) came from another
     Optuna storage than ``storage`` (as `StudyIdentity.of` writes it)."""
-    if recorded is not None and recorded.storage != storage:
+    # Redacted again: outputs written before a form of secret was redacted still match.
+    if recorded is not None and redact(recorded.storage) != storage:
         raise StoreError(
             f"study {study!r}: {where} came from the Optuna storage {recorded.storage}, not "
             f"{storage}; use the --storage it was run with, or another --study"

@@ -42,6 +42,7 @@ except ImportError:  # Windows: no lock file (one process per sqlite study there
     fcntl = None  # type: ignore[assignment]
 from optuna.trial import FrozenTrial, TrialState
 
+from autoprec._files import open_log
 from autoprec.errors import StoreError, first_line
 from autoprec.search._identity import STUDY_ID_ATTR, new_study_id
 from autoprec.search.config import HEARTBEAT_INTERVAL_S
@@ -102,7 +103,7 @@ class _Storage(optuna.storages.RDBStorage):
         if self._lock_path is None or fcntl is None:
             yield False
             return
-        with self._lock_path.open("a") as lock:
+        with open_log(self._lock_path, append=True) as lock:  # never through a link
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
             yield True
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from autoprec._files import open_log
 from autoprec.distributed.launch import device_groups, group_env, local_group
 from autoprec.errors import AutoprecError, redact
 from autoprec.search._events import Callbacks, Progress
@@ -85,10 +86,9 @@ class WorkerSpec:
 
 def start_workers(specs: list[WorkerSpec], devices: list[str], log_dir: Path) -> list[Any]:
     """Start one process per spec, its output in ``log_dir/worker-<i>.log``."""
-    log_dir.mkdir(parents=True, exist_ok=True)
     processes = []
     for spec, device in zip(specs, devices, strict=True):
-        log = (log_dir / f"worker-{spec.index}.log").open("a")
+        log = open_log(log_dir / f"worker-{spec.index}.log", append=True)  # never through a link
         processes.append(
             subprocess.Popen(
                 [sys.executable, "-c", _ENTRY],

@@ -312,11 +312,13 @@ def numeric(metrics: dict[str, Any]) -> dict[str, float]:
 def write_outputs(
     summary: Summary | dict[str, Any], policy: Policy, out_dir: Path
 ) -> tuple[Path, Path]:
-    """``best_policy.yaml`` and ``summary.json`` (strict JSON) in ``out_dir``."""
+    """``best_policy.yaml`` and ``summary.json`` (strict JSON) in ``out_dir`` (the study's
+    folder: it is not followed where it is a link, see `autoprec._files`)."""
     if isinstance(summary, Summary):
         summary = summary.to_json()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    policy_path = policy.save(out_dir / "best_policy.yaml")
+    within = out_dir.parent
+    policy_path = write_atomic(out_dir / "best_policy.yaml", policy.to_yaml(), within)
     summary_path = out_dir / "summary.json"
-    write_atomic(summary_path, json.dumps(finite(summary), indent=2, allow_nan=False) + "\n")
+    text = json.dumps(finite(summary), indent=2, allow_nan=False) + "\n"
+    write_atomic(summary_path, text, within)
     return policy_path, summary_path

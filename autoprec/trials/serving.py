@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from autoprec._digest import file_sha256
+from autoprec._files import atomic_file
 from autoprec.devices import DTYPES, Backend
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
 from autoprec.fp8_serving import (
@@ -325,10 +326,10 @@ def fp32_model(
         raise TaskError(f"task {task.name!r}: no fp32 checkpoint at {kept} yet")
     training(kept)
     model, _ = train_fp32(task, backend, budget)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    partial = kept.with_suffix(".pt.partial")
-    torch.save(model.state_dict(), partial)
-    partial.rename(kept)  # whole or absent: a crash never leaves half a safety net
+    # Whole or absent: a crash never leaves half a safety net; a link planted at the name
+    # is replaced, not written through, and the study folder is not followed if a link.
+    with atomic_file(kept, within=out_dir.parent) as out:
+        torch.save(model.state_dict(), out)
     return model
 
 
