@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autoprec._structures import cast_floats, tensors
+from autoprec._structures import map_tensors, tensors
 from autoprec.devices import (
     DTYPES,
     Backend,
@@ -109,28 +109,61 @@ def _behaviour(
 ) -> str | None:
     """How autocast in ``low`` treats ``module`` on this device kind: ``fp32``, ``input``,
     ``cast`` or ``region`` (see `autoprec.devices.autocast_behaviour`); raises what running
-    it in ``low`` with its inputs cast down raises (forward or backward)."""
-    args, kwargs = inputs
-    trial = _bare_copy(module)
-    with torch.autocast(kind, dtype=DTYPES[low]):
-        cast_args, cast_kwargs = cast_floats((args, kwargs), DTYPES[low])
-        cast_down = trial(*cast_args, **cast_kwargs)
-    backward = [t for t in _floats(cast_down) if t.requires_grad]
-    if backward:
-        torch.stack([t.float().sum() for t in backward]).sum().backward()
-    down = first_floating_dtype(cast_down)
+    it in ``low`` with its inputs cast down raises (forward or backward). Both runs are
+    training steps (`_train_step`): a kernel that runs for inference but not for training
+    (oneDNN's fp16 LSTM on some CPUs) must not decide how training runs it."""
+    down = first_floating_dtype(_train_step(module, inputs, kind, low, cast=True))
     if down == "fp32":
         return "fp32"
     try:
-        with torch.no_grad(), torch.autocast(kind, dtype=DTYPES[low]):
-            given = first_floating_dtype(trial(*args, **kwargs))
-    except Exception:  # runs only on inputs already in the dtype: an LSTM on the CPU
+        given = first_floating_dtype(_train_step(module, inputs, kind, low, cast=False))
+    except Exception:  # runs only on inputs already cast: an LSTM on the CPU
         return "cast" if down == low else None
     if given == low:
         return "region"
     if down == low:
         return "input"
     return None
+
+
+def _train_step(
+    module: nn.Module,
+    inputs: tuple[tuple[Any, ...], dict[str, Any]],
+    kind: str,
+    low: str,
+    cast: bool,
+) -> Any:
+    """One forward and backward of a bare copy of ``module`` as a training step runs it:
+    train mode, gradients on, floating inputs that require gradients (they come from
+    earlier layers), under autocast in ``low``; ``cast``: with those inputs cast down
+    first, as a region that casts its inputs hands them. Returns the forward's outputs."""
+    trial = _bare_copy(module).train()
+    dtype = DTYPES[low]
+
+    def leaf(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point():
+            return tensor
+        tensor = tensor.detach().to(dtype) if cast else tensor.detach().clone()
+        return tensor.requires_grad_(True)
+
+    args, kwargs = map_tensors(leaf, inputs)
+    with torch.enable_grad():
+        with torch.autocast(kind, dtype=dtype):
+            outputs = trial(*args, **kwargs)
+        backward = [t for t in _floats(outputs) if t.requires_grad]
+        if backward:
+            torch.stack([t.float().sum() for t in backward]).sum().backward()
+    return outputs
+
+
+# Where the low dtypes disagree, the verdict that casts more wins: casting the inputs of a
+# module that runs on cast inputs is always safe, leaving them uncast is not.
+_PRECEDENCE = ("cast", "input", "region", "fp32")
+
+
+def _combined(found: str | None, behaviour: str | None) -> str | None:
+    candidates = [b for b in (found, behaviour) if b is not None]
+    return min(candidates, key=_PRECEDENCE.index, default=None)
 
 
 def _bare_copy(module: nn.Module) -> nn.Module:
@@ -177,7 +210,7 @@ def learn(model: nn.Module, run: Any, device: str | torch.device | Backend | Non
             except Exception as error:  # any failure of the library's kernel is the finding
                 record_failure(kind, type(module), low, f"{type(error).__name__}: {error}")
                 continue
-            found = found or behaviour
+            found = _combined(found, behaviour)
         if found is not None:
             record_behaviour(kind, type(module), found)
 
