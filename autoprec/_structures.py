@@ -78,11 +78,7 @@ def upcast_floats_except(value: Structure, keep: tuple[torch.dtype, ...]) -> Str
     to fp32 (lossless); fp32, fp64 and integer tensors kept."""
 
     def cast(tensor: torch.Tensor) -> torch.Tensor:
-        if (
-            tensor.is_floating_point()
-            and tensor.dtype not in keep
-            and tensor.element_size() <= 2
-        ):
+        if tensor.is_floating_point() and tensor.dtype not in keep and tensor.element_size() <= 2:
             return tensor.float()
         return tensor
 

@@ -5,10 +5,15 @@ Name lists cannot cover every module: transformers' own norms (``LlamaRMSNorm``,
 ``T5LayerNorm``) are plain ``nn.Module`` subclasses that upcast inside and return fp32,
 and users write layers of their own. So `learn` runs each leaf with parameters alone, on
 the inputs it received in one fp32 forward of the model, under autocast in each low dtype
-the device supports: once with those inputs cast down and once as they came (fp32). What
-its output's dtype is then tells how autocast treats the module on this device kind; a
-module that runs only on inputs already cast (oneDNN's LSTM on the CPU) always gets them
-cast, and a forward or backward that fails even so tells that the dtype cannot run there.
+the device supports: once with those inputs cast down and once as they came (fp32), each
+run as a training step runs it (train mode, gradients on, forward and backward: oneDNN
+builds other kernels for training than for inference, and which ones it has depends on the
+CPU's instruction set). What its output's dtype is then tells how autocast treats the
+module on this device kind; a module that runs only on inputs already cast (oneDNN's LSTM
+on the CPU) always gets them cast, and a forward or backward that fails even so tells that
+the dtype cannot run there: a policy that puts it there is refused before training
+(`autoprec.policy`), with the kernel's reason. Where the low dtypes disagree, the
+verdict that casts wins (`_PRECEDENCE`).
 The findings are recorded per device kind and module class
 (`autoprec.devices.record_behaviour`), so every fresh copy of the model, the plan, the
 space and the profile follow the same rule.

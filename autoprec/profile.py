@@ -17,8 +17,10 @@ overflow where none of its children does). Per module and low dtype it records
   outputs cast back to fp32; the inputs of its layers cast to the dtype where the plan
   casts them, by the one rule both follow, `autoprec.observe.casts_inputs`), compared
   with the fp32 forward: the relative deviation of the loss and the relative L2
-  deviation of the model's output. Forward only, without gradients. The slice keeps
-  the test cheap (one forward per module and dtype); overflow that the slice misses
+  deviation of the model's output. Run as a training step runs it (gradients on, the
+  loss's backward, the gradients then dropped), so that a kernel that runs for inference
+  and not for training counts as failing. The slice keeps the test cheap (one step per
+  module and dtype); overflow that the slice misses
   still shows in the value ranges, which cover every training batch. How autocast
   treats each layer is watched first (`autoprec.observe.learn`), as a search does.
 
@@ -77,6 +79,7 @@ import torch
 from torch import nn
 
 from autoprec._files import write_atomic
+from autoprec._structures import detach
 from autoprec.devices import DTYPES, Backend, failing_dtypes, get_backend, record_failure
 from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
@@ -521,13 +524,22 @@ def _max_abs(watcher: Watcher, name: str, kind: str) -> float:
 # -- the deviation test --------------------------------------------------------------------
 
 
-def _forward(task: Task, model: nn.Module, batch: Batch, seed: int) -> tuple[torch.Tensor, float]:
+def _forward(
+    task: Task, model: nn.Module, batch: Batch, seed: int, train: bool = False
+) -> tuple[torch.Tensor, float]:
     """The model's output (its logits, in fp32) and loss, with the same random draws
-    (dropout) each time."""
+    (dropout) each time; ``train``: with gradients and a backward of the loss, as a
+    training step runs it (a kernel may run for inference and not for training: oneDNN's
+    LSTM on some CPUs), the gradients then dropped."""
     torch.manual_seed(seed)
-    with torch.no_grad():
+    with torch.set_grad_enabled(train):
         outputs = batch.run(model)
-        loss = float(task.compute_loss(outputs, batch.targets))
+        loss_tensor = task.compute_loss(outputs, batch.targets)
+        if train and loss_tensor.requires_grad:
+            loss_tensor.backward()
+            model.zero_grad(set_to_none=True)
+        loss = float(loss_tensor.detach())
+    outputs = detach(outputs)
     logits = logits_of(outputs)
     if logits is None:
         raise TaskError(f"task {task.name!r}: the model's outputs hold no tensor to compare")
@@ -559,7 +571,7 @@ def _deviation(
         return {"error": f"{where}cannot run in {dtype} on {kind} ({reason})"}
     installed = Installed(model, _alone(model, name, dtype, kind), kind)
     try:
-        outputs, loss = _forward(task, model, batch, seed)
+        outputs, loss = _forward(task, model, batch, seed, train=model.training)
     except Exception as error:  # an op without a kernel for this dtype, say
         reason = f"{type(error).__name__}: {first_line(error, 200)}"
         if len(layers) == 1 and layers[0][0] == name:  # a layer's own failure

@@ -213,3 +213,132 @@ def random_mixed_policies(model: nn.Module, count: int, seed: int) -> list[Polic
         default = rng.choice(("fp16", "bf16"))
         policies.append(Policy(rules=tuple(rules), default=default, name=f"random-{index}"))
     return policies
+
+
+def held_out_transformers() -> dict[str, Callable[[], nn.Module]]:
+    """Tiny transformers of families no built-in task uses (and two that one does), built
+    offline from a config with random weights: each one's name -> a model factory."""
+    import transformers as hf
+
+    common = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 64,
+    }
+    return {
+        "llama": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(num_key_value_heads=2, **common)),
+        "qwen2": lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(num_key_value_heads=2, **common)),
+        "gemma": lambda: hf.GemmaForCausalLM(
+            hf.GemmaConfig(num_key_value_heads=2, head_dim=8, **common)
+        ),
+        "mistral": lambda: hf.MistralForCausalLM(hf.MistralConfig(num_key_value_heads=2, **common)),
+        "phi": lambda: hf.PhiForCausalLM(hf.PhiConfig(**common)),
+        "t5": lambda: hf.T5ForConditionalGeneration(
+            hf.T5Config(
+                vocab_size=64,
+                d_model=32,
+                d_ff=64,
+                d_kv=8,
+                num_layers=2,
+                num_heads=4,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+        ),
+        "bert": lambda: hf.BertForMaskedLM(hf.BertConfig(**common)),
+        "gpt2": lambda: hf.GPT2LMHeadModel(
+            hf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+        ),
+        "falcon": lambda: hf.FalconForCausalLM(
+            hf.FalconConfig(
+                vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4
+            )
+        ),
+        "opt": lambda: hf.OPTForCausalLM(
+            hf.OPTConfig(
+                vocab_size=64,
+                hidden_size=32,
+                ffn_dim=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                word_embed_proj_dim=32,
+                max_position_embeddings=64,
+            )
+        ),
+    }
+
+
+def token_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A transformers-style batch for the models above: ids that are their own labels."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+def low_policies(model: nn.Module, seed: int) -> list[Policy]:
+    """Uniform bf16, uniform fp16, and two random mixes of the two (one of them with fp32
+    layers beside), for the dtype truth tests."""
+    leaves = [name for name, _ in parameterised_leaves(model)]
+    rng = random.Random(seed)
+    half = tuple(name for name in leaves if rng.random() < 0.5)
+    mixed = Policy(rules=(Rule("bf16", patterns=half),) if half else (), default="fp16")
+    return [
+        Policy.uniform("bf16"),
+        Policy.uniform("fp16"),
+        mixed,
+        *random_mixed_policies(model, 1, seed),
+    ]
+
+
+class TrainingKernelLinear(nn.Linear):
+    """A layer with the shape of oneDNN's LSTM on a CPU with avx512_fp16: under fp16 or
+    bf16 autocast it runs an fp32 input for inference only, while a training step (train
+    mode, gradients on) needs its input already in the low dtype. The same on every CPU,
+    so that the probe's verdict on such kernels is tested whatever the instruction set."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low = torch.is_autocast_enabled("cpu") and x.dtype == torch.float32
+        if low and self.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                "could not create a primitive descriptor for the training forward propagation"
+            )
+        return super().forward(x)
+
+
+class NoFp16TrainingLinear(nn.Linear):
+    """A layer whose fp16 kernel has no backward (cast or not): fp16 cannot train it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if out.dtype == torch.float16 and out.requires_grad:
+            out.register_hook(_no_fp16_backward)
+        return out
+
+
+def _no_fp16_backward(grad: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("no fp16 backward kernel for this layer")
+
+
+class KernelNet(nn.Module):
+    def __init__(self, layer: type[nn.Linear]) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.kernel = layer(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.kernel(torch.relu(self.inp(x))).mean(dim=1))
+
+
+def _kernel_task(name: str, layer: type[nn.Linear]) -> autoprec.Task:
+    return _sequence_task(name, lambda: KernelNet(layer))
+
+
+def training_kernel_task() -> autoprec.Task:
+    return _kernel_task("training-kernel", TrainingKernelLinear)
+
+
+def no_fp16_training_task() -> autoprec.Task:
+    return _kernel_task("no-fp16-training", NoFp16TrainingLinear)

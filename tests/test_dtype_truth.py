@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from autoprec import Policy, Rule
+from autoprec._structures import tensors
 from autoprec.autogroups import _family
 from autoprec.devices import (
     DTYPES,
@@ -25,10 +26,19 @@ from autoprec.devices import (
     autocast_behaviour,
     table_behaviour,
 )
+from autoprec.plan import low_precision_share
 from autoprec.policy import parameterised_leaves
 from autoprec.space import load_space, searched_leaves
 from autoprec.tasks import load_task
+from tests.boundary_tasks import held_out_transformers, low_policies, token_batch
 from tests.contract_tasks import make_tiny_task
+
+try:
+    import transformers  # noqa: F401
+
+    _HAS_TRANSFORMERS = True
+except ImportError:  # the held-out families need it
+    _HAS_TRANSFORMERS = False
 
 TASKS = [
     "digits-mlp",
@@ -326,3 +336,60 @@ def test_transformers_norms_are_fp32_and_grouped_as_norms_once_watched():
         assert _family(next(m for m in model.modules() if type(m).__name__ == norm_class)) == (
             "norms"
         )
+
+
+def _trained_dtypes(model, policy, run):
+    """What forward hooks registered before ``apply`` see in one training step (train
+    mode, gradients on, forward and backward): each leaf with parameters that ran mapped
+    to the dtype name of its first floating output."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    seen = {}
+    handles = []
+    for name, module in parameterised_leaves(model):
+
+        def hook(module, args, output, name=name):
+            floating = [t for t in tensors(output) if t.is_floating_point()]
+            if floating:
+                seen.setdefault(name, names[floating[0].dtype])
+
+        handles.append(module.register_forward_hook(hook))
+    model.train()
+    prec = policy.apply(model, "cpu")
+    try:
+        with prec.autocast():
+            outputs = run(model)
+        prec.backward(outputs.loss)
+    finally:
+        prec.remove()
+        for handle in handles:
+            handle.remove()
+    model.zero_grad(set_to_none=True)
+    return seen
+
+
+@pytest.mark.parametrize("family", sorted(held_out_transformers()) if _HAS_TRANSFORMERS else [])
+def test_resolve_is_what_a_training_step_shows_on_held_out_transformers(family):
+    """Ten transformers families no rule was written for (their own RMSNorms, T5's
+    LayerNorm, fused QKV layers, Conv1D), under uniform bf16, uniform fp16 and mixed
+    bf16/fp16 policies: ``resolve``, the layer table and the low-precision share, watched
+    on one batch, say what hooks registered before ``apply`` see in a training step."""
+    torch.manual_seed(0)
+    model = held_out_transformers()[family]()
+    batch = token_batch()
+    run = lambda module: module(**batch)  # noqa: E731
+    for policy in low_policies(model, seed=_seed(family)):
+        resolved = policy.resolve(model, "cpu", example=batch)
+        seen = _trained_dtypes(model, policy, run)
+        assert len(seen) == len(resolved), "a leaf did not run"
+        wrong = {
+            name: (resolved[name], dtype) for name, dtype in seen.items() if resolved[name] != dtype
+        }
+        assert not wrong, (
+            f"{policy.name or policy.rules}: resolve() disagrees with training: {wrong}"
+        )
+        table = {
+            row["name"]: row["dtype"] for row in policy.layer_table(model, "cpu", example=batch)
+        }
+        assert table == seen
+        share = policy.low_precision_share(model, "cpu", example=batch)
+        assert share == pytest.approx(low_precision_share(model, seen))
