@@ -16,6 +16,10 @@ thin wrapper. An fp32 region casts its floating-point inputs up and disables aut
 so an fp32 layer really runs in fp32 inside an fp16 or bf16 region. A module that
 autocast does not cover (BatchNorm; LayerNorm and GroupNorm on the CPU) runs in the
 dtype of its input, so in low precision it gets a region that casts its inputs down.
+At every region's border, for any module (a user's own included), no floating input
+enters in the other low dtype: a bf16 input of an fp16 region is cast up to fp32 there,
+so that ``torch.cat``, ``stack`` or an add inside never meet fp16 beside bf16 (autocast
+refuses them), and a low region's outputs leave in fp32 where its surroundings differ.
 Casts map over nested inputs and outputs (tuples, dicts, ``ModelOutput``) and keep
 their container types. A uniform policy on a model without such modules installs no
 wrapper at all and costs what plain ``torch.autocast`` costs.
