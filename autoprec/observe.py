@@ -97,6 +97,12 @@ def _capture_inputs(
     return captured
 
 
+def layer_inputs(model: nn.Module, run: Any) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Each leaf with parameters that ``run(model)`` calls, mapped to the (args, kwargs)
+    it first received, from one fp32 forward without gradients (for `train_step`)."""
+    return _capture_inputs(model, run, _leaves(model))
+
+
 @contextlib.contextmanager
 def _evaluating(model: nn.Module) -> Iterator[None]:
     """Eval mode for a watched forward (no running statistics updated, no dropout drawn),
@@ -117,11 +123,11 @@ def _behaviour(
     it in ``low`` with its inputs cast down raises (forward or backward). Both runs are
     training steps (`_train_step`): a kernel that runs for inference but not for training
     (oneDNN's fp16 LSTM on some CPUs) must not decide how training runs it."""
-    down = first_floating_dtype(_train_step(module, inputs, kind, low, cast=True))
+    down = first_floating_dtype(train_step(module, inputs, kind, low, cast=True))
     if down == "fp32":
         return "fp32"
     try:
-        given = first_floating_dtype(_train_step(module, inputs, kind, low, cast=False))
+        given = first_floating_dtype(train_step(module, inputs, kind, low, cast=False))
     except Exception:  # runs only on inputs already cast: an LSTM on the CPU
         return "cast" if down == low else None
     if given == low:
@@ -131,7 +137,7 @@ def _behaviour(
     return None
 
 
-def _train_step(
+def train_step(
     module: nn.Module,
     inputs: tuple[tuple[Any, ...], dict[str, Any]],
     kind: str,

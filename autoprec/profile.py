@@ -17,10 +17,12 @@ overflow where none of its children does). Per module and low dtype it records
   outputs cast back to fp32; the inputs of its layers cast to the dtype where the plan
   casts them, by the one rule both follow, `autoprec.observe.casts_inputs`), compared
   with the fp32 forward: the relative deviation of the loss and the relative L2
-  deviation of the model's output. Run as a training step runs it (gradients on, the
-  loss's backward, the gradients then dropped), so that a kernel that runs for inference
-  and not for training counts as failing. The slice keeps the test cheap (one step per
-  module and dtype); overflow that the slice misses
+  deviation of the model's output. Forward only, without gradients; but a layer alone is
+  first run as a training step runs it (`autoprec.observe.train_step`: train mode,
+  gradients, backward) on the inputs it received, cast where the plan casts them, so
+  that a kernel that runs for inference and not for training counts as failing. The
+  slice keeps
+  the test cheap (one forward per module and dtype); overflow that the slice misses
   still shows in the value ranges, which cover every training batch. How autocast
   treats each layer is watched first (`autoprec.observe.learn`), as a search does.
 
@@ -79,11 +81,10 @@ import torch
 from torch import nn
 
 from autoprec._files import write_atomic
-from autoprec._structures import detach
 from autoprec.devices import DTYPES, Backend, failing_dtypes, get_backend, record_failure
 from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
-from autoprec.observe import casts_inputs, learn
+from autoprec.observe import casts_inputs, layer_inputs, learn, train_step
 from autoprec.plan import Plan, RegionSpec, parameterised_leaves
 from autoprec.precision import Installed
 from autoprec.tasks import Task, check_task, load_task
@@ -349,10 +350,12 @@ def profile_task(
         )
     with _task_errors(task), backend.selected():
         learn(model, batch.run, backend)  # how the plan will run each layer here
+        inputs = layer_inputs(model, batch.run)
     with backend.selected():
         deviations = {
             name: {
-                d: _deviation(task, model, name, backend, d, batch, seed, reference) for d in tested
+                d: _deviation(task, model, name, backend, d, batch, seed, reference, inputs)
+                for d in tested
             }
             for name in ran
         }
@@ -524,22 +527,13 @@ def _max_abs(watcher: Watcher, name: str, kind: str) -> float:
 # -- the deviation test --------------------------------------------------------------------
 
 
-def _forward(
-    task: Task, model: nn.Module, batch: Batch, seed: int, train: bool = False
-) -> tuple[torch.Tensor, float]:
+def _forward(task: Task, model: nn.Module, batch: Batch, seed: int) -> tuple[torch.Tensor, float]:
     """The model's output (its logits, in fp32) and loss, with the same random draws
-    (dropout) each time; ``train``: with gradients and a backward of the loss, as a
-    training step runs it (a kernel may run for inference and not for training: oneDNN's
-    LSTM on some CPUs), the gradients then dropped."""
+    (dropout) each time."""
     torch.manual_seed(seed)
-    with torch.set_grad_enabled(train):
+    with torch.no_grad():
         outputs = batch.run(model)
-        loss_tensor = task.compute_loss(outputs, batch.targets)
-        if train and loss_tensor.requires_grad:
-            loss_tensor.backward()
-            model.zero_grad(set_to_none=True)
-        loss = float(loss_tensor.detach())
-    outputs = detach(outputs)
+        loss = float(task.compute_loss(outputs, batch.targets))
     logits = logits_of(outputs)
     if logits is None:
         raise TaskError(f"task {task.name!r}: the model's outputs hold no tensor to compare")
@@ -555,10 +549,12 @@ def _deviation(
     batch: Batch,
     seed: int,
     reference: tuple[torch.Tensor, float],
+    inputs: dict[str, Any],
 ) -> dict[str, Any]:
     """Loss and output deviation from fp32 with module ``name`` alone in ``dtype``, run
     through the regions a policy's plan installs (`_alone`). A layer of it that cannot
-    run in the dtype there is an error, recorded for the space (module docstring)."""
+    run in the dtype there (a training step of it alone on ``inputs[name]``, or the
+    forward) is an error, recorded for the space (module docstring)."""
     kind = backend.kind
     layers = _layers_within(model, name)
     known = next(
@@ -569,12 +565,21 @@ def _deviation(
         layer, reason = known
         where = "" if layer == name else f"{layer} "
         return {"error": f"{where}cannot run in {dtype} on {kind} ({reason})"}
+    alone = len(layers) == 1 and layers[0][0] == name  # a layer, not a module holding some
+    if alone and name in inputs:
+        layer = layers[0][1]
+        try:
+            train_step(layer, inputs[name], kind, dtype, cast=_casts(kind, layer, dtype))
+        except Exception as error:  # no training kernel for this dtype, as the plan runs it
+            reason = f"{type(error).__name__}: {first_line(error, 200)}"
+            record_failure(kind, type(layer), dtype, reason)
+            return {"error": reason}
     installed = Installed(model, _alone(model, name, dtype, kind), kind)
     try:
-        outputs, loss = _forward(task, model, batch, seed, train=model.training)
+        outputs, loss = _forward(task, model, batch, seed)
     except Exception as error:  # an op without a kernel for this dtype, say
         reason = f"{type(error).__name__}: {first_line(error, 200)}"
-        if len(layers) == 1 and layers[0][0] == name:  # a layer's own failure
+        if alone:  # a layer's own failure
             record_failure(kind, type(layers[0][1]), dtype, reason)
         return {"error": reason}
     finally:
