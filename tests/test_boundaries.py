@@ -304,7 +304,9 @@ def test_a_custom_module_in_another_dtype_than_its_inputs_runs_forward_and_backw
     for name, module in model.named_modules():
         if name and next(module.children(), None) is None and list(module.parameters()):
             module.register_forward_hook(
-                lambda m, a, out, name=name: seen.setdefault(name, out.dtype)
+                lambda m, a, out, name=name: (
+                    None if name in seen else seen.update({name: out.dtype})
+                )
             )
     prec = policy.apply(model, "cpu")
     with prec.autocast():
