@@ -121,7 +121,7 @@ def _behaviour(
     """How autocast in ``low`` treats ``module`` on this device kind: ``fp32``, ``input``,
     ``cast`` or ``region`` (see `autoprec.devices.autocast_behaviour`); raises what running
     it in ``low`` with its inputs cast down raises (forward or backward). Both runs are
-    training steps (`_train_step`): a kernel that runs for inference but not for training
+    training steps (`train_step`): a kernel that runs for inference but not for training
     (oneDNN's fp16 LSTM on some CPUs) must not decide how training runs it."""
     down = first_floating_dtype(train_step(module, inputs, kind, low, cast=True))
     if down == "fp32":

@@ -21,9 +21,8 @@ overflow where none of its children does). Per module and low dtype it records
   first run as a training step runs it (`autoprec.observe.train_step`: train mode,
   gradients, backward) on the inputs it received, cast where the plan casts them, so
   that a kernel that runs for inference and not for training counts as failing. The
-  slice keeps
-  the test cheap (one forward per module and dtype); overflow that the slice misses
-  still shows in the value ranges, which cover every training batch. How autocast
+  slice keeps the test cheap (one forward per module and dtype); overflow that the slice
+  misses still shows in the value ranges, which cover every training batch. How autocast
   treats each layer is watched first (`autoprec.observe.learn`), as a search does.
 
 Gradients are measured unscaled (as with a loss scale of 1): their underflow shares say
