@@ -566,12 +566,12 @@ def _deviation(
         return {"error": f"{where}cannot run in {dtype} on {kind} ({reason})"}
     alone = len(layers) == 1 and layers[0][0] == name  # a layer, not a module holding some
     if alone and name in inputs:
-        layer = layers[0][1]
+        module = layers[0][1]
         try:
-            train_step(layer, inputs[name], kind, dtype, cast=_casts(kind, layer, dtype))
+            train_step(module, inputs[name], kind, dtype, cast=_casts(kind, module, dtype))
         except Exception as error:  # no training kernel for this dtype, as the plan runs it
             reason = f"{type(error).__name__}: {first_line(error, 200)}"
-            record_failure(kind, type(layer), dtype, reason)
+            record_failure(kind, type(module), dtype, reason)
             return {"error": reason}
     installed = Installed(model, _alone(model, name, dtype, kind), kind)
     try:
