@@ -73,6 +73,18 @@ def cast_floats(value: Structure, dtype: torch.dtype) -> Structure:
     return map_tensors(cast, value)
 
 
+def upcast_floats_except(value: Structure, keep: tuple[torch.dtype, ...]) -> Structure:
+    """Floating-point tensors of 16 bits or fewer whose dtype is not in ``keep`` cast up
+    to fp32 (lossless); fp32, fp64 and integer tensors kept."""
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point() and tensor.dtype not in keep and tensor.element_size() <= 2:
+            return tensor.float()
+        return tensor
+
+    return map_tensors(cast, value)
+
+
 def to_device(value: Structure, device: torch.device | str) -> Structure:
     """Every tensor moved to ``device`` (a no-op for those already there)."""
     return map_tensors(lambda tensor: tensor.to(device), value)

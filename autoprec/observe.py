@@ -5,10 +5,15 @@ Name lists cannot cover every module: transformers' own norms (``LlamaRMSNorm``,
 ``T5LayerNorm``) are plain ``nn.Module`` subclasses that upcast inside and return fp32,
 and users write layers of their own. So `learn` runs each leaf with parameters alone, on
 the inputs it received in one fp32 forward of the model, under autocast in each low dtype
-the device supports: once with those inputs cast down and once as they came (fp32). What
-its output's dtype is then tells how autocast treats the module on this device kind; a
-module that runs only on inputs already cast (oneDNN's LSTM on the CPU) always gets them
-cast, and a forward or backward that fails even so tells that the dtype cannot run there.
+the device supports: once with those inputs cast down and once as they came (fp32), each
+run as a training step runs it (train mode, gradients on, forward and backward: oneDNN
+builds other kernels for training than for inference, and which ones it has depends on the
+CPU's instruction set). What its output's dtype is then tells how autocast treats the
+module on this device kind; a module that runs only on inputs already cast (oneDNN's LSTM
+on the CPU) always gets them cast, and a forward or backward that fails even so tells that
+the dtype cannot run there: a policy that puts it there is refused before training
+(`autoprec.policy`), with the kernel's reason. Where the low dtypes disagree, the
+verdict that casts wins (`_PRECEDENCE`).
 The findings are recorded per device kind and module class
 (`autoprec.devices.record_behaviour`), so every fresh copy of the model, the plan, the
 space and the profile follow the same rule.
@@ -27,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autoprec._structures import cast_floats, tensors
+from autoprec._structures import map_tensors, tensors
 from autoprec.devices import (
     DTYPES,
     Backend,
@@ -92,6 +97,12 @@ def _capture_inputs(
     return captured
 
 
+def layer_inputs(model: nn.Module, run: Any) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Each leaf with parameters that ``run(model)`` calls, mapped to the (args, kwargs)
+    it first received, from one fp32 forward without gradients (for `train_step`)."""
+    return _capture_inputs(model, run, _leaves(model))
+
+
 @contextlib.contextmanager
 def _evaluating(model: nn.Module) -> Iterator[None]:
     """Eval mode for a watched forward (no running statistics updated, no dropout drawn),
@@ -109,28 +120,61 @@ def _behaviour(
 ) -> str | None:
     """How autocast in ``low`` treats ``module`` on this device kind: ``fp32``, ``input``,
     ``cast`` or ``region`` (see `autoprec.devices.autocast_behaviour`); raises what running
-    it in ``low`` with its inputs cast down raises (forward or backward)."""
-    args, kwargs = inputs
-    trial = _bare_copy(module)
-    with torch.autocast(kind, dtype=DTYPES[low]):
-        cast_args, cast_kwargs = cast_floats((args, kwargs), DTYPES[low])
-        cast_down = trial(*cast_args, **cast_kwargs)
-    backward = [t for t in _floats(cast_down) if t.requires_grad]
-    if backward:
-        torch.stack([t.float().sum() for t in backward]).sum().backward()
-    down = first_floating_dtype(cast_down)
+    it in ``low`` with its inputs cast down raises (forward or backward). Both runs are
+    training steps (`train_step`): a kernel that runs for inference but not for training
+    (oneDNN's fp16 LSTM on some CPUs) must not decide how training runs it."""
+    down = first_floating_dtype(train_step(module, inputs, kind, low, cast=True))
     if down == "fp32":
         return "fp32"
     try:
-        with torch.no_grad(), torch.autocast(kind, dtype=DTYPES[low]):
-            given = first_floating_dtype(trial(*args, **kwargs))
-    except Exception:  # runs only on inputs already in the dtype: an LSTM on the CPU
+        given = first_floating_dtype(train_step(module, inputs, kind, low, cast=False))
+    except Exception:  # runs only on inputs already cast: an LSTM on the CPU
         return "cast" if down == low else None
     if given == low:
         return "region"
     if down == low:
         return "input"
     return None
+
+
+def train_step(
+    module: nn.Module,
+    inputs: tuple[tuple[Any, ...], dict[str, Any]],
+    kind: str,
+    low: str,
+    cast: bool,
+) -> Any:
+    """One forward and backward of a bare copy of ``module`` as a training step runs it:
+    train mode, gradients on, floating inputs that require gradients (they come from
+    earlier layers), under autocast in ``low``; ``cast``: with those inputs cast down
+    first, as a region that casts its inputs hands them. Returns the forward's outputs."""
+    trial = _bare_copy(module).train()
+    dtype = DTYPES[low]
+
+    def leaf(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point():
+            return tensor
+        tensor = tensor.detach().to(dtype) if cast else tensor.detach().clone()
+        return tensor.requires_grad_(True)
+
+    args, kwargs = map_tensors(leaf, inputs)
+    with torch.enable_grad():
+        with torch.autocast(kind, dtype=dtype):
+            outputs = trial(*args, **kwargs)
+        backward = [t for t in _floats(outputs) if t.requires_grad]
+        if backward:
+            torch.stack([t.float().sum() for t in backward]).sum().backward()
+    return outputs
+
+
+# Where the low dtypes disagree, the verdict that casts more wins: casting the inputs of a
+# module that runs on cast inputs is always safe, leaving them uncast is not.
+_PRECEDENCE = ("cast", "input", "region", "fp32")
+
+
+def _combined(found: str | None, behaviour: str | None) -> str | None:
+    candidates = [b for b in (found, behaviour) if b is not None]
+    return min(candidates, key=_PRECEDENCE.index, default=None)
 
 
 def _bare_copy(module: nn.Module) -> nn.Module:
@@ -177,7 +221,7 @@ def learn(model: nn.Module, run: Any, device: str | torch.device | Backend | Non
             except Exception as error:  # any failure of the library's kernel is the finding
                 record_failure(kind, type(module), low, f"{type(error).__name__}: {error}")
                 continue
-            found = found or behaviour
+            found = _combined(found, behaviour)
         if found is not None:
             record_behaviour(kind, type(module), found)
 

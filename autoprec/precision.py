@@ -16,6 +16,10 @@ thin wrapper. An fp32 region casts its floating-point inputs up and disables aut
 so an fp32 layer really runs in fp32 inside an fp16 or bf16 region. A module that
 autocast does not cover (BatchNorm; LayerNorm and GroupNorm on the CPU) runs in the
 dtype of its input, so in low precision it gets a region that casts its inputs down.
+At every region's border, for any module (a user's own included), no floating input
+enters in the other low dtype: a bf16 input of an fp16 region is cast up to fp32 there,
+so that ``torch.cat``, ``stack`` or an add inside never meet fp16 beside bf16 (autocast
+refuses them), and a low region's outputs leave in fp32 where its surroundings differ.
 Casts map over nested inputs and outputs (tuples, dicts, ``ModelOutput``) and keep
 their container types. A uniform policy on a model without such modules installs no
 wrapper at all and costs what plain ``torch.autocast`` costs.
@@ -39,7 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from autoprec._structures import cast_floats
+from autoprec._structures import cast_floats, upcast_floats_except
 from autoprec.devices import Backend
 from autoprec.dtypes import TORCH_DTYPES
 from autoprec.fp8 import Fp8Layers
@@ -75,12 +79,18 @@ class PrecisionHooks(Protocol):
 class Region:
     """A module's forward run in its own dtype, whatever region surrounds it.
 
-    An fp32 region casts its floating inputs up and disables autocast. A low-precision
-    region enters autocast in its dtype, and with ``cast_inputs`` casts its floating
-    inputs down first (for modules that run in their input's dtype). Where a
-    low-precision region sits inside surroundings of another dtype (fp32, or the other low
-    dtype), `Precision` casts its outputs up to fp32 with a forward hook, so that hooks on
-    the module itself see what it computed.
+    The rule at every border, for any module (a user's own included): no floating input
+    enters in another low dtype than the region's. An fp32 region casts its floating
+    inputs up and disables autocast. A low-precision region enters autocast in its dtype;
+    with ``cast_inputs`` it casts its floating inputs to that dtype first (for modules that
+    run in their input's dtype), and otherwise casts those in the other low dtype up to
+    fp32 (lossless: a bf16 input of an fp16 region), which autocast then treats as it
+    treats any fp32 tensor; so ``torch.cat``, ``stack`` or a residual add in the module
+    never meet fp16 beside bf16 (autocast refuses them). fp32 inputs keep fp32's range
+    (an additive mask at fp32's minimum stays finite). Where a low-precision region sits
+    inside surroundings of another dtype (fp32, or the other low dtype), `Precision` casts
+    its outputs up to fp32 with a forward hook, so that hooks on the module itself see
+    what it computed.
     """
 
     def __init__(self, forward: Any, device_type: str, dtype: str, cast_inputs: bool) -> None:
@@ -92,6 +102,8 @@ class Region:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.cast_inputs:
             args, kwargs = cast_floats((args, kwargs), TORCH_DTYPES[self.dtype])
+        else:
+            args, kwargs = upcast_floats_except((args, kwargs), (TORCH_DTYPES[self.dtype],))
         if self.dtype == "fp32":
             with torch.autocast(self.device_type, enabled=False):
                 return self.forward(*args, **kwargs)

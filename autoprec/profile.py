@@ -17,9 +17,12 @@ overflow where none of its children does). Per module and low dtype it records
   outputs cast back to fp32; the inputs of its layers cast to the dtype where the plan
   casts them, by the one rule both follow, `autoprec.observe.casts_inputs`), compared
   with the fp32 forward: the relative deviation of the loss and the relative L2
-  deviation of the model's output. Forward only, without gradients. The slice keeps
-  the test cheap (one forward per module and dtype); overflow that the slice misses
-  still shows in the value ranges, which cover every training batch. How autocast
+  deviation of the model's output. Forward only, without gradients; but a layer alone is
+  first run as a training step runs it (`autoprec.observe.train_step`: train mode,
+  gradients, backward) on the inputs it received, cast where the plan casts them, so
+  that a kernel that runs for inference and not for training counts as failing. The
+  slice keeps the test cheap (one forward per module and dtype); overflow that the slice
+  misses still shows in the value ranges, which cover every training batch. How autocast
   treats each layer is watched first (`autoprec.observe.learn`), as a search does.
 
 Gradients are measured unscaled (as with a loss scale of 1): their underflow shares say
@@ -80,7 +83,7 @@ from autoprec._files import write_atomic
 from autoprec.devices import DTYPES, Backend, failing_dtypes, get_backend, record_failure
 from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
-from autoprec.observe import casts_inputs, learn
+from autoprec.observe import casts_inputs, layer_inputs, learn, train_step
 from autoprec.plan import Plan, RegionSpec, parameterised_leaves
 from autoprec.precision import Installed
 from autoprec.tasks import Task, check_task, load_task
@@ -346,10 +349,12 @@ def profile_task(
         )
     with _task_errors(task), backend.selected():
         learn(model, batch.run, backend)  # how the plan will run each layer here
+        inputs = layer_inputs(model, batch.run)
     with backend.selected():
         deviations = {
             name: {
-                d: _deviation(task, model, name, backend, d, batch, seed, reference) for d in tested
+                d: _deviation(task, model, name, backend, d, batch, seed, reference, inputs)
+                for d in tested
             }
             for name in ran
         }
@@ -543,10 +548,12 @@ def _deviation(
     batch: Batch,
     seed: int,
     reference: tuple[torch.Tensor, float],
+    inputs: dict[str, Any],
 ) -> dict[str, Any]:
     """Loss and output deviation from fp32 with module ``name`` alone in ``dtype``, run
     through the regions a policy's plan installs (`_alone`). A layer of it that cannot
-    run in the dtype there is an error, recorded for the space (module docstring)."""
+    run in the dtype there (a training step of it alone on ``inputs[name]``, or the
+    forward) is an error, recorded for the space (module docstring)."""
     kind = backend.kind
     layers = _layers_within(model, name)
     known = next(
@@ -557,12 +564,21 @@ def _deviation(
         layer, reason = known
         where = "" if layer == name else f"{layer} "
         return {"error": f"{where}cannot run in {dtype} on {kind} ({reason})"}
+    alone = len(layers) == 1 and layers[0][0] == name  # a layer, not a module holding some
+    if alone and name in inputs:
+        module = layers[0][1]
+        try:
+            train_step(module, inputs[name], kind, dtype, cast=_casts(kind, module, dtype))
+        except Exception as error:  # no training kernel for this dtype, as the plan runs it
+            reason = f"{type(error).__name__}: {first_line(error, 200)}"
+            record_failure(kind, type(module), dtype, reason)
+            return {"error": reason}
     installed = Installed(model, _alone(model, name, dtype, kind), kind)
     try:
         outputs, loss = _forward(task, model, batch, seed)
     except Exception as error:  # an op without a kernel for this dtype, say
         reason = f"{type(error).__name__}: {first_line(error, 200)}"
-        if len(layers) == 1 and layers[0][0] == name:  # a layer's own failure
+        if alone:  # a layer's own failure
             record_failure(kind, type(layers[0][1]), dtype, reason)
         return {"error": reason}
     finally:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from autoprec import Policy, Rule
+from autoprec._structures import tensors
 from autoprec.autogroups import _family
 from autoprec.devices import (
     DTYPES,
@@ -25,10 +26,24 @@ from autoprec.devices import (
     autocast_behaviour,
     table_behaviour,
 )
+from autoprec.plan import low_precision_share
 from autoprec.policy import parameterised_leaves
 from autoprec.space import load_space, searched_leaves
 from autoprec.tasks import load_task
+from tests.boundary_tasks import (
+    held_out_transformers,
+    low_policies,
+    random_mixed_policies,
+    token_batch,
+)
 from tests.contract_tasks import make_tiny_task
+
+try:
+    import transformers  # noqa: F401
+
+    _HAS_TRANSFORMERS = True
+except ImportError:  # the held-out families need it
+    _HAS_TRANSFORMERS = False
 
 TASKS = [
     "digits-mlp",
@@ -107,6 +122,29 @@ def test_every_leaf_runs_in_the_dtype_resolve_reports_on_the_cpu(task_name, low)
             if DTYPES[resolved[name]] != dtype
         }
         assert not wrong, f"policy {index}: resolve() disagrees with the run: {wrong}"
+
+
+@pytest.mark.parametrize(
+    "task_name",
+    [n if n.startswith("digits") else pytest.param(n, marks=pytest.mark.slow) for n in TASKS],
+)
+def test_mixed_fp16_and_bf16_policies_run_as_resolve_reports_on_the_built_in_tasks(task_name):
+    """Policies that put fp16 and bf16 layers side by side (and a few fp32 ones): what
+    resolve says, watched on one batch, is what every leaf's hooks see."""
+    task = _task(task_name)
+    torch.manual_seed(0)
+    model = task.model().eval()
+    batch = task.batch(next(iter(task.train_data(0))))
+    for policy in random_mixed_policies(model, 3, seed=_seed(task_name)):
+        resolved = policy.resolve(model, "cpu", example=batch)
+        actual = _actual_dtypes(model, policy, batch)
+        assert actual, "no leaf ran"
+        wrong = {
+            name: (resolved[name], str(dtype))
+            for name, dtype in actual.items()
+            if DTYPES[resolved[name]] != dtype
+        }
+        assert not wrong, f"{policy.name}: resolve() disagrees with the run: {wrong}"
 
 
 @pytest.mark.parametrize("low", ["bf16", "fp16"])
@@ -326,3 +364,67 @@ def test_transformers_norms_are_fp32_and_grouped_as_norms_once_watched():
         assert _family(next(m for m in model.modules() if type(m).__name__ == norm_class)) == (
             "norms"
         )
+
+
+def _trained_dtypes(model, policy, run):
+    """What forward hooks registered before ``apply`` see in one training step (train
+    mode, gradients on, forward and backward): each leaf with parameters that ran mapped
+    to the dtype name of its first floating output."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    seen = {}
+    handles = []
+    for name, module in parameterised_leaves(model):
+
+        def hook(module, args, output, name=name):
+            floating = [t for t in tensors(output) if t.is_floating_point()]
+            if floating:
+                seen.setdefault(name, names[floating[0].dtype])
+
+        handles.append(module.register_forward_hook(hook))
+    model.train()
+    prec = policy.apply(model, "cpu")
+    try:
+        with prec.autocast():
+            outputs = run(model)
+        prec.backward(outputs.loss)
+    finally:
+        prec.remove()
+        for handle in handles:
+            handle.remove()
+    model.zero_grad(set_to_none=True)
+    return seen
+
+
+# Two families run in the everyday suite; all ten (about 25 s each here) are slow.
+_FAMILIES = [
+    family if family in ("llama", "t5") else pytest.param(family, marks=pytest.mark.slow)
+    for family in (sorted(held_out_transformers()) if _HAS_TRANSFORMERS else [])
+]
+
+
+@pytest.mark.parametrize("family", _FAMILIES)
+def test_resolve_is_what_a_training_step_shows_on_held_out_transformers(family):
+    """Ten transformers families no rule was written for (their own RMSNorms, T5's
+    LayerNorm, fused QKV layers, Conv1D), under uniform bf16, uniform fp16 and mixed
+    bf16/fp16 policies: ``resolve``, the layer table and the low-precision share, watched
+    on one batch, say what hooks registered before ``apply`` see in a training step."""
+    torch.manual_seed(0)
+    model = held_out_transformers()[family]()
+    batch = token_batch()
+    run = lambda module: module(**batch)  # noqa: E731
+    for policy in low_policies(model, seed=_seed(family)):
+        resolved = policy.resolve(model, "cpu", example=batch)
+        seen = _trained_dtypes(model, policy, run)
+        assert seen and set(seen) <= set(resolved)  # T5's later blocks have no bias table
+        wrong = {
+            name: (resolved[name], dtype) for name, dtype in seen.items() if resolved[name] != dtype
+        }
+        assert not wrong, (
+            f"{policy.name or policy.rules}: resolve() disagrees with training: {wrong}"
+        )
+        table = {
+            row["name"]: row["dtype"] for row in policy.layer_table(model, "cpu", example=batch)
+        }
+        assert {name: table[name] for name in seen} == seen
+        share = policy.low_precision_share(model, "cpu", example=batch)
+        assert share == pytest.approx(low_precision_share(model, {**resolved, **seen}))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +16,13 @@ from torch.nn import functional as F
 
 import autoprec
 from autoprec import Policy, Rule
-from autoprec.devices import CPUBackend, failing_dtypes, get_backend, record_behaviour
+from autoprec.devices import (
+    CPUBackend,
+    autocast_behaviour,
+    failing_dtypes,
+    get_backend,
+    record_behaviour,
+)
 from autoprec.errors import AutoprecError, DeviceError, PolicyError, SpaceError, TaskError
 from autoprec.observe import watch_task
 from autoprec.policy import parameterised_leaves
@@ -23,6 +31,7 @@ from autoprec.space import load_space
 from autoprec.tasks import load_task
 from autoprec.tasks.builtin import Bottleneck, ResNet
 from autoprec.trials.training import Budget, run_trial
+from tests.boundary_tasks import no_fp16_training_task, training_kernel_task
 from tests.contract_tasks import make_lstm_task
 from tests.test_fragile_search import attention_overflow_task
 
@@ -234,8 +243,10 @@ def test_bad_profiles(overflow_profile, tiny_task, tmp_path):
 def test_the_profile_casts_a_layers_inputs_where_the_plan_does():
     """One rule for both: for every layer alone in a low dtype, the profile's region casts
     its inputs exactly where the plan of a policy naming that layer does (a LayerNorm on
-    the CPU, which runs in its input's dtype, yes; a Linear, which autocast casts, no; an
-    LSTM on the CPU, once watched, yes: oneDNN runs it only on inputs in its dtype)."""
+    the CPU, which runs in its input's dtype, yes; a Linear, which autocast casts, no). For
+    an LSTM the answer depends on the CPU's kernels (oneDNN runs some dtypes only on inputs
+    already cast, and which ones varies with the instruction set): whatever was watched, a
+    training step of the plan runs, or the policy is refused before it starts."""
     cpu = get_backend("cpu")
     for task in (load_task("digits-overflow"), make_lstm_task()):
         model = task.model()
@@ -246,10 +257,37 @@ def test_the_profile_casts_a_layers_inputs_where_the_plan_does():
                 policy = Policy(rules=(Rule(dtype, patterns=(name,)),))
                 planned = {r.name: r.cast_inputs for r in policy.plan(model, cpu).regions}
                 alone = _alone(model, name, dtype, "cpu")
-                casts[name] = {r.name: r.cast_inputs for r in alone.regions}[name]
-                assert casts[name] == planned.get(name, False), (name, dtype)
-        assert casts.get("norm_in", True) and not casts.get("fc1", False)
-        assert casts.get("lstm", True) and not casts.get("head", False)
+                casts[name, dtype] = {r.name: r.cast_inputs for r in alone.regions}[name]
+                assert casts[name, dtype] == planned.get(name, False), (name, dtype)
+        for dtype in ("fp16", "bf16"):
+            assert casts.get(("norm_in", dtype), True) and not casts.get(("fc1", dtype), False)
+            assert not casts.get(("head", dtype), False)
+    for dtype in ("fp16", "bf16"):
+        _assert_a_training_step_runs_or_is_refused(make_lstm_task(), lstm_policy(dtype))
+
+
+def _assert_a_training_step_runs_or_is_refused(task: autoprec.Task, policy: Policy) -> None:
+    """The probe's verdict against what training does on this machine: a policy the probe
+    let through trains (forward, backward, step) without an exception; one it refused
+    raises PolicyError before anything runs."""
+    model = task.model()
+    refused = any(
+        dtype in failing_dtypes("cpu", module)
+        for name, module in parameterised_leaves(model)
+        for dtype in (policy.resolve(model, "cpu")[name],)
+    )
+    if refused:
+        with pytest.raises(PolicyError, match="cannot run in"):
+            policy.apply(model, "cpu")
+        return
+    prec = policy.apply(model, "cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs, targets = next(iter(task.train_data(0)))
+    with prec.autocast():
+        outputs = model(inputs)
+    prec.backward(task.loss(outputs.float(), targets))
+    prec.step(optimizer)
+    prec.remove()
 
 
 def lstm_policy(dtype: str) -> Policy:
@@ -258,12 +296,18 @@ def lstm_policy(dtype: str) -> Policy:
 
 def test_the_profiles_verdict_on_an_lstm_in_fp16_is_what_a_trial_of_it_does():
     """Embedding + LSTM on the CPU: the embedding hands the LSTM fp32, which oneDNN's fp16
-    LSTM cannot take; the plan casts it (the class was watched), and so does the profile. So
-    the profile measures the LSTM in fp16 (a deviation, no error), and a trial of the policy
-    that puts it in fp16 trains without an exception."""
+    LSTM may not take in training (on some CPUs not even cast). The profile watches the
+    LSTM as training runs it; whatever it finds, a trial agrees: where it measured the LSTM
+    in fp16 (a deviation, no error), the trial trains without an exception; where fp16
+    cannot run, the profile says why and the trial is refused before training."""
     task = make_lstm_task()
     profile = autoprec.profile_task(task, "cpu", dtypes=["fp16"])
     lstm = next(m for m in profile.modules if m.name == "lstm")
+    if "fp16" in failing_dtypes("cpu", task.model().lstm):
+        assert "fp16" in lstm.error and "cannot run in fp16" in lstm.error, lstm.reason
+        with pytest.raises(PolicyError, match=r"lstm .*cannot run in fp16 on cpu"):
+            run_trial(task, lstm_policy("fp16"), get_backend("cpu"), Budget(steps=6))
+        return
     assert not lstm.error, lstm.reason
     assert math.isfinite(lstm.risk) and lstm.stats["fp16"]["output_deviation"] > 0
     result = run_trial(task, lstm_policy("fp16"), get_backend("cpu"), Budget(steps=6))
@@ -277,10 +321,11 @@ class UnwatchedLSTM(nn.LSTM):
 
 
 def test_a_dtype_a_layer_cannot_run_in_as_the_plan_runs_it_is_failing_for_the_space():
-    """Where the plan does not cast the LSTM's input, fp16 cannot run: a trial of it fails
-    with oneDNN's error. The profile, running it as the plan does, fails the same way, says
-    so, and records fp16 as failing for that class, so that the space offers it no more
-    and a policy that names it is refused before training."""
+    """Where the plan does not cast the LSTM's input, a low dtype may not run (oneDNN's
+    LSTM, on fp32 inputs in training; which dtypes fail depends on the CPU). The profile,
+    running it as the plan does, fails exactly where a trial of it fails, says so, and
+    records the dtype as failing for that class, so that the space offers it no more and
+    a policy that names it is refused before training."""
     record_behaviour("cpu", UnwatchedLSTM, "region")
     base = make_lstm_task()
 
@@ -290,17 +335,86 @@ def test_a_dtype_a_layer_cannot_run_in_as_the_plan_runs_it_is_failing_for_the_sp
         return net
 
     task = dataclasses.replace(base, name="lstm-unwatched", model=model)
-    crashed = run_trial(task, lstm_policy("fp16"), get_backend("cpu"), Budget(steps=3))
-    assert crashed.state == "failed" and "primitive descriptor" in crashed.reason
-
+    cpu = get_backend("cpu")
+    trials = {d: run_trial(task, lstm_policy(d), cpu, Budget(steps=3)) for d in ("fp16", "bf16")}
     profile = autoprec.profile_task(task, "cpu", dtypes=["fp16", "bf16"])
     lstm = next(m for m in profile.modules if m.name == "lstm")
-    assert "fp16" in lstm.error and "primitive descriptor" in lstm.error
-    assert "fp16" in failing_dtypes("cpu", model().lstm)
-    assert "bf16" in lstm.error  # nor bf16, as the plan runs it
     fresh = model()
     space = load_space("default").fit(fresh)
-    taken = space.assignment(fresh)["lstm"]
-    assert next(g for g in space.groups if g.name == taken).dtypes == ("fp32",)
-    with pytest.raises(PolicyError, match=r"lstm .*cannot run in fp16 on cpu"):
-        run_trial(task, lstm_policy("fp16"), get_backend("cpu"), Budget(steps=3))
+    offered = next(g for g in space.groups if g.name == space.assignment(fresh)["lstm"]).dtypes
+    for dtype, trial in trials.items():
+        crashed = trial.state == "failed"
+        assert (f"{dtype}:" in lstm.error) == crashed, (dtype, trial.reason, lstm.error)
+        assert (dtype in failing_dtypes("cpu", fresh.lstm)) == crashed
+        assert (dtype not in offered) == crashed
+        if crashed:
+            assert "primitive descriptor" in trial.reason
+            with pytest.raises(PolicyError, match=rf"lstm .*cannot run in {dtype} on cpu"):
+                run_trial(task, lstm_policy(dtype), cpu, Budget(steps=3))
+        else:
+            _assert_a_training_step_runs_or_is_refused(task, lstm_policy(dtype))
+
+
+def test_a_kernel_that_runs_for_inference_only_is_probed_as_training_runs_it():
+    """The mechanism behind oneDNN's fp16 LSTM on CPUs with avx512_fp16, reproduced on
+    every CPU: a layer that runs an fp32 input under autocast for inference, but in a
+    training step only on inputs already cast. Probed as training runs it, its inputs are
+    cast (a probe without gradients let them through, and trials crashed), so trials in
+    fp16, bf16 and mixes of both train."""
+    task = training_kernel_task()
+    model = task.model()
+    watch_task(task, model, get_backend("cpu"))
+    assert autocast_behaviour("cpu", model.kernel) == "cast"
+    assert not failing_dtypes("cpu", model.kernel)
+    for policy in (
+        Policy.uniform("fp16"),
+        Policy.uniform("bf16"),
+        Policy(rules=(Rule("fp16", patterns=("kernel",)),), default="bf16"),
+        Policy(rules=(Rule("bf16", patterns=("kernel",)),), default="fp32"),
+    ):
+        result = run_trial(task, policy, get_backend("cpu"), Budget(steps=3, warmup_steps=1))
+        assert result.state != "failed", (policy, result.reason)
+    profile = autoprec.profile_task(task, "cpu")
+    assert not next(m for m in profile.modules if m.name == "kernel").error
+
+
+def test_what_the_probe_cannot_train_is_refused_before_training_with_its_reason(tmp_path):
+    """A layer without an fp16 backward: the probe's backward finds it, the space offers
+    it fp32 and bf16 only, and a policy that names fp16 for it is refused before any step,
+    in one line (the CLI: exit 2); bf16 trains."""
+    task = no_fp16_training_task()
+    model = task.model()
+    cpu = get_backend("cpu")
+    watch_task(task, model, cpu)
+    assert "no fp16 backward kernel" in failing_dtypes("cpu", model.kernel)["fp16"]
+    offered = load_space("default").fit(model).restrict({"fp32", "fp16", "bf16"})
+    group = offered.assignment(model)["kernel"]
+    assert "fp16" not in next(g for g in offered.groups if g.name == group).dtypes
+    fp16 = Policy(rules=(Rule("fp16", patterns=("kernel",)),))
+    with pytest.raises(PolicyError, match=r"^kernel \(NoFp16TrainingLinear\): cannot run in fp16"):
+        run_trial(task, fp16, cpu, Budget(steps=3, warmup_steps=1))
+    bf16 = Policy(rules=(Rule("bf16", patterns=("kernel",)),))
+    assert run_trial(task, bf16, cpu, Budget(steps=3, warmup_steps=1)).state != "failed"
+    path = fp16.save(tmp_path / "fp16.yaml")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autoprec.cli",
+            "resolve",
+            "--policy",
+            str(path),
+            "--task",
+            "tests/boundary_tasks.py:no_fp16_training_task",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot run in fp16 on cpu" in lines[0], done.stderr
+    assert "no fp16 backward kernel" in lines[0]
