@@ -223,7 +223,10 @@ def test_a_server_that_fails_by_itself_shows_its_last_lines(capfd):
     before anyone stopped it, its last lines (passwords redacted) say why."""
     from autoprec._server_process import serve
 
-    code = "print('x' * 10); print('cannot open postgresql://u:hunter2@db/optuna'); raise SystemExit(3)"
+    code = (
+        "print('x' * 10); print('cannot open postgresql://u:hunter2@db/optuna'); "
+        "raise SystemExit(3)"
+    )
     ready: list[bool] = []
     status = serve(
         [sys.executable, "-c", code],
