@@ -118,20 +118,19 @@ class Prepared:
     @property
     def settings(self) -> dict[str, Any]:
         config = self.config
-        settings = {
+        settings = {  # the options first, then what follows from them (the fitted space)
             "task": self.task.name,
-            "space": self.space.name,
-            "space_fingerprint": self.space.fingerprint(),
+            "mode": config.mode,
             "steps": self.budget.steps,
             "seed": self.budget.seed,
             "device": self.backend.kind,
             # figures of emulated dtypes are no device's
             "emulated": ",".join(self.backend.emulated()),
-            "mode": config.mode,
             "nproc_per_trial": config.nproc_per_trial,
             "parallel": config.parallel,
         }
-        return {**settings, **self.trials.settings}
+        fitted = {"space": self.space.name, "space_fingerprint": self.space.fingerprint()}
+        return {**settings, **self.trials.settings, **fitted}
 
     @property
     def needs_profile(self) -> bool:
