@@ -72,8 +72,13 @@ class SearchConfig:
       the real run does) or ``compressed`` (its shape squeezed into the trials' steps,
       `autoprec.trial_schedule`).
     - ``train_steps``: how long the user's real run trains, the step every layer's range
-      is forecast to (None: 10x ``steps``); ``forecast``: ``infeasible`` (a trial whose
-      forecast crosses its dtype's range within it is infeasible) or ``warn``.
+      is forecast to (None: 10x ``steps``; at most `MAX_TRAIN_STEPS`); ``forecast``:
+      ``infeasible`` (a trial whose forecast crosses its dtype's range within it is
+      infeasible) or ``warn``. These, ``trial_schedule``, ``confirm_steps`` and
+      ``compile`` are the training mode's: refused with ``mode="inference"``.
+
+    A study keeps the settings that change what its trials measure (its fingerprint,
+    `autoprec.search._studies.open_study`): continuing it with others is refused.
     """
 
     trials: int = 12
