@@ -438,7 +438,7 @@ def get_backend(
         widened.emulate = device.emulate | wanted
         return widened
     text = "auto" if device is None else str(device).strip().lower()
-    match = _DEVICE_PATTERN.match(text)
+    match = _DEVICE_PATTERN.fullmatch(text)
     if not match:
         raise DeviceError(
             f"device {text!r}: unknown device (expected auto, cpu, cuda, cuda:N, npu or npu:N)"
@@ -473,7 +473,7 @@ def parse_devices(text: str | Sequence[str] | None) -> list[str]:
     items = text.split(",") if isinstance(text, str) else list(text)
     devices: list[str] = []
     for item in (i.strip().lower() for i in items):
-        match = _RANGE.match(item)
+        match = _RANGE.fullmatch(item)
         if match:
             kind, first, last = match.group(1), int(match.group(2)), int(match.group(3))
             if last < first:

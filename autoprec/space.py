@@ -255,7 +255,7 @@ class SearchSpace:
             if unknown:
                 raise fail(f"{where}.{unknown[0]}: unknown field (expected {list(_GROUP_FIELDS)})")
             group_name = item.get("name")
-            if not isinstance(group_name, str) or not _GROUP_NAME.match(group_name):
+            if not isinstance(group_name, str) or not _GROUP_NAME.fullmatch(group_name):
                 raise fail(f"{where}.name: expected a name of letters, digits, '.', '-' and '_'")
             if any(g.name == group_name for g in groups):
                 raise fail(f"{where}.name: group {group_name!r} is named twice")

@@ -134,7 +134,7 @@ def _probe_database(uri: str) -> None:
         engine.dispose()
 
 
-def _unwritable(error: BaseException) -> bool:
+def unwritable(error: BaseException) -> bool:
     """Whether a write failed because the store cannot take writes now (a full disk, a
     read-only file), which retrying later may fix, not because the write was wrong."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
@@ -235,13 +235,13 @@ class Tracker:
             try:
                 job.work()
             except Exception as error:  # MLflow or its store: told apart below
-                unwritable = _unwritable(error)
-                if not unwritable and self._reachable():
+                full = unwritable(error)
+                if not full and self._reachable():
                     self.warn(f"MLflow: could not {job.what} ({first_line(error)}); skipped")
                     return
                 if self._down_since is None:
                     self._down_since = time.monotonic()
-                    what = "cannot be written" if unwritable else "is unreachable"
+                    what = "cannot be written" if full else "is unreachable"
                     self.warn(
                         f"the MLflow tracking store {self.shown_uri} {what} "
                         f"({_first_line(error)}); the trials go on, recorded in the Optuna "

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 TRIAL_SCHEDULES = ("as-is", "compressed")
 # Without --train-steps the real run is taken as this many times a trial's steps.
 DEFAULT_TRAIN_STEPS_PER_TRIAL_STEP = 10
+# --train-steps at most: a million optimizer steps, past most real runs' schedules. The
+# schedule is learnt (and a compressed trial steps it) that far, a few seconds of
+# scheduler steps; its shape keeps at most MAX_LR_SAMPLES rates.
+MAX_TRAIN_STEPS = 1_000_000
+MAX_LR_SAMPLES = 4096
 
 
 def train_steps_of(config: Any) -> int:
@@ -39,22 +44,21 @@ def train_steps_of(config: Any) -> int:
 
 @dataclass(frozen=True)
 class LRShape:
-    """The learning rate of the optimizer's first parameter group at each step of the real
-    run (``lrs[i]`` is the rate step i trains with), to ``len(lrs) - 1`` steps: N, or where
-    the scheduler refused to go on (``stopped`` says why)."""
+    """The learning rate of the optimizer's first parameter group over the real run, to
+    ``steps`` steps (N, or where the scheduler refused to go on: ``stopped`` says why).
+    ``lrs[i]`` is the rate step ``i * stride`` trains with: at most `MAX_LR_SAMPLES` + 1
+    rates, evenly spaced, so that a long run is learnt in bounded memory. The peak (its
+    first step) and ``head_peak_lr``, the largest rate of the first ``head`` steps (a
+    trial's), are exact."""
 
     lrs: tuple[float, ...]
+    steps: int
+    peak_step: int
+    peak_lr: float
+    stride: int = 1
+    head: int = 0
+    head_peak_lr: float | None = None
     stopped: str | None = None
-
-    @property
-    def steps(self) -> int:
-        return len(self.lrs) - 1
-
-    @property
-    def peak_step(self) -> int:
-        """The first step at the largest learning rate: the end of the warm-up."""
-        peak = max(self.lrs)
-        return next(i for i, lr in enumerate(self.lrs) if lr == peak)
 
     def warmup_seen(self, trial_steps: int) -> float | None:
         """The share of the warm-up a trial of ``trial_steps`` steps trains through, when
@@ -65,10 +69,11 @@ class LRShape:
         return trial_steps / peak
 
 
-def learn_lr_shape(task: Task, model: nn.Module, train_steps: int) -> LRShape | None:
-    """The task's schedule stepped to ``train_steps`` on a throwaway optimizer over the
-    model's parameters (no optimizer step is taken, so the model is left as it is); None
-    for a task without a scheduler."""
+def learn_lr_shape(task: Task, model: nn.Module, train_steps: int, head: int = 0) -> LRShape | None:
+    """The task's schedule stepped to ``train_steps`` (at most `MAX_TRAIN_STEPS`) on a
+    throwaway optimizer over the model's parameters (no optimizer step is taken, so the
+    model is left as it is), keeping evenly spaced rates and the largest of the first
+    ``head`` steps; None for a task without a scheduler."""
     if task.scheduler is None:
         return None
     try:
@@ -79,18 +84,29 @@ def learn_lr_shape(task: Task, model: nn.Module, train_steps: int) -> LRShape | 
             f"task {task.name!r}: its scheduler could not be made "
             f"({type(error).__name__}: {first_line(error)})"
         ) from None
-    lrs = [_lr(optimizer)]
-    stopped = None
+    train_steps = min(train_steps, MAX_TRAIN_STEPS)
+    stride = max(1, -(-train_steps // MAX_LR_SAMPLES))
+    lr = _lr(optimizer)
+    lrs, peak_step, peak_lr = [lr], 0, lr
+    head_peak = lr if head > 0 else None
+    stopped, steps = None, train_steps
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
-        for step in range(train_steps):
+        for step in range(1, train_steps + 1):
             try:
                 scheduler.step()
             except Exception as error:  # OneCycleLR past its total_steps, say
-                stopped = f"it stops at step {step} ({first_line(error)})"
+                stopped = f"it stops at step {step - 1} ({first_line(error)})"
+                steps = step - 1
                 break
-            lrs.append(_lr(optimizer))
-    return LRShape(tuple(lrs), stopped)
+            lr = _lr(optimizer)
+            if lr > peak_lr:
+                peak_step, peak_lr = step, lr
+            if step < head and head_peak is not None:
+                head_peak = max(head_peak, lr)
+            if step % stride == 0:
+                lrs.append(lr)
+    return LRShape(tuple(lrs), steps, peak_step, peak_lr, stride, head, head_peak, stopped)
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float:
@@ -99,20 +115,29 @@ def _lr(optimizer: torch.optim.Optimizer) -> float:
 
 def schedule_warning(task: Task, model: nn.Module, config: Any) -> str | None:
     """The one warning for trials that end before the schedule's peak learning rate: what
-    share of the warm-up they see, and what to do. None when the trials see the peak, run
-    the compressed schedule, or the task has no scheduler."""
-    if config.trial_schedule == "compressed" or task.scheduler is None:
+    share of the warm-up they see, and what to do; or, for ``--trial-schedule compressed``
+    on a task without a scheduler, that there is nothing to compress (its trials are the
+    same as-is, and the study records them so). None when the trials see the peak, run
+    the compressed schedule, or the task has no scheduler and no schedule was asked."""
+    if task.scheduler is None:
+        if config.trial_schedule != "compressed":
+            return None
+        return (
+            f"--trial-schedule compressed: task {task.name!r} has no learning-rate "
+            "scheduler to compress; its trials train at its optimizer's own rate"
+        )
+    if config.trial_schedule == "compressed":
         return None
     train_steps = train_steps_of(config)
-    shape = learn_lr_shape(task, model, train_steps)
+    shape = learn_lr_shape(task, model, train_steps, head=config.steps)
     if shape is None:
         return None
     seen = shape.warmup_seen(config.steps)
     if seen is None:
         return None
-    trial_peak = max(shape.lrs[: config.steps])
+    trial_peak = shape.head_peak_lr or shape.lrs[0]
     return (
-        f"task {task.name!r}: its learning rate warms up to {max(shape.lrs):.3g} at step "
+        f"task {task.name!r}: its learning rate warms up to {shape.peak_lr:.3g} at step "
         f"{shape.peak_step} of the real run's {train_steps} (--train-steps); a trial of "
         f"{config.steps} steps sees {seen:.0%} of the warm-up, at learning rates up to "
         f"{trial_peak:.3g}, so what the larger rates make grow is not measured "
@@ -184,9 +209,13 @@ def real_task(task: Task) -> Task:
     return task
 
 
-def trial_schedule_settings(config: Any) -> dict[str, Any]:
-    """What a study of compressed trials is identified by beyond the common settings (a
-    study of trials as-is records nothing new)."""
-    if config.trial_schedule != "compressed":
-        return {}
-    return {"trial_schedule": "compressed", "train_steps": train_steps_of(config)}
+def trial_schedule_settings(config: Any, task: Task) -> dict[str, Any]:
+    """What a study's trials are identified by of the schedule: the one they train on
+    (``task`` as `for_trials` made it: as-is for a task without a scheduler, which has
+    nothing to compress), and the real run's length, to which the compressed schedule
+    and the range forecast reach."""
+    compressed = isinstance(task.scheduler, CompressedSchedule)
+    return {
+        "trial_schedule": "compressed" if compressed else "as-is",
+        "train_steps": train_steps_of(config),
+    }

@@ -155,3 +155,12 @@ def _epochs(inputs: torch.Tensor, labels: torch.Tensor, seed: int):
         for i in range(0, 384 - 32 + 1, 32):
             index = order[i : i + 32]
             yield inputs[index], labels[index]
+
+
+def scheduled() -> autoprec.Task:
+    """The tiny task with a learning-rate warm-up over its first 50 steps (a scheduler)."""
+    task = make_tiny_task("scheduled")
+    task.scheduler = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / 50)
+    )
+    return task

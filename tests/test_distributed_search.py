@@ -9,12 +9,15 @@ with the real rank program (`autoprec.distributed.rank`), at 2 ranks on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import optuna
@@ -28,6 +31,7 @@ from autoprec.distributed.launch import (
     launch,
     local_group,
     settle_parallel,
+    usable_cores,
 )
 from autoprec.errors import AutoprecError
 from tests.distributed_fakes import KILL_AT_ENV, KILL_DIR_ENV
@@ -67,11 +71,21 @@ TASK = f"{REPO}/tests/distributed_tasks.py:blocks"
         ),
     ],
 )
-def test_bad_launch_settings_exit_2_with_one_line(options, message, in_tmp, capsys):
+def test_bad_launch_settings_exit_2_with_one_line(options, message, in_tmp, capsys, monkeypatch):
+    monkeypatch.setattr("autoprec.distributed.launch.usable_cores", lambda: 8)  # any machine
     assert main(["search", "--trials", "1", *options]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not (in_tmp / "runs").exists()  # refused before any store was opened
+
+
+def test_more_ranks_than_cores_are_refused_before_any_store_opens(in_tmp, capsys):
+    cores = usable_cores()
+    argv = ["search", "--nproc-per-trial", str(cores + 1), "--device", "cpu", "--trials", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--nproc-per-trial {cores + 1}: this machine lets the search run on {cores} CPU" in err
+    assert len(err.splitlines()) == 1 and not (in_tmp / "runs").exists()
 
 
 def test_parallel_defaults_to_ddp_past_one_rank():
@@ -315,3 +329,71 @@ def test_input_a_rank_refuses_stops_the_search_as_bad_input(tmp_path):
     )
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "task refused on the ranks, on purpose" in done.stderr
+
+
+# -- a killed search ------------------------------------------------------------------------
+
+MARKER_ENV = "AUTOPREC_TEST_MARKER"  # in the environment of every process a search starts
+
+
+def _marked(marker: str) -> list[int]:
+    """The live processes (not zombies) whose environment holds the marker."""
+    tag = f"{MARKER_ENV}={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if tag in environ.split(b"\0") and _running(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def _command(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _ranks(pids: list[int]) -> int:
+    return sum(b"autoprec.distributed.rank" in _command(pid) for pid in pids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGKILL to the agent too"])
+def test_a_killed_search_leaves_no_rank_behind(how, tmp_path):
+    """The search is killed while its ranks run: the agent dies with the search, and
+    each rank with the agent (also where the agent is killed outright, and cannot end
+    its ranks itself); no process the search started is left."""
+    sig = signal.SIGTERM if how == "SIGTERM" else signal.SIGKILL
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": str(REPO), MARKER_ENV: marker}
+    command = [sys.executable, "-m", "autoprec.cli", "search", "--no-progress", "--task", TASK]
+    command += ["--trials", "2", "--steps", "400", "--nproc-per-trial", "2", "--device", "cpu"]
+    search = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 600  # a guard, never a measured time
+        while _ranks(_marked(marker)) < 2:
+            assert search.poll() is None, "the search ended before its ranks started"
+            assert time.monotonic() < deadline, "no ranks started"
+            time.sleep(0.2)
+        if how == "SIGKILL to the agent too":
+            for pid in _marked(marker):
+                if b"torch.distributed.run" in _command(pid):
+                    os.kill(pid, signal.SIGKILL)
+        search.send_signal(sig)
+        search.wait(timeout=120)
+        deadline = time.monotonic() + 120  # the agent's own grace for its ranks is 30 s
+        while _marked(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _marked(marker) == []
+    finally:
+        for pid in [search.pid, *_marked(marker)]:  # only what this test started
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)

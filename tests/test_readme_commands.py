@@ -86,7 +86,8 @@ HANDLED: dict[str, Handling] = {
     "--workers 8 --devices npu:0-7": Handling(
         budget=("--trials", "--steps"), servers=True, npus=8, draws=True
     ),
-    "autoprec search --task digits-mlp --trials 6 --nproc-per-trial 2 --device cpu": SEARCH,
+    "autoprec search --task digits-mlp --study digits-mlp-2ranks --trials 6 --nproc-per-trial 2 "
+    "--device cpu": SEARCH,
 }
 FAST = ("autoprec search", "autoprec search --mode inference --scenario edge")
 

@@ -17,7 +17,8 @@ A launch that goes wrong fails its trial and the search goes on:
   rank's (each rank runs in a session of its own) get SIGTERM, then SIGKILL, so that no
   rank is left holding its device;
 - the agent dies with the process that launched it (PR_SET_PDEATHSIG), and then ends its
-  ranks.
+  ranks; each rank dies with the agent too (SIGKILL), so that a search killed by any
+  signal leaves no rank behind.
 """
 
 from __future__ import annotations
@@ -64,13 +65,22 @@ _INHERITED = re.compile(
     r"^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|"
     r"ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*)$"
 )
+# Who started whom, for a launch's processes to die with it: the launcher's pid (read by
+# the agent) and the agent's (read by each rank, `autoprec.distributed.rank`).
+LAUNCHER_PID_ENV = "AUTOPREC_LAUNCHER_PID"
+AGENT_PID_ENV = "AUTOPREC_AGENT_PID"
 # The agent dies with its launcher (Linux: PR_SET_PDEATHSIG); on that SIGTERM it ends
-# its ranks. Then it is torch's launcher, run as ``python -m torch.distributed.run``.
-_AGENT = """import ctypes, runpy, signal, sys
+# its ranks, and each rank dies with it too (SIGKILL). A launcher gone before the agent
+# asked (its parent is then another) ends it at once. Then it is torch's launcher, run
+# as ``python -m torch.distributed.run``.
+_AGENT = f"""import ctypes, os, runpy, signal, sys
 try:
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 except OSError:
     pass
+if str(os.getppid()) != os.environ.get("{LAUNCHER_PID_ENV}", str(os.getppid())):
+    sys.exit(1)
+os.environ["{AGENT_PID_ENV}"] = str(os.getpid())
 sys.argv[0] = "torch.distributed.run"
 runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
 """
@@ -147,6 +157,24 @@ def trial_devices(devices: list[str], device: Any, nproc: int) -> list[str]:
         return ["cpu"]
     first = backend.device.index or 0
     return [f"{backend.kind}:{first + i}" for i in range(nproc)]
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the OS says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity outside Linux
+        return os.cpu_count() or 1
+
+
+def check_cores(devices: list[str], nproc: int) -> None:
+    """On the CPU a launch's ranks share its cores: at most one rank per core this
+    process may run on (more only wait for each other, and for memory)."""
+    if devices and devices[0] == "cpu" and nproc > usable_cores():
+        raise AutoprecError(
+            f"--nproc-per-trial {nproc}: this machine lets the search run on "
+            f"{usable_cores()} CPU core(s); a trial on the CPU takes at most one rank per core"
+        )
 
 
 def group_env(group: list[str], threads: int, env: dict[str, str] | None = None) -> dict[str, str]:
@@ -294,6 +322,7 @@ def launch(
         "-m", module, str(spec_path), str(result_path),
     ]  # fmt: skip
     environment = {k: v for k, v in (env or dict(os.environ)).items() if not _INHERITED.match(k)}
+    environment[LAUNCHER_PID_ENV] = str(os.getpid())
     started_s = time.monotonic()
     with open_log(log_path) as log:
         process = subprocess.Popen(
@@ -482,6 +511,7 @@ class LaunchedTrials(TrainingTrials):
             prefer=prefer,
             study=study,
             forecast_warns=inner.forecast_warns,
+            schedule=inner.schedule,
         )
         self.plan = plan
 
@@ -495,9 +525,9 @@ class LaunchedTrials(TrainingTrials):
 
     @property
     def settings(self) -> dict[str, Any]:
-        """A study at N ranks is not continued at another N, mode or backend."""
-        plan = self.plan
-        return {"nproc_per_trial": plan.nproc, "parallel": plan.parallel, "backend": plan.backend}
+        """The training mode's, and the ranks' collective backend (the search records
+        how many ranks, and in which parallel mode)."""
+        return {**super().settings, "backend": self.plan.backend}
 
     def warm_up(self, space: SearchSpace, limit_s: float) -> None:
         """Nothing: every launch is a fresh set of processes, which no warm-up here helps."""

@@ -51,8 +51,11 @@ overflow decision all-reduced, so that every rank takes every decision alike.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -67,6 +70,7 @@ import torch.distributed as dist
 from autoprec._files import write_atomic
 from autoprec.devices import get_backend
 from autoprec.distributed.collectives import gather_records
+from autoprec.distributed.launch import AGENT_PID_ENV
 from autoprec.distributed.parallel import RankTraining
 from autoprec.distributed.telemetry import reduce_telemetry
 from autoprec.errors import AutoprecError, first_line
@@ -76,6 +80,7 @@ from autoprec.trials.base import TrialState
 from autoprec.trials.training import Budget, EarlyStopping, TrialResult, _train_and_evaluate
 
 DEFAULT_TIMEOUT_S = 1800.0
+PR_SET_PDEATHSIG = 1  # prctl(2)
 MAX_LISTED_LEAVES = 64  # of the observed dtypes, per rank, in the result
 
 
@@ -185,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     spec_path, result_path = Path(args[0]), Path(args[1])
+    _die_with_agent()
     rank = int(os.environ.get("RANK", "0"))
     try:
         spec = json.loads(spec_path.read_text())
@@ -207,6 +213,19 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _die_with_agent() -> None:
+    """This rank is killed when torchrun's agent that started it dies (Linux:
+    PR_SET_PDEATHSIG), and ends at once where the agent is already gone: a search killed
+    while its ranks ran leaves none behind."""
+    agent = os.environ.get(AGENT_PID_ENV)
+    if agent is None:  # started by hand, or by a plain torchrun
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if str(os.getppid()) != agent:
+        os._exit(1)
 
 
 def _init_process_group(spec: dict[str, Any]) -> None:

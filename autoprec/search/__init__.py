@@ -198,8 +198,9 @@ def _finish(
 def _settings(session: Session) -> dict[str, Any]:
     """The settings summary.json records: the search's own, and what an export needs."""
     prepared, config = session.prepared, session.prepared.config
+    settings = prepared.settings
     return {
-        **prepared.settings,
+        **settings,
         "task_spec": prepared.task_spec,  # for autoprec export
         **session.trials.summary_settings(),  # the checkpoint
         "trials": config.trials,
@@ -207,7 +208,8 @@ def _settings(session: Session) -> dict[str, Any]:
         "prefer": config.prefer or prepared.prefer,
         "confirm_top": config.confirm_top,
         "confirm_steps": config.confirm_steps,
-        "trial_schedule": config.trial_schedule,
+        # as the trials ran it (as-is for a task without a scheduler to compress)
+        "trial_schedule": settings.get("trial_schedule", config.trial_schedule),
         "train_steps_asked": config.train_steps,  # None: the forecast's default horizon
         "forecast": config.forecast,
         "accuracy_tolerance": prepared.tolerance,

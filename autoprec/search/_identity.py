@@ -19,6 +19,7 @@ from typing import Any
 
 from autoprec.errors import StoreError, redact
 from autoprec.tracking import ROLE_TAG, Tracker, absolute_sqlite_uri
+from autoprec.trial_schedule import DEFAULT_TRAIN_STEPS_PER_TRIAL_STEP
 
 STUDY_ID_ATTR = "autoprec.study_id"  # Optuna study attribute: the study's random id
 SUMMARY_KEY = "optuna_study"  # summary.json: {"storage": ..., "study_id": ...}
@@ -67,6 +68,26 @@ def of_outputs(out_dir: Path) -> StudyIdentity | None:
     settings = summary.get("settings")
     storage = settings.get("storage") if isinstance(settings, dict) else None
     return StudyIdentity.of(storage, None) if isinstance(storage, str) else None
+
+
+def summary_settings(out_dir: Path) -> dict[str, Any]:
+    """What runs/<study>/summary.json says of the settings a study made before studies
+    kept all of theirs did not record in Optuna: its forecast and its real run's length
+    (empty if there is no readable summary)."""
+    try:
+        summary = json.loads((out_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    settings = summary.get("settings") if isinstance(summary, dict) else None
+    if not isinstance(settings, dict):
+        return {}
+    known: dict[str, Any] = {}
+    if settings.get("forecast") in ("infeasible", "warn"):
+        known["forecast"] = settings["forecast"]
+    asked, steps = settings.get("train_steps_asked"), settings.get("steps")
+    if "train_steps_asked" in settings and isinstance(steps, int) and isinstance(asked, int | None):
+        known["train_steps"] = asked or DEFAULT_TRAIN_STEPS_PER_TRIAL_STEP * steps
+    return known
 
 
 def refuse_other_storage(

@@ -27,7 +27,7 @@ from torch import nn
 
 from autoprec.devices import Backend, get_backend, parse_devices
 from autoprec.distributed.data import check_shardable
-from autoprec.distributed.launch import launched, trial_devices
+from autoprec.distributed.launch import check_cores, launched, trial_devices
 from autoprec.errors import AutoprecError, StoreError, first_line, redact
 from autoprec.fp8_risk import fp8_group_order
 from autoprec.guided import GuidedStrategy
@@ -40,6 +40,7 @@ from autoprec.search._identity import (
     of_parent_run,
     refuse_other_storage,
     refuse_other_study,
+    summary_settings,
 )
 from autoprec.search._loop import (
     POLL_S,
@@ -66,7 +67,7 @@ from autoprec.selection import rank_key
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
 from autoprec.tasks import Task, check_task, check_task_data, load_task
 from autoprec.tracking import FLUSH_WAIT_S, Tracker, absolute_sqlite_uri
-from autoprec.trial_schedule import for_trials, trial_schedule_settings
+from autoprec.trial_schedule import for_trials
 from autoprec.trials import trials_of
 from autoprec.trials.base import Trials, TrialState
 from autoprec.trials.training import Budget
@@ -116,18 +117,20 @@ class Prepared:
 
     @property
     def settings(self) -> dict[str, Any]:
-        settings = {
+        config = self.config
+        settings = {  # the options first, then what follows from them (the fitted space)
             "task": self.task.name,
-            "space": self.space.name,
-            "space_fingerprint": self.space.fingerprint(),
+            "mode": config.mode,
             "steps": self.budget.steps,
             "seed": self.budget.seed,
             "device": self.backend.kind,
+            # figures of emulated dtypes are no device's
+            "emulated": ",".join(self.backend.emulated()),
+            "nproc_per_trial": config.nproc_per_trial,
+            "parallel": config.parallel,
         }
-        if self.backend.emulated():  # figures of emulated dtypes are no device's
-            settings["emulated"] = ",".join(self.backend.emulated())
-        settings.update(trial_schedule_settings(self.config))
-        return {**settings, **self.trials.settings}
+        fitted = {"space": self.space.name, "space_fingerprint": self.space.fingerprint()}
+        return {**settings, **self.trials.settings, **fitted}
 
     @property
     def needs_profile(self) -> bool:
@@ -154,6 +157,7 @@ def prepare(
     nproc = config.nproc_per_trial  # trials across several devices: one worker per group
     if nproc > 1:
         devices = trial_devices(devices, config.device, nproc)
+        check_cores(devices, nproc)
     default_workers = max(1, len(devices) // nproc if devices and devices[0] != "cpu" else 1)
     workers = config.workers if config.workers is not None else default_workers
     if workers > 1 and not (isinstance(task, str) and isinstance(space, str | Path | None)):
@@ -273,7 +277,10 @@ class Session:
         try:
             _refuse_records_of_another_study(prepared, tracker, storage, outputs)
             objectives = prepared.trials.objectives
-            study = open_study(prepared.study, storage, sampler, prepared.settings, objectives)
+            legacy = summary_settings(prepared.out_dir)  # for a study older than fingerprints
+            study = open_study(
+                prepared.study, storage, sampler, prepared.settings, objectives, legacy
+            )
         except BaseException:  # a study of other settings: leave the database as it was
             storage.engine.dispose()
             if created and database is not None:
@@ -292,8 +299,10 @@ class Session:
         waiting = False
         while True:
             if self._ready():
-                self.tracker.start_parent(parent_params)  # reopened: RUNNING again
+                # What the set-up made is read first: a study refused here (its fp32.pt
+                # damaged, say) leaves its parent run as it was, not RUNNING again.
                 self.join()
+                self.tracker.start_parent(parent_params)  # reopened: RUNNING again
                 self.catch_up()
                 return
             if lease.acquire():

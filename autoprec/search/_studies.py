@@ -46,6 +46,7 @@ from autoprec._files import open_log
 from autoprec.errors import StoreError, first_line
 from autoprec.search._identity import STUDY_ID_ATTR, new_study_id
 from autoprec.search.config import HEARTBEAT_INTERVAL_S
+from autoprec.tracking import unwritable
 
 RECORD_ATTR = "autoprec"  # user attribute: the trial's policy and result, once measured
 CLAIM_ATTR = "autoprec.claim"  # user attribute: the key of the policy the trial measures
@@ -183,6 +184,13 @@ def _retrying(method: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 result = method(self, *args, **kwargs)
             except _DATABASE_ERRORS as error:  # any other error propagates as it is
+                cause = error.__cause__ or error  # Optuna wraps the database's own error
+                if unwritable(cause):  # a full disk is no outage: waiting frees nothing
+                    raise StoreError(
+                        f"the Optuna storage cannot be written ({first_line(cause, 200)}); "
+                        "free some space (or make it writable), then run the same command "
+                        "again to continue"
+                    ) from None
                 if not _connection_lost(error):
                     raise
                 self.scoped_session.remove()  # the next try starts on a fresh session
@@ -464,27 +472,96 @@ def stored_study_id(storage: optuna.storages.BaseStorage, name: str) -> str | No
     return None if existing is None else existing.user_attrs.get(STUDY_ID_ATTR)
 
 
+# The study attribute holding every setting a study was made with (its fingerprint).
+FINGERPRINT_ATTR = "autoprec.fingerprint"
+# Studies made before the fingerprint kept a setting as an attribute of its own, and only
+# where it was away from its default: absent, it was this.
+LEGACY_DEFAULTS: dict[str, Any] = {
+    "mode": "training",
+    "emulated": "",
+    "compile": False,
+    "trial_schedule": "as-is",
+    "nproc_per_trial": 1,
+    "parallel": None,
+    "backend": None,
+    "fp8": None,
+}
+# The option that sets each fingerprinted setting, for the refusal's line.
+_OPTIONS = {
+    "task": "--task",
+    "space": "--space",
+    "space_fingerprint": "--space",
+    "steps": "--steps",
+    "seed": "--seed",
+    "device": "--device",
+    "emulated": "--emulate",
+    "mode": "--mode",
+    "compile": "--compile",
+    "trial_schedule": "--trial-schedule",
+    "train_steps": "--train-steps",
+    "forecast": "--forecast",
+    "nproc_per_trial": "--nproc-per-trial",
+    "parallel": "--parallel",
+    "backend": "--device",
+    "scenario": "--scenario",
+    "batch_sizes": "--batch-size/--batch-sizes",
+    "int8": "--int8",
+    "fp8": "--fp8",
+    "checkpoint_sha256": "--checkpoint",
+}
+
+
+def refuse_other_settings(
+    name: str, where: str, recorded: dict[str, Any], settings: dict[str, Any]
+) -> None:
+    """A StoreError naming the first setting in which ``settings`` differ from those the
+    study ``recorded`` (a setting only one side has differs too), with both values."""
+    for key in [*settings, *(k for k in recorded if k not in settings)]:
+        old, new = recorded.get(key), settings.get(key)
+        if old != new:
+            option = _OPTIONS.get(key, key)
+            raise StoreError(
+                f"study {name!r} in {where} was run with {key}={old!r}, not {new!r} "
+                f"({option}); use another --study (say --study {name}-2) for the new "
+                "settings, or the same settings"
+            )
+
+
+def _recorded_settings(
+    attrs: dict[str, Any], settings: dict[str, Any], legacy: dict[str, Any]
+) -> tuple[dict[str, Any], bool]:
+    """The settings an existing study was made with, and whether it predates the
+    fingerprint: then those it recorded as attributes of their own, the defaults of those
+    it left out (`LEGACY_DEFAULTS`), and what its summary.json says of others
+    (``legacy``); a setting none of them knows is taken as given, and recorded now."""
+    fingerprint = attrs.get(FINGERPRINT_ATTR)
+    if isinstance(fingerprint, dict):
+        return fingerprint, False
+    known = {**LEGACY_DEFAULTS, **legacy}
+    known.update({k: attrs[k] for k in settings if attrs.get(k) is not None})
+    return {k: known.get(k, settings[k]) for k in settings}, True
+
+
 def open_study(
     name: str,
     storage: optuna.storages.BaseStorage,
     sampler: optuna.samplers.BaseSampler,
     settings: dict[str, Any],
     objectives: Sequence[str] = ("accuracy", "peak_memory_mb", "step_time_ms"),
+    legacy: dict[str, Any] | None = None,
 ) -> optuna.Study:
-    """Create the study, or load it when it exists and was run with the same settings
-    (kept as study attributes: task, space, steps, seed, device kind)."""
+    """Create the study, or load it when it exists and was run with the same settings:
+    every setting that changes what a trial measures (``settings``, recorded when the
+    study is made as the attribute `FINGERPRINT_ATTR`, and each as an attribute of its
+    own). A study made before the fingerprint is checked on what it recorded then
+    (``legacy``: what its summary.json says of the rest) and given one."""
     where = getattr(storage, "url", "the Optuna storage")
+    record = False
     try:
         existing = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}.get(name)
         if existing is not None:
-            old = {k: existing.user_attrs.get(k) for k in settings}
-            changed = [k for k in settings if old[k] is not None and old[k] != settings[k]]
-            if changed:
-                key = changed[0]
-                raise StoreError(
-                    f"study {name!r} in {where} was run with {key}={old[key]!r}, not "
-                    f"{settings[key]!r}; use another --study or the same settings"
-                )
+            recorded, record = _recorded_settings(existing.user_attrs, settings, legacy or {})
+            refuse_other_settings(name, where, recorded, settings)
         study = optuna.create_study(
             storage=storage,
             study_name=name,
@@ -496,9 +573,11 @@ def open_study(
         raise
     except Exception as error:  # whatever the database driver raises
         raise StoreError(f"Optuna storage {where}: {first_line(error)}") from None
-    if existing is None:
+    if existing is None or record:
         for key, value in settings.items():
-            study.set_user_attr(key, value)
+            if study.user_attrs.get(key) is None:
+                study.set_user_attr(key, value)
+        study.set_user_attr(FINGERPRINT_ATTR, settings)
     if STUDY_ID_ATTR not in study.user_attrs:  # new, or made before studies had ids
         _give_id(study)
     if study.metric_names is None:  # optuna-dashboard then names the Pareto plot's axes

@@ -18,7 +18,7 @@ from typing import Any
 from autoprec.devices import check_emulate
 from autoprec.errors import AutoprecError, StoreError, redact
 from autoprec.tracking import DEFAULT_TRACKING_URI, check_tracking_uri
-from autoprec.trial_schedule import TRIAL_SCHEDULES
+from autoprec.trial_schedule import MAX_TRAIN_STEPS, TRIAL_SCHEDULES
 from autoprec.trials import MODES, trials_class
 from autoprec.trials.serving import ServingConfig
 
@@ -29,8 +29,9 @@ SAMPLERS = ("guided", "tpe", "nsga2", "random")
 HEARTBEAT_INTERVAL_S = 10  # the grace before a silent trial is failed: 3 intervals
 # ServingConfig's fields, also taken flat (``SearchConfig(mode="inference", scenario=...)``,
 # ``--scenario``) and nested into ``serving``.
-SERVING_KEYWORDS = ("scenario", "batch_size", "batch_sizes", "checkpoint", "int8")
-STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+SERVING_KEYWORDS = ("scenario", "batch_size", "batch_sizes", "checkpoint", "int8", "fp8")
+# Matched whole (fullmatch): a pattern ending in "$" would pass a name ending in "\n".
+STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +55,7 @@ class SearchConfig:
       convert a trained fp32 model's weights and serve it), one of `autoprec.trials.MODES`
       (default: inference when ``serving`` is given, else training); ``serving``: the
       serving settings (`autoprec.trials.serving.ServingConfig`: scenario, batch sizes,
-      checkpoint, int8), whose fields may also be given flat with
+      checkpoint, int8, fp8), whose fields may also be given flat with
       ``mode="inference"`` (``scenario="edge"``).
       ``prefer`` may then also be ``latency`` or ``throughput``; None takes the
       scenario's (training: speed).
@@ -71,8 +72,13 @@ class SearchConfig:
       the real run does) or ``compressed`` (its shape squeezed into the trials' steps,
       `autoprec.trial_schedule`).
     - ``train_steps``: how long the user's real run trains, the step every layer's range
-      is forecast to (None: 10x ``steps``); ``forecast``: ``infeasible`` (a trial whose
-      forecast crosses its dtype's range within it is infeasible) or ``warn``.
+      is forecast to (None: 10x ``steps``; at most `MAX_TRAIN_STEPS`); ``forecast``:
+      ``infeasible`` (a trial whose forecast crosses its dtype's range within it is
+      infeasible) or ``warn``. These, ``trial_schedule``, ``confirm_steps`` and
+      ``compile`` are the training mode's: refused with ``mode="inference"``.
+
+    A study keeps the settings that change what its trials measure (its fingerprint,
+    `autoprec.search._studies.open_study`): continuing it with others is refused.
     """
 
     trials: int = 12
@@ -111,6 +117,7 @@ class SearchConfig:
     batch_sizes: InitVar[str | Sequence[int] | None] = None
     checkpoint: InitVar[str | Path | None] = None
     int8: InitVar[str | None] = None
+    fp8: InitVar[str | None] = None
 
     def __post_init__(
         self,
@@ -119,6 +126,7 @@ class SearchConfig:
         batch_sizes: str | Sequence[int] | None,
         checkpoint: str | Path | None,
         int8: str | None,
+        fp8: str | None,
     ) -> None:
         object.__setattr__(self, "runs_dir", Path(self.runs_dir))
         flat = {
@@ -127,6 +135,7 @@ class SearchConfig:
             "batch_sizes": batch_sizes,
             "checkpoint": checkpoint,
             "int8": int8,
+            "fp8": fp8,
         }
         self._nest_serving({k: v for k, v in flat.items() if v is not None})
         object.__setattr__(self, "emulate", tuple(sorted(check_emulate(self.emulate))))
@@ -214,8 +223,15 @@ class SearchConfig:
                 f"--confirm-steps: expected an integer of at least --steps ({self.steps}), "
                 f"got {confirm!r}"
             )
-        if confirm is not None and self.mode != "training":
-            raise AutoprecError("--confirm-steps: only with --mode training (trials that train)")
+        training_only = {
+            "--confirm-steps": confirm is not None,
+            "--trial-schedule": self.trial_schedule != "as-is",
+            "--train-steps": self.train_steps is not None,
+            "--forecast": self.forecast != "infeasible",
+        }
+        for option, given in training_only.items():
+            if given and self.mode != "training":
+                raise AutoprecError(f"{option}: only with --mode training (trials that train)")
         if self.trial_schedule not in TRIAL_SCHEDULES:
             raise AutoprecError(
                 f"--trial-schedule: expected {' or '.join(TRIAL_SCHEDULES)}, "
@@ -288,6 +304,11 @@ def _check_forecast(train_steps: Any, mode: Any, steps: int) -> None:
         raise AutoprecError(
             f"--train-steps: expected an integer of at least --steps ({steps}), got {train_steps!r}"
         )
+    if train_steps is not None and train_steps > MAX_TRAIN_STEPS:
+        raise AutoprecError(
+            f"--train-steps {train_steps}: at most {MAX_TRAIN_STEPS} (the schedule is learnt "
+            "by stepping the task's scheduler that far)"
+        )
     if mode not in FORECAST_MODES:
         raise AutoprecError(f"--forecast: expected infeasible or warn, got {mode!r}")
 
@@ -314,7 +335,7 @@ def check_tolerance(tolerance: Any) -> float:
 
 
 def check_study_name(name: str) -> str:
-    if not isinstance(name, str) or not STUDY_NAME.match(name):
+    if not isinstance(name, str) or not STUDY_NAME.fullmatch(name):
         raise AutoprecError(
             f"--study {name!r}: use letters, digits, '.', '-' and '_' (at most 100)"
         )

@@ -43,6 +43,7 @@ from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch
 from autoprec.telemetry import GradientMonitor
+from autoprec.trial_schedule import trial_schedule_settings
 from autoprec.trials.base import (
     SIDE_BY_SIDE_BLOCK,
     Choice,
@@ -798,12 +799,15 @@ class TrainingTrials:
         stopping: EarlyStopping | None = None,
         compiled: bool = False,
         forecast_warns: bool = False,
+        schedule: dict[str, Any] | None = None,
     ) -> None:
         self.task, self.model, self.backend, self.budget = task, model, backend, budget
         self.asked = (accuracy_tolerance, prefer, study)
         self.stopping = stopping
         self.compiled = compiled  # every trial under torch.compile (`autoprec.compiled`)
         self.forecast_warns = forecast_warns
+        # The trials' schedule and the real run's length (`trial_schedule_settings`).
+        self.schedule = dict(schedule or {})
 
     @classmethod
     def of(
@@ -820,12 +824,19 @@ class TrainingTrials:
             study=config.study,
             compiled=bool(getattr(config, "compile", False) or task.compile),
             forecast_warns=config.forecast == "warn",
+            schedule=trial_schedule_settings(config, task),
         )
 
     @property
     def settings(self) -> dict[str, Any]:
-        """Compiled trials' figures are not eager ones': a compiled study is its own."""
-        return {"compile": True} if self.compiled else {}
+        """What changes what a training trial measures or how it is judged: compiled
+        trials' figures are not eager ones', a compressed schedule is not the real one,
+        and the forecast reaches to the real run's length."""
+        return {
+            "compile": self.compiled,
+            **self.schedule,
+            "forecast": "warn" if self.forecast_warns else "infeasible",
+        }
 
     def fit(self, space: SearchSpace, profile: Profile | None) -> SearchSpace:
         """Training runs under autocast: how it treats these layers is watched first."""
@@ -888,6 +899,7 @@ class TrainingTrials:
             stopping=EarlyStopping.from_baseline(baseline),
             compiled=self.compiled,
             forecast_warns=self.forecast_warns,
+            schedule=self.schedule,
         )
 
     def measure(self, policy: Policy) -> TrialResult:
