@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default="100,200", help="trial lengths of the searches")
     parser.add_argument("--table", type=Path, default=table_path())
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--truth-only", action="store_true", help="print the cached truth table, search nothing"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     names = _names(args.only)
@@ -82,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from autoprec.tasks.zoo.calibration import main_table
 
-    return main_table(names, [int(s) for s in args.steps.split(",")], args.table)
+    steps = [int(s) for s in args.steps.split(",")]
+    out = Path("runs/bench/zoo_calibration.json")
+    return main_table(names, steps, args.table, search=not args.truth_only, out=out)
 
 
 if __name__ == "__main__":

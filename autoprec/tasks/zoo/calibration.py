@@ -287,3 +287,137 @@ def calibrate(
                 )
                 result.random_policies_run += random_policies
     return result
+
+
+# -- the printed table ----------------------------------------------------------------------
+
+
+def _step(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _metric(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def truth_rows(table: dict[str, Any], names: list[str]) -> list[str]:
+    """The truth table as markdown rows: failure steps (per seed) and the metric at 10x
+    the trial against fp32's, per policy."""
+    lines = [
+        "| task | kind | mechanism | fp16 failure (seeds) | first event | bf16 failure | "
+        "group-fp32 failure | fp32 | fp16 | bf16 | group-fp32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        row = table["tasks"].get(name)
+        if row is None:
+            lines.append(
+                f"| {name} | {ZOO[name].kind.value} | {ZOO[name].mechanism} | "
+                "not measured | | | | | | | |"
+            )
+            continue
+        runs = row["runs"]
+
+        def first(label: str | None, runs: dict[str, Any] = runs) -> dict[str, Any]:
+            return (runs.get(label) or [{}])[0] if label else {}
+
+        fp16 = runs.get("fp16", [])
+        steps = ", ".join(_step(r["failure_step"]) for r in fp16)
+        event = _event(fp16[0]) if fp16 else "-"
+        keep = next((k for k in runs if k.startswith("fp16+group")), None)
+        lines.append(
+            f"| {name} | {row['kind']} | {row['mechanism']} | {steps} | {event} | "
+            f"{_step(first('bf16').get('failure_step'))} | "
+            f"{_step(first(keep).get('failure_step')) if keep else 'n/a'} | "
+            f"{_metric(first('fp32').get('final_metric'))} | "
+            f"{_metric(first('fp16').get('final_metric'))} | "
+            f"{_metric(first('bf16').get('final_metric'))} | "
+            f"{_metric(first(keep).get('final_metric')) if keep else 'n/a'} |"
+        )
+    return lines
+
+
+def _event(run: dict[str, Any]) -> str:
+    """What the run saw first: the event at its failure step, and where."""
+    if run.get("crashed"):
+        return f"crash ({run['crashed'][:60]})"
+    step = run.get("failure_step")
+    if step is None:
+        return "none"
+    if run.get("first_nonfinite_output_step") == step:
+        return f"non-finite output: {run['first_nonfinite_output_layer']}"
+    if run.get("first_nonfinite_loss_step") == step:
+        return "non-finite loss"
+    if run.get("first_flush_step") == step:
+        return f"{run['first_flush_kind']} flushed to zero: {run['first_flush_layer']}"
+    if run.get("scale_collapse_step") == step:
+        return "loss scale below 1"
+    return "metric collapsed"
+
+
+def boundary_rows(table: dict[str, Any], names: list[str]) -> list[str]:
+    lines = ["| task | mixed policy | crashed |", "|---|---|---|"]
+    for name in names:
+        row = table["tasks"].get(name)
+        if row is None or row["kind"] != Kind.BOUNDARY.value:
+            continue
+        for label, runs in row["runs"].items():
+            if "boundary" in label:
+                lines.append(f"| {name} | {label} | {runs[0].get('crashed') or 'no'} |")
+    return lines
+
+
+def calibration_rows(result: Calibration, steps: tuple[int, ...]) -> list[str]:
+    lines = [
+        "| --steps | false alarms (healthy) | recall (all) | recall (overflow) | "
+        "recall (underflow) | crossing within 2x (all) | overflow | underflow | "
+        "boundary crashes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for length in steps:
+        lines.append(
+            f"| {length} | {result.false_alarms(length)} | {result.recall('all', length)} | "
+            f"{result.recall('overflow', length)} | {result.recall('underflow', length)} | "
+            f"{result.crossing_within_2x('all', length)} | "
+            f"{result.crossing_within_2x('overflow', length)} | "
+            f"{result.crossing_within_2x('underflow', length)} | "
+            f"{result.boundary_crashes(length)} |"
+        )
+    return lines
+
+
+def main_table(
+    names: list[str], steps: list[int], path: Path, search: bool = True, out: Path | None = None
+) -> int:
+    """Print the truth table and, with ``search``, the calibration of every named task."""
+    table = load_table(path)
+    print("\n".join(truth_rows(table, names)))
+    print()
+    print("\n".join(boundary_rows(table, names)))
+    if not search:
+        return 0
+    started = time.perf_counter()
+    result = calibrate(names, tuple(steps), table)
+    print()
+    print("\n".join(calibration_rows(result, tuple(steps))))
+    print(f"\nrandom mixed fp16/bf16 policies crashed: {result.random_crashes()}")
+    for name, reasons in result.random_policy_crashes.items():
+        for reason in reasons:
+            print(f"  {name}: {reason[:160]}")
+    print("\nflagged or missed (fragile), false alarms (healthy):")
+    for v in result.verdicts:
+        if (v.kind == "healthy" and v.at_risk) or (v.kind == "fragile" and v.truly_fails):
+            mark = "flagged" if v.flagged else "MISSED"
+            if v.kind == "healthy":
+                mark = "FALSE ALARM"
+            print(
+                f"  {v.task} --steps {v.steps} {v.name}: {mark}; "
+                f"truth {_step(v.truth_failure_step)}, "
+                f"predicted {_step(v.predicted_crossing_step)}; {(v.reason or '')[:140]}"
+            )
+    print(f"\ncalibration: {time.perf_counter() - started:.0f} s")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        print(f"verdicts written to {out}")
+    return 0

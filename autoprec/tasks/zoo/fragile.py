@@ -84,39 +84,43 @@ GAIN_TAU = {"exponential": 250.0, "power": 100.0, "sqrt": 10.0, "linear": 20.0}
 GAIN_UNITS = {"exponential": 2.0**8.5, "power": 2.0**6, "sqrt": 2.0**11, "linear": 2.0**10}
 
 
-class Gain(_StepCounted):
-    """Multiplies its input by ``unit * shape(max(0, step - start) / tau)`` in the
-    region's dtype: an inverse temperature on the logits annealed upward on a schedule
-    (as distillation and annealed-softmax heads do), counting its own training steps."""
+class AnnealedHead(nn.Linear):
+    """A Linear head whose output is multiplied by ``unit * shape(max(0, step - start) /
+    tau)`` in the region's dtype: an inverse temperature on the logits annealed upward on
+    a schedule (as distillation and annealed-softmax heads do), counting its own training
+    steps."""
+
+    steps: torch.Tensor
 
     def __init__(self, shape: str, unit: float, start: int = 0) -> None:
-        super().__init__()
+        super().__init__(64, 10)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.float64))
         self.shape, self.unit, self.start = shape, unit, start
         self.tau = GAIN_TAU[shape]
 
     def factor(self) -> float:
         return GAIN_SHAPES[self.shape](max(0.0, float(self.steps) - self.start) / self.tau)
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled():
             self.steps.add_(1)
+        z = super().forward(x)
         dtype = region_dtype(z)
         return z.to(dtype) * torch.tensor(self.factor() * self.unit, dtype=dtype)
 
 
 class GainedMLP(nn.Module):
-    """An MLP whose head output is scaled by an annealed gain and divided by the gain's
-    unit again: the logits are ``head(x) * shape(step / tau)``."""
+    """An MLP whose annealed head's output is divided by the head's unit again: the
+    logits are ``head(x) * shape(step / tau)``."""
 
     def __init__(self, shape: str, unit: float, start: int = 0) -> None:
         super().__init__()
         self.body = _body()
-        self.head = nn.Linear(64, 10)
-        self.gain = Gain(shape, unit, start)
+        self.head = AnnealedHead(shape, unit, start)
         self.unit = unit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gain(self.head(self.body(x))) / self.unit
+        return self.head(self.body(x)) / self.unit
 
 
 def _gained(name: str, shape: str, start: int = 0, unit: float | None = None) -> Task:
@@ -126,8 +130,7 @@ def _gained(name: str, shape: str, start: int = 0, unit: float | None = None) ->
 
 
 def exp_growth() -> Task:
-    """Exponential growth: the logits' inverse temperature is ``exp(step / 250)``, so the
-    gain's output grows exponentially until fp16 overflows."""
+    """Exponential growth: the logits' inverse temperature is ``exp(step / 250)``, head's output grows exponentially until fp16 overflows."""
     return _gained("zoo-exp-growth", "exponential")
 
 
@@ -253,18 +256,19 @@ class GradientMultiplier(_StepCounted):
     """The identity forward; backward multiplies the gradient by ``exp(rate * step)``, in
     the gradient's dtype (a gradient-scaling layer on a schedule)."""
 
-    def __init__(self, rate: float, start: float = 1.0) -> None:
+    def __init__(self, rate: float, start: float = 1.0, floor: float = 0.0) -> None:
         super().__init__()
-        self.rate, self.start = rate, start
+        self.rate, self.start, self.floor = rate, start, floor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return x
-        factor = self.start * math.exp(self.rate * float(self.steps))
+        factor = max(self.floor, self.start * math.exp(self.rate * float(self.steps)))
         return _ScaledGradient.apply(x, factor, self.steps)
 
 
 FREEZE_RATE = -1.0 / 40  # the early layer's gradient multiplier decays e-fold in 40 steps
+FREEZE_FLOOR = 1e-12  # where it stops: fp32's Adam still squares the gradients it gives
 
 
 class FreezingMLP(nn.Module):
@@ -277,7 +281,7 @@ class FreezingMLP(nn.Module):
         _tag(self.encoder.weight, "frozen_out")
         _tag(self.encoder.bias, "frozen_out")
         self.act = nn.ReLU()
-        self.freeze = GradientMultiplier(FREEZE_RATE)
+        self.freeze = GradientMultiplier(FREEZE_RATE, floor=FREEZE_FLOOR)
         self.body = _body()
         self.head = nn.Linear(64, 10)
 
@@ -298,7 +302,7 @@ def _freeze_optimizer(params: Any) -> torch.optim.Optimizer:
 
 def gradient_underflow() -> Task:
     """Gradients that shrink until they underflow: the encoder's gradient multiplier
-    decays e-fold every 40 steps; Adam (eps 1e-30) trains it on in fp32 and bf16, while
+    decays e-fold every 40 steps down to 1e-12; Adam (eps 1e-30) trains it on in fp32 and bf16, while
     in fp16 its gradients flush to zero even at the default loss scale, after which
     weight decay alone acts on the encoder and shrinks it."""
     train_data, val_data = _data.digits()
@@ -326,15 +330,13 @@ def _prototypes(count: int) -> torch.Tensor:
 
 
 class AnnealedKernel(_StepCounted):
-    """Normalised RBF kernel values ``k / k.sum()`` against fixed prototypes, with
+    """Normalised RBF kernel values ``k / k.sum()`` against learned prototypes (an RBF network), with
     ``k = exp(-gamma * d^2)`` and ``gamma`` annealed upward (``exp(step / tau)``), computed
     in the region's dtype as a hand-written kernel smoother does."""
 
-    prototypes: torch.Tensor
-
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("prototypes", _prototypes(KERNEL_PROTOTYPES))
+        self.prototypes = nn.Parameter(_prototypes(KERNEL_PROTOTYPES))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled():
@@ -367,12 +369,15 @@ def kernel_underflow() -> Task:
     return Task("zoo-kernel-underflow", KernelClassifier, train_data, val_data, F.cross_entropy)
 
 
-ATTENTION_TAU = 700.0
-ATTENTION_GAMMA0 = 0.05
+ATTENTION_TAU = 400.0
+# Unit keys and query: |q - k|^2 is at most 4, so gamma stays below fp32's underflow
+# (4 * gamma < 87) up to the horizon, while fp16's (17.3) is passed late.
+ATTENTION_GAMMA0 = 25.0 * math.exp(-2000.0 / ATTENTION_TAU)
 
 
 class DistanceAttention(_StepCounted):
-    """Attention of a learned query over the tokens by distance: weights
+    """Attention of a learned query over the tokens by distance between unit vectors:
+    weights
     ``exp(-gamma * |q - k_j|^2)`` normalised by their sum, ``gamma`` annealed upward,
     in the region's dtype."""
 
@@ -384,9 +389,10 @@ class DistanceAttention(_StepCounted):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled():
             self.steps.add_(1)
-        keys = self.key(x)
-        dtype = region_dtype(keys)
-        keys, values, q = keys.to(dtype), x.to(dtype), self.query.to(dtype)
+        keys = F.normalize(self.key(x).float(), dim=-1)
+        dtype = region_dtype(x)
+        keys, values = keys.to(dtype), x.to(dtype)
+        q = F.normalize(self.query.float(), dim=0).to(dtype)
         gamma = ATTENTION_GAMMA0 * math.exp(float(self.steps) / ATTENTION_TAU)
         weights = torch.exp(-gamma * (keys - q).pow(2).sum(-1))
         weights = weights / weights.sum(-1, keepdim=True)
@@ -458,7 +464,7 @@ def scale_collapse() -> Task:
 
 # -- attention logits, residual streams and norms that grow -------------------------------
 
-ATTENTION_UNIT = 1.0
+ATTENTION_UNIT = 2.0**11.5
 ATTENTION_TAU = 500.0
 
 
@@ -617,12 +623,12 @@ def _fragile(
 
 
 ENTRIES = (
-    _fragile("zoo-exp-growth", "exponential growth (learned logit scale)", exp_growth, ("gain",)),
-    _fragile("zoo-power-growth", "power-law growth (s**3 logit scale)", power_growth, ("gain",)),
-    _fragile("zoo-sqrt-growth", "square-root-like growth", sqrt_growth, ("gain",)),
-    _fragile("zoo-linear-growth", "linear growth", linear_growth, ("gain",)),
+    _fragile("zoo-exp-growth", "exponential growth (learned logit scale)", exp_growth, ("head",)),
+    _fragile("zoo-power-growth", "power-law growth (s**3 logit scale)", power_growth, ("head",)),
+    _fragile("zoo-sqrt-growth", "square-root-like growth", sqrt_growth, ("head",)),
+    _fragile("zoo-linear-growth", "linear growth", linear_growth, ("head",)),
     _fragile(
-        "zoo-warmup-growth", "growth that starts when the warm-up ends", warmup_growth, ("gain",)
+        "zoo-warmup-growth", "growth that starts when the warm-up ends", warmup_growth, ("head",)
     ),
     _fragile(
         "zoo-activation-underflow",

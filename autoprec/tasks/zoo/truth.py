@@ -14,7 +14,7 @@ scheduler and clipping), for ``TRUTH_STEPS`` (10x a 200-step trial), and records
   same step by more than ``COLLAPSE_DROP``;
 - the metric at the end, against fp32's.
 
-The earliest of those events is the run's ``failure_step``. Nothing here is simulated:
+The earliest of those events but the flush is the run's ``failure_step``. Nothing here is simulated:
 every figure comes from the training that it describes.
 """
 
@@ -75,13 +75,15 @@ class RunTruth:
 
     @property
     def failure_step(self) -> int | None:
-        """The earliest failure event; a crash counts from step 0."""
+        """The earliest failure: a non-finite loss or output, a collapsing loss scale or
+        a collapsed metric; a crash counts from step 0. A flush to zero is where the
+        failure shows, not one by itself (a saturated loss's gradients flush in any
+        low-precision dtype and training goes on)."""
         if self.crashed is not None:
             return 0
         events = [
             self.first_nonfinite_loss_step,
             self.first_nonfinite_output_step,
-            self.first_flush_step,
             self.scale_collapse_step,
             self.metric_collapse_step,
         ]
@@ -411,4 +413,8 @@ def load_table(path: Any = None) -> dict[str, Any]:
     """The cached truth table (``{"version", "steps", "tasks": {name: row}}``)."""
     import json
 
-    return json.loads((path or table_path()).read_text())
+    table = json.loads((path or table_path()).read_text())
+    for row in table["tasks"].values():  # derived fields follow this code's definitions
+        for label, runs in row["runs"].items():
+            row["runs"][label] = [RunTruth.from_dict(run).to_dict() for run in runs]
+    return table
