@@ -16,8 +16,8 @@ from autoprec.tasks.zoo.truth import (
     ACCURACY_TOLERANCE,
     TRIAL_STEPS,
     TRUTH_STEPS,
-    long_run,
     load_table,
+    long_run,
     table_path,
 )
 
@@ -82,9 +82,7 @@ def test_the_truth_table_covers_every_zoo_task(table):
 
 
 @pytest.mark.parametrize("name", [e.name for e in entries(Kind.FRAGILE)])
-def test_a_fragile_task_fails_in_fp16_within_the_window_and_not_with_its_group_in_fp32(
-    table, name
-):
+def test_a_fragile_task_fails_in_fp16_within_the_window_and_not_with_its_group_in_fp32(table, name):
     row = table["tasks"].get(name)
     if row is None:
         pytest.fail(f"{name} is not in the truth table")

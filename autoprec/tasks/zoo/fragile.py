@@ -130,7 +130,8 @@ def _gained(name: str, shape: str, start: int = 0, unit: float | None = None) ->
 
 
 def exp_growth() -> Task:
-    """Exponential growth: the logits' inverse temperature is ``exp(step / 250)``, head's output grows exponentially until fp16 overflows."""
+    """Exponential growth: the logits' inverse temperature is ``exp(step / 250)``, so the
+    head's output grows exponentially until fp16 overflows."""
     return _gained("zoo-exp-growth", "exponential")
 
 
@@ -302,8 +303,8 @@ def _freeze_optimizer(params: Any) -> torch.optim.Optimizer:
 
 def gradient_underflow() -> Task:
     """Gradients that shrink until they underflow: the encoder's gradient multiplier
-    decays e-fold every 40 steps down to 1e-12; Adam (eps 1e-30) trains it on in fp32 and bf16, while
-    in fp16 its gradients flush to zero even at the default loss scale, after which
+    decays e-fold every 40 steps down to 1e-12; Adam (eps 1e-30) trains it on in fp32
+    and bf16, while in fp16 its gradients flush to zero even at the default loss scale, after which
     weight decay alone acts on the encoder and shrinks it."""
     train_data, val_data = _data.digits()
     return Task(
@@ -330,9 +331,9 @@ def _prototypes(count: int) -> torch.Tensor:
 
 
 class AnnealedKernel(_StepCounted):
-    """Normalised RBF kernel values ``k / k.sum()`` against learned prototypes (an RBF network), with
-    ``k = exp(-gamma * d^2)`` and ``gamma`` annealed upward (``exp(step / tau)``), computed
-    in the region's dtype as a hand-written kernel smoother does."""
+    """Normalised RBF kernel values ``k / k.sum()`` against learned prototypes (an RBF
+    network), with ``k = exp(-gamma * d^2)`` and ``gamma`` annealed upward (``exp(step /
+    tau)``), computed in the region's dtype as a hand-written kernel smoother does."""
 
     def __init__(self) -> None:
         super().__init__()
