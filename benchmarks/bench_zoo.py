@@ -77,6 +77,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--truth-only", action="store_true", help="print the cached truth table, search nothing"
     )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/bench/zoo_calibration.json"),
+        help="where the searches' verdicts are written",
+    )
+    parser.add_argument(
+        "--rescore",
+        help="comma-separated verdict files (--out of earlier runs): print their "
+        "calibration against the table as it is now, search nothing",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     names = _names(args.only)
@@ -86,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     from autoprec.tasks.zoo.calibration import main_table
 
     steps = [int(s) for s in args.steps.split(",")]
-    out = Path("runs/bench/zoo_calibration.json")
-    return main_table(names, steps, args.table, search=not args.truth_only, out=out)
+    if args.rescore:
+        from autoprec.tasks.zoo.calibration import rescore_files
+
+        return rescore_files([Path(p) for p in args.rescore.split(",")], steps, args.table)
+    return main_table(names, steps, args.table, search=not args.truth_only, out=args.out)
 
 
 if __name__ == "__main__":

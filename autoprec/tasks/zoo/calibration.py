@@ -130,6 +130,24 @@ class Calibration:
     def _fragile(self, side: str, steps: int | None) -> list[TrialVerdict]:
         return [v for v in self._of(Kind.FRAGILE, steps) if side in ("all", v.side)]
 
+    def rescore(self, table: dict[str, Any]) -> None:
+        """Read each verdict's truth again from ``table`` (a table measured after the
+        searches ran)."""
+        for verdict in self.verdicts:
+            entry = ZOO[verdict.task]
+            verdict.truth_failure_step, verdict.truly_fails = _truth(
+                entry, verdict.failing_group_dtypes, verdict.steps, table
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        return cls(
+            [TrialVerdict(**v) for v in data["verdicts"]],
+            data["random_policy_crashes"],
+            data["random_policies_run"],
+            data["search_s"],
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "verdicts": [asdict(v) for v in self.verdicts],
@@ -140,7 +158,12 @@ class Calibration:
 
 
 def _leaves(model: nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if n and next(m.children(), None) is None]
+    """Leaf modules with parameters of their own (those a policy's rules may name)."""
+    return [
+        n
+        for n, m in model.named_modules()
+        if n and next(m.children(), None) is None and next(m.parameters(False), None) is not None
+    ]
 
 
 def _group_dtypes(entry: ZooEntry, policy: Policy, model: nn.Module) -> list[str]:
@@ -187,9 +210,6 @@ def search_verdicts(
         runs_dir=workdir,
     )
     summary = json.loads((workdir / study / "summary.json").read_text())
-    row = table["tasks"].get(entry.name)
-    truth_step = earliest_failure(row, "fp16") if row else None
-    horizon = 10 * steps
     model = entry.task().model()
     verdicts = []
     for trial in summary["trials"]:
@@ -200,12 +220,7 @@ def search_verdicts(
         at_risk = telemetry.get("at_risk")
         reason = trial.get("reason") or ""
         crashed = trial["state"] == "failed" and any(m in reason for m in CRASH_MARKERS)
-        fails = (
-            entry.kind == Kind.FRAGILE
-            and any(d in entry.fails_in for d in dtypes)
-            and truth_step is not None
-            and truth_step <= horizon
-        )
+        truth_step, fails = _truth(entry, dtypes, steps, table)
         verdicts.append(
             TrialVerdict(
                 task=entry.name,
@@ -227,6 +242,23 @@ def search_verdicts(
             )
         )
     return verdicts
+
+
+def _truth(
+    entry: ZooEntry, group_dtypes: list[str], steps: int, table: dict[str, Any]
+) -> tuple[int | None, bool]:
+    """The truth's earliest fp16 failure step for the entry, and whether a trial whose
+    failing groups run in ``group_dtypes`` really fails within the horizon (10x
+    ``steps``)."""
+    row = table["tasks"].get(entry.name)
+    step = earliest_failure(row, "fp16") if row else None
+    fails = (
+        entry.kind == Kind.FRAGILE
+        and any(d in entry.fails_in for d in group_dtypes)
+        and step is not None
+        and step <= 10 * steps
+    )
+    return step, fails
 
 
 def random_mixed_policies(entry: ZooEntry, count: int = RANDOM_POLICIES) -> list[Policy]:
@@ -386,6 +418,45 @@ def calibration_rows(result: Calibration, steps: tuple[int, ...]) -> list[str]:
     return lines
 
 
+def report_lines(result: Calibration, steps: tuple[int, ...]) -> list[str]:
+    """The calibration table, the random policies' crashes, and every flagged, missed or
+    falsely alarmed trial."""
+    lines = calibration_rows(result, steps)
+    lines.append(f"\nrandom mixed fp16/bf16 policies crashed: {result.random_crashes()}")
+    for name, reasons in result.random_policy_crashes.items():
+        lines += [f"  {name}: {reason[:160]}" for reason in reasons]
+    lines.append("\nfragile trials that fail within the horizon, and healthy trials at risk:")
+    for v in result.verdicts:
+        if (v.kind == "healthy" and v.at_risk) or (v.kind == "fragile" and v.truly_fails):
+            mark = "flagged" if v.flagged else "MISSED"
+            if v.kind == "healthy":
+                mark = "FALSE ALARM"
+            lines.append(
+                f"  {v.task} --steps {v.steps} {v.name}: {mark}; "
+                f"truth {_step(v.truth_failure_step)}, "
+                f"predicted {_step(v.predicted_crossing_step)}; {(v.reason or '')[:140]}"
+            )
+    return lines
+
+
+def rescore_files(paths: list[Path], steps: list[int], table_file: Path) -> int:
+    """Print the calibration of verdicts saved by earlier runs against the table now."""
+    result = Calibration()
+    for path in paths:
+        part = Calibration.from_dict(json.loads(path.read_text()))
+        result.verdicts += part.verdicts
+        result.random_policy_crashes.update(part.random_policy_crashes)
+        result.random_policies_run += part.random_policies_run
+        result.search_s.update(part.search_s)
+    result.rescore(load_table(table_file))
+    print("\n".join(report_lines(result, tuple(steps))))
+    tasks = sorted({v.task for v in result.verdicts})
+    print(
+        f"\n{len(tasks)} tasks: {', '.join(tasks)}; searches {sum(result.search_s.values()):.0f} s"
+    )
+    return 0
+
+
 def main_table(
     names: list[str], steps: list[int], path: Path, search: bool = True, out: Path | None = None
 ) -> int:
@@ -399,22 +470,7 @@ def main_table(
     started = time.perf_counter()
     result = calibrate(names, tuple(steps), table)
     print()
-    print("\n".join(calibration_rows(result, tuple(steps))))
-    print(f"\nrandom mixed fp16/bf16 policies crashed: {result.random_crashes()}")
-    for name, reasons in result.random_policy_crashes.items():
-        for reason in reasons:
-            print(f"  {name}: {reason[:160]}")
-    print("\nflagged or missed (fragile), false alarms (healthy):")
-    for v in result.verdicts:
-        if (v.kind == "healthy" and v.at_risk) or (v.kind == "fragile" and v.truly_fails):
-            mark = "flagged" if v.flagged else "MISSED"
-            if v.kind == "healthy":
-                mark = "FALSE ALARM"
-            print(
-                f"  {v.task} --steps {v.steps} {v.name}: {mark}; "
-                f"truth {_step(v.truth_failure_step)}, "
-                f"predicted {_step(v.predicted_crossing_step)}; {(v.reason or '')[:140]}"
-            )
+    print("\n".join(report_lines(result, tuple(steps))))
     print(f"\ncalibration: {time.perf_counter() - started:.0f} s")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -269,6 +269,7 @@ class GradientMultiplier(_StepCounted):
 
 
 FREEZE_RATE = -1.0 / 40  # the early layer's gradient multiplier decays e-fold in 40 steps
+FREEZE_DECAY = 2.0  # AdamW's weight decay on the encoder (0.2% a step at lr 1e-3)
 FREEZE_FLOOR = 1e-12  # where it stops: fp32's Adam still squares the gradients it gives
 
 
@@ -296,7 +297,7 @@ def _freeze_optimizer(params: Any) -> torch.optim.Optimizer:
     plain, grouped = _param_groups(params)
     groups = [
         {"params": plain, "weight_decay": 0.0},
-        {"params": grouped["frozen_out"], "weight_decay": 10.0},
+        {"params": grouped["frozen_out"], "weight_decay": FREEZE_DECAY},
     ]
     return torch.optim.AdamW(groups, lr=1e-3, eps=1e-30)
 
