@@ -46,6 +46,7 @@ _ENTRIES = (
     ZooEntry("tiny-bert", H, "built-in BERT (transformers)", _builtin("tiny-bert")),
     ZooEntry("tiny-llama", H, "built-in Llama (transformers)", _builtin("tiny-llama")),
     ZooEntry("tiny-t5", H, "built-in T5 (transformers)", _builtin("tiny-t5")),
+    *fragile.HOLDING,
     *fragile.ENTRIES,
     *boundary.ENTRIES,
 )
