@@ -209,7 +209,14 @@ def search_verdicts(
         tracking_uri=f"sqlite:///{workdir}/mlflow.db",
         runs_dir=workdir,
     )
-    summary = json.loads((workdir / study / "summary.json").read_text())
+    return read_verdicts(entry, steps, workdir / study / "summary.json", table)
+
+
+def read_verdicts(
+    entry: ZooEntry, steps: int, summary_path: Path, table: dict[str, Any]
+) -> list[TrialVerdict]:
+    """The verdicts of one search's trials, read from its summary.json."""
+    summary = json.loads(summary_path.read_text())
     model = entry.task().model()
     verdicts = []
     for trial in summary["trials"]:

@@ -622,8 +622,9 @@ def _fragile(
     factory: Callable[[], Task],
     groups: tuple[str, ...],
     side: str = "overflow",
+    fails_in: tuple[str, ...] = ("fp16",),
 ) -> ZooEntry:
-    return ZooEntry(name, Kind.FRAGILE, mechanism, factory, groups, ("fp16",), side)
+    return ZooEntry(name, Kind.FRAGILE, mechanism, factory, groups, fails_in, side)
 
 
 # Measured healthy: the encoder's fp16 gradients flush to zero, and training holds.
@@ -675,9 +676,10 @@ ENTRIES = (
     ),
     _fragile(
         "zoo-attention-logit-growth",
-        "attention logits that grow (learned temperature)",
+        "attention logits that grow (annealed temperature)",
         attention_logit_growth,
         ("attn",),
+        fails_in=("fp16", "bf16"),
     ),
     _fragile(
         "zoo-residual-growth",
