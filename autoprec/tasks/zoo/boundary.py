@@ -54,7 +54,11 @@ class ConcatModel(nn.Module):
 
 
 def cat_boundary() -> Task:
-    """A custom module that ``torch.cat``s its input with a learned context vector."""
+    """A custom module that ``torch.cat``s its input with a learned context vector.
+
+    Measured (2000 steps, CPU): metric fp32 0.967, fp16 0.967, bf16 0.967; mixed
+    bf16+boundary-fp16: crash, fp16+boundary-bf16: crash.
+    """
     train_data, val_data = _data.digits()
     return Task("zoo-cat-boundary", ConcatModel, train_data, val_data, F.cross_entropy)
 
@@ -88,7 +92,11 @@ class TwoBranchModel(nn.Module):
 
 
 def einsum_boundary() -> Task:
-    """A custom module with two inputs from two branches, joined by ``einsum``."""
+    """A custom module with two inputs from two branches, joined by ``einsum``.
+
+    Measured (2000 steps, CPU): metric fp32 0.953, fp16 0.953, bf16 0.955; mixed
+    bf16+boundary-fp16: trains, fp16+boundary-bf16: trains.
+    """
     train_data, val_data = _data.digits()
     return Task("zoo-einsum-boundary", TwoBranchModel, train_data, val_data, F.cross_entropy)
 
@@ -123,7 +131,11 @@ class StackModel(nn.Module):
 
 
 def stack_boundary() -> Task:
-    """A custom module that ``torch.stack``s three branches' outputs (several inputs)."""
+    """A custom module that ``torch.stack``s three branches' outputs (several inputs).
+
+    Measured (2000 steps, CPU): metric fp32 0.975, fp16 0.975, bf16 0.975; mixed
+    bf16+boundary-fp16: crash, fp16+boundary-bf16: crash.
+    """
     train_data, val_data = _data.digits()
     return Task("zoo-stack-boundary", StackModel, train_data, val_data, F.cross_entropy)
 
@@ -164,7 +176,11 @@ class ResidualAttentionModel(nn.Module):
 
 def matmul_residual_boundary() -> Task:
     """A custom attention leaf with two inputs (``matmul`` on both) and a residual add of
-    its output to a tensor from another region."""
+    its output to a tensor from another region.
+
+    Measured (2000 steps, CPU): metric fp32 1.000, fp16 1.000, bf16 1.000; mixed
+    bf16+boundary-fp16: trains, fp16+boundary-bf16: trains.
+    """
     train_data, val_data = _data.sequences()
     return Task(
         "zoo-matmul-residual-boundary",

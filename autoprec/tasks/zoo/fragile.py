@@ -131,23 +131,43 @@ def _gained(name: str, shape: str, start: int = 0, unit: float | None = None) ->
 
 def exp_growth() -> Task:
     """Exponential growth: the logits' inverse temperature is ``exp(step / 250)``, so the
-    head's output grows exponentially until fp16 overflows."""
+    head's output grows exponentially until fp16 overflows.
+
+    Measured (2000 steps, CPU): uniform fp16 fails at step 986/945 (seeds 0/1; first:
+    non-finite loss); bf16 holds (metric 0.947), the group in fp32 holds (0.981), fp32
+    0.936.
+    """
     return _gained("zoo-exp-growth", "exponential")
 
 
 def power_growth() -> Task:
-    """Power-law growth: the inverse temperature is ``(1 + step / 100) ** 3``."""
+    """Power-law growth: the inverse temperature is ``(1 + step / 100) ** 3``.
+
+    Measured (2000 steps, CPU): uniform fp16 fails at step 869/907 (seeds 0/1; first:
+    non-finite loss); bf16 holds (metric 0.969), the group in fp32 holds (0.955), fp32
+    0.953.
+    """
     return _gained("zoo-power-growth", "power")
 
 
 def sqrt_growth() -> Task:
     """Square-root-like growth: the inverse temperature is ``sqrt(1 + step / 10)``:
-    growth that slows down, and crosses fp16's maximum late."""
+    growth that slows down, and crosses fp16's maximum late.
+
+    Measured (2000 steps, CPU): uniform fp16 fails at step 700/820 (seeds 0/1; first:
+    non-finite output: head); bf16 holds (metric 0.975), the group in fp32 holds
+    (0.975), fp32 0.978.
+    """
     return _gained("zoo-sqrt-growth", "sqrt")
 
 
 def linear_growth() -> Task:
-    """Linear growth: the inverse temperature is ``1 + step / 20``."""
+    """Linear growth: the inverse temperature is ``1 + step / 20``.
+
+    Measured (2000 steps, CPU): uniform fp16 fails at step 770/783 (seeds 0/1; first:
+    non-finite output: head); bf16 holds (metric 0.975), the group in fp32 holds
+    (0.961), fp32 0.975.
+    """
     return _gained("zoo-linear-growth", "linear")
 
 
@@ -158,7 +178,12 @@ WARMUP_UNIT = 2.0**9
 def warmup_growth() -> Task:
     """Growth that starts when the warm-up ends: the inverse temperature is held at 1
     until step 400, then rises as ``exp((step - 400) / 250)``, so a 200-step trial sees
-    it flat."""
+    it flat.
+
+    Measured (2000 steps, CPU): uniform fp16 fails at step 1000/1020 (seeds 0/1; first:
+    non-finite output: head); bf16 holds (metric 0.958), the group in fp32 holds
+    (0.958), fp32 0.972.
+    """
     return _gained("zoo-warmup-growth", "exponential", WARMUP_HOLD, WARMUP_UNIT)
 
 
@@ -308,7 +333,10 @@ def gradient_underflow() -> Task:
     1e-30) trains it on in fp32 and bf16, while in fp16 its gradients flush to zero even
     at the default loss scale and weight decay alone acts on it. Built as a fragile
     task, it measured healthy (the rest of the model makes up for the frozen encoder):
-    a flush that a forecast must not call a failure."""
+    a flush that a forecast must not call a failure.
+
+    Measured (2000 steps, CPU): metric fp32 0.877, fp16 0.877, bf16 0.877.
+    """
     train_data, val_data = _data.digits()
     return Task(
         "zoo-gradient-underflow",
@@ -368,7 +396,12 @@ class KernelClassifier(nn.Module):
 def kernel_underflow() -> Task:
     """Kernel values that underflow: an RBF kernel's sharpness is annealed upward, so a
     sample's kernel values against every prototype shrink until, in fp16, all of them
-    round to zero and their normalisation is 0/0 (NaN); fp32 and bf16 hold them."""
+    round to zero and their normalisation is 0/0 (NaN); fp32 and bf16 hold them.
+
+    Measured (2000 steps, CPU): uniform fp16 fails at step 766/740 (seeds 0/1; first:
+    loss scale below 1); bf16 holds (metric 0.961), the group in fp32 holds (0.961),
+    fp32 0.961.
+    """
     train_data, val_data = _data.digits()
     return Task("zoo-kernel-underflow", KernelClassifier, train_data, val_data, F.cross_entropy)
 
@@ -419,7 +452,12 @@ class DistanceAttentionModel(nn.Module):
 def attention_underflow() -> Task:
     """Attention weights that underflow: distance-based attention over a sequence with an
     annealed sharpness; in fp16 every weight of a sequence rounds to zero and their
-    normalisation is 0/0 (NaN); fp32 and bf16 hold them."""
+    normalisation is 0/0 (NaN); fp32 and bf16 hold them.
+
+    Measured (2000 steps, CPU): uniform fp16 fails at step 1589/1691 (seeds 0/1; first:
+    loss scale below 1); bf16 holds (metric 1.000), the group in fp32 holds (1.000),
+    fp32 1.000.
+    """
     train_data, val_data = _data.sequences()
     return Task(
         "zoo-attention-underflow",
@@ -454,7 +492,12 @@ def scale_collapse() -> Task:
     whose coefficient grows on a schedule, e-fold every 50 steps) makes the encoder's
     fp16 gradients overflow at ever lower loss scales; Adam (eps 1e-30) is blind to the
     gradient's size in fp32 and bf16, while fp16's dynamic scale falls below 1 and keeps
-    falling, flushing every other gradient to zero."""
+    falling, flushing every other gradient to zero.
+
+    Measured (2000 steps, CPU): uniform fp16 fails at step 1038/1044 (seeds 0/1; first:
+    loss scale below 1); bf16 holds (metric 0.969), the group in fp32 holds (0.964),
+    fp32 0.958.
+    """
     train_data, val_data = _data.digits()
     return Task(
         "zoo-scale-collapse",
@@ -522,7 +565,12 @@ class TemperedAttentionModel(nn.Module):
 def attention_logit_growth() -> Task:
     """Attention logits that grow: the attention's inverse temperature rises as
     ``exp(step / 500)``, so ``q k^T`` grows until the fp16 product overflows and the
-    softmax returns NaN."""
+    softmax returns NaN.
+
+    Measured (2000 steps, CPU): uniform fp16 fails at step 958/1142 (seeds 0/1; first:
+    non-finite loss); bf16 fails at 1100 (metric 0.898), the group in fp32 fails at 1300
+    (0.889), fp32 0.998.
+    """
     train_data, val_data = _data.sequences()
     return Task(
         "zoo-attention-logit-growth",
@@ -566,7 +614,12 @@ class ResidualStream(nn.Module):
 def residual_growth() -> Task:
     """A residual stream without normalisation: every block adds to the stream, and as
     Adam grows the blocks' weights the stream grows with them until fp16 overflows in the
-    last blocks."""
+    last blocks.
+
+    Measured (2000 steps, CPU): uniform fp16 fails at step 607/592 (seeds 0/1; first:
+    non-finite loss); bf16 holds (metric 0.978), the group in fp32 holds (0.978), fp32
+    0.978.
+    """
     train_data, val_data = _data.digits()
     return Task(
         "zoo-residual-growth",
@@ -604,7 +657,12 @@ class DriftingMLP(nn.Module):
 def norm_drift() -> Task:
     """Norm drift without weight decay: the first Linear before a BatchNorm grows its
     weights' norm like a square root of the step (Adam, lr 1e-2, no weight decay); its
-    output on raw-unit inputs passes fp16's maximum late in the run."""
+    output on raw-unit inputs passes fp16's maximum late in the run.
+
+    Measured (2000 steps, CPU): uniform fp16 fails at step 865/950 (seeds 0/1; first:
+    non-finite loss); bf16 holds (metric 0.975), the group in fp32 holds (0.930), fp32
+    0.981.
+    """
     train_data, val_data = _data.digits()
     return Task(
         "zoo-norm-drift",

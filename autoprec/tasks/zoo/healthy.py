@@ -35,7 +35,10 @@ def _mlp(inputs: int, hidden: int, outputs: int, act: type[nn.Module] = nn.ReLU)
 
 def sgd_mlp() -> Task:
     """An MLP without normalisation on digits, SGD with momentum (lr 0.05, 0.9): its
-    logits rise fast and saturate as the training loss nears zero."""
+    logits rise fast and saturate as the training loss nears zero.
+
+    Measured (2000 steps, CPU): metric fp32 0.975, fp16 0.975, bf16 0.975.
+    """
     train_data, val_data = _data.digits()
     return Task(
         "zoo-sgd-mlp",
@@ -48,7 +51,10 @@ def sgd_mlp() -> Task:
 
 
 def adam_mlp() -> Task:
-    """An MLP without normalisation on digits, Adam (lr 3e-3): saturating logits."""
+    """An MLP without normalisation on digits, Adam (lr 3e-3): saturating logits.
+
+    Measured (2000 steps, CPU): metric fp32 0.981, fp16 0.975, bf16 0.969.
+    """
     train_data, val_data = _data.digits()
     return Task(
         "zoo-adam-mlp",
@@ -74,7 +80,10 @@ def _warmup_cosine(optimizer: torch.optim.Optimizer) -> Any:
 
 def adamw_cosine() -> Task:
     """An MLP on digits, AdamW (lr 3e-3, weight decay 0.01) on a 100-step linear warm-up
-    and a cosine decay over the 2000-step run: saturating logits on a real schedule."""
+    and a cosine decay over the 2000-step run: saturating logits on a real schedule.
+
+    Measured (2000 steps, CPU): metric fp32 0.969, fp16 0.969, bf16 0.967.
+    """
     train_data, val_data = _data.digits()
     return Task(
         "zoo-adamw-cosine",
@@ -89,7 +98,10 @@ def adamw_cosine() -> Task:
 
 def wide_mlp() -> Task:
     """A wide (512) MLP without normalisation on digits, Adam (lr 1e-3): a large head
-    output early in training that then saturates."""
+    output early in training that then saturates.
+
+    Measured (2000 steps, CPU): metric fp32 0.986, fp16 0.983, bf16 0.983.
+    """
     train_data, val_data = _data.digits()
     return Task("zoo-wide-mlp", lambda: _mlp(64, 512, 10), train_data, val_data, F.cross_entropy)
 
@@ -101,7 +113,10 @@ def _r_squared(outputs: torch.Tensor, targets: torch.Tensor) -> float:
 
 def tanh_regression() -> Task:
     """A tanh MLP regressing a smooth target (MSE; the metric is R^2): bounded
-    activations, outputs that settle at the targets' scale."""
+    activations, outputs that settle at the targets' scale.
+
+    Measured (2000 steps, CPU): metric fp32 0.971, fp16 0.971, bf16 0.970.
+    """
     x, y = _data.regression()
     train_data, val_data = _data.split(x, y, 512, _data.BATCH)
     return Task(
@@ -133,7 +148,10 @@ class BatchNormCNN(nn.Module):
 
 
 def bn_cnn() -> Task:
-    """A small CNN with BatchNorm on digit images, Adam (lr 1e-3)."""
+    """A small CNN with BatchNorm on digit images, Adam (lr 1e-3).
+
+    Measured (2000 steps, CPU): metric fp32 0.992, fp16 0.992, bf16 0.992.
+    """
     train_data, val_data = _data.digit_images()
     return Task("zoo-bn-cnn", BatchNormCNN, train_data, val_data, F.cross_entropy)
 
@@ -194,7 +212,11 @@ class Recurrent(nn.Module):
 
 
 def lstm() -> Task:
-    """An LSTM counting tokens in a sequence, Adam (lr 3e-3)."""
+    """An LSTM counting tokens in a sequence, Adam (lr 3e-3).
+
+    Measured (2000 steps, CPU): metric fp32 0.990, fp16 crashes at once (RuntimeError:
+    could not create a primitive descriptor for the LSTM for), bf16 0.990.
+    """
     train_data, val_data = _data.sequences()
     return Task(
         "zoo-lstm",
@@ -207,7 +229,10 @@ def lstm() -> Task:
 
 
 def gru() -> Task:
-    """A GRU counting tokens in a sequence, Adam (lr 3e-3)."""
+    """A GRU counting tokens in a sequence, Adam (lr 3e-3).
+
+    Measured (2000 steps, CPU): metric fp32 0.982, fp16 0.984, bf16 0.984.
+    """
     train_data, val_data = _data.sequences()
     return Task(
         "zoo-gru",
@@ -234,7 +259,10 @@ class BagOfEmbeddings(nn.Module):
 
 
 def embedding_bag() -> Task:
-    """Embeddings averaged by an EmbeddingBag, counting tokens, Adam (lr 3e-3)."""
+    """Embeddings averaged by an EmbeddingBag, counting tokens, Adam (lr 3e-3).
+
+    Measured (2000 steps, CPU): metric fp32 1.000, fp16 1.000, bf16 1.000.
+    """
     train_data, val_data = _data.sequences()
     return Task(
         "zoo-embedding-bag",
@@ -249,7 +277,10 @@ def embedding_bag() -> Task:
 def my_task() -> Task:
     """The README's ``my_task.py`` (section "Writing a task"), the same model and data:
     four Gaussian blobs in 16 features, a 16-64-4 ReLU MLP, Adam (lr 1e-3). Its largest
-    logit rises fast and saturates."""
+    logit rises fast and saturates.
+
+    Measured (2000 steps, CPU): metric fp32 1.000, fp16 1.000, bf16 1.000.
+    """
     generator = torch.Generator().manual_seed(0)
     centers = torch.randn(4, 16, generator=generator) * 2
     labels = torch.randint(0, 4, (1024,), generator=generator)
