@@ -338,7 +338,7 @@ def policies_for(entry: Any) -> list[tuple[str, Policy, tuple[int, ...]]]:
     from autoprec.tasks.zoo import Kind
 
     fragile = entry.kind == Kind.FRAGILE
-    chosen = [
+    chosen: list[tuple[str, Policy, tuple[int, ...]]] = [
         ("fp32", Policy.uniform("fp32"), (0,)),
         ("fp16", Policy.uniform("fp16"), FRAGILE_SEEDS if fragile else (0,)),
         ("bf16", Policy.uniform("bf16"), (0,)),
