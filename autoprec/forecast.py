@@ -72,7 +72,8 @@ VALID_Z = 3.0
 VALID_FLOOR_BITS = 0.15
 # Models that predict the last part within this share of the best one's error are as good:
 # when they disagree on whether the run crosses, the forecast cannot tell.
-AMBIGUITY_SHARE = 0.5
+AMBIGUITY_SHARE = 0.25
+AMBIGUITY_BITS = 0.01
 POLYNOMIAL_EXPONENTS = (0.0, 0.5, 1.0, 2.0)  # 0: the logarithm of the step
 SATURATION_TIMES = (0.1, 0.2, 0.35, 0.5)  # a saturation's time constant, of the window's span
 MAX_STEP = 10**9  # no projection looks further
@@ -429,7 +430,7 @@ def _choose(candidates: list[_Candidate], base: Trend, noise: float, judged: boo
     near = [
         c
         for c in valid
-        if c.holdout_error_bits <= (1 + AMBIGUITY_SHARE) * best.holdout_error_bits + 0.02
+        if c.holdout_error_bits <= (1 + AMBIGUITY_SHARE) * best.holdout_error_bits + AMBIGUITY_BITS
     ]
     if judged and any((c.crossing is None) != (best.crossing is None) for c in near):
         crossing_one = next(c for c in near if c.crossing is not None)

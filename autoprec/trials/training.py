@@ -570,7 +570,7 @@ class _Run:
         if complete and ahead.cannot_tell() is not None:
             if budget.train_steps is not None:
                 ahead = ahead.with_path(
-                    f"the finalists are confirmed at --train-steps {budget.train_steps}"
+                    f"confirmed at --train-steps {budget.train_steps} if it is chosen"
                 )
             elif batches is not None:
                 ahead = self._extended(batches)
