@@ -294,11 +294,14 @@ class _Model:
         return sign * slope * direction > 0
 
 
-def _models(span: float) -> list[_Model]:
+def _models(span: float, direction: Direction) -> list[_Model]:
+    """The candidate models. Polynomials only for growth: one that shrinks reaches 0 at a
+    finite step, which |values| that scale down (and so underflow) never do."""
+    polynomials = [_Model(TrendKind.POLYNOMIAL, p) for p in POLYNOMIAL_EXPONENTS]
     return [
         _Model(TrendKind.EXPONENTIAL),
         _Model(TrendKind.POWER),
-        *(_Model(TrendKind.POLYNOMIAL, p) for p in POLYNOMIAL_EXPONENTS),
+        *(polynomials if direction == Direction.UP else []),
         *(_Model(TrendKind.SATURATING, share * span) for share in SATURATION_TIMES),
     ]
 
@@ -329,6 +332,7 @@ def fit_trend(
     log2_limit: float | None = None,
     horizon: int | None = None,
     noise_floor_bits: float = 0.0,
+    start_step: float = 0.0,
 ) -> Trend:
     """The trend of a series (one value per observed step) after the start-up transient
     (the first ``TRANSIENT_FRACTION`` of ``trial_steps``, default the last observed step),
@@ -339,7 +343,8 @@ def fit_trend(
     good disagree the trend is uncertain; when no model predicts the last part, it is
     uncertain only if some model would cross (a trend no model would take past the limit is
     clear however it wanders). ``noise_floor_bits``: the least scatter the series has (the
-    loss scale moves in whole bits)."""
+    loss scale moves in whole bits); ``start_step``: a later start of the window (the end
+    of the learning rate's warm-up)."""
     points = [
         (int(s), math.log2(v))
         for s, v in zip(steps, values, strict=True)
@@ -348,7 +353,7 @@ def fit_trend(
     if not points:
         return Trend(TrendKind.INSUFFICIENT, direction=direction)
     last_step = max(s for s, _ in points)
-    start = TRANSIENT_FRACTION * (trial_steps if trial_steps else last_step)
+    start = max(TRANSIENT_FRACTION * (trial_steps if trial_steps else last_step), start_step)
     window = [(s, y) for s, y in points if s >= max(start, 1)]
     extreme = max if direction == Direction.UP else min
     level = extreme((y for _, y in window), default=extreme(y for _, y in points))
@@ -384,7 +389,7 @@ def _candidates(
     held = max(2, round(HOLDOUT_FRACTION * len(ts)))
     early_ts, early_ys = ts[:-held], ys[:-held]
     out = []
-    for model in _models(ts[-1] - ts[0]):
+    for model in _models(ts[-1] - ts[0], base.direction):
         slope, intercept = model.fit(ts, ys)
         if not model.moves(slope, base.direction):
             continue
@@ -689,6 +694,8 @@ class Forecast:
         """Why the run would fail at its length, naming the layer, dtype, side and step."""
         if self.broken is not None:
             return f"at risk: forecast: {self.broken}, within --train-steps {self.train_steps}"
+        if self.warmup is not None:
+            return None  # what the warm-up grew is no trend: the forecast cannot tell
         first = self.crossing()
         return None if first is None else f"at risk: forecast: {first[1]}"
 
@@ -699,12 +706,14 @@ class Forecast:
         return Outcome.CANNOT_TELL if self._unclear() else Outcome.CLEAR
 
     def _unclear(self) -> str | None:
+        if self.warmup is not None:
+            return self.warmup
         for h in self.layers:
             if h.outcome == Outcome.CANNOT_TELL:
                 return f"{h.layer} ({h.dtype}): {h.why}"
         if self.scale is not None and self.scale.why:
             return f"the loss scale: {self.scale.why}"
-        return self.warmup
+        return None
 
     def cannot_tell(self) -> str | None:
         """Why the forecast cannot tell whether the run holds (None: it can, or it is at
@@ -801,16 +810,20 @@ def headroom(
     amax: Sequence[float],
     train_steps: int,
     trial_steps: int | None = None,
+    start_step: float = 0.0,
 ) -> Headroom:
     """One layer's activation headroom now and at ``train_steps`` in ``dtype``, toward
-    its largest value and toward its smallest normal."""
+    its largest value and toward its smallest normal (fitted from ``start_step`` at the
+    earliest)."""
     largest, smallest = DTYPE_RANGES[dtype]
     top, bottom = math.log2(largest), math.log2(smallest)
     finite = [v for v in amax if math.isfinite(v) and v > 0]
     observed = max(finite, default=0.0)
     if observed <= 0:
         return Headroom(layer, dtype, 0.0, math.inf, math.inf, None, str(TrendKind.INSUFFICIENT))
-    up = fit_trend(steps, amax, trial_steps, log2_limit=top, horizon=train_steps)
+    up = fit_trend(
+        steps, amax, trial_steps, log2_limit=top, horizon=train_steps, start_step=start_step
+    )
     down = fit_trend(
         steps,
         amax,
@@ -818,6 +831,7 @@ def headroom(
         direction=Direction.DOWN,
         log2_limit=bottom,
         horizon=train_steps,
+        start_step=start_step,
     )
     now = _bits(largest, math.log2(observed))
     at_n = _bits(largest, up.log2_at(train_steps))
@@ -884,6 +898,7 @@ def _with_gradients(
     train_steps: int,
     trial_steps: int | None,
     losses: Sequence[float] = (),
+    start_step: float = 0.0,
 ) -> Headroom:
     """``room`` with its layer's gradient headroom: the largest |gradient| against the
     dtype's largest value now, and shrinking against its smallest normal (now, at
@@ -898,7 +913,11 @@ def _with_gradients(
     if lows:
         underflow_now = math.log2(min(lows) / smallest)
         shrink = fit_trend(
-            steps, series.grad_low[room.layer], trial_steps, direction=Direction.DOWN
+            steps,
+            series.grad_low[room.layer],
+            trial_steps,
+            direction=Direction.DOWN,
+            start_step=start_step,
         )
         underflow_at_n = min(underflow_now, shrink.log2_at(train_steps) - math.log2(smallest))
     largest_shrink = fit_trend(
@@ -908,6 +927,7 @@ def _with_gradients(
         direction=Direction.DOWN,
         log2_limit=math.log2(smallest),
         horizon=train_steps,
+        start_step=start_step,
     )
     if largest_shrink.kind != TrendKind.FLAT and _follows_the_loss(
         steps, series.grad_max[room.layer], losses, trial_steps or max(steps)
@@ -940,7 +960,11 @@ def _with_outcome(room: Headroom) -> Headroom:
 
 
 def scale_forecast(
-    loss_scales: Sequence[float], floor: float, train_steps: int, trial_steps: int
+    loss_scales: Sequence[float],
+    floor: float,
+    train_steps: int,
+    trial_steps: int,
+    start_step: float = 0.0,
 ) -> ScaleForecast | None:
     """The dynamic loss scale's trend (one value per step) toward ``floor``."""
     if not loss_scales:
@@ -954,6 +978,7 @@ def scale_forecast(
         log2_limit=math.log2(floor),
         horizon=train_steps,
         noise_floor_bits=0.5,  # a dynamic scale moves in halvings
+        start_step=start_step,
     )
     now = float(loss_scales[-1])
     at_n = min(math.log2(max(now, 1e-300)), trend.log2_at(train_steps))
@@ -971,11 +996,31 @@ def scale_forecast(
     )
 
 
-def warmup_note(learning_rates: Sequence[float], trial_steps: int) -> str | None:
-    """Why the forecast cannot tell when the learning rate is still warming up at the
-    trial's end: growth that starts at its peak is not in the trial yet."""
+def warmup_end(learning_rates: Sequence[float]) -> int | None:
+    """The step at which the learning rate's warm-up ends (its first step at its largest
+    value, where it rose to it by more than ``WARMUP_RISE``); None without a warm-up."""
     if len(learning_rates) < 5:
         return None
+    peak = max(learning_rates)
+    first = learning_rates[0]
+    if not peak > 0 or (first > 0 and peak <= WARMUP_RISE * first):
+        return None
+    return next(i for i, lr in enumerate(learning_rates) if lr == peak)
+
+
+def warmup_note(learning_rates: Sequence[float], trial_steps: int) -> str | None:
+    """Why the forecast cannot tell when the learning rate is still warming up at the
+    trial's end, or ended its warm-up too late in it to see what follows: what grows from
+    its peak on is not in the trial yet, and what grew during it is no trend."""
+    if len(learning_rates) < 5:
+        return None
+    end = warmup_end(learning_rates)
+    seen = len(learning_rates)
+    if end is not None and (1 - TRANSIENT_FRACTION) * seen <= end < seen - 1:
+        return (
+            f"the learning rate's warm-up ended at step {end}, too late in the trial (to "
+            f"step {seen}) to see what follows it"
+        )
     earlier = learning_rates[int((1 - TRANSIENT_FRACTION) * (len(learning_rates) - 1))]
     last = learning_rates[-1]
     if earlier > 0 and last > WARMUP_RISE * earlier and last >= max(learning_rates):
@@ -1006,12 +1051,14 @@ def forecast(
     has ended within the trial; ``losses`` (one per step): gradients that shrink only as
     the loss does are a model converging, not underflowing."""
     rooms = []
+    start = float(warmup_end(learning_rates) or 0)  # trends start when the warm-up ends
     for layer, steps in series.steps.items():
         dtype = series.dtypes.get(layer)
         if dtype is None or dtype not in DTYPE_RANGES:
             continue
-        room = headroom(layer, dtype, steps, series.act_max[layer], train_steps, trial_steps)
-        room = _with_gradients(room, series, train_steps, trial_steps, losses)
+        amax = series.act_max[layer]
+        room = headroom(layer, dtype, steps, amax, train_steps, trial_steps, start)
+        room = _with_gradients(room, series, train_steps, trial_steps, losses, start)
         rooms.append(_with_outcome(room))
     order = {room.layer: i for i, room in enumerate(rooms)}
 
@@ -1029,7 +1076,7 @@ def forecast(
     }
     scale = None
     if scale_floor is not None:
-        scale = scale_forecast(loss_scales, scale_floor, train_steps, trial_steps)
+        scale = scale_forecast(loss_scales, scale_floor, train_steps, trial_steps, start)
     warmup = warmup_note(learning_rates, trial_steps + extended_steps)
     return Forecast(train_steps, trial_steps, tuple(rooms), kept, scale, warmup, extended_steps)
 
