@@ -1077,7 +1077,9 @@ def forecast(
     scale = None
     if scale_floor is not None:
         scale = scale_forecast(loss_scales, scale_floor, train_steps, trial_steps, start)
-    warmup = warmup_note(learning_rates, trial_steps + extended_steps)
+    narrow = scale is not None or any(h.dtype not in ("fp32", "fp64") for h in rooms)
+    # A warm-up that has not ended leaves only ranges fp32's could never cross unjudged.
+    warmup = warmup_note(learning_rates, trial_steps + extended_steps) if narrow else None
     return Forecast(train_steps, trial_steps, tuple(rooms), kept, scale, warmup, extended_steps)
 
 

@@ -319,3 +319,33 @@ def test_a_short_warm_up_that_ends_within_the_trial_is_told() -> None:
     assert result.cannot_tell is None and result.at_risk is None
     assert Forecast.from_dict(result.forecast).extended_steps == 0
     assert isinstance(result, TrialResult)
+
+
+@pytest.mark.slow
+def test_a_search_confirms_a_choice_it_cannot_tell_at_train_steps(in_tmp) -> None:
+    """--train-steps without --confirm-steps: the chosen policy's forecast cannot tell (the
+    warm-up outlasts the trial), so it is trained that long beside fp32 and the summary
+    and the console say so."""
+    from autoprec.report.headroom import forecast_lines
+
+    result = autoprec.search(
+        _warming_task(10_000),
+        trials=2,
+        steps=30,
+        train_steps=60,
+        device="cpu",
+        study="warming",
+        confirm_top=0,
+    )
+    summary = result.summary
+    best = next(
+        e
+        for e in [summary["baseline"], *summary["trials"]]
+        if e["number"] == summary["best"]["number"]
+    )
+    assert "confirmed at --train-steps 60" in best["telemetry"]["cannot_tell"]
+    confirmation = result.typed.confirmation
+    assert confirmation is not None and confirmation.steps == 60 and confirmation.held is not None
+    assert all(t["feasible"] for t in summary["trials"] if t["state"] == "complete")
+    lines = forecast_lines(summary)
+    assert any("the forecast cannot tell (kept feasible)" in line for line in lines)
