@@ -15,17 +15,23 @@ from autoprec.tasks.builtin import BUILTIN_TASKS
 
 
 def load_task(spec: str) -> Task:
-    """A task by built-in name, ``package.module:attr`` or ``path/to/file.py:attr``.
+    """A task by built-in name, zoo name (``zoo-lstm``: `autoprec.tasks.zoo`),
+    ``package.module:attr`` or ``path/to/file.py:attr``.
 
     ``attr`` is a Task or a zero-argument callable returning one.
     """
     if spec in BUILTIN_TASKS:
         return BUILTIN_TASKS[spec]()
+    if spec.startswith("zoo-"):
+        from autoprec.tasks.zoo import ZOO
+
+        if spec in ZOO:
+            return ZOO[spec].task()
     if ":" not in spec:
         names = ", ".join(sorted(BUILTIN_TASKS))
         raise TaskError(
-            f"task {spec!r}: expected a built-in name ({names}), "
-            "package.module:attr or path/to/file.py:attr"
+            f"task {spec!r}: expected a built-in name ({names}), a zoo task (zoo-..., "
+            "autoprec.tasks.zoo), package.module:attr or path/to/file.py:attr"
         )
     target, attr = spec.rsplit(":", 1)
     module = _import_file(target, spec) if target.endswith(".py") else _import_module(target, spec)
