@@ -152,7 +152,7 @@ def judge_task(name: str, steps: int, table: dict[str, Any]) -> list[Verdict]:
                 side,
                 step,
                 truth.get("failure_step"),
-                _truth_side(truth),
+                entry.side or _truth_side(truth),
                 ahead.extended_steps if ahead else 0,
                 result.at_risk or result.cannot_tell or result.reason,
             )
