@@ -745,7 +745,9 @@ class Forecast:
             values["forecast_min_underflow_bits"] = self.min_underflow_bits
         low = self.first_underflow
         if low is not None:
-            step = min(s for s in (low.underflow_crossing_step, low.grad_crossing_step) if s)
+            step = min(
+                s for s in (low.underflow_crossing_step, low.grad_crossing_step) if s is not None
+            )
             values["forecast_underflow_crossing_step"] = float(step)
         if self.scale is not None and self.scale.crossing_step is not None:
             values["forecast_scale_crossing_step"] = float(self.scale.crossing_step)
@@ -1100,7 +1102,9 @@ def forecast_brief(data: dict[str, Any]) -> dict[str, Any] | None:
     low = ahead.first_underflow
     low_step = None
     if low is not None:
-        low_step = min(s for s in (low.underflow_crossing_step, low.grad_crossing_step) if s)
+        low_step = min(
+            s for s in (low.underflow_crossing_step, low.grad_crossing_step) if s is not None
+        )
     return {
         "train_steps": ahead.train_steps,
         "trial_steps": ahead.trial_steps,
