@@ -74,8 +74,10 @@ VALID_FLOOR_BITS = 0.15
 # when they disagree on whether the run crosses, the forecast cannot tell.
 AMBIGUITY_SHARE = 0.25
 AMBIGUITY_BITS = 0.01
+COMPLEXITY_SHARE = 0.2  # a model with one more parameter must predict this much better
 POLYNOMIAL_EXPONENTS = (0.0, 0.5, 1.0, 2.0)  # 0: the logarithm of the step
 SATURATION_TIMES = (0.1, 0.2, 0.35, 0.5)  # a saturation's time constant, of the window's span
+TRANSIENT_TIMES = (0.1, 0.2)  # a start-up transient's (it has decayed by the window's end)
 MAX_STEP = 10**9  # no projection looks further
 # A learning rate still rising this much over the trial's last fifth: its warm-up has not
 # ended, and what grows after it cannot be seen yet.
@@ -129,6 +131,8 @@ class Trend:
 
     - exponential: ``log2 v = intercept + slope * step``;
     - power: ``log2 v = intercept + slope * log2 step``;
+    - either, with a start-up transient that decays (``exponent`` > 0): ``+ transient *
+      exp(-step / exponent)`` (a head that learns fast, then the trend under it);
     - polynomial: ``v = intercept + slope * g(step)``, ``g = step ** exponent`` (log2 for 0);
     - saturating: ``log2 v = intercept + slope * exp(-step / exponent)``.
 
@@ -149,6 +153,7 @@ class Trend:
     direction: Direction = Direction.UP
     holdout_error_bits: float | None = None
     why: str | None = None
+    transient: float = 0.0
 
     @property
     def grows(self) -> bool:
@@ -158,10 +163,11 @@ class Trend:
     def model_log2(self, step: float) -> float:
         """The fitted model's log2 value at ``step``, without the noise margin."""
         kind = self.kind
+        decay = self.transient * math.exp(-step / self.exponent) if self.exponent > 0 else 0.0
         if kind == TrendKind.EXPONENTIAL:
-            return self.intercept + self.slope * step
+            return self.intercept + self.slope * step + decay
         if kind == TrendKind.POWER:
-            return self.intercept + self.slope * math.log2(max(step, 1.0))
+            return self.intercept + self.slope * math.log2(max(step, 1.0)) + decay
         if kind == TrendKind.POLYNOMIAL:
             value = self.intercept + self.slope * _power_of(step, self.exponent)
             return math.log2(value) if value > 0 else -math.inf
@@ -229,6 +235,25 @@ def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, flo
     return slope, intercept
 
 
+def _two_regressors(
+    xs: Sequence[float], us: Sequence[float], ys: Sequence[float]
+) -> tuple[float, float, float]:
+    """(slope in x, intercept, coefficient of u) of ``y = intercept + slope x + c u``, by
+    least squares; a degenerate design falls back to the line in x."""
+    mx, mu, my = statistics.fmean(xs), statistics.fmean(us), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    suu = sum((u - mu) ** 2 for u in us)
+    sxu = sum((x - mx) * (u - mu) for x, u in zip(xs, us, strict=True))
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    suy = sum((u - mu) * (y - my) for u, y in zip(us, ys, strict=True))
+    determinant = sxx * suu - sxu * sxu
+    if determinant <= 1e-12 * max(sxx * suu, 1e-300):
+        return (*_least_squares(xs, ys), 0.0)
+    slope = (sxy * suu - suy * sxu) / determinant
+    coefficient = (suy * sxx - sxy * sxu) / determinant
+    return slope, my - slope * mx - coefficient * mu, coefficient
+
+
 def _ols(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
     spread = sum((x - mean_x) ** 2 for x in xs)
@@ -277,16 +302,24 @@ class _Model:
 
     kind: TrendKind
     exponent: float = 0.0
+    transient: bool = False  # exponential or power: with a decaying start-up term
 
-    def fit(self, ts: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-        """(slope, intercept) of this model fitted to steps ``ts`` and log2 values ``ys``."""
-        if self.kind == TrendKind.EXPONENTIAL:
-            return _least_squares(ts, ys)
-        if self.kind == TrendKind.POWER:
-            return _least_squares([math.log2(max(t, 1.0)) for t in ts], ys)
+    def fit(self, ts: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+        """(slope, intercept, transient) of this model fitted to steps ``ts`` and log2
+        values ``ys``."""
+        if self.kind in (TrendKind.EXPONENTIAL, TrendKind.POWER):
+            xs = (
+                list(ts)
+                if self.kind == TrendKind.EXPONENTIAL
+                else [math.log2(max(t, 1.0)) for t in ts]
+            )
+            if self.transient:
+                return _two_regressors(xs, [math.exp(-t / self.exponent) for t in ts], ys)
+            return (*_least_squares(xs, ys), 0.0)
         if self.kind == TrendKind.POLYNOMIAL:
-            return _least_squares([_power_of(t, self.exponent) for t in ts], [2.0**y for y in ys])
-        return _least_squares([math.exp(-t / self.exponent) for t in ts], ys)
+            xs = [_power_of(t, self.exponent) for t in ts]
+            return (*_least_squares(xs, [2.0**y for y in ys]), 0.0)
+        return (*_least_squares([math.exp(-t / self.exponent) for t in ts], ys), 0.0)
 
     def moves(self, slope: float, direction: Direction) -> bool:
         """Whether a fit with ``slope`` heads toward ``direction``'s limit."""
@@ -298,9 +331,15 @@ def _models(span: float, direction: Direction) -> list[_Model]:
     """The candidate models. Polynomials only for growth: one that shrinks reaches 0 at a
     finite step, which |values| that scale down (and so underflow) never do."""
     polynomials = [_Model(TrendKind.POLYNOMIAL, p) for p in POLYNOMIAL_EXPONENTS]
+    transients = [
+        _Model(kind, share * span, transient=True)
+        for kind in (TrendKind.EXPONENTIAL, TrendKind.POWER)
+        for share in TRANSIENT_TIMES
+    ]
     return [
         _Model(TrendKind.EXPONENTIAL),
         _Model(TrendKind.POWER),
+        *transients,
         *(polynomials if direction == Direction.UP else []),
         *(_Model(TrendKind.SATURATING, share * span) for share in SATURATION_TIMES),
     ]
@@ -321,6 +360,13 @@ class _Candidate:
     trend: Trend  # fitted to the whole window
     holdout_error_bits: float  # the earlier part's fit, against the last part
     crossing: int | None  # within the horizon (None: not)
+
+    @property
+    def rank(self) -> float:
+        """The out-of-sample error, a model with a start-up term (one parameter more)
+        counted ``COMPLEXITY_SHARE`` worse: it wins only where it predicts clearly better."""
+        extra = 1 + COMPLEXITY_SHARE if self.trend.transient else 1.0
+        return self.holdout_error_bits * extra
 
 
 def fit_trend(
@@ -390,14 +436,21 @@ def _candidates(
     early_ts, early_ys = ts[:-held], ys[:-held]
     out = []
     for model in _models(ts[-1] - ts[0], base.direction):
-        slope, intercept = model.fit(ts, ys)
+        slope, intercept, transient = model.fit(ts, ys)
         if not model.moves(slope, base.direction):
             continue
         whole = replace(
-            base, kind=model.kind, slope=slope, intercept=intercept, exponent=model.exponent
+            base,
+            kind=model.kind,
+            slope=slope,
+            intercept=intercept,
+            exponent=model.exponent,
+            transient=transient,
         )
-        early_slope, early_intercept = model.fit(early_ts, early_ys)
-        early = replace(whole, slope=early_slope, intercept=early_intercept)
+        early_slope, early_intercept, early_transient = model.fit(early_ts, early_ys)
+        early = replace(
+            whole, slope=early_slope, intercept=early_intercept, transient=early_transient
+        )
         missed = _residuals(early, ts[-held:], ys[-held:])
         error = math.sqrt(statistics.fmean(r * r for r in missed))
         scatter = _robust_sigma(_residuals(whole, ts, ys))
@@ -416,7 +469,7 @@ def _choose(candidates: list[_Candidate], base: Trend, noise: float, judged: boo
     tolerance = max(VALID_Z * noise, VALID_FLOOR_BITS)
     valid = sorted(
         (c for c in candidates if c.holdout_error_bits <= tolerance),
-        key=lambda c: c.holdout_error_bits,
+        key=lambda c: c.rank,
     )
     crossing = [c for c in candidates if c.crossing is not None]
     if not valid:
@@ -432,11 +485,7 @@ def _choose(candidates: list[_Candidate], base: Trend, noise: float, judged: boo
             why=f"no trend predicts the trial's last part (the best misses it by {missed} bits)",
         )
     best = valid[0]
-    near = [
-        c
-        for c in valid
-        if c.holdout_error_bits <= (1 + AMBIGUITY_SHARE) * best.holdout_error_bits + AMBIGUITY_BITS
-    ]
+    near = [c for c in valid if c.rank <= (1 + AMBIGUITY_SHARE) * best.rank + AMBIGUITY_BITS]
     if judged and any((c.crossing is None) != (best.crossing is None) for c in near):
         crossing_one = next(c for c in near if c.crossing is not None)
         return replace(
@@ -509,6 +558,7 @@ class Headroom:
     level_log2: float = 0.0
     last_step: int = 0
     exponent: float = 0.0
+    transient: float = 0.0
     # The underflow side: the activations' largest shrinking toward the smallest normal.
     underflow_now_bits: float | None = None
     underflow_bits_at_n: float | None = None
@@ -519,9 +569,14 @@ class Headroom:
     low_noise_log2: float = 0.0
     low_level_log2: float = 0.0
     low_exponent: float = 0.0
+    low_transient: float = 0.0
     # The gradients' largest shrinking toward the smallest normal.
     grad_crossing_step: int | None = None
     grad_trend: str = "flat"
+    # The largest unscaled |gradient| growing past the largest value over the scale's floor.
+    grad_overflow_step: int | None = None
+    grad_overflow_trend: str = "flat"
+    grad_unscaled_max: float | None = None
     outcome: str = "clear"
     why: str | None = None
 
@@ -536,6 +591,7 @@ class Headroom:
                 last_step=self.last_step,
                 exponent=self.low_exponent,
                 direction=Direction.DOWN,
+                transient=self.low_transient,
             )
         return Trend(
             _kind(self.trend),
@@ -545,6 +601,7 @@ class Headroom:
             self.level_log2,
             last_step=self.last_step,
             exponent=self.exponent,
+            transient=self.transient,
         )
 
     def projected_amax(self, step: int) -> float:
@@ -561,6 +618,7 @@ class Headroom:
             (self.crossing_step, "overflow"),
             (self.underflow_crossing_step, "underflow"),
             (self.grad_crossing_step, "gradient underflow"),
+            (self.grad_overflow_step, "a collapsing scale"),
         ]
         crossing = [(step, side) for step, side in sides if step is not None]
         return min(crossing) if crossing else None
@@ -676,6 +734,16 @@ class Forecast:
                         f"smallest normal) at step ~{h.grad_crossing_step} (the largest "
                         f"|gradient| at the loss scale shrinking, {h.grad_trend}): gradient "
                         f"underflow, {within}",
+                    )
+                )
+            if h.grad_overflow_step is not None:
+                found.append(
+                    (
+                        h.grad_overflow_step,
+                        f"{h.layer}'s gradients ({h.dtype}) pass {largest:g} even at the loss "
+                        f"scale's floor at step ~{h.grad_overflow_step} (the largest unscaled "
+                        f"|gradient| now {h.grad_unscaled_max or 0:.3g}, growing, "
+                        f"{h.grad_overflow_trend}): a collapsing scale, {within}",
                     )
                 )
         scale = self.scale
@@ -855,6 +923,7 @@ def headroom(
         level_log2=up.level_log2 if math.isfinite(up.level_log2) else 0.0,
         last_step=up.last_step,
         exponent=up.exponent,
+        transient=up.transient,
         underflow_now_bits=low_now,
         underflow_bits_at_n=low_at_n,
         underflow_crossing_step=_within(down.first_step_reaching(bottom), train_steps),
@@ -864,6 +933,7 @@ def headroom(
         low_noise_log2=down.noise_log2,
         low_level_log2=low_level,
         low_exponent=down.exponent,
+        low_transient=down.transient,
         why=_why(unclear[0]) if unclear else None,
     )
 
@@ -901,10 +971,14 @@ def _with_gradients(
     trial_steps: int | None,
     losses: Sequence[float] = (),
     start_step: float = 0.0,
+    scaling: tuple[Sequence[float], float] | None = None,
 ) -> Headroom:
     """``room`` with its layer's gradient headroom: the largest |gradient| against the
     dtype's largest value now, and shrinking against its smallest normal (now, at
-    ``train_steps`` and its crossing), and a low quantile against the smallest normal."""
+    ``train_steps`` and its crossing), and a low quantile against the smallest normal.
+    ``scaling``: the loss scale of each step and the least it can fall to (1 without
+    scaling): the largest unscaled |gradient| growing past the dtype's largest value over
+    that floor is a scale that must collapse (``grad_overflow_step``)."""
     steps = series.grad_steps.get(room.layer)
     if not steps:
         return room
@@ -941,8 +1015,34 @@ def _with_gradients(
     why = room.why
     if why is None and largest_shrink.kind == TrendKind.UNCERTAIN:
         why = f"its gradients' shrinking {largest_shrink.why}"
+    overflow_step, overflow_trend, unscaled_now = None, "flat", None
+    if scaling is not None:
+        scales, floor = scaling
+        unscaled = [
+            g / scales[step] if 0 <= step < len(scales) and scales[step] > 0 else math.nan
+            for step, g in zip(steps, series.grad_max[room.layer], strict=True)
+        ]
+        limit = math.log2(largest / max(floor, 1.0))
+        growth = fit_trend(
+            steps,
+            unscaled,
+            trial_steps,
+            log2_limit=limit,
+            horizon=train_steps,
+            start_step=start_step,
+        )
+        seen = [v for v in unscaled if math.isfinite(v) and v > 0]
+        unscaled_now = seen[-1] if seen else None
+        if growth.grows:
+            overflow_step = _within(growth.first_step_reaching(limit), train_steps)
+        overflow_trend = str(growth.kind)
+        if why is None and growth.kind == TrendKind.UNCERTAIN:
+            why = f"its gradients' growth {growth.why}"
     return replace(
         room,
+        grad_overflow_step=overflow_step,
+        grad_overflow_trend=overflow_trend,
+        grad_unscaled_max=unscaled_now,
         grad_max=gmax,
         grad_headroom_now_bits=_bits(largest, math.log2(gmax)) if gmax > 0 else None,
         grad_underflow_now_bits=underflow_now,
@@ -1054,13 +1154,16 @@ def forecast(
     the loss does are a model converging, not underflowing."""
     rooms = []
     start = float(warmup_end(learning_rates) or 0)  # trends start when the warm-up ends
+    scaling = None
+    if loss_scales:  # the floor: the dynamic scaler's, else the scale it holds (1: none)
+        scaling = (loss_scales, scale_floor if scale_floor is not None else min(loss_scales))
     for layer, steps in series.steps.items():
         dtype = series.dtypes.get(layer)
         if dtype is None or dtype not in DTYPE_RANGES:
             continue
         amax = series.act_max[layer]
         room = headroom(layer, dtype, steps, amax, train_steps, trial_steps, start)
-        room = _with_gradients(room, series, train_steps, trial_steps, losses, start)
+        room = _with_gradients(room, series, train_steps, trial_steps, losses, start, scaling)
         rooms.append(_with_outcome(room))
     order = {room.layer: i for i, room in enumerate(rooms)}
 
