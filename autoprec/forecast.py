@@ -74,10 +74,13 @@ VALID_FLOOR_BITS = 0.15
 # when they disagree on whether the run crosses, the forecast cannot tell.
 AMBIGUITY_SHARE = 0.25
 AMBIGUITY_BITS = 0.01
+STABLE_FACTOR = 1.5  # a crossing's distance, fitted to the earlier part and to all of it
 COMPLEXITY_SHARE = 0.2  # a model with one more parameter must predict this much better
 POLYNOMIAL_EXPONENTS = (0.0, 0.5, 1.0, 2.0)  # 0: the logarithm of the step
 SATURATION_TIMES = (0.1, 0.2, 0.35, 0.5)  # a saturation's time constant, of the window's span
-TRANSIENT_TIMES = (0.1, 0.2)  # a start-up transient's (it has decayed by the window's end)
+TRANSIENT_TIMES: tuple[
+    float, ...
+] = ()  # a start-up transient's (it has decayed by the window's end)
 MAX_STEP = 10**9  # no projection looks further
 # A learning rate still rising this much over the trial's last fifth: its warm-up has not
 # ended, and what grows after it cannot be seen yet.
@@ -360,6 +363,20 @@ class _Candidate:
     trend: Trend  # fitted to the whole window
     holdout_error_bits: float  # the earlier part's fit, against the last part
     crossing: int | None  # within the horizon (None: not)
+    early_crossing: int | None = None  # the earlier part's fit's, where the whole's crosses
+
+    @property
+    def stable(self) -> bool:
+        """Whether a crossing holds as the trial goes on: the fit to the earlier part puts
+        it within ``STABLE_FACTOR`` of the distance the fit to the whole window does (a
+        growth that slows down moves its crossing later and later: not yet earned)."""
+        if self.crossing is None:
+            return True
+        if self.early_crossing is None:
+            return False
+        last = self.trend.last_step
+        ahead, early = max(self.crossing - last, 1), max(self.early_crossing - last, 1)
+        return ahead / STABLE_FACTOR <= early <= ahead * STABLE_FACTOR
 
     @property
     def rank(self) -> float:
@@ -455,11 +472,15 @@ def _candidates(
         error = math.sqrt(statistics.fmean(r * r for r in missed))
         scatter = _robust_sigma(_residuals(whole, ts, ys))
         whole = replace(whole, noise_log2=max(scatter, noise), holdout_error_bits=error)
-        crossing = None
+        crossing = early_crossing = None
         if log2_limit is not None and horizon is not None:
             crossing = whole.first_step_reaching(log2_limit)
             crossing = crossing if crossing is not None and crossing <= horizon else None
-        out.append(_Candidate(whole, error, crossing))
+            if crossing is not None:
+                early_crossing = replace(early, noise_log2=whole.noise_log2).first_step_reaching(
+                    log2_limit
+                )
+        out.append(_Candidate(whole, error, crossing, early_crossing))
     return out
 
 
@@ -486,6 +507,19 @@ def _choose(candidates: list[_Candidate], base: Trend, noise: float, judged: boo
         )
     best = valid[0]
     near = [c for c in valid if c.rank <= (1 + AMBIGUITY_SHARE) * best.rank + AMBIGUITY_BITS]
+    if judged and not best.stable:
+        assert best.crossing is not None
+        return replace(
+            base,
+            kind=TrendKind.UNCERTAIN,
+            noise_log2=noise,
+            holdout_error_bits=best.holdout_error_bits,
+            why=(
+                f"its crossing moves as the trial goes on ({best.trend.kind}: at step "
+                f"~{best.early_crossing} from the trial's earlier part, ~{best.crossing} "
+                "from all of it)"
+            ),
+        )
     if judged and any((c.crossing is None) != (best.crossing is None) for c in near):
         crossing_one = next(c for c in near if c.crossing is not None)
         return replace(
