@@ -204,10 +204,10 @@ def _confirming(session: Session, summary: Summary) -> Session:
     telemetry = summary.best.telemetry or {}
     if config.confirm_steps or not config.train_steps or not telemetry.get("cannot_tell"):
         return session
+    long_config = copy.copy(config)  # the settings as given, but the confirmation's length
+    object.__setattr__(long_config, "confirm_steps", config.train_steps)
     confirming = copy.copy(session)
-    confirming.prepared = replace(
-        session.prepared, config=replace(config, confirm_steps=config.train_steps)
-    )
+    confirming.prepared = replace(session.prepared, config=long_config)
     return confirming
 
 
