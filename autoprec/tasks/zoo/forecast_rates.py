@@ -132,6 +132,7 @@ def judge_task(name: str, steps: int, table: dict[str, Any]) -> list[Verdict]:
         truth = runs[0]  # seed 0: the trials' own seed
         result = run_trial(task, policy, backend, budget, stopping)
         ahead = Forecast.from_dict(result.forecast) if result.forecast else None
+        step: int | None
         if result.state != TrialState.COMPLETE:
             outcome, side, step = "stopped", _side_of(result.reason), result.steps_run
         elif result.at_risk is not None:
