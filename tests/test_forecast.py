@@ -83,9 +83,24 @@ def test_the_start_up_transient_is_not_taken_for_growth() -> None:
 
 
 def test_noisy_growth_is_still_found_and_forecast_no_later_than_the_truth() -> None:
+    """Found in the trial, or (issue 27: models that predict its last part disagree at this
+    noise) not called clear, and found once the trial is extended to twice its steps."""
+    truth = 40 * math.log2(FP16_MAX / 10.0)
     values = _noisy([10.0 * 2 ** (s / 40) for s in STEPS], 0.3, seed=4)
-    crossing = _crossing(values)
-    assert crossing is not None and crossing <= 40 * math.log2(FP16_MAX / 10.0) * 1.2
+    series = RangeSeries()
+    for step, value in zip(STEPS, values, strict=True):
+        series.add_activation("layer", step, value, "fp16")
+    ahead = forecast(series, 2000, trial_steps=200)
+    crossing = ahead.layers[0].crossing_step
+    if crossing is None:
+        assert ahead.cannot_tell() is not None
+        longer = list(range(0, 401, 10))
+        series = RangeSeries()
+        values = _noisy([10.0 * 2 ** (s / 40) for s in longer], 0.3, seed=4)
+        for step, value in zip(longer, values, strict=True):
+            series.add_activation("layer", step, value, "fp16")
+        crossing = forecast(series, 2000, 200, extended_steps=200).layers[0].crossing_step
+    assert crossing is not None and crossing <= truth * 1.2
 
 
 def test_a_layer_that_already_reached_its_limit_crosses_now() -> None:

@@ -9,7 +9,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from autoprec.forecast import DTYPE_RANGES, FORECAST_MULTIPLE, Forecast, Headroom, restored_floats
+from autoprec.forecast import (
+    DTYPE_RANGES,
+    FORECAST_MULTIPLE,
+    MOVING,
+    Forecast,
+    Headroom,
+)
 from autoprec.report.plots import saved
 from autoprec.search.summary_schema import Entry, Summary, as_summary
 
@@ -23,7 +29,7 @@ def _brief(entry: Entry) -> dict[str, Any] | None:
 
 
 def _rooms(brief: dict[str, Any]) -> dict[str, Headroom]:
-    return {layer["layer"]: Headroom(**restored_floats(layer)) for layer in brief.get("layers", [])}
+    return {h.layer: h for h in Forecast.from_dict({**brief, "series": {}}).layers}
 
 
 def horizon_text(summary: Summary | dict[str, Any]) -> str | None:
@@ -50,8 +56,19 @@ def at_risk(summary: Summary) -> list[tuple[Entry, str]]:
     ]
 
 
+def cannot_tell(summary: Summary) -> list[tuple[Entry, str]]:
+    """The trials whose forecast cannot tell, with why and the path taken (they stay
+    feasible)."""
+    return [
+        (e, reason)
+        for e in summary.entries
+        if (reason := (e.telemetry or {}).get("cannot_tell")) and isinstance(reason, str)
+    ]
+
+
 def forecast_lines(summary: Summary | dict[str, Any]) -> list[str]:
-    """The console's lines: the horizon, the trials at risk, the chosen one's headroom."""
+    """The console's lines: the horizon, the trials at risk, those it cannot tell and what
+    was done about them, the chosen one's headroom."""
     summary = as_summary(summary)
     horizon = horizon_text(summary)
     if horizon is None:
@@ -62,6 +79,11 @@ def forecast_lines(summary: Summary | dict[str, Any]) -> list[str]:
     lines = [f"{horizon}: {len(risky)} trial(s) at risk, {verdict}" if risky else horizon]
     for entry, reason in risky[:MAX_LINES]:
         lines.append(f"  {entry.label}: {reason.removeprefix('at risk: forecast: ')}")
+    unclear = cannot_tell(summary)
+    if unclear:
+        lines.append(f"{len(unclear)} trial(s) the forecast cannot tell (kept feasible):")
+        for entry, reason in unclear[:MAX_LINES]:
+            lines.append(f"  {entry.label}: {reason.removeprefix('cannot tell: forecast: ')}")
     brief = _brief(summary.best)
     if brief is not None and brief.get("min_headroom_bits") is not None:
         layer = (brief.get("layers") or [{}])[0].get("layer", "?")
@@ -108,6 +130,7 @@ def plot_headroom(summary: Summary | dict[str, Any], path: Path) -> Path | None:
     colours = ("#222222", "#dd8452", "#c44e52")
     for ax, layer in zip(axes.flat, layers, strict=False):
         limits: set[str] = set()
+        floors: set[str] = set()
         for (entry, brief), colour in zip(charted, colours, strict=False):
             series = brief.get("series", {}).get(layer)
             room = _rooms(brief).get(layer)
@@ -120,7 +143,11 @@ def plot_headroom(summary: Summary | dict[str, Any], path: Path) -> Path | None:
             ax.plot(ahead, [room.projected_amax(int(s)) for s in ahead], "--", color=colour)
             if room.crossing_step is not None:
                 ax.axvline(room.crossing_step, color=colour, lw=0.8, ls=":")
+            if room.underflow_crossing_step is not None:
+                ax.axvline(room.underflow_crossing_step, color=colour, lw=0.8, ls=":")
             limits.add(room.dtype)
+            if room.underflow_trend in MOVING or room.underflow_crossing_step is not None:
+                floors.add(room.dtype)
         for dtype in sorted(limits):
             ax.axhline(DTYPE_RANGES[dtype][0], color="#c44e52", lw=1.0)
             ax.annotate(
@@ -131,6 +158,16 @@ def plot_headroom(summary: Summary | dict[str, Any], path: Path) -> Path | None:
                 xycoords=("axes fraction", "data"),
                 va="bottom",
             )
+        for dtype in sorted(floors):  # the underflow side: the smallest normal
+            ax.axhline(DTYPE_RANGES[dtype][1], color="#4c72b0", lw=1.0)
+            ax.annotate(
+                f"{dtype} smallest normal",
+                (0.01, DTYPE_RANGES[dtype][1]),
+                fontsize=7,
+                color="#4c72b0",
+                xycoords=("axes fraction", "data"),
+                va="top",
+            )
         ax.set_yscale("log")
         ax.set_title(layer, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
@@ -140,7 +177,9 @@ def plot_headroom(summary: Summary | dict[str, Any], path: Path) -> Path | None:
     for ax in list(axes.flat)[len(layers) :]:
         ax.axis("off")
     fig.suptitle(
-        "headroom per layer: observed (dots), projected (dashed), dtype limit (red)", fontsize=9
+        "headroom per layer: observed (dots), projected (dashed), dtype's largest value (red) "
+        "and smallest normal (blue)",
+        fontsize=9,
     )
     return saved(fig, path)
 
@@ -154,12 +193,17 @@ def headroom_section(summary: Summary, chart: Path | None) -> str:
         return ""
     rows = [[cell(e.label), cell(reason)] for e, reason in at_risk(summary)]
     table = html_table(["policy", "why at risk"], rows) if rows else "<p>No trial at risk.</p>"
+    unclear_rows = [[cell(e.label), cell(reason)] for e, reason in cannot_tell(summary)]
+    unclear = html_table(["policy", "why it cannot tell"], unclear_rows) if unclear_rows else ""
     shown = images([chart]) if chart is not None else ""
     return f"""<h2>Forecast to the run's length</h2>
 <p class="note">{html.escape(horizon)}. A trial is at risk when a layer's largest |activation|,
-fitted over the trial after its start-up and projected, passes its dtype's largest value
-within the run.</p>
-{table}
+fitted over the trial after its start-up (a model that predicts the trial's own last part)
+and projected, passes its dtype's largest value within the run, or shrinks below its
+smallest normal (activations, gradients), or the loss scale falls to its floor. Where no
+model predicts the last part the forecast cannot tell: the trial stays feasible, and is
+extended or confirmed at the run's length.</p>
+{table}{unclear}
 {shown}"""
 
 

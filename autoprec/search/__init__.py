@@ -21,8 +21,9 @@ The modules of this package, in the order a search uses them:
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +155,7 @@ def _finish(
     )
     if not interrupted:  # --confirm-steps: the choice trained as long (may change it)
         long_s = time.perf_counter()
-        summary, interrupted = confirm_choice(session, summary, confirmed)
+        summary, interrupted = confirm_choice(_confirming(session, summary), summary, confirmed)
         phases_s["long_confirmation"] = time.perf_counter() - long_s
         mark_s += phases_s["long_confirmation"]  # its own phase, not the tracking's
     best_policy = Policy.from_dict(summary.best.policy or {})
@@ -193,6 +194,21 @@ def _finish(
     if interrupted:
         raise SearchInterrupted(result)
     return result
+
+
+def _confirming(session: Session, summary: Summary) -> Session:
+    """The session the long confirmation runs in: as it is, or, when --train-steps is given
+    without --confirm-steps and the chosen trial's forecast cannot tell, one that confirms
+    the finalists at --train-steps (the forecast's honest path: the real length, trained)."""
+    config = session.prepared.config
+    telemetry = summary.best.telemetry or {}
+    if config.confirm_steps or not config.train_steps or not telemetry.get("cannot_tell"):
+        return session
+    long_config = copy.copy(config)  # the settings as given, but the confirmation's length
+    object.__setattr__(long_config, "confirm_steps", config.train_steps)
+    confirming = copy.copy(session)
+    confirming.prepared = replace(session.prepared, config=long_config)
+    return confirming
 
 
 def _settings(session: Session) -> dict[str, Any]:

@@ -69,7 +69,11 @@ if TYPE_CHECKING:
 # those steps. More than this many in a row means the policy does not train.
 NONFINITE_PATIENCE = 5
 FINAL_LOSS_WINDOW = 5
-TELEMETRY_EVERY = 10
+TELEMETRY_EVERY = 10  # telemetry's cadence on long trials: every 10th step observed
+TELEMETRY_POINTS = 30  # shorter trials are observed more often, to this many points
+# A forecast that cannot tell extends its trial by this many times the trial's steps (without
+# --train-steps; with it, the finalists are confirmed at the run's length instead).
+EXTEND_MULTIPLE = 1
 # A layer whose share of zero gradients exceeds the fp32 run's by this much is losing
 # its gradients to fp16's range.
 UNDERFLOW_EVIDENCE = 0.50
@@ -102,6 +106,13 @@ class Budget:
     @property
     def forecast_steps(self) -> int:
         return self.train_steps or default_train_steps(self.steps)
+
+    @property
+    def telemetry_every(self) -> int:
+        """Every how many steps telemetry is taken: ``TELEMETRY_EVERY``, more often on
+        short trials (at least every 2nd step), so that the forecast has enough points to
+        check each fit against the trial's last part."""
+        return max(2, min(TELEMETRY_EVERY, self.steps // TELEMETRY_POINTS))
 
 
 @dataclass
@@ -136,6 +147,9 @@ class TrialResult(Measured):
     at_risk: str | None = None  # why the forecast says the real run would overflow
     # What the telemetry saw first, per mechanism and layer (`autoprec.first_events`).
     first_events: list[dict[str, Any]] = field(default_factory=list)
+    # Why the forecast cannot tell, and what was done (the trial extended, or the finalists
+    # confirmed at --train-steps); never makes the trial infeasible.
+    cannot_tell: str | None = None
 
     METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
@@ -208,6 +222,7 @@ class TrialResult(Measured):
             "loss_scale_min": min(scales) if scales else None,
             "forecast": forecast_brief(self.forecast),
             "at_risk": self.at_risk,
+            "cannot_tell": self.cannot_tell,
         }
 
     def advice(self) -> list[str]:
@@ -373,7 +388,7 @@ def _train_and_evaluate_here(
             if reason is not None:
                 run.result.state, run.result.reason = TrialState.PRUNED, reason
                 break
-        return run.finish()
+        return run.finish(None if ranks is not None else batches)
     finally:
         run.prec.remove()
 
@@ -429,6 +444,9 @@ class _Run:
         self.skipped: list[bool] = []
         self.stuck: list[bool] = []
         self.nonfinite_in_a_row = 0
+        self.learning_rates: list[float] = []  # each step's, for the forecast's warm-up check
+        self.extension_scales: list[float] = []  # the loss scale past the trial's steps
+        self.extension_losses: list[float] = []  # and the losses
 
     def step(self, step: int, batches: list[Batch]) -> str | None:
         """Train one step and record it; the reason to stop, if the trial is hopeless."""
@@ -436,10 +454,11 @@ class _Run:
         # is measured on the untimed steps after step 0, which is observed, so that
         # telemetry's scratch tensors stay out of the peak.
         budget, backend, prec, result = self.budget, self.backend, self.prec, self.result
-        observed = step % TELEMETRY_EVERY == 0
+        observed = step % budget.telemetry_every == 0
         measured = 1 <= step <= max(1, budget.untimed_steps)
         timed = step > budget.untimed_steps and not observed and not measured
         scale_used = prec.loss_scale
+        self.learning_rates.append(_learning_rate(self.optimizer))
         with (
             self.meter.step() if measured else contextlib.nullcontext(),
             self.monitor.activations(step) if observed else contextlib.nullcontext(),
@@ -525,8 +544,9 @@ class _Run:
         evidence = _underflow_evidence(self.prec, self.monitor, stopping)
         return _trailing_reason(trailing, step, evidence)
 
-    def finish(self) -> TrialResult:
-        """The measurements, and the accuracy of a trial that completed."""
+    def finish(self, batches: Iterator[Any] | None = None) -> TrialResult:
+        """The measurements, and the accuracy of a trial that completed; its forecast,
+        after training on from ``batches`` (the trial's own) where it cannot tell."""
         result, prec = self.result, self.prec
         if result.state == TrialState.COMPLETE and result.overflow_steps == result.steps_run:
             result.state = TrialState.PRUNED
@@ -544,7 +564,6 @@ class _Run:
         fp8 = self.monitor.fp8.evidence()  # the fp8 layer whose casts flush its values
         if fp8 is not None:
             result.reason = f"{result.reason}; {fp8}" if result.reason else fp8
-        self._forecast()
         result.grad_underflow_ratio = self.monitor.grad_underflow_ratio
         result.peak_memory_mb = self.meter.peak_mb(self.model, self.optimizer)
         if self.step_times_s:
@@ -561,19 +580,108 @@ class _Run:
                 result.state = TrialState.FAILED
                 result.reason = f"the task's metric returned {result.accuracy}"
                 result.accuracy = None
+        self._forecast(batches)
         return result
 
-    def _forecast(self) -> None:
+    def _forecast(self, batches: Iterator[Any] | None) -> None:
         """Every layer's range projected to the run's length; a crossing within it puts
-        the trial at risk, said in its reason."""
+        the trial at risk, said in its reason. Where the forecast cannot tell, the trial
+        trains on from ``batches`` (``EXTEND_MULTIPLE`` times its steps, without
+        --train-steps) and is forecast again; with --train-steps it is left to the
+        confirmation of the finalists at that length. "Cannot tell" never makes a trial
+        infeasible."""
         if self.monitor.ranges is None:
             return
         budget, result = self.budget, self.result
-        ahead = forecast(self.monitor.ranges, budget.forecast_steps, budget.steps)
+        ahead = self._ahead(0)
+        complete = result.state == TrialState.COMPLETE
+        if complete and ahead.cannot_tell() is not None:
+            if budget.train_steps is not None:
+                ahead = ahead.with_path(
+                    f"confirmed at --train-steps {budget.train_steps} if it is chosen"
+                )
+            elif batches is not None:
+                ahead = self._extended(batches)
         result.forecast = ahead.to_dict()
-        result.at_risk = ahead.at_risk() if result.state == TrialState.COMPLETE else None
+        result.at_risk = ahead.at_risk() if complete else None
+        result.cannot_tell = ahead.cannot_tell() if complete else None
         if result.at_risk is not None:
             result.reason = "; ".join(r for r in (result.reason, result.at_risk) if r)
+
+    def _ahead(self, extended_steps: int) -> Forecast:
+        assert self.monitor.ranges is not None
+        scaler = self.prec.scaler
+        dynamic = scaler.settings.enabled and scaler.settings.mode == "dynamic"
+        return forecast(
+            self.monitor.ranges,
+            self.budget.forecast_steps,
+            self.budget.steps,
+            loss_scales=self.scales,
+            scale_floor=scaler.settings.min_scale if dynamic else None,
+            learning_rates=self.learning_rates,
+            losses=[*self.result.losses, *self.extension_losses],
+            extended_steps=extended_steps,
+        )
+
+    def _extended(self, batches: Iterator[Any]) -> Forecast:
+        """The forecast after training on past the trial's steps, observed as the trial
+        was. The trial's own figures (accuracy, losses, telemetry) stay its own; a run that
+        breaks on the way (a non-finite loss, a scaler stuck at its floor) is at risk."""
+        budget, prec = self.budget, self.prec
+        start, end = budget.steps, budget.steps * (1 + EXTEND_MULTIPLE)
+        self.trained.train()
+        stopped: str | None = None
+        broke: str | None = None
+        in_a_row = stuck = 0
+        step = start
+        try:
+            for step in range(start, end):
+                drawn = _draw(self.task, batches, step, end, self.backend)
+                observed = step % budget.telemetry_every == 0
+                scale_used = prec.loss_scale
+                self.learning_rates.append(_learning_rate(self.optimizer))
+                with self.monitor.activations(step) if observed else contextlib.nullcontext():
+                    loss_value, stepped = _train_step(
+                        self.task, self.trained, self.optimizer, prec, drawn, self.scheduler
+                    )
+                if observed and stepped:
+                    self.monitor.observe_gradients(scale_used)
+                self.extension_scales.append(scale_used)
+                self.extension_losses.append(loss_value)
+                stuck = stuck + 1 if (not stepped and prec.scaler.at_floor) else 0
+                in_a_row = 0 if math.isfinite(loss_value) else in_a_row + 1
+                if stepped is None or in_a_row >= NONFINITE_PATIENCE:
+                    broke = f"non-finite loss ({loss_value}) at step {step}"
+                    break
+                if stuck >= NONFINITE_PATIENCE:
+                    broke = f"the loss scaler stuck at its floor at step {step}"
+                    break
+        except Exception as error:  # the task's data or schedule ends: keep what was seen
+            stopped = f"stopped at step {step} ({type(error).__name__}: {first_line(error, 120)})"
+        ahead = self._ahead(step - start + (0 if stopped else 1))
+        how = f"extended the trial to {step + (0 if stopped else 1)} steps"
+        if stopped:
+            how = f"{how}, {stopped}"
+        if broke is not None:
+            return ahead.with_path(f"{how}: it broke ({broke})").with_broken(
+                f"the extended trial broke: {broke}"
+            )
+        if ahead.cannot_tell() is not None:
+            how = (
+                f"{how}: still cannot tell; it stays feasible (confirm with --confirm-steps, "
+                "or give --train-steps)"
+            )
+        return ahead.with_path(how)
+
+    @property
+    def scales(self) -> list[float]:
+        return [*self.result.loss_scales, *self.extension_scales]
+
+
+def _learning_rate(optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate the optimizer's first parameter group steps with now."""
+    value = optimizer.param_groups[0].get("lr", 0.0) if optimizer.param_groups else 0.0
+    return float(value) if isinstance(value, int | float) else float(value.item())
 
 
 def _underflow_evidence(
