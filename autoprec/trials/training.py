@@ -71,8 +71,10 @@ NONFINITE_PATIENCE = 5
 FINAL_LOSS_WINDOW = 5
 TELEMETRY_EVERY = 10  # telemetry's cadence on long trials: every 10th step observed
 TELEMETRY_POINTS = 30  # shorter trials are observed more often, to this many points
-# A forecast that cannot tell extends its trial by this many times the trial's steps (without
-# --train-steps; with it, the finalists are confirmed at the run's length instead).
+# A forecast that cannot tell extends its trial (without --train-steps; with it, the
+# finalists are confirmed at the run's length instead): each round trains this many times
+# the steps trained so far and forecasts again, until it can tell, the run breaks, or the
+# trial has trained to the forecast's horizon (then what it saw is the answer).
 EXTEND_MULTIPLE = 1
 # A layer whose share of zero gradients exceeds the fp32 run's by this much is losing
 # its gradients to fp16's range.
@@ -586,10 +588,10 @@ class _Run:
     def _forecast(self, batches: Iterator[Any] | None) -> None:
         """Every layer's range projected to the run's length; a crossing within it puts
         the trial at risk, said in its reason. Where the forecast cannot tell, the trial
-        trains on from ``batches`` (``EXTEND_MULTIPLE`` times its steps, without
-        --train-steps) and is forecast again; with --train-steps it is left to the
-        confirmation of the finalists at that length. "Cannot tell" never makes a trial
-        infeasible."""
+        trains on from ``batches`` (in rounds of ``EXTEND_MULTIPLE`` times the steps
+        trained so far, up to the horizon, without --train-steps) and is forecast again
+        after each; with --train-steps it is left to the confirmation of the finalists at
+        that length. "Cannot tell" never makes a trial infeasible."""
         if self.monitor.ranges is None:
             return
         budget, result = self.budget, self.result
@@ -625,14 +627,53 @@ class _Run:
 
     def _extended(self, batches: Iterator[Any]) -> Forecast:
         """The forecast after training on past the trial's steps, observed as the trial
-        was. The trial's own figures (accuracy, losses, telemetry) stay its own; a run that
-        breaks on the way (a non-finite loss, a scaler stuck at its floor) is at risk."""
-        budget, prec = self.budget, self.prec
-        start, end = budget.steps, budget.steps * (1 + EXTEND_MULTIPLE)
+        was, in rounds (``EXTEND_MULTIPLE``) until it can tell or the trial has trained to
+        the forecast's horizon. The trial's own figures (accuracy, losses, telemetry) stay
+        its own; a run that breaks on the way (a non-finite loss, a scaler stuck at its
+        floor) is at risk."""
+        budget = self.budget
+        horizon = max(budget.forecast_steps, budget.steps + 1)
+        rounds = []
+        end = budget.steps
+        while end < horizon:
+            end, start = min(horizon, end * (1 + EXTEND_MULTIPLE)), end
+            rounds.append((start, end))
         self.trained.train()
         stopped: str | None = None
         broke: str | None = None
         in_a_row = stuck = 0
+        step = budget.steps - 1
+        ahead = self._ahead(0)
+        for start, end in rounds:
+            step, stopped, broke, in_a_row, stuck = self._train_on(
+                batches, start, end, in_a_row, stuck
+            )
+            ahead = self._ahead(step - budget.steps + (0 if stopped else 1))
+            if stopped or broke is not None or ahead.cannot_tell() is None:
+                break
+        how = f"extended the trial to {step + (0 if stopped else 1)} steps"
+        if stopped:
+            how = f"{how}, {stopped}"
+        if broke is not None:
+            return ahead.with_path(f"{how}: it broke ({broke})").with_broken(
+                f"the extended trial broke: {broke}"
+            )
+        if ahead.cannot_tell() is not None:
+            how = (
+                f"{how}: still cannot tell; it stays feasible (confirm with --confirm-steps, "
+                "or give --train-steps)"
+            )
+        return ahead.with_path(how)
+
+    def _train_on(
+        self, batches: Iterator[Any], start: int, end: int, in_a_row: int, stuck: int
+    ) -> tuple[int, str | None, str | None, int, int]:
+        """Train steps ``start`` to ``end`` of an extension, observed as the trial was:
+        the last step reached, why the data stopped (if it did), why the run broke (if it
+        did), and the counts of non-finite losses and stuck scaler steps in a row."""
+        budget, prec = self.budget, self.prec
+        stopped: str | None = None
+        broke: str | None = None
         step = start
         try:
             for step in range(start, end):
@@ -658,20 +699,7 @@ class _Run:
                     break
         except Exception as error:  # the task's data or schedule ends: keep what was seen
             stopped = f"stopped at step {step} ({type(error).__name__}: {first_line(error, 120)})"
-        ahead = self._ahead(step - start + (0 if stopped else 1))
-        how = f"extended the trial to {step + (0 if stopped else 1)} steps"
-        if stopped:
-            how = f"{how}, {stopped}"
-        if broke is not None:
-            return ahead.with_path(f"{how}: it broke ({broke})").with_broken(
-                f"the extended trial broke: {broke}"
-            )
-        if ahead.cannot_tell() is not None:
-            how = (
-                f"{how}: still cannot tell; it stays feasible (confirm with --confirm-steps, "
-                "or give --train-steps)"
-            )
-        return ahead.with_path(how)
+        return step, stopped, broke, in_a_row, stuck
 
     @property
     def scales(self) -> list[float]:
