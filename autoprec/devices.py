@@ -585,10 +585,11 @@ class EstimatedMemoryMeter(MemoryMeter):
 
 
 def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
-    """Bytes of each distinct storage behind the tensors, keyed by its address."""
+    """Bytes of each distinct storage behind the tensors, keyed by its address (a tensor
+    subclass's, such as torchao's 8-bit optimizer states, are its inner tensors')."""
+    from autoprec.optimizer_state import state_nbytes
+
     storages = {}
     for tensor in tensors:
-        tensor = getattr(tensor, "_local_tensor", tensor)  # a sharded DTensor: its shard
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        storages.update(state_nbytes(tensor))
     return storages

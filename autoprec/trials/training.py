@@ -27,7 +27,7 @@ from autoprec._structures import cast_floats
 from autoprec.compiled import Compilation, fresh_compiler
 from autoprec.devices import DTYPES, Backend
 from autoprec.emulation import emulated_dtypes
-from autoprec.errors import AutoprecError, TaskError, first_line
+from autoprec.errors import AutoprecError, PolicyError, TaskError, first_line
 from autoprec.forecast import (
     Forecast,
     default_train_steps,
@@ -405,7 +405,7 @@ class _Run:
         # What trains: the model itself, or a rank's wrapper of it (DDP, FSDP2), made
         # before the optimizer, which takes the parameters the wrapper trains.
         self.trained = self.model if ranks is None else ranks.wrap(self.model, self.prec)
-        self.optimizer = task.make_optimizer(self.trained.parameters())
+        self.optimizer = _make_optimizer(task, policy, self.trained, ranks is not None)
         self.scheduler = task.make_scheduler(self.optimizer)
         self.compilation = Compilation(self.trained, compiled, backend.now_s)
         self.meter = backend.memory_meter()
@@ -700,8 +700,8 @@ class _Timed:
         torch.manual_seed(budget.seed)
         self.task, self.policy, self.backend = task, policy, backend
         self.model = task.model().to(backend.device).train()
-        self.optimizer = task.make_optimizer(self.model.parameters())
         self.prec = policy.apply(self.model, backend)
+        self.optimizer = _make_optimizer(task, policy, self.model, False)
         self.compilation = Compilation(self.model, compiled, backend.now_s, fresh=False)
         self.untimed = budget.untimed_steps
         self.batches: list[list[Batch]] = []
@@ -727,6 +727,20 @@ class _Timed:
         finally:
             backend.restore_switches(previous)
         return times_s
+
+
+def _make_optimizer(
+    task: Task, policy: Policy, trained: nn.Module, launched: bool
+) -> torch.optim.Optimizer:
+    """The task's optimizer, or where the policy names training states other than fp32,
+    the per-group optimizer it describes, from the task's optimizer's class and defaults."""
+    if policy.optimizer_states.is_default:
+        return task.make_optimizer(trained.parameters())
+    if launched:
+        raise PolicyError(
+            "optimizer: per-group optimizer states are not searched across several ranks yet"
+        )
+    return policy.optimizer(trained, task.make_optimizer)
 
 
 def _evaluate(task: Task, model: torch.nn.Module, prec: Any, backend: Backend) -> float:

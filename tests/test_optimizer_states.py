@@ -1,0 +1,271 @@
+"""The policy's optimizer states per parameter group: YAML, the layer table, the builder
+against torchao itself, checkpoints, and the memory count.
+
+torchao's optimizers compile their step on first use (tens of seconds here); the tests
+share one model shape so that the compiled steps are reused within the session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autoprec
+from autoprec.devices import EstimatedMemoryMeter
+from autoprec.errors import PolicyError
+from autoprec.optim import PolicyOptimizer
+from autoprec.optimizer_state import OptimizerStates, StateGroup, optimizer_state_nbytes
+from autoprec.policy import Policy
+
+torchao_optim = pytest.importorskip("torchao.optim")
+
+EMBEDDINGS_FP32 = OptimizerStates(
+    "8bit", groups=(StateGroup(types=("Embedding",), state="fp32", name="embeddings"),)
+)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(64, 64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randint(0, 64, (16,), generator=generator),
+            torch.randint(0, 8, (16,), generator=generator),
+        )
+        for _ in range(count)
+    ]
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list) -> None:
+    for x, y in data:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x).float(), y).backward()
+        optimizer.step()
+
+
+def weights(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype
+        assert torch.equal(x, y)
+
+
+# -- plain data -------------------------------------------------------------------------
+
+
+def test_optimizer_section_round_trips_and_old_yaml_is_unchanged():
+    policy = Policy(rules=(), optimizer_states=EMBEDDINGS_FP32, name="emb-fp32")
+    text = policy.to_yaml()
+    assert "optimizer:" in text and "state: 8bit" in text
+    assert Policy.from_yaml(text) == policy
+    old = "default: bf16\nrules: []\nloss_scale:\n  mode: none\n"
+    assert "optimizer" not in Policy.from_yaml(old).to_yaml()
+    assert Policy.from_yaml(old).optimizer_states.is_default
+    # A policy with default states measures what it measured before the section existed.
+    assert Policy.from_yaml(old).identity() == Policy(default="bf16").identity()
+    assert policy.identity() != Policy(name="emb-fp32").identity()
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"state": "int3"}, "optimizer.state"),
+        ({"master": "fp16"}, "optimizer.master"),
+        ({"groups": [{"types": ["Embedding"], "state": "2bit"}]}, "optimizer.groups[0].state"),
+        ({"groups": [{"types": ["Embedding"]}]}, "optimizer.groups[0]"),
+        ({"groups": [{"state": "fp32"}]}, "optimizer.groups[0]"),
+        ({"moments": "fp8"}, "optimizer.moments"),
+    ],
+)
+def test_bad_optimizer_section_names_the_field(section, field):
+    with pytest.raises(PolicyError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        Policy.from_dict({"default": "fp32", "optimizer": section}, "p.yaml")
+
+
+def test_layer_table_and_resolve_states_show_each_groups_state():
+    policy = Policy(optimizer_states=EMBEDDINGS_FP32)
+    model = make_model()
+    table = {row["name"]: row for row in policy.layer_table(model)}
+    assert table["0"]["state"] == "fp32"
+    assert table["1"]["state"] == table["3"]["state"] == "8bit"
+    states = policy.resolve_states(model)
+    assert states["0.weight"].state == "fp32" and states["1.bias"].state == "8bit"
+    assert "state" not in Policy().layer_table(model)[0]  # the table is as before
+
+
+def test_a_group_matching_no_parameter_is_refused():
+    states = OptimizerStates("8bit", groups=(StateGroup(types=("Conv2d",), state="fp32"),))
+    with pytest.raises(PolicyError, match=r"optimizer.groups\[0\].*matches no trainable"):
+        Policy(optimizer_states=states).optimizer(make_model())
+
+
+def test_quantised_states_need_adam():
+    policy = Policy(optimizer_states=OptimizerStates("8bit"))
+    with pytest.raises(PolicyError, match="SGD"):
+        policy.optimizer(make_model(), torch.optim.SGD, lr=0.1)
+
+
+# -- against torchao itself ------------------------------------------------------------
+
+
+def test_uniform_8bit_is_torchaos_adamw8bit_bit_for_bit():
+    data = batches(4)
+    direct = make_model()
+    train(direct, torchao_optim.AdamW8bit(direct.parameters(), lr=1e-2), data)
+    ours = make_model()
+    optimizer = Policy(optimizer_states=OptimizerStates("8bit")).optimizer(
+        ours, torch.optim.AdamW, lr=1e-2
+    )
+    assert [type(part) for _, part in optimizer.parts] == [torchao_optim.AdamW8bit]
+    train(ours, optimizer, data)
+    assert_identical(weights(direct), weights(ours))
+
+
+def test_embeddings_in_fp32_are_torch_adamw_beside_torchao_8bit_bit_for_bit():
+    """The bitsandbytes recipe, as a user writes it by hand with torch and torchao."""
+    data = batches(4)
+    by_hand = make_model()
+    embedding = list(by_hand[0].parameters())
+    rest = [p for p in by_hand.parameters() if all(p is not e for e in embedding)]
+    fp32 = torch.optim.AdamW(embedding, lr=1e-2, weight_decay=0.0)
+    eight = torchao_optim.AdamW8bit(rest, lr=1e-2, weight_decay=0.0)
+    for x, y in data:
+        fp32.zero_grad()
+        eight.zero_grad()
+        nn.functional.cross_entropy(by_hand(x), y).backward()
+        fp32.step()
+        eight.step()
+    ours = make_model()
+    optimizer = Policy(optimizer_states=EMBEDDINGS_FP32).optimizer(
+        ours, torch.optim.AdamW, lr=1e-2, weight_decay=0.0
+    )
+    train(ours, optimizer, data)
+    assert_identical(weights(by_hand), weights(ours))
+    # Where torchao quantises (4096 elements and more), the state is its 8-bit subclass.
+    assert type(optimizer.state[ours[1].weight]["exp_avg"]).__name__ == "OptimState8bit"
+    assert optimizer.state[ours[0].weight]["exp_avg"].dtype == torch.float32
+    assert optimizer.state[ours[3].weight]["exp_avg"].dtype == torch.float32  # 512 elements
+
+
+def test_a_task_factory_gives_the_class_and_defaults():
+    data = batches(2)
+    direct = make_model()
+    train(direct, torchao_optim.Adam8bit(direct.parameters(), lr=3e-3), data)
+    ours = make_model()
+    optimizer = Policy(optimizer_states=OptimizerStates("8bit")).optimizer(
+        ours, lambda params: torch.optim.Adam(params, lr=3e-3)
+    )
+    assert type(optimizer.parts[0][1]) is torchao_optim.Adam8bit
+    train(ours, optimizer, data)
+    assert_identical(weights(direct), weights(ours))
+
+
+def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tmp_path):
+    data = batches(6)
+    policy = Policy(optimizer_states=EMBEDDINGS_FP32)
+    straight = make_model()
+    train(straight, policy.optimizer(straight, torch.optim.AdamW, lr=1e-2), data)
+
+    first = make_model()
+    optimizer = policy.optimizer(first, torch.optim.AdamW, lr=1e-2)
+    train(first, optimizer, data[:3])
+    torch.save(
+        {"model": first.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "c.pt"
+    )
+    checkpoint = torch.load(tmp_path / "c.pt", weights_only=True)
+    resumed = make_model()
+    resumed.load_state_dict(checkpoint["model"])
+    optimizer = policy.optimizer(resumed, torch.optim.AdamW, lr=1e-2)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    train(resumed, optimizer, data[3:])
+    assert_identical(weights(straight), weights(resumed))
+
+
+def test_a_checkpoint_of_other_states_is_refused():
+    model = make_model()
+    eight = Policy(optimizer_states=OptimizerStates("8bit")).optimizer(model)
+    other = Policy(optimizer_states=EMBEDDINGS_FP32).optimizer(make_model())
+    with pytest.raises(PolicyError, match="saved for training states"):
+        other.load_state_dict(eight.state_dict())
+
+
+def test_a_scheduler_reaches_every_part():
+    model = make_model()
+    optimizer = Policy(optimizer_states=EMBEDDINGS_FP32).optimizer(model, lr=1e-2)
+    assert isinstance(optimizer, PolicyOptimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    train(model, optimizer, batches(1))
+    scheduler.step()
+    lrs = [float(part.param_groups[0]["lr"]) for _, part in optimizer.parts]
+    assert lrs == pytest.approx([5e-3, 5e-3], rel=1e-6)  # torchao keeps lr as an fp32 tensor
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+def test_the_cpu_estimate_counts_8bit_states_as_torchao_stores_them():
+    model = make_model()
+    optimizer = Policy(optimizer_states=OptimizerStates("8bit")).optimizer(model, lr=1e-2)
+    train(model, optimizer, batches(1))
+    stored = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if type(value).__name__ == "OptimState8bit":
+                stored += sum(getattr(value, a).nbytes for a in ("codes", "scale", "qmap"))
+            else:
+                stored += value.nbytes
+    assert optimizer_state_nbytes(optimizer) == stored
+    # Embedding and first Linear weight quantised: 1 byte a moment and element, plus scales.
+    assert stored < 4 * 2 * sum(p.numel() for p in model.parameters()) / 2
+    meter = EstimatedMemoryMeter()
+    meter.start(model)
+    params_and_grads = sum(2 * p.nbytes for p in model.parameters())
+    assert meter.peak_mb(model, optimizer) * 2**20 == pytest.approx(params_and_grads + stored)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state", ["4bit", "fp8", "bf16", "fp8-bf16"])
+def test_every_state_kind_trains_and_is_counted(state):
+    model = make_model()
+    optimizer = Policy(optimizer_states=OptimizerStates(state)).optimizer(model, lr=1e-2)
+    before = weights(model)
+    train(model, optimizer, batches(2))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, weights(model), strict=True))
+    fp32_bytes = 8 * sum(p.numel() for p in model.parameters())
+    assert optimizer_state_nbytes(optimizer) < fp32_bytes
+
+
+@pytest.mark.slow
+def test_bf16_master_is_torchaos_stochastic_rounding_bit_for_bit():
+    data = batches(3)
+    direct = make_model().to(torch.bfloat16)
+    torch.manual_seed(5)
+    train(
+        direct, torchao_optim._AdamW(direct.parameters(), lr=1e-2, bf16_stochastic_round=True), data
+    )
+    ours = make_model()
+    policy = Policy(optimizer_states=OptimizerStates("bf16", "bf16"))
+    optimizer = policy.optimizer(ours, torch.optim.AdamW, lr=1e-2)
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    torch.manual_seed(5)
+    train(ours, optimizer, data)
+    assert_identical(weights(direct), weights(ours))
+    # fp32 moments beside a bf16 master: the moments stay fp32.
+    kept = make_model()
+    optimizer = Policy(optimizer_states=OptimizerStates("fp32", "bf16")).optimizer(kept)
+    train(kept, optimizer, data[:1])
+    assert kept[1].weight.dtype == torch.bfloat16
+    assert optimizer.state[kept[1].weight]["exp_avg"].dtype == torch.float32
+
+
+def test_public_surface_keeps_policy_optimizer():
+    assert callable(autoprec.Policy.optimizer)
