@@ -517,6 +517,13 @@ class MemoryMeter:
     def peak_mb(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
         raise NotImplementedError
 
+    def split_mb(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, float] | None:
+        """The peak split into weights, gradients, optimizer state and activations, where
+        the meter counts them apart (the CPU's estimate); None elsewhere."""
+        return None
+
 
 class AllocatorMemoryMeter(MemoryMeter):
     """Peak bytes the device's caching allocator handed out (CUDA and NPU), over the
@@ -582,6 +589,24 @@ class EstimatedMemoryMeter(MemoryMeter):
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
         static_bytes = sum(_storages(tensors).values())
         return (static_bytes + self.max_saved_bytes) / _MB
+
+    def split_mb(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, float] | None:
+        parameters = list(model.parameters())
+        states = [
+            value
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        grads = [p.grad for p in parameters if p.grad is not None]
+        return {
+            "weights": sum(_storages(parameters).values()) / _MB,
+            "gradients": sum(_storages(grads).values()) / _MB,
+            "optimizer_state": sum(_storages(states).values()) / _MB,
+            "activations": self.max_saved_bytes / _MB,
+        }
 
 
 def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:

@@ -70,8 +70,12 @@ class StateSpace:
             raise fail(
                 f"optimizer_states.{unknown[0]}: unknown field (expected {list(_SECTION_FIELDS)})"
             )
-        states = _choices(data.get("states", ["fp32", "8bit"]), STATE_KINDS, "states", fail)
-        masters = _choices(data.get("masters", ["fp32"]), MASTER_DTYPES, "masters", fail)
+        states = _choices(
+            data.get("states", ["fp32", "8bit"]), STATE_KINDS, "optimizer_states.states", fail
+        )
+        masters = _choices(
+            data.get("masters", ["fp32"]), MASTER_DTYPES, "optimizer_states.masters", fail
+        )
         items = data.get("groups") or [{"name": "all", "patterns": ["*"]}]
         if not isinstance(items, list):
             raise fail("optimizer_states.groups: expected a list")

@@ -269,3 +269,105 @@ def test_bf16_master_is_torchaos_stochastic_rounding_bit_for_bit():
 
 def test_public_surface_keeps_policy_optimizer():
     assert callable(autoprec.Policy.optimizer)
+
+
+# -- searched ----------------------------------------------------------------------------
+
+STATE_SPACE = {
+    "name": "states",
+    "dtypes": ["fp32", "bf16"],
+    "groups": [{"name": "all", "patterns": ["*"]}],
+    "optimizer_states": {
+        "states": ["fp32", "8bit", "4bit", "fp8-bf16"],
+        "groups": [
+            {"name": "embeddings", "types": ["Embedding"]},
+            {"name": "rest", "patterns": ["*"]},
+        ],
+    },
+}
+
+
+def test_a_space_searches_states_per_group_beside_the_layer_dtypes():
+    import optuna
+
+    from autoprec.space import SearchSpace, policy_label
+
+    space = SearchSpace.from_dict(STATE_SPACE, "states.yaml").fit(make_model())
+    policy = space.suggest(
+        optuna.trial.FixedTrial(
+            {"dtype.all": "bf16", "state.embeddings": "fp32", "state.rest": "4bit"}
+        )
+    )
+    states = policy.resolve_states(make_model())
+    assert states["0.weight"].state == "fp32" and states["3.weight"].state == "4bit"
+    assert policy.resolve(make_model())["1"] == "bf16"
+    flat = space.flat_params(policy)
+    assert flat["state.embeddings"] == "fp32" and flat["state.rest"] == "4bit"
+    assert "state.rest=4bit" in policy_label(flat)
+    assert Policy.from_yaml(policy.to_yaml()) == policy
+    anchors = space.anchors()
+    assert anchors["states-8bit-embeddings-fp32"]["state.embeddings"] == "fp32"
+    assert anchors["states-8bit-embeddings-fp32"]["state.rest"] == "8bit"
+    assert set(anchors["states-msamp-o2"].values()) >= {"fp8-bf16"}
+    assert anchors["states-fp32"]["dtype.all"] == "fp32"
+    # Without the section a space searches and fingerprints as before.
+    plain = {k: v for k, v in STATE_SPACE.items() if k != "optimizer_states"}
+    plain_space = SearchSpace.from_dict(plain, "plain.yaml").fit(make_model())
+    assert plain_space.fingerprint() != space.fingerprint()
+    assert plain_space.suggest(
+        optuna.trial.FixedTrial({"dtype.all": "fp32"})
+    ).optimizer_states.is_default
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"states": ["int2"]}, "optimizer_states.states"),
+        ({"groups": [{"name": "e", "types": ["Conv2d"]}]}, r"optimizer_states.groups\[0\] \(e\)"),
+        ({"groups": [{"name": "e"}]}, r"optimizer_states.groups\[0\]"),
+        ({"moments": []}, "optimizer_states.moments"),
+    ],
+)
+def test_bad_state_section_names_the_field(section, field):
+    from autoprec.errors import SpaceError
+    from autoprec.space import SearchSpace
+
+    with pytest.raises(SpaceError, match=field):
+        SearchSpace.from_dict({**STATE_SPACE, "optimizer_states": section}, "s.yaml").fit(
+            make_model()
+        )
+
+
+# -- what quantised states lose --------------------------------------------------------
+
+
+def test_a_rare_row_beside_frequent_ones_collapses_in_8bit_and_is_named():
+    """A row whose one gradient is 1e-4 of its block's others: its exp_avg_sq (1e-8 of
+    the block's largest) is below the 8-bit map's smallest code, its exp_avg is not, so
+    the next updates are lr * exp_avg / eps. fp32 states keep it."""
+    from autoprec.state_health import state_health
+
+    def run(states: OptimizerStates) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = make_model()
+        optimizer = Policy(optimizer_states=states).optimizer(model, lr=1e-2, weight_decay=0.0)
+        for step in range(3):
+            grad = torch.zeros(64, 64)
+            grad[::4] = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
+            if step == 0:
+                grad[1] = 1e-4
+            for parameter in model.parameters():
+                parameter.grad = torch.zeros_like(parameter)
+            model[0].weight.grad = grad
+            optimizer.step()
+        return model, optimizer
+
+    start = make_model()[0].weight[1].detach().clone()
+    fp32_model, fp32_optimizer = run(OptimizerStates())
+    eight_model, eight_optimizer = run(OptimizerStates("8bit"))
+    assert (fp32_model[0].weight[1] - start).abs().max() < 0.05
+    assert (eight_model[0].weight[1] - start).abs().max() > 10.0
+    health = {h.parameter: h for h in state_health(eight_model, eight_optimizer)}
+    assert health["0.weight"].collapsed_share == pytest.approx(64 / 4096)
+    reason = health["0.weight"].reason()
+    assert reason is not None and "0.weight (Embedding, OptimState8bit" in reason
+    assert all(h.reason() is None for h in state_health(fp32_model, fp32_optimizer))

@@ -132,6 +132,8 @@ class TrialResult(Measured):
     emulated: list[str] = field(default_factory=list)
     forecast: dict[str, Any] = field(default_factory=dict)  # `autoprec.forecast.Forecast`
     at_risk: str | None = None  # why the forecast says the real run would overflow
+    # where the policy names optimizer states: their bytes as stored (`autoprec.optim`)
+    optimizer_state_mb: float | None = None
 
     METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
@@ -182,6 +184,8 @@ class TrialResult(Measured):
         if self.compiled:
             values = {"graph_breaks": self.graph_breaks, "compile_s": self.compile_s}
             metrics.update({k: math.nan if v is None else float(v) for k, v in values.items()})
+        if self.optimizer_state_mb is not None:
+            metrics["optimizer_state_mb"] = self.optimizer_state_mb
         return metrics
 
     def run_params(self) -> dict[str, str]:
@@ -396,6 +400,7 @@ class _Run:
         ranks: Ranks | None = None,
     ) -> None:
         self.task, self.backend, self.budget = task, backend, budget
+        self.policy = policy
         self.early_stopping = early_stopping
         self.ranks = ranks
         self.model = task.model().to(backend.device)
@@ -519,6 +524,11 @@ class _Run:
         self._forecast()
         result.grad_underflow_ratio = self.monitor.grad_underflow_ratio
         result.peak_memory_mb = self.meter.peak_mb(self.model, self.optimizer)
+        split = self.meter.split_mb(self.model, self.optimizer)
+        if split is not None:
+            result.telemetry["memory_split_mb"] = split
+        if not self.policy.optimizer_states.is_default:
+            self._optimizer_states(result)
         if self.step_times_s:
             result.step_time_ms = statistics.median(self.step_times_s) * 1000.0
         compiled = self.compilation.report()
@@ -534,6 +544,20 @@ class _Run:
                 result.reason = f"the task's metric returned {result.accuracy}"
                 result.accuracy = None
         return result
+
+    def _optimizer_states(self, result: TrialResult) -> None:
+        """The states' bytes as stored, and where a quantised state collapsed (a second
+        moment stored as zero under a nonzero first), the parameter and the mechanism."""
+        from autoprec.optimizer_state import optimizer_state_nbytes
+        from autoprec.state_health import state_health
+
+        result.optimizer_state_mb = optimizer_state_nbytes(self.optimizer) / 2**20
+        health = state_health(self.model, self.optimizer)
+        worst = max(health, key=lambda h: h.collapsed_share, default=None)
+        reason = worst.reason() if worst is not None else None
+        if reason is not None:
+            reason = f"optimizer state: {reason}"
+            result.reason = f"{result.reason}; {reason}" if result.reason else reason
 
     def _forecast(self) -> None:
         """Every layer's range projected to the run's length; a crossing within it puts
