@@ -12,9 +12,9 @@ before)::
         - {name: rest, patterns: ["*"]}
 
 Each group is an Optuna parameter ``state.<group>`` (and ``master.<group>`` where several
-masters are listed). Anchors: every state in fp32, every state in 8 bits with embeddings
-in fp32 (the bitsandbytes recipe), and MS-AMP O2-like moments (``fp8-bf16``), where the
-section offers them.
+masters are listed). Anchors: every state in 8 bits with embeddings in fp32 (the
+bitsandbytes recipe) and MS-AMP O2-like moments (``fp8-bf16``), where the section offers
+them; every state in fp32 is the fp32 baseline itself.
 """
 
 from __future__ import annotations
@@ -169,8 +169,9 @@ class StateSpace:
         return OptimizerStates(groups=tuple(groups))
 
     def anchors(self, layers_fp32: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        """All states fp32, all in 8 bits with embeddings in fp32 (bitsandbytes' recipe),
-        and MS-AMP O2-like moments, with every layer in fp32: those the groups offer."""
+        """Every state in 8 bits with embeddings in fp32 (bitsandbytes' recipe) and MS-AMP
+        O2-like moments, with every layer in fp32: those the groups offer. All states in
+        fp32 is the baseline (a group without a value takes fp32), measured anyway."""
         anchors: dict[str, dict[str, Any]] = {}
 
         def uniform(state: str, keep: Any = lambda choice: False) -> dict[str, Any] | None:
@@ -183,7 +184,6 @@ class StateSpace:
             return params
 
         candidates = {
-            "states-fp32": uniform("fp32"),
             "states-8bit-embeddings-fp32": uniform("8bit", lambda c: c.holds_embeddings),
             "states-msamp-o2": uniform("fp8-bf16"),
         }

@@ -309,7 +309,10 @@ def test_a_space_searches_states_per_group_beside_the_layer_dtypes():
     assert anchors["states-8bit-embeddings-fp32"]["state.embeddings"] == "fp32"
     assert anchors["states-8bit-embeddings-fp32"]["state.rest"] == "8bit"
     assert set(anchors["states-msamp-o2"].values()) >= {"fp8-bf16"}
-    assert anchors["states-fp32"]["dtype.all"] == "fp32"
+    assert anchors["states-msamp-o2"]["dtype.all"] == "fp32"
+    # All states in fp32 with fp32 layers is what the baseline measures.
+    baseline = space.policy(space.uniform_params("fp32"))
+    assert all(s.state == "fp32" for s in baseline.resolve_states(make_model()).values())
     # Without the section a space searches and fingerprints as before.
     plain = {k: v for k, v in STATE_SPACE.items() if k != "optimizer_states"}
     plain_space = SearchSpace.from_dict(plain, "plain.yaml").fit(make_model())

@@ -208,6 +208,11 @@ class TrialResult(Measured):
             "loss_scale_min": min(scales) if scales else None,
             "forecast": forecast_brief(self.forecast),
             "at_risk": self.at_risk,
+            **(
+                {"memory_split_mb": telemetry["memory_split_mb"]}
+                if "memory_split_mb" in telemetry
+                else {}
+            ),
         }
 
     def advice(self) -> list[str]:
