@@ -593,7 +593,7 @@ class EstimatedMemoryMeter(MemoryMeter):
     def split_mb(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, float] | None:
-        parameters = list(model.parameters())
+        parameters: list[torch.Tensor] = list(model.parameters())
         states = [
             value
             for state in optimizer.state.values()

@@ -155,6 +155,14 @@ class TrialResult(Measured):
     def curves(self) -> dict[str, list[float]]:
         return {"train_loss": self.losses, "loss_scale": self.loss_scales}
 
+    def metrics(self) -> dict[str, float]:
+        """``METRICS``, and where the policy names optimizer states, their bytes as stored
+        (``optimizer_state_mb``)."""
+        metrics = super().metrics()
+        if self.optimizer_state_mb is not None:
+            metrics["optimizer_state_mb"] = self.optimizer_state_mb
+        return metrics
+
     def within(self, feasibility: Feasibility) -> bool:
         """A trial whose forecast crosses within the run is infeasible, unless the
         forecast only warns (``--forecast warn``)."""
@@ -184,8 +192,6 @@ class TrialResult(Measured):
         if self.compiled:
             values = {"graph_breaks": self.graph_breaks, "compile_s": self.compile_s}
             metrics.update({k: math.nan if v is None else float(v) for k, v in values.items()})
-        if self.optimizer_state_mb is not None:
-            metrics["optimizer_state_mb"] = self.optimizer_state_mb
         return metrics
 
     def run_params(self) -> dict[str, str]:
