@@ -188,9 +188,14 @@ class OptimizerStates:
     def is_default(self) -> bool:
         return self == OptimizerStates()
 
-    @classmethod
-    def uniform(cls, state: str, master: str = "fp32") -> OptimizerStates:
-        return cls(state, master)
+    def all_fp32(self, model: nn.Module | None = None) -> bool:
+        """Whether every parameter (of ``model``; without one, every group and the
+        default) keeps fp32 states and an fp32 master: what a policy without the
+        section measures."""
+        if model is not None:
+            return all(s == TrainingState() for s in self.assign(model).values())
+        named = [(g.state or "fp32", g.master or "fp32") for g in self.groups]
+        return all(pair == ("fp32", "fp32") for pair in [(self.state, self.master), *named])
 
     def kinds(self) -> set[str]:
         """Every state kind the section names."""

@@ -589,7 +589,7 @@ class Policy:
             measured.append(self.fp8_recipe)
         if self.reduce_dtype is not None:  # likewise
             measured.append({"reduce_dtype": self.reduce_dtype})
-        if not self.optimizer_states.is_default and not inference:  # likewise
+        if not inference and not self.optimizer_states.all_fp32(model):  # likewise
             states = (
                 self.optimizer_states.by_module(model)
                 if model is not None

@@ -18,6 +18,9 @@ Issue 30's prepared device check, for a CUDA GPU:
   and the optimizer state's bytes are counted from its tensors as stored.
 - Expected from the bytes alone (124M parameters): fp32 states 0.99 GB, 8-bit about
   0.25 GB, 4-bit about 0.13 GB; the step times are what this script is for.
+- ``--smoke`` ran on the CPU (2 shared cores, heavily loaded, 2026-12-01): fp32 and 8-bit,
+  one warm-up step each; 8-bit's warm-up (torchao compiling the step for each parameter
+  shape) took 173 s there.
 
 Refused in one line, exit status 2, without CUDA (``--smoke`` aside, whose CPU figures
 mean nothing). Never run on a GPU: no device was lent to the session that wrote it.
@@ -83,7 +86,7 @@ def run(
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return {
         "policy": name,
-        "state_gb": optimizer_state_nbytes(optimizer) / 2**30,
+        "state_mb": optimizer_state_nbytes(optimizer) / 2**20,
         "peak_gb": peak,
         "step_ms": statistics.median(times) * 1000,
         "warmup_s": warmup_s,
@@ -97,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (the compile)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    parser.add_argument(
+        "--kinds", default=",".join(UNIFORM), help="uniform state kinds to time (first: the base)"
+    )
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("gpu_optimizer_states.py: needs a CUDA GPU (or --smoke on the CPU)", file=sys.stderr)
@@ -112,17 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     shape = SMOKE if args.smoke else GPT2_SMALL
     device = torch.device("cpu" if args.smoke else "cuda")
     data = batches(shape, seed=1, count=args.warmup + args.steps)
-    variants = [(f"uniform-{k}", Policy(optimizer_states=OptimizerStates(k))) for k in UNIFORM]
+    kinds = args.kinds.split(",")
+    variants = [(f"uniform-{k}", Policy(optimizer_states=OptimizerStates(k))) for k in kinds]
     if policy is not None:
         variants.append((policy.name or Path(args.policy).stem, policy))
     rows = [run(name, p, shape, data, device, args.warmup) for name, p in variants]
     base = rows[0]
     print(f"{'smoke, CPU: figures mean nothing' if args.smoke else torch.cuda.get_device_name()}")
-    print("| policy | state GB | peak GB | peak vs fp32 | step ms | vs fp32 | warm-up s | loss |")
+    print("| policy | state MB | peak GB | peak vs fp32 | step ms | vs fp32 | warm-up s | loss |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(
-            f"| {row['policy']} | {row['state_gb']:.3f} | {row['peak_gb']:.2f} | "
+            f"| {row['policy']} | {row['state_mb']:.2f} | {row['peak_gb']:.2f} | "
             f"{float(row['peak_gb']) / float(base['peak_gb']):.2f} | {row['step_ms']:.1f} | "
             f"{float(row['step_ms']) / float(base['step_ms']):.2f} | {row['warmup_s']:.1f} | "
             f"{row['final_loss']:.3f} |"

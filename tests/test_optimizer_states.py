@@ -72,6 +72,11 @@ def test_optimizer_section_round_trips_and_old_yaml_is_unchanged():
     # A policy with default states measures what it measured before the section existed.
     assert Policy.from_yaml(old).identity() == Policy(default="bf16").identity()
     assert policy.identity() != Policy(name="emb-fp32").identity()
+    # States all fp32, however written, measure what no section measures.
+    fp32_groups = OptimizerStates(groups=(StateGroup(types=("Embedding",), state="fp32"),))
+    assert Policy(optimizer_states=fp32_groups).identity(make_model()) == Policy().identity(
+        make_model()
+    )
 
 
 @pytest.mark.parametrize(
