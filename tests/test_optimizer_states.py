@@ -379,3 +379,19 @@ def test_a_rare_row_beside_frequent_ones_collapses_in_8bit_and_is_named():
     reason = health["0.weight"].reason()
     assert reason is not None and "0.weight (Embedding, OptimState8bit" in reason
     assert all(h.reason() is None for h in state_health(fp32_model, fp32_optimizer))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refuses only without CUDA")
+def test_the_gpu_script_refuses_without_cuda_in_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_optimizer_states.py"
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = [line for line in done.stderr.splitlines() if "gpu_optimizer_states.py:" in line]
+    assert lines == ["gpu_optimizer_states.py: needs a CUDA GPU (or --smoke on the CPU)"]
