@@ -125,6 +125,17 @@ class _BufferAdam(_adam_base()):  # type: ignore[misc]
             is_adamw=adamw,
         )
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, which casts plain state tensors to their parameter's dtype; these keep
+        theirs (fp32 moments of a bf16 master, bf16 moments of an fp32 one), as saved."""
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, values in state_dict["state"].items():
+            param = params[index]
+            for key, value in values.items():
+                if key != "step" and type(value) is torch.Tensor:
+                    self.state[param][key] = value.to(param.device, copy=True)
+
 
 class _Fp32StateAdam(_BufferAdam):
     """fp32 moments whatever the parameter's dtype (a bf16 master keeps fp32 states)."""
@@ -165,6 +176,9 @@ class _States(Mapping[Any, dict[str, Any]]):
     def __getitem__(self, key: Any) -> dict[str, Any]:
         for part in self._parts:
             if key in part.state:
+                return part.state[key]
+        for part in self._parts:  # a parameter not stepped yet: {} as torch's defaultdict
+            if any(key is p for group in part.param_groups for p in group["params"]):
                 return part.state[key]
         raise KeyError(key)
 

@@ -395,3 +395,34 @@ def test_the_gpu_script_refuses_without_cuda_in_one_line():
     assert done.stdout == ""
     lines = [line for line in done.stderr.splitlines() if "gpu_optimizer_states.py:" in line]
     assert lines == ["gpu_optimizer_states.py: needs a CUDA GPU (or --smoke on the CPU)"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("state", "master"), [("bf16", "fp32"), ("fp32", "bf16")])
+def test_moments_of_another_dtype_than_the_weight_resume_as_saved(tmp_path, state, master):
+    """torch's load_state_dict casts plain state tensors to their parameter's dtype; fp32
+    moments of a bf16 master (and bf16 moments of an fp32 one) must come back as saved."""
+    data = batches(4)
+    policy = Policy(optimizer_states=OptimizerStates(state, master))
+    straight = make_model()
+    torch.manual_seed(7)
+    train(straight, policy.optimizer(straight, lr=1e-2), data)
+
+    first = make_model()
+    optimizer = policy.optimizer(first, lr=1e-2)
+    torch.manual_seed(7)
+    train(first, optimizer, data[:2])
+    rng = torch.get_rng_state()
+    torch.save(
+        {"model": first.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "c.pt"
+    )
+    checkpoint = torch.load(tmp_path / "c.pt", weights_only=True)
+    resumed = make_model()
+    optimizer = policy.optimizer(resumed, lr=1e-2)
+    resumed.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    moments = optimizer.state[resumed[1].weight]["exp_avg"]
+    assert moments.dtype == (torch.bfloat16 if state == "bf16" else torch.float32)
+    torch.set_rng_state(rng)  # stochastic rounding draws from torch's generator
+    train(resumed, optimizer, data[2:])
+    assert_identical(weights(straight), weights(resumed))
