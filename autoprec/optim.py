@@ -94,6 +94,9 @@ def _torchao_optimizer(
 
 
 def _adam_base() -> type:
+    from autoprec.quantizers import import_torchao
+
+    import_torchao()  # quietly: its import-time noise is not the user's to see
     from torchao.optim.adam import _AdamBase
 
     return _AdamBase
