@@ -426,3 +426,39 @@ def test_moments_of_another_dtype_than_the_weight_resume_as_saved(tmp_path, stat
     torch.set_rng_state(rng)  # stochastic rounding draws from torch's generator
     train(resumed, optimizer, data[2:])
     assert_identical(weights(straight), weights(resumed))
+
+
+def test_lightning_configure_optimizers_from_the_policy_trains_as_a_plain_loop(tmp_path):
+    """Lightning steps the policy's optimizer with its closure: the same weights as a loop."""
+    pl = pytest.importorskip("lightning.pytorch")
+    data = batches(3)
+    policy = Policy(optimizer_states=EMBEDDINGS_FP32)
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model()
+
+        def training_step(self, batch, index):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return policy.optimizer(self.net, torch.optim.AdamW, lr=1e-2)
+
+    module = Module()
+    trainer = pl.Trainer(
+        max_steps=len(data),
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    from torch.utils.data import DataLoader
+
+    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None))
+    plain = make_model()
+    train(plain, policy.optimizer(plain, torch.optim.AdamW, lr=1e-2), data)
+    assert_identical(weights(plain), weights(module.net))
