@@ -256,6 +256,13 @@ class OptimizerStates:
                 )
         return assigned
 
+    def group_of(self, model: nn.Module, parameter: str) -> StateGroup | None:
+        """The first group whose rule takes ``parameter`` (a ``named_parameters()``
+        name), or None where the section's default state applies."""
+        owner = parameter.rpartition(".")[0]
+        module = model.get_submodule(owner)
+        return next((g for g in self.groups if g.matches(owner, module)), None)
+
     def by_module(self, model: nn.Module) -> dict[str, TrainingState]:
         """Each module that owns parameters, by name, mapped to its parameters' state
         (one group matches all of a module's own parameters)."""

@@ -566,8 +566,10 @@ class _Run:
         health = state_health(self.model, self.optimizer)
         worst = max(health, key=lambda h: h.collapsed_share, default=None)
         reason = worst.reason() if worst is not None else None
-        if reason is not None:
-            reason = f"optimizer state: {reason}"
+        if worst is not None and reason is not None:
+            group = self.policy.optimizer_states.group_of(self.model, worst.parameter)
+            where = f" of group {group.describe()}" if group is not None else ""
+            reason = f"optimizer state{where}: {reason}"
             result.reason = f"{result.reason}; {reason}" if result.reason else reason
 
     def _forecast(self) -> None:
