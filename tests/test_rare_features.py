@@ -7,13 +7,33 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import autoprec
+from autoprec.tasks import load_task
 
 pytest.importorskip("torchao.optim")
 
 SHIPPED = Path(__file__).resolve().parents[1] / "search_spaces" / "rare-features.yaml"
 TOLERANCE = 0.02  # its accuracy_tolerance
+
+
+def test_rare_features_trains_in_fp32_and_its_inputs_take_8bit_states():
+    task = load_task("rare-features")
+    torch.manual_seed(0)
+    model = task.model()
+    assert model.inputs.weight.numel() >= 4096  # torchao quantises states from 4,096 on
+    optimizer = task.optimizer(model.parameters())
+    batches = task.train_data(0)
+    for _ in range(200):
+        x, y = next(batches)
+        loss = task.loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        scores = [task.metric(model(x), y) for x, y in task.val_data()]
+    assert min(scores) > 0.99
 
 
 @pytest.mark.slow
