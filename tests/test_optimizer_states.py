@@ -462,3 +462,16 @@ def test_lightning_configure_optimizers_from_the_policy_trains_as_a_plain_loop(t
     plain = make_model()
     train(plain, policy.optimizer(plain, torch.optim.AdamW, lr=1e-2), data)
     assert_identical(weights(plain), weights(module.net))
+
+
+def test_group_of_names_the_first_group_that_takes_a_parameter():
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
+    states = OptimizerStates(
+        groups=(
+            StateGroup(types=("Embedding",), state="fp32", name="embeddings"),
+            StateGroup(patterns=("*",), state="8bit", name="rest"),
+        )
+    )
+    assert states.group_of(model, "0.weight").name == "embeddings"
+    assert states.group_of(model, "1.bias").name == "rest"
+    assert OptimizerStates(groups=states.groups[:1]).group_of(model, "1.weight") is None
