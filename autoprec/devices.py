@@ -517,6 +517,13 @@ class MemoryMeter:
     def peak_mb(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
         raise NotImplementedError
 
+    def split_mb(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, float] | None:
+        """The peak split into weights, gradients, optimizer state and activations, where
+        the meter counts them apart (the CPU's estimate); None elsewhere."""
+        return None
+
 
 class AllocatorMemoryMeter(MemoryMeter):
     """Peak bytes the device's caching allocator handed out (CUDA and NPU), over the
@@ -583,12 +590,31 @@ class EstimatedMemoryMeter(MemoryMeter):
         static_bytes = sum(_storages(tensors).values())
         return (static_bytes + self.max_saved_bytes) / _MB
 
+    def split_mb(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, float] | None:
+        parameters: list[torch.Tensor] = list(model.parameters())
+        states = [
+            value
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        grads = [p.grad for p in parameters if p.grad is not None]
+        return {
+            "weights": sum(_storages(parameters).values()) / _MB,
+            "gradients": sum(_storages(grads).values()) / _MB,
+            "optimizer_state": sum(_storages(states).values()) / _MB,
+            "activations": self.max_saved_bytes / _MB,
+        }
+
 
 def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
-    """Bytes of each distinct storage behind the tensors, keyed by its address."""
+    """Bytes of each distinct storage behind the tensors, keyed by its address (a tensor
+    subclass's, such as torchao's 8-bit optimizer states, are its inner tensors')."""
+    from autoprec.optimizer_state import state_nbytes
+
     storages = {}
     for tensor in tensors:
-        tensor = getattr(tensor, "_local_tensor", tensor)  # a sharded DTensor: its shard
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        storages.update(state_nbytes(tensor))
     return storages

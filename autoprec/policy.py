@@ -50,6 +50,7 @@ from autoprec.errors import PolicyError
 from autoprec.fp8 import DEFAULT_FP8_RECIPE, autocast_refusal, check_recipe, fp8_refusal
 from autoprec.fp8_serving import FP8_SERVING_METHODS, fp8_layer_refusal, is_fp8_serving_method
 from autoprec.observe import casts_inputs
+from autoprec.optimizer_state import OptimizerStates, TrainingState
 from autoprec.plan import (
     Plan,
     RegionSpec,
@@ -74,6 +75,7 @@ _POLICY_FIELDS = (
     "switches",
     "quantization",
     "reduce_dtype",
+    "optimizer",
 )
 REDUCE_DTYPES = ("fp32", "bf16")  # what FSDP2 may reduce gradients in
 _QUANTIZATION_FIELDS = ("int8", "fp8")
@@ -254,7 +256,9 @@ class Policy:
     method its int8 layers are quantized with (`Quantization`), so that converting by the
     policy alone serves what the search measured. ``reduce_dtype``: under FSDP2, the dtype
     gradients are reduced in (`autoprec.apply_fsdp2`; None: fp32), searched where a
-    search's trials run under FSDP2.
+    search's trials run under FSDP2. ``optimizer_states``: the optimizer state's and the
+    master weight's dtype per parameter group (`autoprec.optimizer_state`; the YAML's
+    ``optimizer`` section, written only where it is not all fp32), built by ``optimizer``.
     """
 
     rules: tuple[Rule, ...] = ()
@@ -266,6 +270,7 @@ class Policy:
     serving: bool = field(default=False, compare=False)
     quantization: Quantization = field(default_factory=Quantization)
     reduce_dtype: str | None = None
+    optimizer_states: OptimizerStates = field(default_factory=OptimizerStates)
 
     def __post_init__(self) -> None:
         _check_dtype(self.default, "default")
@@ -325,6 +330,8 @@ class Policy:
             data["quantization"] = quantization
         if self.reduce_dtype is not None:
             data["reduce_dtype"] = self.reduce_dtype
+        if not self.optimizer_states.is_default:
+            data["optimizer"] = self.optimizer_states.to_dict()
         return data
 
     @classmethod
@@ -356,12 +363,22 @@ class Policy:
                 raise PolicyError(
                     f"reduce_dtype: expected {' or '.join(REDUCE_DTYPES)}, got {reduce_dtype!r}"
                 )
+            optimizer_states = OptimizerStates.from_dict(data.get("optimizer"))
         except PolicyError as error:
             raise PolicyError(f"{source}: {error}") from None
         tf32, hf32 = switches.get("tf32"), switches.get("hf32")
         serving = "loss_scale" not in data
         return cls(
-            rules, default, loss_scale, tf32, hf32, name, serving, quantization, reduce_dtype
+            rules,
+            default,
+            loss_scale,
+            tf32,
+            hf32,
+            name,
+            serving,
+            quantization,
+            reduce_dtype,
+            optimizer_states,
         )
 
     def to_yaml(self) -> str:
@@ -572,6 +589,13 @@ class Policy:
             measured.append(self.fp8_recipe)
         if self.reduce_dtype is not None:  # likewise
             measured.append({"reduce_dtype": self.reduce_dtype})
+        if not inference and not self.optimizer_states.all_fp32(model):  # likewise
+            states = (
+                self.optimizer_states.by_module(model)
+                if model is not None
+                else self.optimizer_states
+            )
+            measured.append({"optimizer": repr(states)})
         text = json.dumps(measured, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -627,7 +651,7 @@ class Policy:
             if inference
             else self.resolve(model, device, example=example)
         )
-        return [
+        rows = [
             {
                 "name": name or "(model)",
                 "type": type(modules[name]).__name__,
@@ -636,6 +660,32 @@ class Policy:
             }
             for name, dtype in resolved.items()
         ]
+        if not inference and not self.optimizer_states.is_default:
+            states = self.optimizer_states.by_module(model)
+            for row, name in zip(rows, resolved, strict=True):
+                row["state"] = states.get(name, TrainingState()).describe()
+        return rows
+
+    def resolve_states(self, model: nn.Module) -> dict[str, TrainingState]:
+        """Every trainable parameter's name mapped to its training state (optimizer state
+        kind and master dtype) as the ``optimizer`` section assigns it; raises
+        PolicyError for a group that matches no parameter."""
+        return self.optimizer_states.assign(model)
+
+    def optimizer(
+        self,
+        model: nn.Module,
+        optimizer: Any = torch.optim.AdamW,
+        **hyperparameters: Any,
+    ) -> torch.optim.Optimizer:
+        """The optimizer over ``model``'s parameters that the policy's training states
+        describe (`autoprec.optim.build_optimizer`): ``optimizer`` (a class, called with
+        ``hyperparameters``, or a factory ``(params) -> Optimizer``) for fp32 states, and
+        torchao's optimizers with the same hyperparameters for the others, as one
+        optimizer with ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict``."""
+        from autoprec.optim import build_optimizer
+
+        return build_optimizer(self.optimizer_states, model, optimizer, **hyperparameters)
 
     def low_precision_share(
         self,

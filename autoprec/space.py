@@ -56,6 +56,8 @@ from autoprec.dtypes import AUTOCAST_DTYPES, FP8, LOW_PRECISION, POLICY_DTYPES
 from autoprec.errors import PolicyError, SpaceError
 from autoprec.fp8 import DEFAULT_FP8_RECIPE, FAILS_UNDER_AUTOCAST, check_recipe, fp8_refusal
 from autoprec.fp8_serving import fp8_layer_refusal
+from autoprec.optimizer_space import StateSpace
+from autoprec.optimizer_state import OptimizerStates
 from autoprec.policy import (
     Policy,
     Quantization,
@@ -80,6 +82,7 @@ _SPACE_FIELDS = (
     "auto_groups",
     "loss_scale",
     "fp8_recipes",
+    "optimizer_states",
 )
 _AUTO_FIELDS = ("max_groups", "own_groups")
 _GROUP_FIELDS = ("name", "patterns", "types", "dtypes", "optional")
@@ -192,6 +195,9 @@ class SearchSpace:
     # trials under FSDP2: the dtypes gradients may be reduced in (``fsdp.reduce_dtype``
     # where several; `autoprec.distributed`); empty elsewhere
     reduce_dtypes: tuple[str, ...] = ()
+    # the optimizer state kinds and master dtypes searched per parameter group (the
+    # ``optimizer_states`` section, `autoprec.optimizer_space`); None: not searched
+    optimizer_states: StateSpace | None = None
 
     @property
     def offers_fp8(self) -> bool:
@@ -281,6 +287,11 @@ class SearchSpace:
             dtypes=space_dtypes,
             auto=auto,
             fp8_recipes=recipes,
+            optimizer_states=(
+                StateSpace.from_dict(data["optimizer_states"], fail)
+                if "optimizer_states" in data
+                else None
+            ),
         )
 
     # -- fitting a model and a device ----------------------------------------------------
@@ -370,6 +381,11 @@ class SearchSpace:
             if space.offers_fp8:
                 kept = _with_fp8_where_it_fits(kept, assigned, model, self.source)
                 space = replace(space, fp8_recipes=self._runnable_recipes(kept, kind))
+            if self.optimizer_states is not None:
+                states = self.optimizer_states.fit(
+                    model, lambda m: SpaceError(f"{self.source}: {m}")
+                )
+                space = replace(space, optimizer_states=states)
         return replace(space, groups=tuple(kept))
 
     def _refuse_fp8(
@@ -493,6 +509,8 @@ class SearchSpace:
             content["fp8_recipes"] = self.fp8_recipes
         if self.reduce_dtypes:  # likewise
             content["reduce_dtypes"] = self.reduce_dtypes
+        if self.optimizer_states is not None:  # likewise
+            content["optimizer_states"] = self.optimizer_states.fingerprint_content()
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:12]
 
     # -- from Optuna parameters to a policy ----------------------------------------------
@@ -511,6 +529,8 @@ class SearchSpace:
             params["fsdp.reduce_dtype"] = trial.suggest_categorical(
                 "fsdp.reduce_dtype", list(self.reduce_dtypes)
             )
+        if self.optimizer_states is not None and not self.inference:
+            params.update(self.optimizer_states.suggest(trial))
         if FP8 in params.values() and len(self.fp8_recipes) > 1:
             params["fp8.recipe"] = trial.suggest_categorical("fp8.recipe", list(self.fp8_recipes))
         if "fp16" in params.values() and not self.inference:  # serving scales no loss
@@ -577,6 +597,11 @@ class SearchSpace:
             reduce_dtype=params.get(
                 "fsdp.reduce_dtype", self.reduce_dtypes[0] if self.reduce_dtypes else None
             ),
+            optimizer_states=(
+                self.optimizer_states.states(params)
+                if self.optimizer_states is not None and not self.inference
+                else OptimizerStates()
+            ),
         )
 
     def uniform_params(self, dtype: str) -> dict[str, Any]:
@@ -640,6 +665,8 @@ class SearchSpace:
                 anchors["uniform-fp16-noscale"] = {**dtypes_only, "loss_scale.mode": "none"}
         if any(FP8 in g.dtypes for g in self.groups):
             anchors["uniform-fp8"] = self.uniform_params(FP8)
+        if self.optimizer_states is not None:
+            anchors.update(self.optimizer_states.anchors(self.uniform_params("fp32")))
         return anchors
 
     def _serving_anchors(self) -> dict[str, dict[str, Any]]:
@@ -677,6 +704,8 @@ class SearchSpace:
             flat["fp8.recipe"] = policy.fp8_recipe if FP8 in flat.values() else "-"
         if self.reduce_dtypes:
             flat["fsdp.reduce_dtype"] = policy.reduce_dtype or "fp32"
+        if self.optimizer_states is not None:
+            flat.update(self.optimizer_states.flat_params(policy.optimizer_states))
         return flat
 
 
@@ -689,6 +718,9 @@ def policy_label(params: dict[str, str]) -> str:
         k.removeprefix("switch.")
         for k, v in params.items()
         if k.startswith("switch.") and v == "True"
+    ]
+    parts += [
+        f"{k}={v}" for k, v in params.items() if k.startswith(("state.", "master.")) and v != "fp32"
     ]
     if params.get("fp8.recipe", "-") != "-":
         parts.append(f"fp8={params['fp8.recipe']}")

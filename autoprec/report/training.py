@@ -8,6 +8,7 @@ from pathlib import Path
 
 from autoprec.report.confirmation import confirmation_section
 from autoprec.report.headroom import headroom_section, plot_headroom
+from autoprec.report.memory import memory_section
 from autoprec.report.page import (
     cell,
     html_table,
@@ -70,6 +71,7 @@ side with the baseline, their step times are those re-timings. Feasible: accurac
 {summary.accuracy_tolerance:g}. Preference: {prefer}.</p>
 <h2>Baseline, anchors and the chosen policy</h2>
 {html_table(METRIC_HEADER, [metric_row(summary, e) for e in side])}
+{memory_section(side)}
 <h2>Trade-offs</h2>
 {images(plots)}
 {layers_section(best)}

@@ -352,6 +352,108 @@ def fp8_outliers() -> Task:
     return Task("fp8-outliers", SinkMLP, train_data, val_data, F.cross_entropy)
 
 
+# -- a fragile optimizer-state task: rare one-hot features beside raw-scale ones ---------
+
+RARE_DENSE = 16  # raw measurements, about RARE_DENSE_SCALE in size (not normalised)
+RARE_DENSE_SCALE = 10.0
+RARE_CATEGORIES = 256  # one-hot codes: each row has one, each code ~1 row in a batch
+RARE_OFFSET = 0.5  # the spread of a code's offset to the target
+RARE_HIDDEN = 64
+RARE_WIDTH = 4096
+RARE_BATCH = 256
+RARE_VAL_ROWS = 4096
+RARE_WITHIN = 0.25  # a prediction counts as right within this of its target
+RARE_VAL_SEED = 2**31  # beyond every training batch's seed (seed * 1_000_003 + step)
+
+
+class RareFeatureMLP(nn.Module):
+    """``inputs`` reads raw measurements and one-hot codes; a wide GELU MLP behind it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs = nn.Linear(RARE_DENSE + RARE_CATEGORIES, RARE_HIDDEN)
+        self.hidden = nn.Linear(RARE_HIDDEN, RARE_WIDTH)
+        self.head = nn.Linear(RARE_WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.hidden(F.gelu(self.inputs(x))))
+        return self.head(h).squeeze(-1)
+
+
+def _rare_rows(seed: int, rows: int) -> Batch:
+    """Rows of raw measurements and one code; the target is a linear read of the
+    measurements plus the code's own offset (fixed across seeds)."""
+    generator = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, RARE_DENSE, generator=generator)
+    code = torch.randint(0, RARE_CATEGORIES, (rows,), generator=generator)
+    fixed = torch.Generator().manual_seed(123)
+    weights = torch.randn(RARE_DENSE, generator=fixed) / RARE_DENSE**0.5
+    offsets = RARE_OFFSET * torch.randn(RARE_CATEGORIES, generator=fixed)
+    x = torch.cat([RARE_DENSE_SCALE * z, F.one_hot(code, RARE_CATEGORIES).float()], 1)
+    return x, z @ weights + offsets[code]
+
+
+def _share_within(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    return float(((outputs.float() - targets).abs() < RARE_WITHIN).float().mean())
+
+
+def _adamw_rare(params: object) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3)  # type: ignore[arg-type]
+
+
+def rare_features() -> Task:
+    """Rare one-hot codes beside raw-scale measurements: 8-bit states fail in ``inputs``.
+
+    A regression (mean squared error; the metric is the share of validation rows
+    predicted within 0.25 of the target) on 16 raw measurements of scale ~10 and one of
+    256 codes per row: each code is seen by about one row of a batch of 256 and is absent
+    from about a third of the batches. ``inputs.weight`` (64 x 272) has both kinds of
+    column in every 256-element block, and the measurements' gradients dwarf a code's.
+    torchao's 8-bit second moment (dynamic map: the smallest code is 3.25e-7 of the
+    block's largest) then stores a code's ``exp_avg_sq`` as 0 (one step adds
+    ``(1 - beta2) * g**2``, below half that code) while its signed ``exp_avg`` lives on;
+    on a batch without the code the gradient is exactly 0, the denominator is ``eps``
+    and the update ``lr * exp_avg / eps``: the code's weights blow up, and a squared
+    error pays for the overshoot (a cross-entropy would not: a blow-up along the descent
+    direction only makes a classifier surer). The layers behind (``hidden``, ``head``)
+    see GELU activations, never exactly zero gradients, and hold in 8 bits; bf16 states
+    have fp32's range and hold in ``inputs`` too.
+
+    Measured (``benchmarks/bench_rare_features.py``: AdamW lr 3e-3, 200 steps, seeds 0
+    and 1, CPU, torch 2.13, torchao 0.18), share within 0.25 / validation MSE / largest
+    ``|inputs.weight|``:
+    fp32 states 0.999, 1.000 / 0.0035, 0.0036 / 0.40, 0.40;
+    all 8-bit 0.872, 0.917 / 0.034, 0.028 / 1.2e3, 7.3e2;
+    ``inputs`` in fp32, the rest 8-bit 0.999, 1.000 / 0.0035, 0.0036 / 0.40, 0.40;
+    ``inputs`` in bf16, the rest 8-bit 0.999, 1.000 / 0.0035, 0.0036 / 0.39, 0.40.
+    In a search (``search_spaces/rare-features.yaml``, seed 0) uniform 8-bit is pruned at
+    step 39 (loss 9.3 against fp32's 0.25), its reason naming group ``inputs`` with 19%
+    of ``inputs.weight``'s entries collapsed (so is ``inputs`` alone in 8 bits); the
+    choice, ``inputs`` in bf16 and the rest in 8 bits, stores 0.596 MB of state against
+    0.566 for all 8-bit and 2.196 for fp32 (``inputs`` in fp32: 0.663, 17% over).
+    """
+
+    def train_data(seed: int) -> Iterator[Batch]:
+        step = 0
+        while True:
+            yield _rare_rows(seed * 1_000_003 + step, RARE_BATCH)
+            step += 1
+
+    def val_data() -> list[Batch]:
+        x, y = _rare_rows(RARE_VAL_SEED, RARE_VAL_ROWS)
+        return [(x[i : i + 1024], y[i : i + 1024]) for i in range(0, RARE_VAL_ROWS, 1024)]
+
+    return Task(
+        "rare-features",
+        RareFeatureMLP,
+        train_data,
+        val_data,
+        F.mse_loss,
+        metric=_share_within,
+        optimizer=_adamw_rare,
+    )
+
+
 def _late_overflow() -> Task:
     from autoprec.tasks.late import late_overflow
 
@@ -389,6 +491,7 @@ BUILTIN_TASKS: dict[str, Callable[[], Task]] = {
     "digits-overflow": digits_overflow,
     "digits-underflow": digits_underflow,
     "fp8-outliers": fp8_outliers,
+    "rare-features": rare_features,
     "late-overflow": _late_overflow,
     # transformers models, behind the optional extra [hf]
     "tiny-gpt2": _tiny_gpt2,

@@ -27,7 +27,7 @@ from autoprec._structures import cast_floats
 from autoprec.compiled import Compilation, fresh_compiler
 from autoprec.devices import DTYPES, Backend
 from autoprec.emulation import emulated_dtypes
-from autoprec.errors import AutoprecError, TaskError, first_line
+from autoprec.errors import AutoprecError, PolicyError, TaskError, first_line
 from autoprec.first_events import OVERFLOW, FirstEvents, diagnose_forward
 from autoprec.forecast import (
     Forecast,
@@ -152,6 +152,8 @@ class TrialResult(Measured):
     # Why the forecast cannot tell, and what was done (the trial extended, or the finalists
     # confirmed at --train-steps); never makes the trial infeasible.
     cannot_tell: str | None = None
+    # where the policy names optimizer states: their bytes as stored (`autoprec.optim`)
+    optimizer_state_mb: float | None = None
 
     METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
@@ -172,6 +174,14 @@ class TrialResult(Measured):
 
     def curves(self) -> dict[str, list[float]]:
         return {"train_loss": self.losses, "loss_scale": self.loss_scales}
+
+    def metrics(self) -> dict[str, float]:
+        """``METRICS``, and where the policy names optimizer states, their bytes as stored
+        (``optimizer_state_mb``)."""
+        metrics = super().metrics()
+        if self.optimizer_state_mb is not None:
+            metrics["optimizer_state_mb"] = self.optimizer_state_mb
+        return metrics
 
     def within(self, feasibility: Feasibility) -> bool:
         """A trial whose forecast crosses within the run is infeasible, unless the
@@ -225,6 +235,11 @@ class TrialResult(Measured):
             "forecast": forecast_brief(self.forecast),
             "at_risk": self.at_risk,
             "cannot_tell": self.cannot_tell,
+            **(
+                {"memory_split_mb": telemetry["memory_split_mb"]}
+                if "memory_split_mb" in telemetry
+                else {}
+            ),
         }
 
     def advice(self) -> list[str]:
@@ -421,6 +436,7 @@ class _Run:
         ranks: Ranks | None = None,
     ) -> None:
         self.task, self.backend, self.budget = task, backend, budget
+        self.policy = policy
         self.early_stopping = early_stopping
         self.ranks = ranks
         self.model = task.model().to(backend.device)
@@ -430,7 +446,7 @@ class _Run:
         # What trains: the model itself, or a rank's wrapper of it (DDP, FSDP2), made
         # before the optimizer, which takes the parameters the wrapper trains.
         self.trained = self.model if ranks is None else ranks.wrap(self.model, self.prec)
-        self.optimizer = task.make_optimizer(self.trained.parameters())
+        self.optimizer = _make_optimizer(task, policy, self.trained, ranks is not None)
         self.scheduler = task.make_scheduler(self.optimizer)
         self.compilation = Compilation(self.trained, compiled, backend.now_s)
         self.meter = backend.memory_meter()
@@ -568,6 +584,11 @@ class _Run:
             result.reason = f"{result.reason}; {fp8}" if result.reason else fp8
         result.grad_underflow_ratio = self.monitor.grad_underflow_ratio
         result.peak_memory_mb = self.meter.peak_mb(self.model, self.optimizer)
+        split = self.meter.split_mb(self.model, self.optimizer)
+        if split is not None:
+            result.telemetry["memory_split_mb"] = split
+        if not self.policy.optimizer_states.is_default:
+            self._optimizer_states(result)
         if self.step_times_s:
             result.step_time_ms = statistics.median(self.step_times_s) * 1000.0
         compiled = self.compilation.report()
@@ -584,6 +605,22 @@ class _Run:
                 result.accuracy = None
         self._forecast(batches)
         return result
+
+    def _optimizer_states(self, result: TrialResult) -> None:
+        """The states' bytes as stored, and where a quantised state collapsed (a second
+        moment stored as zero under a nonzero first), the parameter and the mechanism."""
+        from autoprec.optimizer_state import optimizer_state_nbytes
+        from autoprec.state_health import state_health
+
+        result.optimizer_state_mb = optimizer_state_nbytes(self.optimizer) / 2**20
+        health = state_health(self.model, self.optimizer)
+        worst = max(health, key=lambda h: h.collapsed_share, default=None)
+        reason = worst.reason() if worst is not None else None
+        if worst is not None and reason is not None:
+            group = self.policy.optimizer_states.group_of(self.model, worst.parameter)
+            where = f" of group {group.describe()}" if group is not None else ""
+            reason = f"optimizer state{where}: {reason}"
+            result.reason = f"{result.reason}; {reason}" if result.reason else reason
 
     def _forecast(self, batches: Iterator[Any] | None) -> None:
         """Every layer's range projected to the run's length; a crossing within it puts
@@ -864,8 +901,8 @@ class _Timed:
         torch.manual_seed(budget.seed)
         self.task, self.policy, self.backend = task, policy, backend
         self.model = task.model().to(backend.device).train()
-        self.optimizer = task.make_optimizer(self.model.parameters())
         self.prec = policy.apply(self.model, backend)
+        self.optimizer = _make_optimizer(task, policy, self.model, False)
         self.compilation = Compilation(self.model, compiled, backend.now_s, fresh=False)
         self.untimed = budget.untimed_steps
         self.batches: list[list[Batch]] = []
@@ -891,6 +928,20 @@ class _Timed:
         finally:
             backend.restore_switches(previous)
         return times_s
+
+
+def _make_optimizer(
+    task: Task, policy: Policy, trained: nn.Module, launched: bool
+) -> torch.optim.Optimizer:
+    """The task's optimizer, or where the policy names training states other than fp32,
+    the per-group optimizer it describes, from the task's optimizer's class and defaults."""
+    if policy.optimizer_states.is_default:
+        return task.make_optimizer(trained.parameters())
+    if launched:
+        raise PolicyError(
+            "optimizer: per-group optimizer states are not searched across several ranks yet"
+        )
+    return policy.optimizer(trained, task.make_optimizer)
 
 
 def _evaluate(task: Task, model: torch.nn.Module, prec: Any, backend: Backend) -> float:
