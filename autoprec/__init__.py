@@ -37,6 +37,7 @@ if _TYPE_CHECKING:
         StoreError,
         SummaryError,
         TaskError,
+        WriteError,
     )
     from autoprec.inference import load_inference_model
     from autoprec.policy import Policy, Rule, load_policy
@@ -60,6 +61,7 @@ _ERRORS = (
     "StoreError",
     "SummaryError",
     "TaskError",
+    "WriteError",
 )
 _WHERE = {
     **dict.fromkeys(_ERRORS, "autoprec.errors"),
@@ -103,6 +105,7 @@ __all__ = [
     "SummaryError",
     "Task",
     "TaskError",
+    "WriteError",
     "apply_fsdp2",
     "load_best_policy",
     "load_inference_model",

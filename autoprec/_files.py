@@ -272,4 +272,6 @@ def _failing_as_write_error(path: Path) -> Iterator[None]:
         reason = failure.strerror or str(failure) or type(failure).__name__
         if failure.errno == errno.ELOOP:
             reason = "a symbolic link, which autoprec writes no file through"
-        raise WriteError(f"{path}: cannot write ({reason})") from None
+        error = WriteError(f"{path}: cannot write ({reason})")
+        error.errno = failure.errno  # still the OSError's (ENOSPC, EROFS, EFBIG, ...)
+        raise error from None

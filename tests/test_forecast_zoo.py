@@ -11,8 +11,8 @@ from autoprec.tasks.zoo.truth import load_table
 
 HEALTHY = ("zoo-my-task", "zoo-sgd-mlp", "zoo-adamw-cosine")
 FRAGILE = ("zoo-exp-growth", "zoo-activation-underflow", "zoo-linear-growth")
-BOUNDARY: tuple[str, ...] = ()
-STEPS = 200  # the trial the zoo's truth is measured against: its horizon is 10x
+BOUNDARY = ("zoo-einsum-boundary", "zoo-stack-boundary")
+STEPS = (100, 200)  # the README's trial lengths: each one's horizon is 10x
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,8 @@ def verdicts():
     found = []
     for name in (*HEALTHY, *FRAGILE, *BOUNDARY):
         assert name in table["tasks"], f"{name}: no ground truth in the table"
-        found.extend(judge_task(name, STEPS, table))
+        for steps in STEPS:
+            found.extend(judge_task(name, steps, table))
     print(verdicts_table(found))
     print(rates_table(found))
     return found
@@ -36,7 +37,10 @@ def test_no_healthy_or_boundary_trial_is_at_risk(verdicts) -> None:
 
 @pytest.mark.slow
 def test_fragile_trials_that_fail_within_the_horizon_are_flagged(verdicts) -> None:
-    fragile = [v for v in verdicts if v.kind == "fragile"]
+    # At --steps 200, the length the truth's 10x is measured at. At --steps 100 a trial
+    # sees too little of zoo-linear-growth's growth to tell it from the rest of its trend
+    # (a miss, measured and said in benchmarks/README.md).
+    fragile = [v for v in verdicts if v.kind == "fragile" and v.steps == 200]
     assert len({v.task for v in fragile}) >= 3
     measured = rates(fragile)
     assert measured.failing >= 3

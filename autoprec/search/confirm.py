@@ -259,13 +259,15 @@ class _Confirmer:
                 drop,
             )
         feasibility = self.session.prepared.feasibility
-        if not feasibility.judge(result, drop):
+        if drop > feasibility.tolerance + 1e-12:
             return (
                 False,
                 f"accuracy drop {drop:.4f} from fp32 at {self.steps} steps is past the "
                 f"tolerance {feasibility.tolerance:g}",
                 drop,
             )
+        if not feasibility.judge(result, drop):  # the result's own bounds (its forecast)
+            return False, result.reason or f"outside the bounds at {self.steps} steps", drop
         return True, None, drop
 
     # -- names ------------------------------------------------------------------------------
