@@ -16,6 +16,7 @@ BUILTIN_TASK_NAMES = (
     "digits-overflow",
     "digits-underflow",
     "fp8-outliers",
+    "rare-features",
     "late-overflow",
     "tiny-gpt2",
     "tiny-bert",

@@ -15,8 +15,9 @@ does in C++ cannot be done for CPU tensors, so ``attach`` patches torch in two p
 - ``Tensor.to("npu:N")`` (and so ``Module.to``) checks N and leaves the tensor on the CPU:
   a PrivateUse1 tensor needs a device allocator, which the stand-in does not have.
 
-``detach`` undoes both and takes ``torch.npu`` away; torch cannot rename PrivateUse1 back,
-so ``torch.device("npu")`` keeps parsing in that process.
+``detach`` undoes both and puts an inert ``torch.npu`` in the stand-in's place (no device);
+torch cannot rename PrivateUse1 back, so ``torch.device("npu")`` keeps parsing in that
+process, and torch keeps asking ``torch.npu`` for its accelerator's current device.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def attach(npu_module: ModuleType) -> None:
     if _patched:
         return
     torch.utils.rename_privateuse1_backend("npu")  # as torch_npu does
+    _unregister()  # the inert module an earlier detach left
     torch._register_device_module("npu", npu_module)  # torch.npu, as torch_npu does
     _patched.update(
         {
@@ -163,6 +165,27 @@ def detach() -> None:
     torch.autocast = _patched["autocast"]  # type: ignore[misc]
     torch.amp.autocast = _patched["amp.autocast"]  # type: ignore[misc]
     _patched.clear()
+    _unregister()
+    # torch keeps "npu" as its accelerator's name (PrivateUse1 cannot be renamed back), and
+    # asks its module for the current device wherever it looks for an accelerator (Dynamo
+    # does, on every compiled frame): an inert module answers that there is none.
+    torch._register_device_module("npu", _inert_module())
+
+
+def _unregister() -> None:
     if hasattr(torch, "npu"):
         delattr(torch, "npu")
     sys.modules.pop("torch.npu", None)
+    cached = getattr(torch.get_device_module, "cache_clear", None)  # functools.cache'd
+    if cached is not None:
+        cached()
+
+
+def _inert_module() -> ModuleType:
+    """``torch.npu`` once the stand-in is detached: no device, device 0 current."""
+    inert = ModuleType("torch.npu")
+    inert.is_available = lambda: False  # type: ignore[attr-defined]
+    inert.is_initialized = lambda: False  # type: ignore[attr-defined]
+    inert.device_count = lambda: 0  # type: ignore[attr-defined]
+    inert.current_device = lambda: 0  # type: ignore[attr-defined]
+    return inert
