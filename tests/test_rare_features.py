@@ -42,7 +42,7 @@ def test_a_search_keeps_the_rare_features_states_high(tmp_path, monkeypatch):
     autoprec.search(
         "rare-features",
         space=str(SHIPPED),
-        trials=6,
+        trials=8,  # the 6 combinations and the anchors
         steps=200,
         study="rare",
         device="cpu",
