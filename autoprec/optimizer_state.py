@@ -27,7 +27,6 @@ suits layers that compute in bf16; in an fp32 layer the weight is read in bf16.
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +34,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import PolicyError
-from autoprec.plan import name_and_ancestors
+from autoprec.plan import selects
 
 STATE_KINDS = ("fp32", "bf16", "8bit", "4bit", "fp8", "fp8-bf16")
 MASTER_DTYPES = ("fp32", "bf16")
@@ -105,17 +104,7 @@ class StateGroup:
             raise PolicyError("optimizer group: needs state, master or both")
 
     def matches(self, name: str, module: nn.Module) -> bool:
-        if self.patterns and not any(
-            fnmatch.fnmatchcase(prefix, pattern)
-            for pattern in self.patterns
-            for prefix in name_and_ancestors(name)
-        ):
-            return False
-        if self.types:
-            class_names = {cls.__name__ for cls in type(module).__mro__}
-            if not class_names.intersection(self.types):
-                return False
-        return True
+        return selects(self.patterns, self.types, name, module)
 
     def describe(self) -> str:
         parts = []

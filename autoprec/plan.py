@@ -12,7 +12,8 @@ those subtrees. The low-precision share of a model is counted here too, from the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import fnmatch
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -127,6 +128,18 @@ def name_and_ancestors(name: str) -> tuple[str, ...]:
     match (the model itself, ``""``, is only itself)."""
     parts = name.split(".")
     return tuple(".".join(parts[: i + 1]) for i in range(len(parts)))
+
+
+def selects(patterns: Sequence[str], types: Sequence[str], name: str, module: nn.Module) -> bool:
+    """Whether a rule's ``patterns`` (on the module's name or an ancestor's) and ``types``
+    (class names in its MRO) both take the module; an empty one takes every module."""
+    if patterns and not any(
+        fnmatch.fnmatchcase(prefix, pattern)
+        for pattern in patterns
+        for prefix in name_and_ancestors(name)
+    ):
+        return False
+    return not types or bool({cls.__name__ for cls in type(module).__mro__} & set(types))
 
 
 def is_called(module: nn.Module) -> bool:

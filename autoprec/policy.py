@@ -23,7 +23,6 @@ inputs, and in fp32 a region wherever the surroundings are not fp32.
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import re
@@ -57,9 +56,9 @@ from autoprec.plan import (
     boundaries,
     is_called,
     low_precision_share,
-    name_and_ancestors,
     own_parameters,
     parameterised_leaves,
+    selects,
 )
 from autoprec.precision import Precision
 from autoprec.quantizers import INT8_METHODS
@@ -143,17 +142,7 @@ class Rule:
             raise PolicyError("rule: needs patterns, types or both")
 
     def matches(self, name: str, module: nn.Module) -> bool:
-        if self.patterns and not any(
-            fnmatch.fnmatchcase(prefix, pattern)
-            for pattern in self.patterns
-            for prefix in name_and_ancestors(name)
-        ):
-            return False
-        if self.types:
-            class_names = {cls.__name__ for cls in type(module).__mro__}
-            if not class_names.intersection(self.types):
-                return False
-        return True
+        return selects(self.patterns, self.types, name, module)
 
     def describe(self) -> str:
         parts = []
