@@ -1,13 +1,33 @@
-"""Shared fixtures: a tiny task (tests/contract_tasks.py) and searches on it."""
+"""Shared fixtures: a tiny task (tests/contract_tasks.py) and searches on it.
+
+Every test process, and every process a test starts, computes with one thread: the suite
+runs its files on as many workers as the machine has cores (pyproject.toml's addopts,
+pytest-xdist), and OpenMP threads that outnumber the cores spin and wait on each other,
+which made a 3 s test take 114 s on a loaded 2-core machine. A test's figures never depend
+on the thread count; its time does, and one thread a process is the same everywhere."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch starts OpenMP here and in subprocesses
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # where a plugin imported torch before this file
 
 import autoprec
 from tests.contract_tasks import make_tiny_task
 
 __all__ = ["make_tiny_task"]
+
+MAX_WORKERS = 4  # each worker holds torch, transformers and a few stores: about 1-2 GiB
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: a worker a core, up to MAX_WORKERS."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
 
 
 @pytest.fixture
