@@ -1087,7 +1087,31 @@ def _with_gradients(
     )
 
 
+def _reference_sides(dtype: str) -> tuple[bool, bool]:
+    """Whether ``dtype``'s range is as wide as fp32's toward its largest value and toward
+    its smallest normal: fp32's own, fp64's, and bf16's (its largest within a bit of
+    fp32's, its smallest normal fp32's)."""
+    largest, smallest = DTYPE_RANGES[dtype]
+    reference_largest, reference_smallest = DTYPE_RANGES["fp32"]
+    return largest >= reference_largest / 2, smallest <= reference_smallest
+
+
+def _beyond_the_reference(room: Headroom) -> Headroom:
+    """``room`` without the crossings of a limit fp32 shares: every accuracy is measured
+    against fp32 trained the same way, so a limit as far as fp32's fails the baseline as it
+    fails the policy, and is no risk of the policy's precision (a layer in fp32 whose
+    gradients sit below 2**-126, an attention saturated from its first steps, trains as
+    in the baseline). A range fp32's on both sides is not judged, nor extended."""
+    up, down = _reference_sides(room.dtype)
+    if down:
+        room = replace(room, underflow_crossing_step=None, grad_crossing_step=None)
+    if up:
+        room = replace(room, crossing_step=None, grad_overflow_step=None)
+    return replace(room, why=None) if up and down else room
+
+
 def _with_outcome(room: Headroom) -> Headroom:
+    room = _beyond_the_reference(room)
     if room.first_crossing is not None:
         return replace(room, outcome=str(Outcome.AT_RISK))
     if room.why is not None:
@@ -1216,7 +1240,7 @@ def forecast(
     scale = None
     if scale_floor is not None:
         scale = scale_forecast(loss_scales, scale_floor, train_steps, trial_steps, start)
-    narrow = scale is not None or any(h.dtype not in ("fp32", "fp64") for h in rooms)
+    narrow = scale is not None or any(not all(_reference_sides(h.dtype)) for h in rooms)
     # A warm-up that has not ended leaves only ranges fp32's could never cross unjudged.
     warmup = warmup_note(learning_rates, trial_steps + extended_steps) if narrow else None
     return Forecast(train_steps, trial_steps, tuple(rooms), kept, scale, warmup, extended_steps)

@@ -85,7 +85,19 @@ def test_guided_search_keeps_the_overflowing_layer_and_lowers_the_rest(in_tmp):
 def test_a_resnet_with_150_modules_gets_a_feasible_guided_policy(in_tmp):
     task = load_task("digits-resnet")
     assert len(list(task.model().named_modules())) >= 100
-    result = autoprec.search(task, trials=8, steps=20, device="cpu", prefer="memory", confirm_top=0)
+    # 20 steps leave the ResNet at about 66% accuracy, where a low-precision policy's drop
+    # against fp32 is 1-2 points of noise that moves with the CPU's bf16 kernels (AMX or
+    # not) and its thread count: the tolerance is set above that noise, so that what is
+    # tested is the guided groups, not the machine.
+    result = autoprec.search(
+        task,
+        trials=8,
+        steps=20,
+        device="cpu",
+        prefer="memory",
+        confirm_top=0,
+        accuracy_tolerance=0.03,
+    )
     summary = result.summary
     assert len(summary["trials"]) == 8
     groups = [k for k in summary["trials"][0]["params"] if k.startswith("dtype.")]
