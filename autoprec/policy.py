@@ -612,9 +612,9 @@ class Policy:
         fp32 where it reads an fp32 residual stream): then one forward of an input made up
         for the model (transformers' ``dummy_inputs``, or its first leaf's input; see
         `autoprec.observe.synthesized_run`) is watched instead, and where none can be made
-        such a leaf is reported in the policy's dtype. On another device kind it is the
-        plan's word, from the tables and what was watched there so far. Leaves without
-        parameters (ReLU, dropout, pooling) are not listed."""
+        (or the device refuses the policy) such a leaf is reported in the policy's dtype.
+        On another device kind it is the plan's word, from the tables and what was watched
+        there so far. Leaves without parameters (ReLU, dropout, pooling) are not listed."""
         here = get_backend(_device_of(model))
         if isinstance(device, Backend) and device.kind == here.kind:
             here = device  # with what it emulates
@@ -625,11 +625,17 @@ class Policy:
             learn(model, run, here)
         probe(model, here)
         guess = self.plan(model, here, module).leaf_dtypes
-        if run is None and self._follows_uncast_input(model, guess, here.kind):
-            run = synthesized_run(model)
-        if run is None:
-            return guess
-        seen = observed_dtypes(model, self, run, here, module)
+        if example is None:
+            if self._follows_uncast_input(model, guess, here.kind):
+                run = synthesized_run(model)
+            if run is None:
+                return guess
+        try:
+            seen = observed_dtypes(model, self, run, here, module)
+        except PolicyError:
+            if example is not None:
+                raise
+            return guess  # a policy this device refuses (fp8 unemulated): nothing to watch
         # An fp8 layer hands on its region's dtype; what it computes in is fp8.
         return {
             name: dtype if dtype == FP8 else seen.get(name, dtype) for name, dtype in guess.items()
