@@ -350,6 +350,8 @@ def test_the_parser_joins_continuations_and_chains():
 
 def test_the_readme_is_short_and_every_docs_page_exists():
     assert len(README.read_text().splitlines()) <= README_MAX_LINES
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README.read_text())
+    assert [link for link in links if not (REPO / link).is_file()] == [], links
     pages = docs_pages()
     assert len(pages) >= 12, pages  # the nav is still read
     missing = [str(p.relative_to(REPO)) for p in pages if not p.is_file()]
@@ -359,6 +361,31 @@ def test_the_readme_is_short_and_every_docs_page_exists():
     assert unlisted == set(), (
         f"pages mkdocs.yml does not list (their commands go untested): {unlisted}"
     )
+
+
+def test_the_option_reference_lists_every_option_of_every_command():
+    """docs/reference/options.md is filled from the parser when the site is built: every
+    subcommand gets a section and every option a row, with its default as --help says."""
+    import argparse
+
+    from autoprec.cli import _build_parser
+
+    spec = importlib.util.spec_from_file_location("options_hook", REPO / "docs/hooks/options.py")
+    assert spec is not None and spec.loader is not None
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = (REPO / "docs/reference/options.md").read_text()
+    assert hook.MARKER in page
+    reference = hook.on_page_markdown(page, page=None)
+    parser = _build_parser()
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in commands.choices.items():
+        assert f"## autoprec {name}\n" in reference
+        for action in sub._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help"):
+                    assert f"`{option}" in reference, f"autoprec {name} {option}"
+    assert "`--trials TRIALS` | total trials" in reference and "(default: 12)" in reference
 
 
 def test_the_readme_snippets_that_run_are_found():

@@ -47,15 +47,17 @@ def _table(actions: list[argparse.Action], parser: argparse.ArgumentParser) -> l
         if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
             continue
         help_text = formatter._expand_help(action) if action.help else ""
+        if action.required and action.option_strings:
+            help_text = f"required: {help_text}"
         option = _option(action, formatter).replace("|", "&#124;")
         rows.append(f"| {option} | {_cell(help_text)} |")
     return rows if len(rows) > 2 else []
 
 
-def _parser_section(title: str, parser: argparse.ArgumentParser) -> list[str]:
+def _parser_section(title: str, parser: argparse.ArgumentParser, summary: str = "") -> list[str]:
     lines = [f"## {title}", ""]
-    if parser.description:
-        lines += [_cell(parser.description), ""]
+    if parser.description or summary:
+        lines += [_cell(parser.description or summary), ""]
     for group in parser._action_groups:
         rows = _table(group._group_actions, parser)
         if not rows:
@@ -70,8 +72,10 @@ def option_reference() -> str:
 
     parser = _build_parser()
     lines = _parser_section("autoprec", parser)
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    summaries = {c.dest: c.help or "" for c in commands._choices_actions}
     for name, sub in _subcommands(parser).items():
-        lines += _parser_section(f"autoprec {name}", sub)
+        lines += _parser_section(f"autoprec {name}", sub, summaries.get(name, ""))
     return "\n".join(lines)
 
 
