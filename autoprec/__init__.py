@@ -1,10 +1,11 @@
 """autoprec: a mixed-precision autotuner.
 
-Search per-layer dtypes (fp32, fp16, bf16) and loss scaling with short real training
-trials, record them in MLflow, and apply the best policy in your own training loop.
+Search per-layer dtypes (fp32, fp16, bf16, fp8; int8 for serving) and loss scaling with
+short real trials (training steps, or the trained model served), record them in MLflow, and
+apply the best policy in your own training loop or serving code.
 
 The public names are what a user calls (``dir(autoprec)`` lists exactly ``__all__``);
-everything else stays reachable from its module (``autoprec.trial.run_trial``,
+everything else stays reachable from its module (``autoprec.trials.training.run_trial``,
 ``autoprec.devices.get_backend``, ...). Names load on first use, so that applying a policy
 (``load_policy`` and ``Policy.apply``) imports neither Optuna nor MLflow.
 

@@ -92,6 +92,11 @@ def device_kind(
 # class: it overrides the tables above, which stay the first guess for classes not seen.
 _LEARNED: dict[tuple[str, type], str] = {}
 _FAILS: dict[tuple[str, type], dict[str, str]] = {}
+# What running one module alone on an input made from its parameters found
+# (autoprec.observe.probe), per device kind, class and parameter dtypes (an fp32 weight
+# promotes an upcasting norm's product, a bf16 one may not); None where no input could be
+# made. Below what was watched on real inputs, above the tables.
+_PROBED: dict[tuple[str, type, tuple[torch.dtype, ...]], str | None] = {}
 
 
 def record_behaviour(kind: str, cls: type, behaviour: str) -> None:
@@ -104,9 +109,25 @@ def record_failure(kind: str, cls: type, dtype: str, reason: str) -> None:
     _FAILS.setdefault((kind, cls), {})[dtype] = reason.splitlines()[0][:300] if reason else ""
 
 
+def _probe_key(kind: str, module: torch.nn.Module) -> tuple[str, type, tuple[torch.dtype, ...]]:
+    return kind, type(module), tuple(p.dtype for p in module.parameters(recurse=False))
+
+
+def record_probed(kind: str, module: torch.nn.Module, behaviour: str | None) -> None:
+    """Record how autocast was seen to treat ``module`` run alone on an input made for it
+    (None: no input could be made), for modules of its class and parameter dtypes."""
+    _PROBED[_probe_key(kind, module)] = behaviour
+
+
+def was_probed(kind: str, module: torch.nn.Module) -> bool:
+    """Whether modules like ``module`` were probed on this device kind already."""
+    return _probe_key(kind, module) in _PROBED
+
+
 def forget_watched(kind: str) -> None:
     """Forget what was watched on this device kind (a stand-in device's tests start anew)."""
-    for store in (_LEARNED, _FAILS):
+    stores: tuple[dict[Any, Any], ...] = (_LEARNED, _FAILS, _PROBED)
+    for store in stores:
         for key in [k for k in store if k[0] == kind]:
             del store[key]
 
@@ -125,9 +146,9 @@ def autocast_behaviour(kind: str, module: torch.nn.Module) -> str:
     """``"fp32"``, ``"input"``, ``"cast"`` or ``"region"``: whether autocast on this
     device kind runs the module in fp32 whatever the region, in its input's dtype, only on
     inputs already cast to the region's dtype (so a plan casts them), or in the region's;
-    as observed where the module's class was watched (`autoprec.observe.learn`), else from
-    the tables."""
-    learned = _LEARNED.get((kind, type(module)))
+    as observed where the module's class was watched (`autoprec.observe.learn`), else as
+    probed on an input made for it (`autoprec.observe.probe`), else from the tables."""
+    learned = _LEARNED.get((kind, type(module))) or _PROBED.get(_probe_key(kind, module))
     return learned if learned is not None else table_behaviour(kind, module)
 
 

@@ -18,8 +18,16 @@ The findings are recorded per device kind and module class
 (`autoprec.devices.record_behaviour`), so every fresh copy of the model, the plan, the
 space and the profile follow the same rule.
 
+Without a batch, `probe` runs each leaf class that neither the tables nor `learn` know
+(its forward is not torch's own) alone in the same way, on an input made from its
+parameters (`synthesized_inputs`: a norm's weight gives the input's last dim), and records
+what it finds beneath what `learn` watches (`autoprec.devices.record_probed`); a module no
+input can be made for keeps the tables' word.
+
 `observed_dtypes` reads, for one policy, the dtype of each leaf's output in one forward
-under that policy: the truth `Policy.resolve(model, device, example=batch)` reports.
+under that policy: the truth `Policy.resolve(model, device, example=batch)` reports, and
+without a batch, where the plan cannot tell (a leaf that follows its uncast input), on an
+input made up for the whole model (`synthesized_run`).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autoprec._structures import map_tensors, tensors
+from autoprec._structures import map_tensors, tensors, to_device
 from autoprec.devices import (
     DTYPES,
     Backend,
@@ -41,6 +49,8 @@ from autoprec.devices import (
     learned_behaviour,
     record_behaviour,
     record_failure,
+    record_probed,
+    was_probed,
 )
 
 if TYPE_CHECKING:
@@ -200,30 +210,129 @@ def _floats(output: Any) -> list[torch.Tensor]:
     return [t for t in tensors(output) if t.is_floating_point()]
 
 
+def _backend(device: str | torch.device | Backend | None) -> Backend:
+    return device if isinstance(device, Backend) else get_backend(device or "cpu")
+
+
+def _lows(backend: Backend) -> list[str]:
+    return [d for d in ("bf16", "fp16") if backend.supports(d)]
+
+
+def _verdict(
+    module: nn.Module,
+    inputs: tuple[tuple[Any, ...], dict[str, Any]],
+    backend: Backend,
+    failures: bool,
+) -> str | None:
+    """How autocast treats ``module`` run alone on ``inputs``, in each low dtype the
+    backend supports (`_behaviour`, combined by `_PRECEDENCE`); ``failures``: record a
+    dtype it fails in as one its class cannot run in."""
+    found = None
+    for low in _lows(backend):
+        try:
+            behaviour = _behaviour(module, inputs, backend.kind, low)
+        except Exception as error:  # any failure of the library's kernel is the finding
+            if failures:
+                record_failure(backend.kind, type(module), low, f"{type(error).__name__}: {error}")
+            continue
+        found = _combined(found, behaviour)
+    return found
+
+
 def learn(model: nn.Module, run: Any, device: str | torch.device | Backend | None) -> None:
     """Watch ``run(model)`` (one forward on a real batch) and record, for each class of
     leaf with parameters not yet known on this device kind, how autocast treats it and
     which low dtypes cannot run it. ``model`` is left as it was."""
-    backend = device if isinstance(device, Backend) else get_backend(device or "cpu")
+    backend = _backend(device)
     kind = backend.kind
     wanted = [(n, m) for n, m in _leaves(model) if learned_behaviour(kind, type(m)) is None]
     if not wanted:
         return
-    lows = [d for d in ("bf16", "fp16") if backend.supports(d)]
     captured = _capture_inputs(model, run, wanted)
     for name, module in wanted:
         if name not in captured or learned_behaviour(kind, type(module)) is not None:
             continue
-        found = None
-        for low in lows:
-            try:
-                behaviour = _behaviour(module, captured[name], kind, low)
-            except Exception as error:  # any failure of the library's kernel is the finding
-                record_failure(kind, type(module), low, f"{type(error).__name__}: {error}")
-                continue
-            found = _combined(found, behaviour)
+        found = _verdict(module, captured[name], backend, failures=True)
         if found is not None:
             record_behaviour(kind, type(module), found)
+
+
+def probe(model: nn.Module, device: str | torch.device | Backend | None) -> None:
+    """Record, for each leaf with parameters whose class neither a watched forward
+    (`learn`) nor the tables know on this device kind (its forward is not torch's own),
+    how autocast treats it, without a batch: one module of each class and parameter dtypes
+    runs alone on an input made from its parameters (`synthesized_inputs`), as `learn`
+    runs a leaf on the inputs it received; so ``resolve`` without an example, ``apply``
+    and the plan know a norm that upcasts inside (transformers' RMSNorms, T5's LayerNorm)
+    from one that follows its input (Gemma's). A module no input can be made for (a
+    convolution of its own, one of several inputs) keeps the tables' word: the region's
+    dtype. A low dtype it fails in there is not recorded as one its class cannot run in
+    (the input was made up; `learn` records that from a real batch). Runs only where the
+    model's parameters are on the backend's device kind; ``model`` and the caller's random
+    stream are left as they were."""
+    backend = _backend(device)
+    kind = backend.kind
+    first = next(model.parameters(), None)
+    if first is None or first.device.type != kind:
+        return  # nothing runs on that device kind here
+    with torch.random.fork_rng(devices=[]):
+        for _, module in _leaves(model):
+            if learned_behaviour(kind, type(module)) is not None or was_probed(kind, module):
+                continue
+            if type(module).forward.__module__.startswith("torch."):
+                continue  # the tables are written from torch's own modules
+            inputs = synthesized_inputs(module)
+            found = None if inputs is None else _verdict(module, inputs, backend, failures=False)
+            record_probed(kind, module, found)
+
+
+def synthesized_inputs(module: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """A small fp32 input (batch 2, length 3) that ``module`` runs on, its last dim taken
+    from the shape of its first parameter (a norm's weight; a Linear's or Conv1D's input
+    features, tried as each of the weight's dims); None where none runs (a convolution, an
+    embedding, a module that takes several inputs)."""
+    weight = next(module.parameters(recurse=False), None)
+    if weight is None:
+        return None
+    trial = _bare_copy(module).eval()
+    generator = torch.Generator().manual_seed(0)
+    for width in dict.fromkeys(reversed(weight.shape)):
+        x = torch.randn(2, 3, width, generator=generator).to(weight.device)
+        try:
+            with torch.no_grad():
+                output = trial(x)
+        except Exception:  # not an input this module takes
+            continue
+        if first_floating_dtype(output) is not None:
+            return (x,), {}
+    return None
+
+
+def synthesized_run(model: nn.Module) -> Any:
+    """``model -> outputs`` on an input made up for the whole model, where one runs in one
+    fp32 forward: transformers' ``dummy_inputs`` where the model has them, else the input
+    `synthesized_inputs` makes for its first leaf with parameters; None where neither runs
+    (the caller then keeps the plan's word)."""
+    leaves = _leaves(model)
+    first = next(model.parameters(), None)
+    dummy = getattr(model, "dummy_inputs", None)
+    if isinstance(dummy, dict) and first is not None:
+        inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = ((), to_device(dummy, first.device))
+    else:
+        inputs = synthesized_inputs(leaves[0][1]) if leaves else None
+    if inputs is None:
+        return None
+    args, kwargs = inputs
+
+    def run(module: nn.Module) -> Any:
+        return module(*args, **kwargs)
+
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), _evaluating(model):
+            run(model)
+    except Exception:  # the model takes another input
+        return None
+    return run
 
 
 def observed_dtypes(

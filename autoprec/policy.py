@@ -48,7 +48,7 @@ from autoprec.dtypes import BF16, FP8, INT8, POLICY_DTYPES
 from autoprec.errors import PolicyError
 from autoprec.fp8 import DEFAULT_FP8_RECIPE, autocast_refusal, check_recipe, fp8_refusal
 from autoprec.fp8_serving import FP8_SERVING_METHODS, fp8_layer_refusal, is_fp8_serving_method
-from autoprec.observe import casts_inputs
+from autoprec.observe import casts_inputs, learn, observed_dtypes, probe, synthesized_run
 from autoprec.optimizer_state import OptimizerStates, TrainingState
 from autoprec.plan import (
     Plan,
@@ -595,34 +595,65 @@ class Policy:
         module: str | None = None,
         example: Any = None,
     ) -> dict[str, str]:
-        """Every leaf module with parameters mapped to the dtype it runs in on the device
-        kind of ``device`` (default: where the model's parameters are); ``module``: as in
-        `plan`.
+        """Every leaf module with parameters mapped to the dtype it computes and outputs
+        on the device kind of ``device`` (default: where the model's parameters are), as
+        forward hooks registered before ``apply`` see it; ``module``: as in `plan`.
 
-        With ``example`` (a batch as the task gives it, or an `autoprec.tasks.Batch`), and
-        the model on a device of that kind, this is what one forward of it under the
-        policy shows: each leaf's output dtype, as forward hooks see it; the classes of
-        leaves it meets are watched first (`autoprec.observe.learn`), so later calls
-        without an example know them too. Without one, it is the plan's word: the device
-        tables and what was watched so far; under a uniform policy (plain autocast) a leaf
-        that runs in its input's dtype is reported in the policy's dtype, which holds where
-        its input comes from a layer of that dtype (not from an fp32 residual stream: pass
-        an example). Leaves without parameters (ReLU, dropout, pooling) are not listed."""
+        On the device kind the model is on, the classes of leaves that neither the tables
+        nor a watched forward know (transformers' RMSNorms, layers of a user's own) are
+        probed first, each alone on an input made from its parameters
+        (`autoprec.observe.probe`); a module no input can be made for keeps the tables'
+        word (the region's dtype). With ``example`` (a batch as the task gives it, or an
+        `autoprec.tasks.Batch`), this is what one forward of it under the policy shows:
+        each leaf's output dtype, as forward hooks see it; the classes of leaves it meets
+        are watched first (`autoprec.observe.learn`), so later calls know them too.
+        Without one, it is the plan's word, which is exact but for a leaf that runs in the
+        dtype its input arrives in, uncast (a LayerNorm on the CPU under a uniform policy:
+        fp32 where it reads an fp32 residual stream): then one forward of an input made up
+        for the model (transformers' ``dummy_inputs``, or its first leaf's input; see
+        `autoprec.observe.synthesized_run`) is watched instead, and where none can be made
+        (or the device refuses the policy) such a leaf is reported in the policy's dtype.
+        On another device kind it is the plan's word, from the tables and what was watched
+        there so far. Leaves without parameters (ReLU, dropout, pooling) are not listed."""
         here = get_backend(_device_of(model))
         if isinstance(device, Backend) and device.kind == here.kind:
             here = device  # with what it emulates
-        if example is None or device_kind(device, model) != here.kind:
+        if device_kind(device, model) != here.kind:
             return self.plan(model, device, module).leaf_dtypes  # nothing to watch there
-        from autoprec.observe import learn, observed_dtypes
-
-        run = _runner(example, here)
-        learn(model, run, here)
+        run = None if example is None else _runner(example, here)
+        if run is not None:
+            learn(model, run, here)
+        probe(model, here)
         guess = self.plan(model, here, module).leaf_dtypes
-        seen = observed_dtypes(model, self, run, here, module)
+        if example is None:
+            if self._follows_uncast_input(model, guess, here.kind):
+                run = synthesized_run(model)
+            if run is None:
+                return guess
+        try:
+            seen = observed_dtypes(model, self, run, here, module)
+        except PolicyError:
+            if example is not None:
+                raise
+            return guess  # a policy this device refuses (fp8 unemulated): nothing to watch
         # An fp8 layer hands on its region's dtype; what it computes in is fp8.
         return {
             name: dtype if dtype == FP8 else seen.get(name, dtype) for name, dtype in guess.items()
         }
+
+    def _follows_uncast_input(
+        self, model: nn.Module, leaf_dtypes: dict[str, str], kind: str
+    ) -> bool:
+        """Whether a leaf the plan puts below fp32 runs in the dtype its input arrives in,
+        uncast: under a uniform policy (plain autocast) a plan casts no such input, so what
+        the leaf runs in depends on the layer before it, which the plan cannot tell."""
+        if self.rules:
+            return False  # a policy with rules casts the inputs of each such leaf
+        modules = dict(model.named_modules())
+        return any(
+            dtype not in ("fp32", FP8) and autocast_behaviour(kind, modules[name]) == "input"
+            for name, dtype in leaf_dtypes.items()
+        )
 
     def layer_table(
         self,
@@ -709,6 +740,7 @@ class Policy:
         ``emulate="fp8"``, which runs fp8's numerics without its speed.
         """
         backend = get_backend(_device_of(model) if device is None else device, emulate)
+        probe(model, backend)  # as ``resolve`` does, so that both follow one plan
         placement = self._placement(model, module)
         plan = self.plan(model, backend, placement.name)
         if plan.fp8_recipe is not None and backend.fp8_refusal() is not None:

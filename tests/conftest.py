@@ -12,13 +12,13 @@ import os
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch starts OpenMP here and in subprocesses
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 torch.set_num_threads(1)  # where a plugin imported torch before this file
 
-import autoprec
-from tests.contract_tasks import make_tiny_task
+import autoprec  # noqa: E402
+from tests.contract_tasks import make_tiny_task  # noqa: E402
 
 __all__ = ["make_tiny_task"]
 

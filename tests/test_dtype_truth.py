@@ -30,6 +30,7 @@ from autoprec.plan import low_precision_share
 from autoprec.policy import parameterised_leaves
 from autoprec.space import load_space, searched_leaves
 from autoprec.tasks import load_task
+from autoprec.tasks.base import Batch
 from tests.boundary_tasks import (
     held_out_transformers,
     low_policies,
@@ -428,3 +429,110 @@ def test_resolve_is_what_a_training_step_shows_on_held_out_transformers(family):
         assert {name: table[name] for name in seen} == seen
         share = policy.low_precision_share(model, "cpu", example=batch)
         assert share == pytest.approx(low_precision_share(model, {**resolved, **seen}))
+
+
+@pytest.fixture
+def nothing_watched(monkeypatch):
+    """No knowledge from earlier tests: nothing watched on a batch or probed in this
+    process, as in a fresh one, so no example can have taught ``resolve`` a class."""
+    from autoprec import devices
+
+    for store in ("_LEARNED", "_FAILS", "_PROBED"):
+        monkeypatch.setattr(devices, store, {})
+
+
+def _builtin_or_held_out(family):
+    """A family's model (seeded) and one of its real batches."""
+    torch.manual_seed(0)
+    if family.startswith("tiny-"):
+        task = load_task(family)
+        return task.model(), task.first_val_batch()
+    return held_out_transformers()[family](), Batch.of(token_batch())
+
+
+_NO_EXAMPLE_FAMILIES = (
+    ["tiny-gpt2", "tiny-bert", "tiny-llama", "tiny-t5", *sorted(held_out_transformers())]
+    if _HAS_TRANSFORMERS
+    else []
+)
+
+
+@pytest.mark.parametrize("hooks", ["forward", pytest.param("training", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", _NO_EXAMPLE_FAMILIES)
+def test_resolve_without_an_example_is_what_hooks_see(family, hooks, nothing_watched):
+    """Without a batch, on the built-in transformers tasks and ten held-out families
+    (their own RMSNorms that upcast inside, Gemma's that follows its input, LayerNorms
+    reading an fp32 residual stream under plain autocast), under uniform bf16, uniform
+    fp16 and mixed bf16/fp16 policies: ``resolve``, the layer table and the low-precision
+    share say what hooks registered before ``apply`` see on a real batch (one forward
+    without gradients; slow: a training step)."""
+    model, batch = _builtin_or_held_out(family)
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    for policy in low_policies(model, seed=_seed(family)):
+        resolved = policy.resolve(model, "cpu")
+        if hooks == "training":
+            seen = _trained_dtypes(model, policy, batch.run)
+        else:
+            seen = {n: names[d] for n, d in _actual_dtypes(model, policy, batch).items()}
+        assert seen and set(seen) <= set(resolved)
+        wrong = {
+            name: (resolved[name], dtype) for name, dtype in seen.items() if resolved[name] != dtype
+        }
+        assert not wrong, f"{policy.name or policy.rules}: resolve() disagrees with hooks: {wrong}"
+        table = {row["name"]: row["dtype"] for row in policy.layer_table(model, "cpu")}
+        assert table == resolved
+        assert policy.low_precision_share(model, "cpu") == pytest.approx(
+            low_precision_share(model, {**resolved, **seen})
+        )
+
+
+def test_layers_of_a_users_own_resolve_without_an_example(nothing_watched):
+    """An upcasting norm, a scale that follows its input, a LayerNorm and a BatchNorm
+    after it (both following their input): without a batch, resolve says what hooks see,
+    and neither the probes nor the made-up forward change the model's state."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        OrderedDict(
+            fc1=nn.Linear(8, 16),
+            norm=UpcastingNorm(16),
+            scale=Scaler(16),
+            fc2=nn.Linear(16, 16),
+            ln=nn.LayerNorm(16),
+            bn=nn.BatchNorm1d(3),  # (batch, 3, 16) inputs
+            head=nn.Linear(16, 3),
+        )
+    )
+    model.train()
+    example = _Example(torch.randn(5, 3, 8))
+    leaves = [name for name, _ in parameterised_leaves(model)]
+    for low in ("bf16", "fp16"):
+        policies = [
+            *_policies(model, low, seed=7),
+            Policy(rules=(Rule(low, patterns=tuple(leaves)),)),
+        ]
+        for index, policy in enumerate(policies):
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            resolved = policy.resolve(model, "cpu")
+            assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+            assert model.training
+            actual = _actual_dtypes(model, policy, example)
+            assert {n: DTYPES[d] for n, d in resolved.items()} == actual, (low, index)
+    assert autocast_behaviour("cpu", model.norm) == "fp32"
+    assert autocast_behaviour("cpu", model.scale) == "input"
+
+
+class TwoInputs(nn.Module):
+    """A layer of a user's own that takes two inputs: no input can be made for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (x + y).float() * self.weight
+
+
+def test_a_layer_no_input_can_be_made_for_keeps_the_tables_word(nothing_watched):
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(4, 4), pair=TwoInputs()))
+    assert Policy.uniform("bf16").resolve(model, "cpu") == {"fc": "bf16", "pair": "bf16"}
+    assert autocast_behaviour("cpu", model.pair) == table_behaviour("cpu", model.pair)

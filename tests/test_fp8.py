@@ -57,7 +57,7 @@ def fp8_policy(recipe: str, rest: str = "bf16") -> Policy:
 
 
 def train_with_policy(policy: Policy, model: nn.Module) -> list[float]:
-    """The README's loop, as written there."""
+    """The loop of docs/fp8.md, as written there."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     prec = policy.apply(model, device="cpu", emulate="fp8")
     losses = []

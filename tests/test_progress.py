@@ -92,8 +92,8 @@ def test_ctrl_c_in_a_display_still_stops_the_search(in_tmp, tiny_task):
 
 
 def test_callbacks_are_reachable_as_the_readme_writes_them():
-    """``class Log(autoprec.search.Callbacks)`` in a fresh process, as README's Python API
-    section writes it; and ``autoprec.search`` still runs a search when called."""
+    """``class Log(autoprec.search.Callbacks)`` in a fresh process, as the docs' Python API
+    page (docs/python-api.md) writes it; and ``autoprec.search`` still runs a search when called."""
     code = (
         "import autoprec\n"
         "class Log(autoprec.search.Callbacks):\n"

@@ -1,9 +1,10 @@
-"""What README.md tells a user to type is what is tested: every ``autoprec ...`` line of
-its ```bash blocks runs as typed, with the progress bar on, in a pseudo-terminal (where
-tqdm draws; searches of both modes, and every other line, also piped), and must exit 0;
-its ```python blocks marked ``<!-- runnable ... -->`` run as written, and one whose first
-line is ``# name.py`` is written to that file. A README line this file does not handle fails
-`test_every_readme_command_is_handled`.
+"""What README.md and the docs pages tell a user to type is what is tested: every
+``autoprec ...`` line of their ```bash blocks runs as typed, with the progress bar on, in a
+pseudo-terminal (where tqdm draws; searches of both modes, and every other line, also
+piped), and must exit 0; their ```python blocks marked ``<!-- runnable ... -->`` run as
+written, and one whose first line is ``# name.py`` is written to that file. The pages are
+README.md, then every page of mkdocs.yml's ``nav`` in its order, read by the same rules; a
+line of any of them this file does not handle fails `test_every_readme_command_is_handled`.
 
 Only what a line leaves open or what this machine lacks is changed, each in `HANDLED`:
 - budgets: ``--trials`` and ``--steps`` of a search are made small (set, or added where the
@@ -12,8 +13,8 @@ Only what a line leaves open or what this machine lacks is changed, each in `HAN
   ``mlflow server`` (tests/servers.py);
 - NPUs: ``npu:0-7`` runs on the torch_npu stand-in with 8 devices (tests/npu_standin);
 - ``autoprec ui`` gets a free ``--port``, is asked for its page, then stopped with Ctrl-C.
-Files a line names (``my_task.py``, ``my_weights.pt``) are made by the README's own
-snippets, run before it in the README's order.
+Files a line names (``my_task.py``, ``my_weights.pt``) are made by the pages' own snippets,
+run before it in the pages' order.
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests import npu_standin
 from tests.servers import free_port, mlflow_server, postgres, postgres_bin
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+MKDOCS = REPO / "mkdocs.yml"
+README_MAX_LINES = 250
 RUNNABLE = "<!-- runnable"  # the marker line before a ```python block that runs as written
 SMALL = {"--trials": "2", "--steps": "12"}
 GUARD_S = 900  # a hung command fails the test rather than hold CI; never a measured time
@@ -63,6 +67,7 @@ class Handling:
 SEARCH = Handling(budget=("--trials", "--steps"), draws=True)
 HANDLED: dict[str, Handling] = {
     "autoprec search": SEARCH,
+    "autoprec search --trials 3 --steps 50": SEARCH,
     "autoprec search --task digits-cnn --prefer memory --trials 6 --steps 60": SEARCH,
     "autoprec search --task my_task.py:make_task --trials 30 --steps 100 --device auto": SEARCH,
     "autoprec report --study digits-mlp": Handling(),
@@ -128,9 +133,32 @@ def _commands(body: str) -> list[str]:
     return commands
 
 
+def _nav_pages(nav: list) -> list[str]:
+    """The Markdown files of an mkdocs ``nav``, in its order (sections walked in place)."""
+    found = []
+    for entry in nav:
+        for value in entry.values() if isinstance(entry, dict) else [entry]:
+            found += _nav_pages(value) if isinstance(value, list) else [value]
+    return found
+
+
+def docs_pages() -> list[Path]:
+    """The docs site's pages, as mkdocs.yml's ``nav`` lists them."""
+    config = yaml.safe_load(MKDOCS.read_text())
+    return [REPO / config["docs_dir"] / page for page in _nav_pages(config["nav"])]
+
+
 def readme_steps() -> list[Step]:
+    """The steps of README.md, then of every docs page, in that order."""
     steps = []
-    for language, body, before in _blocks(README.read_text()):
+    for page in [README, *docs_pages()]:
+        steps += _page_steps(page.read_text())
+    return steps
+
+
+def _page_steps(text: str) -> list[Step]:
+    steps = []
+    for language, body, before in _blocks(text):
         if language == "bash":
             steps += [Step("command", c) for c in _commands(body)]
         elif language == "python" and (name := re.match(r"# (\w+\.py)\n", body)):
@@ -309,15 +337,55 @@ def test_every_readme_command_is_handled():
     commands = readme_commands()
     assert len(commands) >= 10, commands  # the parser still finds the README's commands
     unhandled = [c for c in commands if c not in HANDLED]
-    assert unhandled == [], f"README commands this test does not run: {unhandled}"
+    assert unhandled == [], f"README or docs commands this test does not run: {unhandled}"
     stale = [c for c in HANDLED if c not in commands]
-    assert stale == [], f"handled but no longer in the README: {stale}"
+    assert stale == [], f"handled but no longer in the README or the docs: {stale}"
     assert set(FAST) <= set(commands)
 
 
 def test_the_parser_joins_continuations_and_chains():
     body = "pip install x && autoprec search   # note\nautoprec search --a 1 \\\n    --b 2\n"
     assert _commands(body) == ["autoprec search", "autoprec search --a 1 --b 2"]
+
+
+def test_the_readme_is_short_and_every_docs_page_exists():
+    assert len(README.read_text().splitlines()) <= README_MAX_LINES
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README.read_text())
+    assert [link for link in links if not (REPO / link).is_file()] == [], links
+    pages = docs_pages()
+    assert len(pages) >= 12, pages  # the nav is still read
+    missing = [str(p.relative_to(REPO)) for p in pages if not p.is_file()]
+    assert missing == [], f"pages mkdocs.yml lists that do not exist: {missing}"
+    docs = REPO / "docs"
+    unlisted = {p for p in docs.rglob("*.md") if "hooks" not in p.parts} - set(pages)
+    assert unlisted == set(), (
+        f"pages mkdocs.yml does not list (their commands go untested): {unlisted}"
+    )
+
+
+def test_the_option_reference_lists_every_option_of_every_command():
+    """docs/reference/options.md is filled from the parser when the site is built: every
+    subcommand gets a section and every option a row, with its default as --help says."""
+    import argparse
+
+    from autoprec.cli import _build_parser
+
+    spec = importlib.util.spec_from_file_location("options_hook", REPO / "docs/hooks/options.py")
+    assert spec is not None and spec.loader is not None
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = (REPO / "docs/reference/options.md").read_text()
+    assert hook.MARKER in page
+    reference = hook.on_page_markdown(page, page=None)
+    parser = _build_parser()
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in commands.choices.items():
+        assert f"## autoprec {name}\n" in reference
+        for action in sub._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help"):
+                    assert f"`{option}" in reference, f"autoprec {name} {option}"
+    assert "`--trials TRIALS` | total trials" in reference and "(default: 12)" in reference
 
 
 def test_the_readme_snippets_that_run_are_found():

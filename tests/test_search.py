@@ -202,7 +202,7 @@ def test_ctrl_c_keeps_what_was_measured_and_the_study_continues(tmp_path, monkey
 
 
 def test_autoprec_search_is_the_callable_package_in_a_fresh_process():
-    # As the README's Python API reads; it depended on what the process had imported.
+    # As docs/python-api.md reads; it depended on what the process had imported.
     probe = "import autoprec; assert callable(autoprec.search); print(autoprec.search.Callbacks)"
     done = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300

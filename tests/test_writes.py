@@ -462,7 +462,7 @@ def task():
 
 @pytest.mark.slow
 def test_export_imports_the_task_a_summary_names_except_for_yaml_or_another_task(studies, tmp_path):
-    """As the README's Security section says: summary.json is data, but the task module it
+    """As docs/security.md says: summary.json is data, but the task module it
     names is imported to build the model, for every format but yaml, unless --task names
     the task instead."""
     root, _, _ = studies
