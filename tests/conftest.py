@@ -25,9 +25,25 @@ __all__ = ["make_tiny_task"]
 MAX_WORKERS = 4  # each worker holds torch, transformers and a few stores: about 1-2 GiB
 
 
+# Files whose tests start torchrun's ranks: run one after another on one worker, never two
+# gloo jobs at once on the machine's two cores (once, under the full suite's load, a rank
+# of one aborted while the other file's search ran).
+RANKS_GROUP = ("test_distributed_rank.py", "test_distributed_search.py")
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto``: a worker a core, up to MAX_WORKERS."""
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test file is one unit of work for xdist's ``--dist loadgroup`` (pyproject.toml's
+    addopts), so that its module-scoped searches run once; the files of RANKS_GROUP are
+    one unit together."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("ranks" if name in RANKS_GROUP else name))
 
 
 @pytest.fixture

@@ -44,16 +44,19 @@ class _InfInGradient(torch.autograd.Function):
 class PoisonedLinear(nn.Linear):
     """A Linear whose weight gradient gets one inf on rank 1, on one training forward:
     under FSDP2 it lands in rank 0's shard only (rows are sharded), so the ranks' own
-    found-inf flags differ unless they are all-reduced."""
+    found-inf flags differ unless they are all-reduced. It counts its own training forwards:
+    the copies autocast's probe runs alone (`autoprec.observe.probe`) count theirs."""
 
-    calls = 0
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if self.training and torch.is_grad_enabled():
-            PoisonedLinear.calls += 1
+            self.calls += 1
             rank = dist.get_rank() if dist.is_initialized() else 0
-            if rank == 1 and PoisonedLinear.calls == INJECT_AT_FORWARD:
+            if rank == 1 and self.calls == INJECT_AT_FORWARD:
                 weight = _InfInGradient.apply(weight)
         return F.linear(x, weight, self.bias)
 
