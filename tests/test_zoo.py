@@ -69,17 +69,6 @@ NOT_ISOLATED = {
     "zoo-attention-logit-growth": "with attn in fp32 its very sharp attention still "
     "collapses (metric, step 1300): the growth is not the group's alone",
 }
-# The transformers tasks' 2000-step fp16 runs take about an hour each on the shared
-# 2-core CPU (tiny-llama's: 3342 s); rows not measured yet are named, not asserted.
-# zoo-prenorm-transformer's row did not finish by the deadline of the session that
-# measured the table: to run, not faked.
-SLOW_TO_MEASURE = (
-    "tiny-gpt2",
-    "tiny-bert",
-    "tiny-llama",
-    "tiny-t5",
-    "zoo-prenorm-transformer",
-)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +80,7 @@ def table():
 
 def test_the_truth_table_covers_every_zoo_task(table):
     assert table["steps"] == TRUTH_STEPS == 10 * TRIAL_STEPS
-    missing = [n for n in ZOO if n not in table["tasks"] and n not in SLOW_TO_MEASURE]
+    missing = [n for n in ZOO if n not in table["tasks"]]
     assert not missing, f"not measured: {missing}"
     for name, row in table["tasks"].items():
         assert row["kind"] == ZOO[name].kind.value
@@ -102,8 +91,6 @@ def test_the_truth_table_covers_every_zoo_task(table):
 @pytest.mark.parametrize("name", [e.name for e in entries(Kind.FRAGILE)])
 def test_a_fragile_task_fails_in_fp16_within_the_window_and_not_with_its_group_in_fp32(table, name):
     row = table["tasks"].get(name)
-    if row is None and name in SLOW_TO_MEASURE:
-        pytest.skip(f"{name}: not measured yet (python benchmarks/bench_zoo.py --ground-truth)")
     if row is None:
         pytest.fail(f"{name} is not in the truth table")
     fp16 = row["runs"]["fp16"]
@@ -126,8 +113,6 @@ def test_a_fragile_task_fails_in_fp16_within_the_window_and_not_with_its_group_i
 @pytest.mark.parametrize("name", [e.name for e in entries(Kind.HEALTHY)])
 def test_a_healthy_task_trains_in_fp16_and_bf16_as_fp32_does(table, name):
     row = table["tasks"].get(name)
-    if row is None and name in SLOW_TO_MEASURE:
-        pytest.skip(f"{name}: not measured yet (python benchmarks/bench_zoo.py --ground-truth)")
     if row is None:
         pytest.fail(f"{name} is not in the truth table")
     for label in ("fp16", "bf16"):

