@@ -44,6 +44,18 @@ DTYPE_RANGES: dict[str, tuple[float, float]] = {
     "fp32": (3.4028234663852886e38, 2.0**-126),
     "fp64": (1.7976931348623157e308, 2.0**-1022),
 }
+# The smallest subnormal of each dtype: where a gradient is lost, flushed to zero. Between
+# it and the smallest normal a value keeps fewer bits but still steps its weight (the zoo's
+# gradients that went there, with their training holding: tiny-llama, tiny-t5,
+# zoo-gradient-underflow, benchmarks/README.md).
+SMALLEST_SUBNORMAL: dict[str, float] = {
+    "fp8_e4m3": 2.0**-9,
+    "fp8_e5m2": 2.0**-16,
+    "fp16": 2.0**-24,
+    "bf16": 2.0**-133,
+    "fp32": 2.0**-149,
+    "fp64": 2.0**-1074,
+}
 # The order in which a module's output dtypes are coded as a number by the watcher (its
 # index + 1; 0: no floating output), widest last, so that a maximum keeps the widest.
 DTYPE_ORDER: tuple[str, ...] = tuple(DTYPE_RANGES)
@@ -570,8 +582,9 @@ class Headroom:
     the dtype's smallest normal (``underflow_now_bits``, ``underflow_bits_at_n``,
     ``underflow_crossing_step``, ``underflow_trend``): a layer whose every output shrinks
     below it is flushing to zero. For layers with parameters, the largest |gradient| (at the
-    loss scale) against the largest value and, shrinking, against the smallest normal
-    (``grad_crossing_step``), and a low quantile of them against the smallest normal.
+    loss scale) against the largest value and, shrinking, against the smallest subnormal,
+    where it is flushed to zero (``grad_crossing_step``), and a low quantile of them against
+    the smallest normal.
     ``outcome`` is the layer's verdict; ``why`` says why it cannot tell."""
 
     layer: str
@@ -764,10 +777,10 @@ class Forecast:
                 found.append(
                     (
                         h.grad_crossing_step,
-                        f"{h.layer}'s gradients ({h.dtype}) shrink below {smallest:g} (its "
-                        f"smallest normal) at step ~{h.grad_crossing_step} (the largest "
-                        f"|gradient| at the loss scale shrinking, {h.grad_trend}): gradient "
-                        f"underflow, {within}",
+                        f"{h.layer}'s gradients ({h.dtype}) shrink below "
+                        f"{SMALLEST_SUBNORMAL[h.dtype]:g} (its smallest subnormal: flushed to "
+                        f"zero) at step ~{h.grad_crossing_step} (the largest |gradient| at the "
+                        f"loss scale shrinking, {h.grad_trend}): gradient underflow, {within}",
                     )
                 )
             if h.grad_overflow_step is not None:
@@ -1030,12 +1043,13 @@ def _with_gradients(
             start_step=start_step,
         )
         underflow_at_n = min(underflow_now, shrink.log2_at(train_steps) - math.log2(smallest))
+    flush = SMALLEST_SUBNORMAL[room.dtype]
     largest_shrink = fit_trend(
         steps,
         series.grad_max[room.layer],
         trial_steps,
         direction=Direction.DOWN,
-        log2_limit=math.log2(smallest),
+        log2_limit=math.log2(flush),
         horizon=train_steps,
         start_step=start_step,
     )
@@ -1045,7 +1059,7 @@ def _with_gradients(
         largest_shrink = replace(largest_shrink, kind=TrendKind.FLAT, why=None)
     crossing = None
     if gmax > 0:
-        crossing = _within(largest_shrink.first_step_reaching(math.log2(smallest)), train_steps)
+        crossing = _within(largest_shrink.first_step_reaching(math.log2(flush)), train_steps)
     why = room.why
     if why is None and largest_shrink.kind == TrendKind.UNCERTAIN:
         why = f"its gradients' shrinking {largest_shrink.why}"
