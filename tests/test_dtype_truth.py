@@ -308,17 +308,20 @@ class Scaler(nn.Module):
         return x * self.gain.to(x.dtype)
 
 
-def _custom_model() -> nn.Module:
-    return nn.Sequential(
-        OrderedDict(
-            fc1=nn.Linear(8, 16),
-            norm=UpcastingNorm(16),
-            scale=Scaler(16),
-            fc2=nn.Linear(16, 16),
-            ln=nn.LayerNorm(16),
-            head=nn.Linear(16, 3),
-        )
+def _custom_model(batch_norm: bool = False) -> nn.Module:
+    """Layers of a user's own beside torch's; ``batch_norm``: a BatchNorm after the
+    LayerNorm (inputs of shape (batch, 3, 16))."""
+    layers = OrderedDict(
+        fc1=nn.Linear(8, 16),
+        norm=UpcastingNorm(16),
+        scale=Scaler(16),
+        fc2=nn.Linear(16, 16),
+        ln=nn.LayerNorm(16),
     )
+    if batch_norm:
+        layers["bn"] = nn.BatchNorm1d(3)
+    layers["head"] = nn.Linear(16, 3)
+    return nn.Sequential(layers)
 
 
 class _Example:
@@ -491,17 +494,7 @@ def test_layers_of_a_users_own_resolve_without_an_example(nothing_watched):
     after it (both following their input): without a batch, resolve says what hooks see,
     and neither the probes nor the made-up forward change the model's state."""
     torch.manual_seed(0)
-    model = nn.Sequential(
-        OrderedDict(
-            fc1=nn.Linear(8, 16),
-            norm=UpcastingNorm(16),
-            scale=Scaler(16),
-            fc2=nn.Linear(16, 16),
-            ln=nn.LayerNorm(16),
-            bn=nn.BatchNorm1d(3),  # (batch, 3, 16) inputs
-            head=nn.Linear(16, 3),
-        )
-    )
+    model = _custom_model(batch_norm=True)
     model.train()
     example = _Example(torch.randn(5, 3, 8))
     leaves = [name for name, _ in parameterised_leaves(model)]
