@@ -3,8 +3,10 @@
 Every test process, and every process a test starts, computes with one thread: the suite
 runs its files on as many workers as the machine has cores (pyproject.toml's addopts,
 pytest-xdist), and OpenMP threads that outnumber the cores spin and wait on each other,
-which made a 3 s test take 114 s on a loaded 2-core machine. A test's figures never depend
-on the thread count; its time does, and one thread a process is the same everywhere."""
+which made a 3 s test take 114 s on a loaded 2-core machine. No test's assertion may depend
+on the thread count (a search of a few steps whose choice moved with it sets its
+tolerance above that noise); its time does, and one thread a process is the same
+everywhere."""
 
 from __future__ import annotations
 
