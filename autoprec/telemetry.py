@@ -150,16 +150,22 @@ def _grad_range(grad: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def _activation_range_counts(args: Any, kwargs: Any, output: Any) -> torch.Tensor:
-    """`_activation_counts`, then the output dtype's code (`autoprec.forecast.dtype_code`)
-    and the count of outputs that are exactly zero (for `autoprec.first_events`)."""
+    """`_activation_counts`, then the output dtype's code (`autoprec.forecast.dtype_code`),
+    the count of outputs that are exactly zero (for `autoprec.first_events`) and the count
+    of subnormal ones (nonzero, below their dtype's smallest normal: values shrinking into
+    the band where they flush to zero, for `autoprec.forecast`)."""
     counts = _activation_counts(args, kwargs, output)
     floating = [t for t in tensors(output) if t.is_floating_point() and t.numel()]
     code = max((dtype_code(str(t.dtype).removeprefix("torch.")) for t in floating), default=0)
     zeros = torch.zeros(1, dtype=counts.dtype, device=counts.device)
+    subnormal = torch.zeros(1, dtype=counts.dtype, device=counts.device)
     for tensor in floating:
-        zeros = zeros + (tensor.detach() == 0).sum().to(counts.device)
+        values = tensor.detach()
+        zeros = zeros + (values == 0).sum().to(counts.device)
+        tiny = torch.finfo(values.dtype).tiny
+        subnormal = subnormal + ((values != 0) & (values.abs() < tiny)).sum().to(counts.device)
     code_column = torch.full((1,), float(code), dtype=counts.dtype, device=counts.device)
-    return torch.cat([counts, code_column, zeros])
+    return torch.cat([counts, code_column, zeros, subnormal])
 
 
 # The watcher's totals by kind, in LayerStats' terms: calls hold the activation counts.
@@ -260,7 +266,8 @@ class GradientMonitor:
         """One observed step's range of one layer, into the series."""
         assert self.ranges is not None
         if kind == CALL:
-            self.ranges.add_activation(name, self._step, row[3], dtype_of_code(row[5]))
+            share = row[7] / row[0] if row[0] else 0.0
+            self.ranges.add_activation(name, self._step, row[3], dtype_of_code(row[5]), share)
         elif kind == PARAM_GRAD:
             self.ranges.add_gradient(name, self._step, row[5], -row[6])
 

@@ -209,7 +209,9 @@ def test_gradients_that_shrink_with_the_loss_are_a_model_converging() -> None:
     assert converging.outcome == Outcome.CLEAR
     flat_loss = forecast(series, HORIZON, TRIAL, losses=[2.0] * TRIAL)  # the loss stays
     assert flat_loss.layers[0].grad_crossing_step is not None
-    assert "gradient underflow" in (flat_loss.at_risk() or "")
+    # A flush stops the layer learning; what that costs is in no range: cannot tell.
+    assert flat_loss.at_risk() is None and flat_loss.outcome == Outcome.CANNOT_TELL
+    assert "layer (fp16): its gradients flush to zero at step ~" in (flat_loss.cannot_tell() or "")
 
 
 def test_a_collapsing_loss_scale_is_forecast_to_reach_its_floor() -> None:
@@ -352,3 +354,53 @@ def test_a_search_confirms_a_choice_it_cannot_tell_at_train_steps(in_tmp) -> Non
     assert all(t["feasible"] for t in summary["trials"] if t["state"] == "complete")
     lines = forecast_lines(summary)
     assert any("the forecast cannot tell (kept feasible)" in line for line in lines)
+
+
+# The attention scores' largest |activation| on each observed step of the zoo's
+# attention-logit-growth task, uniform fp16, a 200-step trial (CPU, seed 0); its long run
+# overflows at step 958.
+ANNEALED_SCORES = [
+    3554.0, 3460.0, 3700.0, 4104.0, 4704.0, 6364.0, 7424.0, 8864.0, 9168.0, 11664.0,
+    13576.0, 16208.0, 16040.0, 14688.0, 15968.0, 18288.0, 18448.0, 17984.0, 19584.0,
+    20768.0, 19264.0, 19664.0, 21152.0, 21056.0, 21248.0, 21696.0, 22128.0, 21248.0,
+    21024.0, 22000.0, 20880.0, 21664.0, 22496.0, 22016.0,
+]  # fmt: skip
+
+
+def test_growth_under_a_saturating_start_that_may_cross_cannot_tell() -> None:
+    """Scores that saturate early under a temperature annealed upward: a ceiling predicts
+    the trial's last part best, but slow exponential growth after the start-up predicts it
+    too, and crosses 65504 within the run; the forecast cannot tell (and the trial is
+    extended) rather than clear it. A saturation 1.9 bits below 65504 is as ambiguous; the
+    same shape 12 bits below it (a classifier's logits) is clear."""
+    ahead = _ahead(ANNEALED_SCORES)
+    assert ahead.outcome == Outcome.CANNOT_TELL and ahead.at_risk() is None
+    assert "its growth may go on under its saturating start (exponential growth after a" in (
+        ahead.cannot_tell() or ""
+    )
+    plain = lambda s: 2**2 * 2 ** (2.3 * (1 - math.exp(-s / 30)))  # noqa: E731
+    assert _ahead(_noisy([plain(s) for s in STEPS], 0.04)).outcome == Outcome.CLEAR
+
+
+def _with_subnormals(shares: list[float], dtype: str) -> Forecast:
+    series = RangeSeries()
+    for step, share in zip(STEPS, shares, strict=True):
+        series.add_activation("kernel", step, 1.0, dtype, share)
+    return forecast(series, HORIZON, TRIAL)
+
+
+def test_a_growing_share_of_subnormal_outputs_cannot_tell() -> None:
+    """A normalised kernel's largest value stays 1 while its tail shrinks into fp16's
+    subnormal band (the zoo's kernel underflow: 2% of its outputs, then 38%): its largest
+    |activation| shows nothing, the share does. A small steady share (attention outputs
+    of tiny-llama: 0.7%) and any share in bf16 (fp32's smallest normal) are clear."""
+    rising = [0.02 + 0.4 * i / len(STEPS) for i in range(len(STEPS))]
+    ahead = _with_subnormals(rising, "fp16")
+    assert ahead.outcome == Outcome.CANNOT_TELL and ahead.at_risk() is None
+    assert "of its outputs are subnormal (nonzero, below 6.10352e-05)" in (
+        ahead.cannot_tell() or ""
+    )
+    assert ahead.layers[0].subnormal_share is not None and ahead.layers[0].subnormal_share > 0.3
+    assert _with_subnormals([0.007] * len(STEPS), "fp16").outcome == Outcome.CLEAR
+    assert _with_subnormals(list(reversed(rising)), "fp16").outcome == Outcome.CLEAR
+    assert _with_subnormals(rising, "bf16").outcome == Outcome.CLEAR
