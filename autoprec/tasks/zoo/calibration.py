@@ -157,7 +157,7 @@ class Calibration:
         }
 
 
-def _leaves(model: nn.Module) -> list[str]:
+def parameter_leaves(model: nn.Module) -> list[str]:
     """Leaf modules with parameters of their own (those a policy's rules may name)."""
     return [
         n
@@ -272,7 +272,7 @@ def random_mixed_policies(entry: ZooEntry, count: int = RANDOM_POLICIES) -> list
     """``count`` policies giving every leaf module fp16 or bf16 at random (seeded by the
     task's name), with the default dynamic loss scaling."""
     model = entry.task().model()
-    leaves = _leaves(model)
+    leaves = parameter_leaves(model)
     chooser = random.Random(entry.name)
     policies = []
     for index in range(count):

@@ -1,0 +1,253 @@
+"""Whether the search's answer holds at the real length on every zoo task (issue 27).
+
+For each zoo task, `search_at_real_length` runs ``autoprec.search`` as a user with a long
+run would: short trials (``--steps``), the forecast to the run's length (``--train-steps``)
+and the long confirmation at that length (``--confirm-steps``), on fresh stores, with
+``--prefer memory`` (on a CPU fp32 is the fastest, so by speed the answer would always be
+fp32 and nothing low-precision would be tested). From its
+summary.json it reads what the search answered and checks it three ways:
+
+- **held**: the answer is a policy the confirmation trained to the real length within the
+  tolerance of fp32 trained as long (or fp32 itself, when no candidate held);
+- **truth**: where the answer is one of the policies the zoo's truth table measured
+  (uniform fp16, uniform bf16, fp16 with the failing group in fp32), whether that long run
+  holds too (an independent run of the same policy, seed 0);
+- **reasons**: every candidate the confirmation rejected names a layer and a mechanism;
+  on a fragile task, whether the layer is in the task's failing group (or is where the
+  truth's long run first showed its failure) and the mechanism is on the truth's side
+  (overflow: a non-finite output or loss; underflow: a flush to zero or a collapsing
+  scale).
+
+Real runs only: nothing here is simulated; a task takes from under a minute to a few
+minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autoprec.policy import Policy
+from autoprec.tasks.zoo import ZOO, Kind, ZooEntry
+from autoprec.tasks.zoo.calibration import parameter_leaves
+from autoprec.tasks.zoo.forecast_rates import OVERFLOW, UNDERFLOW, _truth_side
+
+REAL_STEPS_MULTIPLE = 10  # the real run: 10x the trial, as the truth table's runs
+SEARCH_TRIALS = 4  # the uniform anchors (fp16, bf16, fp16 without scaling) and one more
+UNDERFLOW_MECHANISMS = ("flush", "scale", "underflow")
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A candidate the confirmation rejected, with what it named."""
+
+    label: str
+    mechanism: str | None
+    layer: str | None
+    first_step: int | None
+    right_layer: bool | None  # None: no truth to compare (a healthy task)
+    right_mechanism: bool | None
+
+
+@dataclass
+class RealLengthVerdict:
+    """One task's search at the real length."""
+
+    task: str
+    kind: str
+    steps: int
+    real_steps: int
+    answer: str  # the policy the search answered with
+    confirmed: bool  # the answer held at the real length (fp32: trivially)
+    fell_back_to_fp32: bool
+    truth_holds: bool | None  # the truth table's long run of the answer (None: not measured)
+    rejected: list[Rejected] = field(default_factory=list)
+    search_s: float = 0.0
+    note: str | None = None
+
+    @property
+    def holds(self) -> bool:
+        return self.confirmed and self.truth_holds is not False
+
+
+def _truth_label(policy_data: dict[str, Any], entry: ZooEntry) -> str | None:
+    """The truth table's label of a policy, where it measured one that computes alike:
+    every leaf with parameters in bf16 (``bf16``) or in fp16 under dynamic scaling
+    (``fp16``), or the latter with exactly the failing groups in fp32."""
+    import fnmatch
+
+    policy = Policy.from_dict(policy_data)
+    model = entry.task().model()
+    resolved = policy.resolve(model)
+    leaves = {n: resolved.get(n) for n in parameter_leaves(model)}
+    scaled = policy.loss_scale.mode == "dynamic"
+    dtypes = set(leaves.values())
+    if dtypes == {"bf16"} or dtypes == {"fp32"}:
+        return dtypes.pop()
+    if dtypes == {"fp16"} and scaled:
+        return "fp16"
+    groups = entry.failing_groups
+    in_group = {
+        n
+        for n in leaves
+        if any(fnmatch.fnmatchcase(n, g) or fnmatch.fnmatchcase(n, f"{g}.*") for g in groups)
+    }
+    split = all(
+        (dtype == "fp32") == (name in in_group) and dtype in ("fp16", "fp32")
+        for name, dtype in leaves.items()
+    )
+    return "fp16+group-fp32" if groups and scaled and in_group and split else None
+
+
+def _truth_holds(label: str | None, row: dict[str, Any] | None, real_steps: int) -> bool | None:
+    if label is None or row is None:
+        return None
+    if label == "fp32":
+        return True
+    runs = (row.get("runs") or {}).get(label) or []
+    if not runs:
+        return None
+    step = runs[0].get("failure_step")
+    return step is None or step > real_steps
+
+
+def _rejected(check: dict[str, Any], entry: ZooEntry, row: dict[str, Any] | None) -> Rejected:
+    mechanism, layer = check.get("mechanism"), check.get("layer")
+    right_layer = right_mechanism = None
+    if entry.kind == Kind.FRAGILE and row is not None:
+        groups = set(entry.failing_groups)
+        runs = (row.get("runs") or {}).get("fp16") or []
+        truth = runs[0] if runs else {}
+        seen = {truth.get("first_flush_layer"), truth.get("first_nonfinite_output_layer")}
+        right_layer = layer is not None and (
+            any(layer == g or layer.startswith(f"{g}.") for g in groups) or layer in seen
+        )
+        side = _truth_side(truth) if truth else None
+        named = (
+            UNDERFLOW
+            if mechanism and any(m in mechanism for m in UNDERFLOW_MECHANISMS)
+            else OVERFLOW
+        )
+        right_mechanism = side is None or (mechanism is not None and named == side)
+    return Rejected(
+        check.get("label") or str(check.get("key")),
+        mechanism,
+        layer,
+        check.get("first_step"),
+        right_layer,
+        right_mechanism,
+    )
+
+
+def read_verdict(
+    entry: ZooEntry, steps: int, real_steps: int, summary_path: Path, table: dict[str, Any]
+) -> RealLengthVerdict:
+    """One search's answer at the real length, read from its summary.json."""
+    summary = json.loads(summary_path.read_text())
+    row = table["tasks"].get(entry.name)
+    best = summary.get("best") or {}
+    policy = best.get("policy") or {}
+    answer = best.get("anchor") or policy.get("name") or f"trial {best.get('number')}"
+    confirmation = summary.get("confirmation") or {}
+    held = confirmation.get("held")
+    checks = confirmation.get("checks") or []
+    fell_back = held in (None, "baseline")
+    verdict = RealLengthVerdict(
+        task=entry.name,
+        kind=entry.kind.value,
+        steps=steps,
+        real_steps=real_steps,
+        answer=answer if not fell_back else "fp32",
+        confirmed=held is not None,
+        fell_back_to_fp32=fell_back,
+        truth_holds=_truth_holds(
+            "fp32" if fell_back else _truth_label(policy, entry), row, real_steps
+        ),
+        rejected=[_rejected(c, entry, row) for c in checks if not c.get("held")],
+        note=confirmation.get("reason"),
+    )
+    return verdict
+
+
+def search_at_real_length(
+    entry: ZooEntry,
+    steps: int,
+    table: dict[str, Any],
+    workdir: Path,
+    trials: int = SEARCH_TRIALS,
+) -> RealLengthVerdict:
+    """``autoprec.search`` on one zoo task with --train-steps and --confirm-steps at the
+    real length (``REAL_STEPS_MULTIPLE`` times ``steps``), and its answer read back."""
+    import autoprec
+
+    real = REAL_STEPS_MULTIPLE * steps
+    study = f"{entry.name}-{steps}-real"
+    started = time.perf_counter()
+    autoprec.search(
+        entry.task(),
+        trials=trials,
+        steps=steps,
+        train_steps=real,
+        confirm_steps=real,
+        prefer="memory",  # on a CPU fp32 is fastest: by speed the answer is always fp32
+        device="cpu",
+        study=study,
+        storage=f"sqlite:///{workdir}/optuna.db",
+        tracking_uri=f"sqlite:///{workdir}/mlflow.db",
+        runs_dir=workdir,
+    )
+    verdict = read_verdict(entry, steps, real, workdir / study / "summary.json", table)
+    verdict.search_s = round(time.perf_counter() - started, 1)
+    return verdict
+
+
+def verdict_rows(verdicts: list[RealLengthVerdict]) -> list[str]:
+    """The Markdown table of the answers, one task a row."""
+    rows = [
+        "| task | kind | answer | held at the real length | truth's long run | "
+        "rejected (layer, mechanism, right?) | s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for v in verdicts:
+        truth = {None: "-", True: "holds", False: "FAILS"}[v.truth_holds]
+        rejected = "; ".join(
+            f"{r.label}: {r.layer} {r.mechanism} "
+            f"({_yes(r.right_layer)} layer, {_yes(r.right_mechanism)} mechanism)"
+            for r in v.rejected
+        )
+        held = "yes" if v.confirmed else f"no ({v.note or 'nothing confirmed'})"
+        answer = f"{v.answer} (fp32 fallback)" if v.fell_back_to_fp32 else v.answer
+        rows.append(
+            f"| {v.task} | {v.kind} | {answer} | {held} | {truth} | {rejected or '-'} | "
+            f"{v.search_s:.0f} |"
+        )
+    return rows
+
+
+def _yes(value: bool | None) -> str:
+    return {None: "?", True: "right", False: "WRONG"}[value]
+
+
+def summary_line(verdicts: list[RealLengthVerdict]) -> str:
+    """The acceptance figures: answers that hold, and rejected candidates whose reasons
+    name the right layer and mechanism (where the truth can tell)."""
+    holding = sum(v.holds for v in verdicts)
+    judged = [r for v in verdicts for r in v.rejected if r.right_layer is not None]
+    layers = sum(bool(r.right_layer) for r in judged)
+    mechanisms = sum(bool(r.right_mechanism) for r in judged)
+    return (
+        f"answers that hold at the real length: {holding}/{len(verdicts)}; rejected "
+        f"candidates of fragile tasks naming the right layer: {layers}/{len(judged)}, the "
+        f"right mechanism: {mechanisms}/{len(judged)}"
+    )
+
+
+def names_or_all(only: str | None) -> list[str]:
+    names = [n.strip() for n in (only or "").split(",") if n.strip()] or list(ZOO)
+    unknown = [n for n in names if n not in ZOO]
+    if unknown:
+        raise SystemExit(f"--only: unknown zoo task(s) {', '.join(unknown)}")
+    return names
