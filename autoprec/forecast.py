@@ -96,6 +96,12 @@ SATURATION_TIMES = (0.1, 0.2, 0.35, 0.5)  # a saturation's time constant, of the
 # the zoo's healthy tasks (fp16, 200 steps) the share stays at or below 0.7% and does not
 # grow; the annealed RBF kernel's rises from 1.9% to 38% before its rows flush.
 SUBNORMAL_SHARE = 0.05
+# A crossing that needs more than this many times the bits its trend moved over the
+# trial's window is an extrapolation the trial has not earned: the forecast cannot tell
+# (and the trial is extended, where a steady trend earns it). On the zoo the crossings
+# that held needed at most 2.9 times (an activation shrinking to fp16's smallest normal,
+# 200 steps); a healthy classifier's logits, rising early at 100 steps, needed 5.4.
+EXTRAPOLATION_LIMIT = 4.0
 # A start-up transient's time constant, of the window's span: exponential or power growth
 # under a saturating start (a temperature annealed under logits that saturate). Such a
 # model is only a witness: it is never the trend extrapolated (on the zoo it raised false
@@ -457,7 +463,8 @@ def fit_trend(
     if not _drifts(ts, ys, direction) or max(ys) - min(ys) <= NOISE_Z * noise_floor_bits:
         return replace(base, kind=TrendKind.FLAT, noise_log2=noise)
     candidates = _candidates(ts, ys, base, noise, log2_limit, horizon)
-    return _choose(candidates, base, noise, log2_limit is not None and horizon is not None)
+    judged = log2_limit is not None and horizon is not None
+    return _choose(candidates, base, noise, judged, log2_limit)
 
 
 def _candidates(
@@ -505,9 +512,17 @@ def _candidates(
     return out
 
 
-def _choose(candidates: list[_Candidate], base: Trend, noise: float, judged: bool) -> Trend:
+def _choose(
+    candidates: list[_Candidate],
+    base: Trend,
+    noise: float,
+    judged: bool,
+    log2_limit: float | None = None,
+) -> Trend:
     """The model that predicts the last part best, if it predicts it; uncertain where the
-    models that predict it disagree on crossing, or none does and some would cross."""
+    models that predict it disagree on crossing, none does and some would cross, or its
+    crossing needs more than ``EXTRAPOLATION_LIMIT`` times the bits it moved over the
+    window."""
     tolerance = max(VALID_Z * noise, VALID_FLOOR_BITS)
     witnesses = [c for c in candidates if c.trend.transient and c.holdout_error_bits <= tolerance]
     candidates = [c for c in candidates if not c.trend.transient]
@@ -555,6 +570,23 @@ def _choose(candidates: list[_Candidate], base: Trend, noise: float, judged: boo
                 f"crosses at step ~{crossing_one.crossing}, another does not)"
             ),
         )
+    if judged and best.crossing is not None and log2_limit is not None:
+        trend = best.trend
+        now = trend.model_log2(trend.last_step)
+        moved = (now - trend.model_log2(trend.first_step)) * trend.direction
+        needed = (log2_limit - now) * trend.direction
+        if math.isfinite(moved) and needed > EXTRAPOLATION_LIMIT * max(moved, 0.0):
+            return replace(
+                base,
+                kind=TrendKind.UNCERTAIN,
+                noise_log2=noise,
+                holdout_error_bits=best.holdout_error_bits,
+                why=(
+                    f"its crossing at step ~{best.crossing} ({trend.kind}) needs "
+                    f"{needed:.1f} bits more, {needed / max(moved, 1e-9):.1f} times what it "
+                    "moved over the trial: an extrapolation the trial has not earned"
+                ),
+            )
     witness = next((c for c in witnesses if c.crossing is not None), None)
     if judged and best.crossing is None and witness is not None:
         return replace(

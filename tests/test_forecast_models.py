@@ -404,3 +404,17 @@ def test_a_growing_share_of_subnormal_outputs_cannot_tell() -> None:
     assert _with_subnormals([0.007] * len(STEPS), "fp16").outcome == Outcome.CLEAR
     assert _with_subnormals(list(reversed(rising)), "fp16").outcome == Outcome.CLEAR
     assert _with_subnormals(rising, "bf16").outcome == Outcome.CLEAR
+
+
+def test_a_crossing_far_beyond_what_the_trial_saw_is_not_earned() -> None:
+    """Logits rising early in a 100-step trial (the zoo's cat-boundary task: 2.8 bits over
+    the window, to 2.15) would need 14 bits more to reach 65504: five times what the trial
+    saw, so the forecast cannot tell (the trial is extended) instead of calling it at risk.
+    A trend that needs about what it moved (the zoo's exponential growth: 4.7 bits, to
+    2060) is at risk."""
+    steps = list(range(0, 100, Budget(steps=100).telemetry_every))
+    early = _ahead([0.3 * 2 ** (0.035 * s) for s in steps], steps, trial=100)
+    assert early.outcome == Outcome.CANNOT_TELL and early.at_risk() is None
+    assert "an extrapolation the trial has not earned" in (early.cannot_tell() or "")
+    steady = _ahead([2.0 ** (11 + 0.06 * (s - 99)) for s in steps], steps, trial=100)
+    assert steady.outcome == Outcome.AT_RISK
