@@ -155,3 +155,24 @@ def test_the_ground_truth_run_sees_a_layer_go_non_finite():
         fragile.GAIN_UNITS["exponential"] = original
     assert truth.first_nonfinite_output_layer == "head"
     assert truth.failure_step == 0
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_an_lstm_trial_trains_or_is_refused_before_training_never_crashes(dtype):
+    """oneDNN's LSTM on the CPU has no kernel for fp32 inputs and low-precision weights
+    (and, on some CPUs, none in fp16 at all). A trial watches its layers on a real batch
+    first: it casts the LSTM's inputs where the kernel runs on cast ones, and a dtype the
+    kernel cannot run at all is refused before training, naming the layer and the
+    kernel's reason. Whatever the instruction set, the trial never fails inside it."""
+    from autoprec.devices import get_backend
+    from autoprec.errors import PolicyError
+    from autoprec.trials.training import Budget, run_trial
+
+    task = ZOO["zoo-lstm"].task()
+    try:
+        result = run_trial(task, Policy.uniform(dtype), get_backend("cpu"), Budget(steps=8))
+    except PolicyError as error:
+        assert "rnn (LSTM): cannot run in" in str(error)
+        return
+    assert result.state == "complete", result.reason
+    assert result.accuracy is not None

@@ -441,6 +441,11 @@ class _Run:
         self.ranks = ranks
         self.model = task.model().to(backend.device)
         self.model.train()
+        # How autocast treats these layers here, and which dtypes they cannot run in,
+        # watched on a real batch first (once per layer class): a policy that puts a layer
+        # in a dtype it cannot run in is refused before training, with the kernel's
+        # reason (an LSTM in fp16 where oneDNN has no such kernel), not crashed in it.
+        watch_task(task, self.model, backend)
         share = _observed_share(task, policy, self.model, backend)
         self.prec = policy.apply(self.model, backend)
         # What trains: the model itself, or a rank's wrapper of it (DDP, FSDP2), made

@@ -282,8 +282,11 @@ def random_mixed_policies(entry: ZooEntry, count: int = RANDOM_POLICIES) -> list
 
 
 def crashes_of_random_policies(entry: ZooEntry, count: int = RANDOM_POLICIES) -> list[str]:
-    """The reasons of the random mixed policies whose short trial failed with an error."""
+    """The reasons of the random mixed policies whose short trial failed with an error.
+    A policy refused before training (a layer in a dtype the device was seen not to run
+    it in: `autoprec.policy`'s refusal, with the kernel's reason) is not a crash."""
     from autoprec.devices import get_backend
+    from autoprec.errors import PolicyError
     from autoprec.trials.base import TrialState
     from autoprec.trials.training import Budget, run_trial
 
@@ -291,7 +294,10 @@ def crashes_of_random_policies(entry: ZooEntry, count: int = RANDOM_POLICIES) ->
     task = entry.task()
     crashed = []
     for policy in random_mixed_policies(entry, count):
-        result = run_trial(task, policy, backend, Budget(steps=RANDOM_POLICY_STEPS, seed=0))
+        try:
+            result = run_trial(task, policy, backend, Budget(steps=RANDOM_POLICY_STEPS, seed=0))
+        except PolicyError:
+            continue  # refused before anything ran
         if result.state == TrialState.FAILED:
             crashed.append(f"{policy.name}: {result.reason}")
     return crashed

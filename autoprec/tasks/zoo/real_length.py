@@ -73,12 +73,19 @@ class RealLengthVerdict:
         return self.confirmed and self.truth_holds is not False
 
 
-def _truth_label(policy_data: dict[str, Any], entry: ZooEntry) -> str | None:
+ANCHORS = {"uniform-fp16": "fp16", "uniform-bf16": "bf16"}
+
+
+def _truth_label(
+    policy_data: dict[str, Any], entry: ZooEntry, anchor: str | None = None
+) -> str | None:
     """The truth table's label of a policy, where it measured one that computes alike:
-    every leaf with parameters in bf16 (``bf16``) or in fp16 under dynamic scaling
-    (``fp16``), or the latter with exactly the failing groups in fp32."""
+    the uniform anchors, every leaf with parameters in bf16 (``bf16``) or in fp16 under
+    dynamic scaling (``fp16``), or the latter with exactly the failing groups in fp32."""
     import fnmatch
 
+    if anchor in ANCHORS:
+        return ANCHORS[anchor]
     policy = Policy.from_dict(policy_data)
     model = entry.task().model()
     resolved = policy.resolve(model)
@@ -164,7 +171,9 @@ def read_verdict(
         confirmed=held is not None,
         fell_back_to_fp32=fell_back,
         truth_holds=_truth_holds(
-            "fp32" if fell_back else _truth_label(policy, entry), row, real_steps
+            "fp32" if fell_back else _truth_label(policy, entry, best.get("anchor")),
+            row,
+            real_steps,
         ),
         rejected=[_rejected(c, entry, row) for c in checks if not c.get("held")],
         note=confirmation.get("reason"),

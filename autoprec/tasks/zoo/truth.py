@@ -32,6 +32,7 @@ from torch import nn
 from autoprec._structures import tensors
 from autoprec.devices import get_backend
 from autoprec.errors import first_line
+from autoprec.observe import watch_task
 from autoprec.policy import Policy
 from autoprec.tasks.base import Task
 from autoprec.trials.training import _draw, _evaluate, _train_step
@@ -207,6 +208,7 @@ def long_run(
     try:
         model = task.model().to(backend.device)
         model.train()
+        watch_task(task, model, backend)  # as a trial does: autocast's treatment, watched
         prec = policy.apply(model, backend)
         optimizer = task.make_optimizer(model.parameters())
         scheduler = task.make_scheduler(optimizer)
