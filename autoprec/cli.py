@@ -17,6 +17,7 @@ from autoprec.errors import AutoprecError, redact
 
 if TYPE_CHECKING:
     from autoprec.search.summary_schema import Summary
+    from autoprec.settings import Option
 
 EXIT_BAD_INPUT = 2
 
@@ -142,8 +143,8 @@ def _add_search(commands: Any) -> None:
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _add_option(group: Any, declared: Any) -> None:
-    """One declared setting (`autoprec.settings.Option`) as an option of the command."""
+def _add_option(group: Any, declared: Option) -> None:
+    """One declared setting as an option of the command."""
     if declared.switch:
         action = "store_false" if declared.default else "store_true"
         group.add_argument(declared.flag, dest=declared.name, action=action, help=declared.help)
