@@ -239,7 +239,9 @@ class Where:
     storage: str = option(DEFAULT_STORAGE, "Optuna storage URL")
     tracking_uri: str = option(DEFAULT_TRACKING_URI, "MLflow tracking URI")
     runs_dir: str | Path = option(
-        "runs", "where runs/<study>/summary.json and best_policy.yaml are written"
+        "runs",
+        "the folder of the outputs: <folder>/<study>/summary.json, best_policy.yaml (the "
+        "stores are --storage and --tracking-uri)",
     )
 
 
