@@ -17,6 +17,7 @@ from autoprec.errors import AutoprecError, redact
 
 if TYPE_CHECKING:
     from autoprec.search.summary_schema import Summary
+    from autoprec.settings import Option
 
 EXIT_BAD_INPUT = 2
 
@@ -28,10 +29,10 @@ class _Parser(argparse.ArgumentParser):
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except None (those options say in words what they default to) and
-    the False of a switch."""
+    a switch's."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
+        if action.default is None or action.nargs == 0:
             return action.help
         return super()._get_help_string(action)
 
@@ -120,274 +121,43 @@ def _add_search(commands: Any) -> None:
         "MLflow, and write runs/<study>/best_policy.yaml and summary.json.",
         formatter_class=_DefaultsFormatter,
     )
-    _add_what(s.add_argument_group("what is searched"))
-    _add_serving(s.add_argument_group("serving (--mode inference)"))
-    _add_where(s.add_argument_group("where it runs and is recorded"))
-    _add_choice(s.add_argument_group("how the best policy is chosen"))
-    _add_faults(s.add_argument_group("workers and faults"))
-    _add_compiled(s.add_argument_group("compiled trials"))
-    _add_long_runs(s.add_argument_group("longer than a trial"))
-    _add_forecast(s.add_argument_group("forecast to the real run's length"))
-    _add_launch(s.add_argument_group("trials across several devices"))
+    from autoprec.settings import SECTIONS, options
+
+    for section in SECTIONS:
+        group = s.add_argument_group(section.title)
+        for declared in options(section):
+            _add_option(group, declared)
+    files = s.add_argument_group("config file")
+    files.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="read the settings from a YAML file in the sections --print-config writes; an "
+        "option given on the command line overrides the file's",
+    )
+    files.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the settings in effect as YAML (a --config file) and exit, searching nothing",
+    )
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _add_what(group: Any) -> None:
-    from autoprec._names import BUILTIN_TASK_NAMES, DEFAULT_TASK
-
+def _add_option(group: Any, declared: Option) -> None:
+    """One declared setting as an option of the command."""
+    if declared.switch:
+        action = "store_false" if declared.default else "store_true"
+        group.add_argument(declared.flag, dest=declared.name, action=action, help=declared.help)
+        return
     group.add_argument(
-        "--task",
-        default=DEFAULT_TASK,
-        help=f"built-in ({', '.join(sorted(BUILTIN_TASK_NAMES))}), package.module:attr or "
-        "path/to/file.py:attr (a Task or a callable returning one)",
-    )
-    group.add_argument(
-        "--space",
-        default=None,
-        help="shipped space name or YAML file (default: the space named after the "
-        "task if shipped, else 'default')",
-    )
-    group.add_argument(
-        "--trials",
-        type=int,
-        default=12,
-        help="total trials in the study (the fp32 baseline is extra); a continued "
-        "study runs only the missing ones",
-    )
-    group.add_argument("--steps", type=int, default=200, help="training steps per trial")
-    group.add_argument(
-        "--seed", type=int, default=0, help="seed of weights, data order and sampler"
-    )
-
-
-def _add_serving(group: Any) -> None:
-    from autoprec._names import FP8_SERVING_METHODS, INT8_METHODS
-    from autoprec.inference.scenarios import SCENARIOS
-
-    group.add_argument(
-        "--mode",
-        choices=("training", "inference"),
-        default="training",
-        help="training: trials train the model under each policy; inference: trials convert "
-        "a trained fp32 model's weights per layer (fp32/fp16/bf16/int8) and serve it",
-    )
-    presets = "; ".join(
-        f"{s.name}: batch {s.batch_size}, {s.prefer}, tolerance {s.accuracy_tolerance:g}"
-        + (", every prediction as fp32's, outputs within 1%%" if s.min_top1_agreement else "")
-        for s in SCENARIOS.values()
-    )
-    group.add_argument(
-        "--scenario",
-        choices=tuple(SCENARIOS),
-        default=None,
-        help=f"what the serving optimises (default: server): {presets}",
-    )
-    group.add_argument(
-        "--batch-size", type=int, default=None, help="batch size served (default: the scenario's)"
-    )
-    group.add_argument(
-        "--batch-sizes",
-        default=None,
-        metavar="N,N,...",
-        help="also measure these batch sizes (e.g. 1,8,64): the report shows where the best "
-        "choice flips",
-    )
-    group.add_argument(
-        "--checkpoint",
-        default=None,
-        metavar="PATH",
-        help="the fp32 weights to serve (a state dict); default: the task's checkpoint, else "
-        "the model trained once for --steps and kept as runs/<study>/fp32.pt (never "
-        "overwritten)",
-    )
-    group.add_argument(
-        "--int8",
-        choices=("auto", "off", *INT8_METHODS),
-        default="auto",
-        help="int8 Linear layers: auto (where the device has kernels), off, or a method",
-    )
-    # -- fp8 for serving (autoprec.fp8_serving) --
-    group.add_argument(
-        "--fp8",
-        choices=("auto", "off", *FP8_SERVING_METHODS),
-        default="auto",
-        help="fp8 Linear layers for serving (torchao float8 weights): auto (CUDA 8.9+; on "
-        "the CPU only with --emulate fp8), off, or a method",
-    )
-
-
-def _add_where(group: Any) -> None:
-    from autoprec._names import DEFAULT_STORAGE, DEFAULT_TRACKING_URI
-
-    group.add_argument(
-        "--device", default="auto", help="auto (npu, then cuda, then cpu), cpu, cuda[:N], npu[:N]"
-    )
-    group.add_argument(
-        "--emulate",
-        action="append",
-        choices=("fp8",),
-        default=[],
-        help="run a dtype the device lacks, emulated, for tests: fp8 on the CPU (torchao's "
-        "float8 numerics without its speed; the summary's settings say emulated)",
-    )
-    group.add_argument(
-        "--study", default=None, help="study name (default: the task's name); reuse it to continue"
-    )
-    group.add_argument("--storage", default=DEFAULT_STORAGE, help="Optuna storage URL")
-    group.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow tracking URI")
-
-
-def _add_choice(group: Any) -> None:
-    from autoprec._names import SAMPLERS
-    from autoprec.selection import TRAINING_PREFERENCES
-
-    group.add_argument(
-        "--accuracy-tolerance",
-        type=float,
-        default=None,
-        help="largest accepted accuracy drop from fp32, absolute (0.01 = 1 point); "
-        "default: the space file's",
-    )
-    group.add_argument(
-        "--prefer",
-        choices=(*TRAINING_PREFERENCES, "latency", "throughput"),
-        default=None,
-        help="how the best feasible policy is chosen (default: speed in training, the "
-        "scenario's in inference; latency and throughput are for inference)",
-    )
-    group.add_argument(
-        "--sampler",
-        choices=SAMPLERS,
-        default="guided",
-        help="guided: profile the model, try the most promising policies and bisect "
-        "for the layers that must stay fp32, then TPE; or an Optuna sampler alone",
-    )
-    group.add_argument(
-        "--confirm-top",
-        type=int,
-        default=3,
-        help="re-time this many of the fastest feasible policies side by side with the "
-        "fp32 baseline before choosing (0: off; skipped with --prefer memory)",
-    )
-    group.add_argument(
-        "--no-early-stopping",
-        action="store_true",
-        help="train every trial to the end, even when its loss trails the fp32 baseline's "
-        "or its loss scaler keeps skipping steps",
-    )
-
-
-def _add_faults(group: Any) -> None:
-    from autoprec._names import HEARTBEAT_INTERVAL_S
-
-    group.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        help="worker processes on this host, sharing the study's budget (default: one per "
-        "--devices entry, else 1; run the same command on other hosts, with a shared "
-        "--storage and --tracking-uri, to join)",
-    )
-    group.add_argument(
-        "--devices",
-        default=None,
-        help="devices the workers are pinned to, round-robin: npu:0-7, cuda:0,cuda:1 "
-        "(default: the --device for every worker; on the CPU they share its cores)",
-    )
-    group.add_argument(
-        "--trial-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="a trial running longer fails with that reason (default: 25x the fp32 "
-        "baseline's trial, at least 300 s; 0: no limit)",
-    )
-    group.add_argument(
-        "--heartbeat",
-        type=int,
-        default=HEARTBEAT_INTERVAL_S,
-        metavar="SECONDS",
-        help="a running trial records a heartbeat this often; one silent for 3x this "
-        "(its worker died) is failed and its MLflow run closed as KILLED",
-    )
-
-
-def _add_compiled(group: Any) -> None:
-    group.add_argument(
-        "--compile",
-        action="store_true",
-        help="train every trial under torch.compile, whatever its policy (fp8 layers are "
-        "fast only compiled); records each trial's graph breaks and compile time, which "
-        "the step time leaves out (training only; a Task(compile=True) asks for it too; "
-        "on the CPU a first compile takes ~20 s)",
-    )
-
-
-# -- longer than a trial (issue 21): the long confirmation, the trials' schedule ----------
-
-
-def _add_long_runs(group: Any) -> None:
-    from autoprec.trial_schedule import TRIAL_SCHEDULES
-
-    group.add_argument(
-        "--confirm-steps",
-        type=int,
-        default=None,
-        metavar="K",
-        help="after the search, train the chosen policy K steps beside fp32 trained as "
-        "long; if it does not hold there (non-finite loss, accuracy past the tolerance), "
-        "confirm the next candidate, and so on (default: no confirmation)",
-    )
-    group.add_argument(
-        "--trial-schedule",
-        choices=TRIAL_SCHEDULES,
-        default="as-is",
-        help="as-is: trials step the task's learning-rate scheduler as the real run does "
-        "(a warning says when they end inside its warm-up); compressed: the real run's "
-        "schedule squeezed into the trial's steps",
-    )
-
-
-def _long_run_settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {"confirm_steps": args.confirm_steps, "trial_schedule": args.trial_schedule}
-
-
-# -- the range forecast (issue 21) ------------------------------------------------------
-
-
-def _add_forecast(group: Any) -> None:
-    group.add_argument(
-        "--train-steps",
-        type=int,
-        default=None,
-        metavar="N",
-        help="how long your real run trains: every trial forecasts each layer's range to "
-        "step N (default: 10x --steps)",
-    )
-    group.add_argument(
-        "--forecast",
-        choices=("infeasible", "warn"),
-        default="infeasible",
-        help="a trial whose forecast overflows a layer's dtype within --train-steps is "
-        "'at risk': infeasible, or only warned of",
-    )
-
-
-def _add_launch(group: Any) -> None:
-    group.add_argument(
-        "--nproc-per-trial",
-        type=int,
-        default=1,
-        metavar="N",
-        help="launch each trial through torchrun as N ranks on N devices (gloo on the "
-        "CPU, nccl on CUDA, hccl on NPUs); with --devices cuda:0-7 and N=4, two trials "
-        "run at once",
-    )
-    group.add_argument(
-        "--parallel",
-        choices=("ddp", "fsdp2"),
-        default=None,
-        help="how the ranks share the model (default with N>1: ddp)",
+        declared.flag,
+        dest=declared.name,
+        type=declared.scalar,
+        action="append" if declared.repeated else "store",
+        choices=declared.choices,
+        default=list(declared.default) if declared.repeated else declared.default,
+        metavar=declared.metavar,
+        help=declared.help,
     )
 
 
@@ -498,43 +268,16 @@ def _search(args: argparse.Namespace) -> int:
     from autoprec.report import front_table, gains_line
     from autoprec.report.headroom import forecast_lines
     from autoprec.search import SearchConfig, search
-    from autoprec.trials.serving import ServingConfig
+    from autoprec.settings import options, to_yaml
 
-    serving = ServingConfig(
-        scenario=args.scenario,
-        batch_size=args.batch_size,
-        batch_sizes=args.batch_sizes,
-        checkpoint=args.checkpoint,
-        int8=args.int8,
-        fp8=args.fp8,
-    )
-    config = SearchConfig(
-        trials=args.trials,
-        steps=args.steps,
-        device=args.device,
-        study=args.study,
-        storage=args.storage,
-        tracking_uri=args.tracking_uri,
-        seed=args.seed,
-        accuracy_tolerance=args.accuracy_tolerance,
-        prefer=args.prefer,
-        sampler=args.sampler,
-        confirm_top=args.confirm_top,
-        early_stopping=not args.no_early_stopping,
-        workers=args.workers,
-        devices=args.devices,
-        trial_timeout_s=args.trial_timeout,
-        heartbeat_s=args.heartbeat,
-        mode=args.mode,
-        serving=serving if serving.given() else None,  # --mode inference: the defaults
-        emulate=tuple(args.emulate),
-        compile=args.compile,
-        **_long_run_settings(args),
-        train_steps=args.train_steps,
-        forecast=args.forecast,
-        nproc_per_trial=args.nproc_per_trial,
-        parallel=args.parallel,
-    )
+    values = {declared.name: getattr(args, declared.name) for declared in options()}
+    try:
+        config = SearchConfig.from_options(values)
+    except AutoprecError as error:
+        raise AutoprecError(f"{error}{_in_config_file(str(error), args)}") from None
+    if args.print_config:
+        print(to_yaml({"task": args.task, "space": args.space, **config.option_values()}), end="")
+        return 0
     result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
     summary = result.typed or result.summary
     print(front_table(summary))
@@ -817,8 +560,40 @@ def _check_study_names(args: argparse.Namespace) -> None:
             check_study_name(study)
 
 
+def _with_config_file(
+    parser: argparse.ArgumentParser, argv: list[str] | None, args: argparse.Namespace
+) -> argparse.Namespace:
+    """``autoprec search --config FILE``: the command line parsed again over the file's
+    settings as its defaults, so that an option given there overrides the file."""
+    from autoprec.settings import read_file
+
+    if args.command != "search" or args.config is None:
+        return args
+    values = read_file(args.config)
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    commands.choices["search"].set_defaults(**values)
+    args = parser.parse_args(argv)
+    args.config_values = values
+    return args
+
+
+def _in_config_file(message: str, args: argparse.Namespace) -> str:
+    """Where a refused setting came from, when the config file gave it: `` (what.trials in
+    search.yaml)`` for a message that starts with its option (``--trials: ...``)."""
+    from autoprec.settings import options
+
+    given = getattr(args, "config_values", {})
+    named = message.split(":")[0].split(" ")[0]
+    for declared in options():
+        from_file = declared.name in given and getattr(args, declared.name) == given[declared.name]
+        if named in (declared.flag, declared.name) and from_file:  # and not overridden
+            return f" ({declared.section}.{declared.name} in {args.config})"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
     handler = {
         "search": _search,
         "profile": _profile,
@@ -830,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         "ui": _ui,
     }[args.command]
     try:
+        args = _with_config_file(parser, argv, args)
         _check_study_names(args)
         return handler(args)
     except AutoprecError as error:

@@ -62,6 +62,7 @@ class Handling:
     npus: int = 0  # devices of the torch_npu stand-in
     serves: bool = False  # runs until Ctrl-C; it must answer HTTP first
     draws: bool = False  # a search: its progress bar must show the best so far
+    writes: bool = False  # ends in ``> FILE``: its standard output goes to that file
 
 
 SEARCH = Handling(budget=("--trials", "--steps"), draws=True)
@@ -93,6 +94,8 @@ HANDLED: dict[str, Handling] = {
     ),
     "autoprec search --task digits-mlp --study digits-mlp-2ranks --trials 6 --nproc-per-trial 2 "
     "--device cpu": SEARCH,
+    "autoprec search --print-config > search.yaml": Handling(writes=True),
+    "autoprec search --config search.yaml --trials 4 --steps 50": SEARCH,
 }
 FAST = ("autoprec search", "autoprec search --mode inference --scenario edge")
 
@@ -317,6 +320,9 @@ def run_step(step: Step, folder: Path, machine: Machine, pty_: bool) -> None:
         assert code == 0, f"README snippet failed:\n{step.text}\n{output[-3000:]}"
         return
     handling = HANDLED[step.text]
+    if handling.writes:
+        write_stdout(step.text, folder, machine, handling)
+        return
     argv, env = machine.argv(step.text, handling), machine.env(handling)
     if handling.serves:
         serve_then_ctrl_c(argv, folder, env, pty_)
@@ -328,6 +334,19 @@ def run_step(step: Step, folder: Path, machine: Machine, pty_: bool) -> None:
     if handling.draws:  # the bar, with the best so far by the mode's own time
         label = "latency" if "--mode inference" in step.text else "step"
         assert f": {label} " in output and " ms, " in output, f"no bar:\n{output[-2000:]}"
+
+
+def write_stdout(command: str, folder: Path, machine: Machine, handling: Handling) -> None:
+    """A line ending in ``> FILE``, as a shell runs it: the standard output into the file
+    (in the folder), errors on the terminal."""
+    command, _, target = command.rpartition(" > ")
+    with open(folder / target.strip(), "w") as out:
+        done = subprocess.run(
+            machine.argv(command, handling), cwd=folder, env=machine.env(handling),
+            stdout=out, stderr=subprocess.PIPE, text=True, timeout=GUARD_S,
+        )  # fmt: skip
+    assert done.returncode == 0, f"`{command}` exited {done.returncode}:\n{done.stderr[-4000:]}"
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]
 
 
 # -- the tests --------------------------------------------------------------------------
@@ -414,6 +433,20 @@ def test_the_first_commands_run_as_typed(command, pty_, tmp_path):
         loop = next(s for s in readme_steps() if s.kind == "python")
         run_step(loop, tmp_path, machine, pty_)
         assert (tmp_path / "my_weights.pt").is_file()
+
+
+def test_the_config_file_commands_run_as_typed(tmp_path):
+    """Training search's ``--print-config > search.yaml``, then the search that reads it
+    (in a terminal), in one folder: without the PostgreSQL the whole walk needs."""
+    commands = [c for c in readme_commands() if "config" in c]
+    assert commands == [
+        "autoprec search --print-config > search.yaml",
+        "autoprec search --config search.yaml --trials 4 --steps 50",
+    ]
+    for command in commands:
+        run_step(Step("command", command), tmp_path, Machine(), pty_=True)
+    assert (tmp_path / "search.yaml").read_text().startswith("# what is searched\nwhat:\n")
+    assert (tmp_path / "runs/digits-mlp/summary.json").is_file()
 
 
 @pytest.mark.slow

@@ -64,6 +64,7 @@ from autoprec.search._studies import (
 from autoprec.search.config import SearchConfig, check_study_name, check_tolerance
 from autoprec.search.summary import candidates
 from autoprec.selection import rank_key
+from autoprec.settings import study_settings
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
 from autoprec.tasks import Task, check_task, check_task_data, load_task
 from autoprec.tracking import FLUSH_WAIT_S, Tracker, absolute_sqlite_uri
@@ -117,20 +118,23 @@ class Prepared:
 
     @property
     def settings(self) -> dict[str, Any]:
+        """The study's fingerprint: the declared settings that change what a trial
+        measures (`autoprec.settings.study_settings`), as this search settled them."""
         config = self.config
-        settings = {  # the options first, then what follows from them (the fitted space)
+        resolved = {  # the options first, then what follows from them (the fitted space)
             "task": self.task.name,
             "mode": config.mode,
             "steps": self.budget.steps,
             "seed": self.budget.seed,
             "device": self.backend.kind,
-            # figures of emulated dtypes are no device's
-            "emulated": ",".join(self.backend.emulated()),
+            "emulated": ",".join(self.backend.emulated()),  # figures of emulated dtypes
             "nproc_per_trial": config.nproc_per_trial,
             "parallel": config.parallel,
+            **self.trials.settings,  # the mode's own
+            "space": self.space.name,
+            "space_fingerprint": self.space.fingerprint(),
         }
-        fitted = {"space": self.space.name, "space_fingerprint": self.space.fingerprint()}
-        return {**settings, **self.trials.settings, **fitted}
+        return study_settings(resolved)
 
     @property
     def needs_profile(self) -> bool:

@@ -46,6 +46,7 @@ from autoprec._files import open_log
 from autoprec.errors import StoreError, first_line
 from autoprec.search._identity import STUDY_ID_ATTR, new_study_id
 from autoprec.search.config import HEARTBEAT_INTERVAL_S
+from autoprec.settings import study_options
 from autoprec.tracking import unwritable
 
 RECORD_ATTR = "autoprec"  # user attribute: the trial's policy and result, once measured
@@ -487,28 +488,7 @@ LEGACY_DEFAULTS: dict[str, Any] = {
     "fp8": None,
 }
 # The option that sets each fingerprinted setting, for the refusal's line.
-_OPTIONS = {
-    "task": "--task",
-    "space": "--space",
-    "space_fingerprint": "--space",
-    "steps": "--steps",
-    "seed": "--seed",
-    "device": "--device",
-    "emulated": "--emulate",
-    "mode": "--mode",
-    "compile": "--compile",
-    "trial_schedule": "--trial-schedule",
-    "train_steps": "--train-steps",
-    "forecast": "--forecast",
-    "nproc_per_trial": "--nproc-per-trial",
-    "parallel": "--parallel",
-    "backend": "--device",
-    "scenario": "--scenario",
-    "batch_sizes": "--batch-size/--batch-sizes",
-    "int8": "--int8",
-    "fp8": "--fp8",
-    "checkpoint_sha256": "--checkpoint",
-}
+_OPTIONS = study_options()
 
 
 def refuse_other_settings(

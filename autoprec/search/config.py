@@ -10,107 +10,64 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+# Re-exported: the search's names for them (SAMPLERS' guided: profile-ranked seeding and
+# bisection, `autoprec.guided`, then TPE; a trial silent for 3 heartbeat intervals fails).
+from autoprec._names import DEFAULT_STORAGE as DEFAULT_STORAGE
+from autoprec._names import HEARTBEAT_INTERVAL_S as HEARTBEAT_INTERVAL_S
+from autoprec._names import SAMPLERS
 from autoprec.devices import check_emulate
 from autoprec.errors import AutoprecError, StoreError, redact
-from autoprec.tracking import DEFAULT_TRACKING_URI, check_tracking_uri
+from autoprec.settings import (
+    SERVING,
+    Budget,
+    Choice,
+    Compiled,
+    Faults,
+    Launch,
+    LongerThanATrial,
+    Where,
+    options,
+)
+from autoprec.tracking import check_tracking_uri
 from autoprec.trial_schedule import MAX_TRAIN_STEPS, TRIAL_SCHEDULES
 from autoprec.trials import MODES, trials_class
 from autoprec.trials.serving import ServingConfig
 
-DEFAULT_STORAGE = "sqlite:///runs/optuna.db"
-DEFAULT_RUNS_DIR = Path("runs")
-# guided: profile-ranked seeding and bisection (autoprec.guided), then TPE.
-SAMPLERS = ("guided", "tpe", "nsga2", "random")
-HEARTBEAT_INTERVAL_S = 10  # the grace before a silent trial is failed: 3 intervals
+DEFAULT_RUNS_DIR = Path(Where().runs_dir)
 # ServingConfig's fields, also taken flat (``SearchConfig(mode="inference", scenario=...)``,
 # ``--scenario``) and nested into ``serving``.
-SERVING_KEYWORDS = ("scenario", "batch_size", "batch_sizes", "checkpoint", "int8", "fp8")
+SERVING_KEYWORDS = tuple(o.name for o in options(SERVING))
 # Matched whole (fullmatch): a pattern ending in "$" would pass a name ending in "\n".
 STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
+# The sections last to first: a dataclass takes its bases' fields in reverse order.
 @dataclass(frozen=True, kw_only=True)
-class SearchConfig:
-    """How a search runs.
+class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Budget):
+    """How a search runs: the settings of every section of `autoprec.settings` (`Budget`,
+    `Where`, `Choice`, `Faults`, `Compiled`, `LongerThanATrial`, `Launch`; the task and
+    the space are `autoprec.search`'s own arguments), each declared there once with its
+    type, default and help, as ``autoprec search --help`` prints them.
 
-    - ``trials``: the study's total, whoever runs them (continuing a study, or joining it
-      from another host, runs only what is missing); ``steps`` per trial; ``seed`` of the
-      weights, the data order and the sampler.
-    - ``device``: ``auto``, ``cpu``, ``cuda[:N]`` or ``npu[:N]`` (or a Backend);
-      ``workers`` processes on this host (default: one per ``devices`` entry, else 1),
-      pinned round-robin to ``devices`` (``"npu:0-7"``, ``"cuda:0,cuda:1"``).
-    - ``study`` (default: the task's name), ``storage`` (Optuna), ``tracking_uri``
-      (MLflow), ``runs_dir`` (where summary.json and best_policy.yaml go).
-    - ``accuracy_tolerance`` (default: the space's), ``prefer`` (speed, memory, balanced),
-      ``sampler``, ``confirm_top`` (policies re-timed side by side before the choice;
-      0 skips that, as does ``prefer="memory"``), ``early_stopping``.
-    - ``trial_timeout_s`` (None: 25x the fp32 baseline's trial, at least 300 s; 0: no
-      limit) and ``heartbeat_s`` (a trial silent for 3x this is failed).
-    - ``mode``: ``training`` (trials train under each policy) or ``inference`` (trials
-      convert a trained fp32 model's weights and serve it), one of `autoprec.trials.MODES`
-      (default: inference when ``serving`` is given, else training); ``serving``: the
-      serving settings (`autoprec.trials.serving.ServingConfig`: scenario, batch sizes,
-      checkpoint, int8, fp8), whose fields may also be given flat with
-      ``mode="inference"`` (``scenario="edge"``).
-      ``prefer`` may then also be ``latency`` or ``throughput``; None takes the
-      scenario's (training: speed).
-    - ``nproc_per_trial``: each trial launched through torchrun as that many ranks on as
-      many devices (`autoprec.distributed.launch`); ``parallel``: ``ddp`` (the default
-      past one rank) or ``fsdp2``.
-    - ``emulate``: dtypes the device may run emulated (``("fp8",)`` on the CPU: torchao's
-      float8 numerics without its speed), recorded in the summary's settings.
-    - ``compile``: train every trial under ``torch.compile`` (training only; a task may
-      ask for it too, ``Task(compile=True)``): `autoprec.compiled`.
-    - ``confirm_steps``: after the search, train the chosen policy this long beside fp32
-      and, where it does not hold, the next candidate (`autoprec.search.confirm`); None:
-      no confirmation. ``trial_schedule``: ``as-is`` (trials step the task's scheduler as
-      the real run does) or ``compressed`` (its shape squeezed into the trials' steps,
-      `autoprec.trial_schedule`).
-    - ``train_steps``: how long the user's real run trains, the step every layer's range
-      is forecast to (None: 10x ``steps``; at most `MAX_TRAIN_STEPS`); ``forecast``:
-      ``infeasible`` (a trial whose forecast crosses its dtype's range within it is
-      infeasible) or ``warn``. These, ``trial_schedule``, ``confirm_steps`` and
-      ``compile`` are the training mode's: refused with ``mode="inference"``.
+    Beyond what the command line gives: ``device`` may be a Backend; ``runs_dir`` is where
+    summary.json and best_policy.yaml go; ``mode`` left None is inference when ``serving``
+    is given, else training; ``serving`` holds the serving settings
+    (`autoprec.trials.serving.ServingConfig`: scenario, batch sizes, checkpoint, int8, fp8),
+    whose fields may also be given flat with ``mode="inference"`` (``scenario="edge"``);
+    ``prefer`` may then also be ``latency`` or ``throughput``. The settings of the compiled
+    trials and of the section "longer than a trial" are the training mode's: refused with
+    ``mode="inference"``.
 
     A study keeps the settings that change what its trials measure (its fingerprint,
-    `autoprec.search._studies.open_study`): continuing it with others is refused.
+    `autoprec.settings.study_settings`): continuing it with others is refused.
     """
 
-    trials: int = 12
-    steps: int = 200
-    device: Any = "auto"
-    study: str | None = None
-    storage: str = DEFAULT_STORAGE
-    tracking_uri: str = DEFAULT_TRACKING_URI
-    seed: int = 0
-    accuracy_tolerance: float | None = None
-    prefer: str | None = None
-    sampler: str = "guided"
-    runs_dir: str | Path = DEFAULT_RUNS_DIR
-    confirm_top: int = 3
-    early_stopping: bool = True
-    workers: int | None = None
-    devices: str | Sequence[str] | None = None
-    trial_timeout_s: float | None = None
-    heartbeat_s: int = HEARTBEAT_INTERVAL_S
-    mode: str | None = None  # None: inference with ``serving``, else training
     serving: ServingConfig | None = None
-    emulate: tuple[str, ...] = ()
-    compile: bool = False
-    # -- longer than a trial (issue 21): the long confirmation, the trials' schedule
-    confirm_steps: int | None = None
-    trial_schedule: str = "as-is"
-    # The range forecast (issue 21): the real run's length (None: 10x ``steps``), and
-    # whether a trial forecast to overflow within it is infeasible or only warned of.
-    train_steps: int | None = None
-    forecast: str = "infeasible"
-    nproc_per_trial: int = 1  # trials across several devices (autoprec.distributed)
-    parallel: str | None = None
     # The serving settings given flat, nested into ``serving`` (not kept as fields).
     scenario: InitVar[str | None] = None
     batch_size: InitVar[int | None] = None
@@ -274,6 +231,25 @@ class SearchConfig:
         its fields), for a worker process."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["serving"] = None if self.serving is None else self.serving.to_dict()
+        return values
+
+    @classmethod
+    def from_options(cls, values: Mapping[str, Any]) -> SearchConfig:
+        """The config of the declared settings' values (`autoprec.settings.options`, as
+        the command line and a config file give them; the task and the space left out).
+        The serving settings away from their defaults are given flat: they need
+        ``mode="inference"``, as ``--scenario`` needs ``--mode inference``."""
+        given = {o.name: values[o.name] for o in options(SERVING) if values[o.name] != o.default}
+        kept = {f.name for f in fields(cls)} - {"serving"}
+        return cls(**{name: values[name] for name in kept}, **given)
+
+    def option_values(self) -> dict[str, Any]:
+        """The settings as they are in effect, one plain value per declared setting (the
+        mode settled, the serving section's defaults where it has none): what
+        ``--print-config`` writes, and `from_options` makes this config again of."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "serving"}
+        serving = self.serving or ServingConfig()
+        values.update({name: getattr(serving, name) for name in SERVING_KEYWORDS})
         return values
 
     @classmethod

@@ -55,6 +55,7 @@ from autoprec.inference.scenarios import AS_SELECTION, SERVING_PREFERENCES, Scen
 from autoprec.plan import low_precision_share
 from autoprec.policy import Policy
 from autoprec.quantizers import INT8_METHODS
+from autoprec.settings import SERVING, ServingSettings, options
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch, refuse_nan_outputs
 from autoprec.trials.base import (
@@ -78,23 +79,17 @@ MAX_BATCH_SIZE = 65536  # a served batch; the validation samples are repeated to
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServingConfig:
-    """A serving search's settings, as given (``SearchConfig.serving``): the ``scenario``
-    (server, edge, critical, batch: the batch size, preference and tolerance it presets;
-    default server), ``batch_size`` and ``batch_sizes`` (``"1,8,64"``: measured too)
-    overriding it, the fp32 weights from ``checkpoint`` (else the task's, else trained
-    once for the search's ``steps`` and kept as runs/<study>/fp32.pt), and ``int8``
-    (``auto``: where the device has kernels; ``off``; or a method of
-    `autoprec.inference.INT8_METHODS`), and ``fp8`` likewise (``auto``: where the device
-    serves fp8, on the CPU only with ``--emulate fp8``; ``off``; or a method of
-    `autoprec.fp8_serving.FP8_SERVING_METHODS`). Checked when made."""
-
-    scenario: str | None = None
-    batch_size: int | None = None
-    batch_sizes: str | Sequence[int] | None = None
-    checkpoint: str | Path | None = None
-    int8: str = "auto"
-    fp8: str = "auto"
+class ServingConfig(ServingSettings):
+    """A serving search's settings, as given (``SearchConfig.serving``), declared in
+    `autoprec.settings.ServingSettings`: the ``scenario`` (server, edge, critical, batch:
+    the batch size, preference and tolerance it presets; default server), ``batch_size``
+    and ``batch_sizes`` (``"1,8,64"``: measured too) overriding it, the fp32 weights from
+    ``checkpoint`` (else the task's, else trained once for the search's ``steps`` and kept
+    as runs/<study>/fp32.pt), and ``int8`` (``auto``: where the device has kernels;
+    ``off``; or a method of `autoprec.inference.INT8_METHODS`), and ``fp8`` likewise
+    (``auto``: where the device serves fp8, on the CPU only with ``--emulate fp8``;
+    ``off``; or a method of `autoprec.fp8_serving.FP8_SERVING_METHODS`). Checked when
+    made."""
 
     def __post_init__(self) -> None:
         if self.scenario is not None:
@@ -124,18 +119,7 @@ class ServingConfig:
 
     def given(self) -> list[str]:
         """The options set away from their defaults, as the command line names them."""
-        return [
-            option
-            for option, value in (
-                ("--scenario", self.scenario),
-                ("--batch-size", self.batch_size),
-                ("--batch-sizes", self.batch_sizes),
-                ("--checkpoint", self.checkpoint),
-                ("--int8", None if self.int8 == "auto" else self.int8),
-                ("--fp8", None if self.fp8 == "auto" else self.fp8),
-            )
-            if value is not None
-        ]
+        return [o.flag for o in options(SERVING) if getattr(self, o.name) != o.default]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for a worker's settings, and the settings shown)."""

@@ -1,0 +1,530 @@
+"""Every ``autoprec search`` setting, declared once: its type, default and help, in its
+section.
+
+Each section is a small frozen dataclass whose fields are the settings (made with
+`option`). The search's classes are built from them (`autoprec.SearchConfig` is every
+section but the first's task and space, `autoprec.trials.serving.ServingConfig` is the
+serving section), and from the same fields come the command's options (`autoprec.cli`,
+whose parser also fills the docs' option reference), the sections of a ``--config`` file
+and of ``--print-config``, and the study's fingerprint (`study_settings`).
+
+This module imports nothing heavy: ``autoprec search --help`` reads it without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autoprec._names import (
+    BUILTIN_TASK_NAMES,
+    DEFAULT_STORAGE,
+    DEFAULT_TASK,
+    DEFAULT_TRACKING_URI,
+    FP8_SERVING_METHODS,
+    HEARTBEAT_INTERVAL_S,
+    INT8_METHODS,
+    SAMPLERS,
+)
+from autoprec.errors import AutoprecError
+from autoprec.inference.scenarios import SCENARIOS
+from autoprec.selection import TRAINING_PREFERENCES
+from autoprec.trial_schedule import TRIAL_SCHEDULES
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+    study: str | tuple[str, ...] = (),
+    study_if_set: str | tuple[str, ...] = (),
+) -> Any:
+    """A setting: its default and help, with what the command line needs besides its type
+    (``flag``, default ``--<name>``; ``choices``; ``metavar``) and the keys of the study's
+    fingerprint it makes (``study``: the setting changes what a trial measures;
+    ``study_if_set``: keys recorded only where they are not None)."""
+    metadata = {
+        "help": help,
+        "flag": flag,
+        "choices": None if choices is None else tuple(choices),
+        "metavar": metavar,
+        "study": (study,) if isinstance(study, str) else study,
+        "study_if_set": (study_if_set,) if isinstance(study_if_set, str) else study_if_set,
+    }
+    if isinstance(default, list | dict):
+        raise TypeError("option(): give a tuple, not a mutable default")
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One declared setting, as the command line, the config file and the fingerprint see
+    it: ``name`` (the field, and the key in its section), ``section`` (its key)."""
+
+    name: str
+    section: str
+    type: Any
+    default: Any
+    help: str
+    flag: str
+    choices: tuple[str, ...] | None
+    metavar: str | None
+    study: tuple[str, ...]
+    study_if_set: tuple[str, ...]
+
+    @property
+    def switch(self) -> bool:
+        """A flag that takes no value: ``--compile`` sets True, ``--no-X`` sets False."""
+        return self.type is bool
+
+    @property
+    def repeated(self) -> bool:
+        """Given once per value (``--emulate fp8``), a list in a file."""
+        return typing.get_origin(self.type) is tuple
+
+    @property
+    def scalar(self) -> type:
+        """The type of one value on the command line (int, float or str)."""
+        if self.repeated:
+            return str
+        members = [m for m in typing.get_args(self.type) if m is not type(None)]
+        first = members[0] if members else self.type
+        return first if first in (int, float, str) else str
+
+    def accepts(self, value: Any) -> bool:
+        """Whether a value read from a file has this option's type (and is one of its
+        choices)."""
+        if not _has_type(self.type, value):
+            return False
+        if self.choices is None or value is None:
+            return True
+        return all(v in self.choices for v in (value if self.repeated else [value]))
+
+
+def _has_type(hint: Any, value: Any) -> bool:
+    origin, members = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(member, value) for member in members)
+    if origin in (tuple, Sequence, list):
+        return isinstance(value, list) and all(_has_type(members[0], v) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, str)  # str, Path, and Any (a device, as a file can name it)
+
+
+# -- the sections ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """What is searched: the task and the space (`autoprec.search`'s arguments, not
+    `SearchConfig`'s)."""
+
+    task: str = option(
+        DEFAULT_TASK,
+        f"built-in ({', '.join(sorted(BUILTIN_TASK_NAMES))}), package.module:attr or "
+        "path/to/file.py:attr (a Task or a callable returning one)",
+        study="task",
+    )
+    space: str | None = option(
+        None,
+        "shipped space name or YAML file (default: the space named after the task if "
+        "shipped, else 'default')",
+        study=("space", "space_fingerprint"),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budget:
+    """What is searched, and how long: the trials, their steps, the seed, the mode."""
+
+    trials: int = option(
+        12,
+        "total trials in the study (the fp32 baseline is extra); a continued study runs "
+        "only the missing ones",
+    )
+    steps: int = option(200, "training steps per trial", study="steps")
+    seed: int = option(0, "seed of weights, data order and sampler", study="seed")
+    mode: str | None = option(
+        None,
+        "training: trials train the model under each policy; inference: trials convert a "
+        "trained fp32 model's weights per layer (fp32/fp16/bf16/int8) and serve it (default: "
+        "training; from Python, inference when given a ServingConfig)",
+        choices=("training", "inference"),
+        study="mode",
+    )
+
+
+_PRESETS = "; ".join(
+    f"{s.name}: batch {s.batch_size}, {s.prefer}, tolerance {s.accuracy_tolerance:g}"
+    + (", every prediction as fp32's, outputs within 1%%" if s.min_top1_agreement else "")
+    for s in SCENARIOS.values()
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingSettings:
+    """The serving mode's own settings (``--mode inference``)."""
+
+    scenario: str | None = option(
+        None,
+        f"what the serving optimises (default: server): {_PRESETS}",
+        choices=tuple(SCENARIOS),
+        study="scenario",
+    )
+    batch_size: int | None = option(
+        None, "batch size served (default: the scenario's)", study="batch_sizes"
+    )
+    batch_sizes: str | Sequence[int] | None = option(
+        None,
+        "also measure these batch sizes (e.g. 1,8,64): the report shows where the best "
+        "choice flips",
+        metavar="N,N,...",
+        study="batch_sizes",
+    )
+    checkpoint: str | Path | None = option(
+        None,
+        "the fp32 weights to serve (a state dict); default: the task's checkpoint, else the "
+        "model trained once for --steps and kept as runs/<study>/fp32.pt (never overwritten)",
+        metavar="PATH",
+        study="checkpoint_sha256",
+    )
+    int8: str = option(
+        "auto",
+        "int8 Linear layers: auto (where the device has kernels), off, or a method",
+        choices=("auto", "off", *INT8_METHODS),
+        study="int8",
+    )
+    fp8: str = option(
+        "auto",
+        "fp8 Linear layers for serving (torchao float8 weights): auto (CUDA 8.9+; on the CPU "
+        "only with --emulate fp8), off, or a method",
+        choices=("auto", "off", *FP8_SERVING_METHODS),
+        study_if_set="fp8",  # studies without fp8 keep the identity they had before it
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Where:
+    """Where the search runs and is recorded."""
+
+    device: Any = option(
+        "auto",
+        "auto (npu, then cuda, then cpu), cpu, cuda[:N], npu[:N]",
+        study="device",
+        study_if_set="backend",  # the collective backend of trials launched as ranks
+    )
+    emulate: tuple[str, ...] = option(
+        (),
+        "run a dtype the device lacks, emulated, for tests: fp8 on the CPU (torchao's float8 "
+        "numerics without its speed; the summary's settings say emulated)",
+        choices=("fp8",),
+        study="emulated",
+    )
+    study: str | None = option(None, "study name (default: the task's name); reuse it to continue")
+    storage: str = option(DEFAULT_STORAGE, "Optuna storage URL")
+    tracking_uri: str = option(DEFAULT_TRACKING_URI, "MLflow tracking URI")
+    runs_dir: str | Path = option(
+        "runs",
+        "the folder of the outputs: <folder>/<study>/summary.json, best_policy.yaml (the "
+        "stores are --storage and --tracking-uri)",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    """How the best policy is chosen."""
+
+    accuracy_tolerance: float | None = option(
+        None,
+        "largest accepted accuracy drop from fp32, absolute (0.01 = 1 point); default: the "
+        "space file's",
+    )
+    prefer: str | None = option(
+        None,
+        "how the best feasible policy is chosen (default: speed in training, the scenario's "
+        "in inference; latency and throughput are for inference)",
+        choices=(*TRAINING_PREFERENCES, "latency", "throughput"),
+    )
+    sampler: str = option(
+        "guided",
+        "guided: profile the model, try the most promising policies and bisect for the "
+        "layers that must stay fp32, then TPE; or an Optuna sampler alone",
+        choices=SAMPLERS,
+    )
+    confirm_top: int = option(
+        3,
+        "re-time this many of the fastest feasible policies side by side with the fp32 "
+        "baseline before choosing (0: off; skipped with --prefer memory)",
+    )
+    early_stopping: bool = option(
+        True,
+        "train every trial to the end, even when its loss trails the fp32 baseline's or its "
+        "loss scaler keeps skipping steps",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Faults:
+    """Workers, and what happens when a trial or a worker fails."""
+
+    workers: int | None = option(
+        None,
+        "worker processes on this host, sharing the study's budget (default: one per "
+        "--devices entry, else 1; run the same command on other hosts, with a shared "
+        "--storage and --tracking-uri, to join)",
+    )
+    devices: str | Sequence[str] | None = option(
+        None,
+        "devices the workers are pinned to, round-robin: npu:0-7, cuda:0,cuda:1 (default: "
+        "the --device for every worker; on the CPU they share its cores)",
+    )
+    trial_timeout_s: float | None = option(
+        None,
+        "a trial running longer fails with that reason (default: 25x the fp32 baseline's "
+        "trial, at least 300 s; 0: no limit)",
+        flag="--trial-timeout",
+        metavar="SECONDS",
+    )
+    heartbeat_s: int = option(
+        HEARTBEAT_INTERVAL_S,
+        "a running trial records a heartbeat this often; one silent for 3x this (its worker "
+        "died) is failed and its MLflow run closed as KILLED",
+        flag="--heartbeat",
+        metavar="SECONDS",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compiled:
+    """Compiled trials (training only)."""
+
+    compile: bool = option(
+        False,
+        "train every trial under torch.compile, whatever its policy (fp8 layers are fast "
+        "only compiled); records each trial's graph breaks and compile time, which the step "
+        "time leaves out (training only; a Task(compile=True) asks for it too; on the CPU a "
+        "first compile takes ~20 s)",
+        study="compile",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LongerThanATrial:
+    """The real run beyond the trials (training only): the long confirmation, the
+    trials' schedule and the range forecast."""
+
+    confirm_steps: int | None = option(
+        None,
+        "after the search, train the chosen policy K steps beside fp32 trained as long; if "
+        "it does not hold there (non-finite loss, accuracy past the tolerance), confirm the "
+        "next candidate, and so on (default: no confirmation)",
+        metavar="K",
+    )
+    trial_schedule: str = option(
+        "as-is",
+        "as-is: trials step the task's learning-rate scheduler as the real run does (a "
+        "warning says when they end inside its warm-up); compressed: the real run's "
+        "schedule squeezed into the trial's steps",
+        choices=TRIAL_SCHEDULES,
+        study="trial_schedule",
+    )
+    train_steps: int | None = option(
+        None,
+        "how long your real run trains: every trial forecasts each layer's range to step N "
+        "(default: 10x --steps)",
+        metavar="N",
+        study="train_steps",
+    )
+    forecast: str = option(
+        "infeasible",
+        "a trial whose forecast overflows a layer's dtype within --train-steps is 'at risk': "
+        "infeasible, or only warned of",
+        choices=("infeasible", "warn"),
+        study="forecast",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """Trials across several devices (`autoprec.distributed.launch`)."""
+
+    nproc_per_trial: int = option(
+        1,
+        "launch each trial through torchrun as N ranks on N devices (gloo on the CPU, nccl "
+        "on CUDA, hccl on NPUs); with --devices cuda:0-7 and N=4, two trials run at once",
+        metavar="N",
+        study="nproc_per_trial",
+    )
+    parallel: str | None = option(
+        None,
+        "how the ranks share the model (default with N>1: ddp)",
+        choices=("ddp", "fsdp2"),
+        study="parallel",
+    )
+
+
+@dataclass(frozen=True)
+class Section:
+    """A section of the settings: its key in a config file, its title (the command's
+    option group), its classes, and the mode it belongs to (None: every mode's)."""
+
+    key: str
+    title: str
+    classes: tuple[type, ...]
+    mode: str | None = None
+
+
+SERVING = Section("serving", "serving (--mode inference)", (ServingSettings,), mode="inference")
+SECTIONS = (
+    Section("what", "what is searched", (Target, Budget)),
+    SERVING,
+    Section("where", "where it runs and is recorded", (Where,)),
+    Section("choice", "how the best policy is chosen", (Choice,)),
+    Section("faults", "workers and faults", (Faults,)),
+    Section("compiled", "compiled trials", (Compiled,), mode="training"),
+    Section("longer", "longer than a trial", (LongerThanATrial,), mode="training"),
+    Section("launch", "trials across several devices", (Launch,)),
+)
+
+
+def options(section: Section | None = None) -> Iterator[Option]:
+    """Every declared setting (of one section), in the order of the sections."""
+    for each in SECTIONS if section is None else (section,):
+        for cls in each.classes:
+            hints = typing.get_type_hints(cls)
+            for f in dataclasses.fields(cls):
+                meta = dict(f.metadata)
+                default_flag = "--" + ("no-" if f.default is True else "") + f.name
+                meta["flag"] = meta["flag"] or default_flag.replace("_", "-")
+                yield Option(f.name, each.key, hints[f.name], f.default, **meta)
+
+
+# -- the config file ---------------------------------------------------------------------
+
+
+def to_yaml(values: Mapping[str, Any]) -> str:
+    """The settings (one value per declared name) as a config file: one mapping per
+    section, under a comment with its title. `read_file` reads it back to the same."""
+    import yaml
+
+    parts = []
+    for section in SECTIONS:
+        body = {o.name: _plain(values[o.name]) for o in options(section)}
+        text = yaml.safe_dump({section.key: body}, sort_keys=False, default_flow_style=False)
+        parts.append(f"# {section.title}\n{text}")
+    return "\n".join(parts)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """The settings a config file gives (a name per setting, as `options` names them),
+    checked: a section or key that is not declared, or a value of the wrong type, is an
+    AutoprecError naming the file and the key. Read with ``yaml.safe_load`` only."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise AutoprecError(f"{path}: cannot read the config file ({error})") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = "" if mark is None else f"line {mark.line + 1}: "
+        if isinstance(error, yaml.constructor.ConstructorError):  # !!python/object and kin
+            raise AutoprecError(f"{path}: {line}not plain YAML data ({error.problem})") from None
+        raise AutoprecError(f"{path}: {line}not a YAML file") from None
+    if loaded is None:
+        return {}
+    sections = {section.key: section for section in SECTIONS}
+    if not isinstance(loaded, dict):
+        raise AutoprecError(f"{path}: expected sections {', '.join(sections)}")
+    values: dict[str, Any] = {}
+    for key, body in loaded.items():
+        if key not in sections:
+            raise AutoprecError(f"{path}: unknown section {key!r} (expected {', '.join(sections)})")
+        declared = {o.name: o for o in options(sections[key])}
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise AutoprecError(f"{path}: {key}: expected a mapping of its settings")
+        for name, value in body.items():
+            found = declared.get(name)
+            if found is None:
+                raise AutoprecError(
+                    f"{path}: {key}.{name}: unknown setting (section {key} has "
+                    f"{', '.join(declared)})"
+                )
+            if not found.accepts(value):
+                raise AutoprecError(f"{path}: {key}.{name}: {_expected(found)}, got {value!r}")
+            values[name] = value
+    return values
+
+
+def _expected(found: Option) -> str:
+    if found.choices is not None:
+        what = f"one of {', '.join(found.choices)}"
+    else:
+        words = {int: "an integer", float: "a number", str: "a string"}
+        what = "true or false" if found.switch else words[found.scalar]
+    if found.repeated:
+        return f"expected a list, each {what}"
+    return f"expected {what}{' or null' if type(None) in typing.get_args(found.type) else ''}"
+
+
+# -- the study's fingerprint -------------------------------------------------------------
+
+
+def study_keys(mode: str) -> list[str]:
+    """The keys of a study's fingerprint in ``mode``: every setting that changes what a
+    trial measures, of the sections of every mode and of that mode's own."""
+    keys: dict[str, None] = {}
+    for section in SECTIONS:
+        if section.mode in (None, mode):
+            keys.update((k, None) for o in options(section) for k in o.study + o.study_if_set)
+    return list(keys)
+
+
+def study_settings(resolved: Mapping[str, Any]) -> dict[str, Any]:
+    """The study's fingerprint: the values of `study_keys` of its mode as the search
+    settled them (``resolved``, in its order: the mode, the task's name, the device's kind,
+    the fitted space's fingerprint, ...). A key flagged ``study_if_set`` is left out when
+    it is None; a key resolved but not declared, or declared but not resolved, is a
+    mistake of the code."""
+    keys = study_keys(resolved["mode"])
+    optional = {k for o in options() for k in o.study_if_set}
+    stray = sorted(set(resolved) - set(keys))
+    missing = sorted(set(keys) - set(resolved) - optional)
+    if stray or missing:
+        raise ValueError(f"fingerprint: not declared {stray}, not resolved {missing}")
+    return {k: v for k, v in resolved.items() if not (k in optional and v is None)}
+
+
+def study_options() -> dict[str, str]:
+    """The option(s) that set each key of a fingerprint, for a refusal's line
+    (``batch_sizes``: ``--batch-size/--batch-sizes``)."""
+    flags: dict[str, list[str]] = {}
+    for o in options():
+        for key in o.study + o.study_if_set:
+            flags.setdefault(key, []).append(o.flag)
+    return {key: "/".join(found) for key, found in flags.items()}
