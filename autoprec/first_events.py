@@ -20,7 +20,7 @@ that only pass its values on).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -118,21 +118,25 @@ class FirstEvents:
             detail = f"the dynamic loss scale fell to {scale:g} (from {self.scale_peak:g})"
             self._add(FirstEvent(SCALE_COLLAPSE, step, None, None, detail, -1))
 
-    def earliest(self, also_in_fp32: frozenset[str] = frozenset()) -> FirstEvent | None:
+    def earliest(self, also_in_fp32: Mapping[str, int] | None = None) -> FirstEvent | None:
         """The first event that low precision explains: by step, then by order of
-        completion. A flush counts only in a low-precision layer, and not in a layer of
-        ``also_in_fp32`` (whose values went mostly zero in the fp32 run as well: a ReLU
-        that died, not a dtype's range)."""
+        completion. A flush counts only in a low-precision layer, and not in a layer that
+        ``also_in_fp32`` (layer: the step its values went mostly zero in the fp32 run)
+        flushed as early or earlier: a ReLU that died, not a dtype's range. A layer fp32
+        flushes only later (an annealed kernel: fp16's smallest subnormal is passed
+        ~1400 steps before fp32's) is blamed on the dtype."""
+        also_in_fp32 = also_in_fp32 or {}
         return min(
             (e for e in self.events.values() if _explained(e, also_in_fp32)),
             key=lambda e: (e.step, e.order),
             default=None,
         )
 
-    def flushed_layers(self) -> frozenset[str]:
-        """The layers whose values went mostly zero, in any dtype (for an fp32 run: what
-        its low-precision runs' flushes are not blamed for)."""
-        return frozenset(e.layer for e in self.events.values() if e.mechanism == FLUSH and e.layer)
+    def flushed_layers(self) -> dict[str, int]:
+        """The layers whose values went mostly zero, in any dtype, and the first step each
+        did (for an fp32 run: what its low-precision runs' flushes from that step on are
+        not blamed for)."""
+        return {e.layer: e.step for e in self.events.values() if e.mechanism == FLUSH and e.layer}
 
     @classmethod
     def from_list(cls, data: list[dict[str, Any]]) -> FirstEvents:
@@ -163,10 +167,11 @@ class FirstEvents:
             self.events[key] = event
 
 
-def _explained(event: FirstEvent, also_in_fp32: frozenset[str]) -> bool:
+def _explained(event: FirstEvent, also_in_fp32: Mapping[str, int]) -> bool:
     if event.mechanism != FLUSH:
         return True
-    return event.dtype in LOW_PRECISION and event.layer not in also_in_fp32
+    fp32_step = also_in_fp32.get(event.layer or "")
+    return event.dtype in LOW_PRECISION and (fp32_step is None or fp32_step > event.step)
 
 
 def diagnose_forward(

@@ -32,8 +32,20 @@ def test_a_flush_in_fp32_or_also_in_the_fp32_run_is_not_blamed_on_precision():
         events.activation(layer, 0, 10, 0, 0, dtype, 0)
         events.activation(layer, 10, 10, 0, 10, dtype, 0)
     assert events.earliest().layer == "b"
-    assert events.earliest(also_in_fp32=frozenset({"b"})) is None
-    assert events.flushed_layers() == {"a", "b"}
+    assert events.earliest(also_in_fp32={"b": 10}) is None  # fp32 flushed it as early
+    assert events.earliest(also_in_fp32={"b": 4}) is None
+    assert events.flushed_layers() == {"a": 10, "b": 10}
+
+
+def test_a_flush_that_fp32_shows_only_later_is_blamed_on_the_dtype():
+    """An annealed kernel's values pass fp16's smallest subnormal long before fp32's: the
+    fp32 run flushes the same layer, but later; the low-precision run's flush is its
+    dtype's."""
+    events = FirstEvents()
+    events.activation("kernel", 0, 10, 0, 0, "fp16", 0)
+    events.activation("kernel", 540, 10, 0, 8, "fp16", 0)
+    first = events.earliest(also_in_fp32={"kernel": 1970})
+    assert (first.mechanism, first.layer, first.step) == (FLUSH, "kernel", 540)
 
 
 def test_the_earliest_is_by_step_then_by_order_of_completion():

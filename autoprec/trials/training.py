@@ -273,9 +273,9 @@ class EarlyStopping:
 
     reference_losses: tuple[float, ...] = ()
     reference_zero_share: dict[str, float] = field(default_factory=dict)
-    # The layers whose values went mostly zero in the fp32 run too: no flush of theirs
-    # is blamed on low precision.
-    reference_flushed: frozenset[str] = frozenset()
+    # The layers whose values went mostly zero in the fp32 run too, and from which step:
+    # no flush of theirs from then on is blamed on low precision.
+    reference_flushed: dict[str, int] = field(default_factory=dict)
     window: int = 5
     start_fraction: float = 0.2
     trail_fraction: float = 0.5
@@ -547,9 +547,9 @@ class _Run:
         return f"{first.words}: {first.describe()}; then {loss_line}{where}"
 
     @property
-    def _fp32_flushed(self) -> frozenset[str]:
+    def _fp32_flushed(self) -> dict[str, int]:
         stopping = self.early_stopping
-        return frozenset() if stopping is None else stopping.reference_flushed
+        return {} if stopping is None else stopping.reference_flushed
 
     def _hopeless(self, step: int) -> str | None:
         """Stop when the scaler keeps skipping at its floor, or the loss trails fp32's."""

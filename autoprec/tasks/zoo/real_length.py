@@ -14,9 +14,8 @@ summary.json it reads what the search answered and checks it three ways:
   holds too (an independent run of the same policy, seed 0);
 - **reasons**: every candidate the confirmation rejected names a layer and a mechanism;
   on a fragile task, whether the layer is in the task's failing group (or is where the
-  truth's long run first showed its failure) and the mechanism is on the truth's side
-  (overflow: a non-finite output or loss; underflow: a flush to zero or a collapsing
-  scale).
+  truth's long run first showed its failure) and the mechanism is on the task's side
+  (overflow: a non-finite output; underflow: a flush to zero or a collapsing scale).
 
 Real runs only: nothing here is simulated; a task takes from under a minute to a few
 minutes on a 2-core CPU.
@@ -33,8 +32,9 @@ from typing import Any
 from autoprec.policy import Policy
 from autoprec.tasks.zoo import ZOO, Kind, ZooEntry
 from autoprec.tasks.zoo.calibration import parameter_leaves
-from autoprec.tasks.zoo.forecast_rates import OVERFLOW, UNDERFLOW, _truth_side
+from autoprec.tasks.zoo.forecast_rates import OVERFLOW, UNDERFLOW
 
+ACCURACY_DROP = 0.01  # the search's default tolerance for a training task
 REAL_STEPS_MULTIPLE = 10  # the real run: 10x the trial, as the truth table's runs
 SEARCH_TRIALS = 4  # the uniform anchors (fp16, bf16, fp16 without scaling) and one more
 UNDERFLOW_MECHANISMS = ("flush", "scale", "underflow")
@@ -124,7 +124,9 @@ def _truth_holds(label: str | None, row: dict[str, Any] | None, real_steps: int)
 def _rejected(check: dict[str, Any], entry: ZooEntry, row: dict[str, Any] | None) -> Rejected:
     mechanism, layer = check.get("mechanism"), check.get("layer")
     right_layer = right_mechanism = None
-    if entry.kind == Kind.FRAGILE and row is not None:
+    # A candidate rejected with no range event (an accuracy drop past the tolerance: bf16's
+    # precision) names no layer: there is none to judge.
+    if entry.kind == Kind.FRAGILE and row is not None and mechanism is not None:
         groups = set(entry.failing_groups)
         runs = (row.get("runs") or {}).get("fp16") or []
         truth = runs[0] if runs else {}
@@ -132,7 +134,8 @@ def _rejected(check: dict[str, Any], entry: ZooEntry, row: dict[str, Any] | None
         right_layer = layer is not None and (
             any(layer == g or layer.startswith(f"{g}.") for g in groups) or layer in seen
         )
-        side = _truth_side(truth) if truth else None
+        side = entry.side  # the task's mechanism (its truth's earliest event may be a
+        # consequence: an overflowing head's scale backs off and its gradients flush first)
         named = (
             UNDERFLOW
             if mechanism and any(m in mechanism for m in UNDERFLOW_MECHANISMS)
@@ -161,17 +164,18 @@ def read_verdict(
     confirmation = summary.get("confirmation") or {}
     held = confirmation.get("held")
     checks = confirmation.get("checks") or []
-    fell_back = held in (None, "baseline")
+    chosen_fp32 = str(confirmation.get("chosen_before", best.get("trial"))) == "baseline"
+    fell_back = held is None or (held == "baseline" and not chosen_fp32)
     verdict = RealLengthVerdict(
         task=entry.name,
         kind=entry.kind.value,
         steps=steps,
         real_steps=real_steps,
-        answer=answer if not fell_back else "fp32",
+        answer="fp32" if fell_back or chosen_fp32 else answer,
         confirmed=held is not None,
         fell_back_to_fp32=fell_back,
         truth_holds=_truth_holds(
-            "fp32" if fell_back else _truth_label(policy, entry, best.get("anchor")),
+            "fp32" if fell_back or chosen_fp32 else _truth_label(policy, entry, best.get("anchor")),
             row,
             real_steps,
         ),
@@ -213,6 +217,41 @@ def search_at_real_length(
     return verdict
 
 
+def confirmation_reason(entry: ZooEntry, real_steps: int) -> Rejected | None:
+    """What the confirmation would name for a fragile task's uniform fp16 at the real
+    length: fp32 and fp16 trained ``real_steps`` as `autoprec.search.confirm` trains them
+    (the same `run_trial`, the same early stopping judged by accuracy), and the first
+    event its telemetry saw (`autoprec.search.confirm.first_seen`), judged against the
+    truth; None where fp16 held."""
+    from dataclasses import replace
+
+    from autoprec.devices import get_backend
+    from autoprec.search.confirm import first_seen
+    from autoprec.trials.base import TrialState
+    from autoprec.trials.training import Budget, EarlyStopping, run_trial
+
+    task, backend = entry.task(), get_backend("cpu")
+    budget = Budget(steps=real_steps)
+    fp32 = run_trial(task, Policy.uniform("fp32"), backend, budget)
+    stopping = replace(EarlyStopping.from_baseline(fp32), reference_losses=())
+    result = run_trial(task, Policy.uniform("fp16"), backend, budget, stopping)
+    failed = result.state != TrialState.COMPLETE or result.nonfinite_steps > 0
+    if not failed and result.accuracy is not None and fp32.accuracy is not None:
+        failed = fp32.accuracy - result.accuracy > ACCURACY_DROP
+    if not failed:
+        return None
+    first = first_seen(result, fp32)
+    check = {
+        "label": "uniform-fp16",
+        "mechanism": None if first is None else first.mechanism,
+        "layer": None if first is None else first.layer,
+        "first_step": None if first is None else first.step,
+    }
+    from autoprec.tasks.zoo.truth import load_table
+
+    return _rejected(check, entry, load_table()["tasks"].get(entry.name))
+
+
 def verdict_rows(verdicts: list[RealLengthVerdict]) -> list[str]:
     """The Markdown table of the answers, one task a row."""
     rows = [
@@ -223,8 +262,13 @@ def verdict_rows(verdicts: list[RealLengthVerdict]) -> list[str]:
     for v in verdicts:
         truth = {None: "-", True: "holds", False: "FAILS"}[v.truth_holds]
         rejected = "; ".join(
-            f"{r.label}: {r.layer} {r.mechanism} "
-            f"({_yes(r.right_layer)} layer, {_yes(r.right_mechanism)} mechanism)"
+            f"{r.label.split(' [')[0]}: "
+            + (
+                f"{r.layer or 'the loss scale'}, {r.mechanism} "
+                f"({_yes(r.right_layer)} layer, {_yes(r.right_mechanism)} mechanism)"
+                if r.mechanism
+                else "accuracy, no range event"
+            )
             for r in v.rejected
         )
         held = "yes" if v.confirmed else f"no ({v.note or 'nothing confirmed'})"
