@@ -34,7 +34,10 @@ OVERFLOW = "overflow"
 SCALE_COLLAPSE = "loss scale collapse"
 MOSTLY_ZERO = 0.5  # the share of once-nonzero values that must be zero now
 KEPT = 32  # first events a result keeps
-LOW_PRECISION = frozenset({"fp16", "bf16", "fp8"})
+# The dtypes whose smallest normal is above fp32's: only there is a flush the dtype's range
+# (bf16's is fp32's own: its values flush where fp32's do, and a bf16 layer's outputs
+# going zero sooner is a ReLU dying in its noise, not its range).
+NARROW_RANGE = frozenset({"fp16", "fp8"})
 _TORCH = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Which mechanism's words open a reason, when it is the earliest.
 REASON_WORDS = {FLUSH: "underflow", OVERFLOW: "overflow", SCALE_COLLAPSE: "loss scale collapse"}
@@ -50,6 +53,7 @@ class FirstEvent:
     dtype: str | None
     detail: str
     order: int = 0  # the layer's place in the step's order of completion
+    values: str = "outputs"  # what flushed: the layer's "outputs" or its "gradients"
 
     def describe(self) -> str:
         """``flush to zero in shrink (fp16) at step ~120: 97% of its outputs zero (3% at
@@ -76,7 +80,7 @@ class FirstEvents:
     """Per (mechanism, layer) the first event seen; the share of zeros each layer's
     outputs and gradients had when first observed."""
 
-    events: dict[tuple[str, str], FirstEvent] = field(default_factory=dict)
+    events: dict[tuple[str, str, str], FirstEvent] = field(default_factory=dict)
     zero_start: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
     scale_peak: float = 0.0
 
@@ -120,17 +124,19 @@ class FirstEvents:
 
     def earliest(self, also_in_fp32: Mapping[str, int] | None = None) -> FirstEvent | None:
         """The first event that low precision explains: by step, then by order of
-        completion. A flush counts only in a low-precision layer, and not in a layer that
+        completion. A flush counts only in a layer whose dtype's range is narrower than
+        fp32's toward zero (fp16, fp8: ``NARROW_RANGE``), and not in a layer that
         ``also_in_fp32`` (layer: the step its values went mostly zero in the fp32 run)
         flushed as early or earlier: a ReLU that died, not a dtype's range. A layer fp32
         flushes only later (an annealed kernel: fp16's smallest subnormal is passed
         ~1400 steps before fp32's) is blamed on the dtype."""
         also_in_fp32 = also_in_fp32 or {}
-        return min(
-            (e for e in self.events.values() if _explained(e, also_in_fp32)),
-            key=lambda e: (e.step, e.order),
-            default=None,
-        )
+        explained = [e for e in self.events.values() if _explained(e, also_in_fp32)]
+        # A gradient flush stalls its layer and makes nothing non-finite: where the run
+        # also overflowed or its scale collapsed, that is what broke it (a saturating
+        # head's gradients flush on the way to its overflow).
+        breaking = [e for e in explained if not _stalls(e)]
+        return min(breaking or explained, key=lambda e: (e.step, e.order), default=None)
 
     def flushed_layers(self) -> dict[str, int]:
         """The layers whose values went mostly zero, in any dtype, and the first step each
@@ -141,7 +147,7 @@ class FirstEvents:
     @classmethod
     def from_list(cls, data: list[dict[str, Any]]) -> FirstEvents:
         events = [FirstEvent.from_dict(d) for d in data]
-        return cls({(e.mechanism, e.layer or ""): e for e in events})
+        return cls({_key(e): e for e in events})
 
     def to_list(self) -> list[dict[str, Any]]:
         """The ``KEPT`` earliest first events, the earliest first (a result's
@@ -159,19 +165,27 @@ class FirstEvents:
             return
         if share >= MOSTLY_ZERO and (share - first_share) / (1.0 - first_share) >= MOSTLY_ZERO:
             detail = f"{share:.0%} of its {what} zero ({first_share:.0%} at step {first_step})"
-            self._add(FirstEvent(FLUSH, step, layer, dtype, detail, order))
+            self._add(FirstEvent(FLUSH, step, layer, dtype, detail, order, what))
 
     def _add(self, event: FirstEvent) -> None:
-        key = (event.mechanism, event.layer or "")
+        key = _key(event)
         if key not in self.events:
             self.events[key] = event
+
+
+def _key(event: FirstEvent) -> tuple[str, str, str]:
+    return (event.mechanism, event.layer or "", event.values)
+
+
+def _stalls(event: FirstEvent) -> bool:
+    return event.mechanism == FLUSH and event.values == "gradients"
 
 
 def _explained(event: FirstEvent, also_in_fp32: Mapping[str, int]) -> bool:
     if event.mechanism != FLUSH:
         return True
     fp32_step = also_in_fp32.get(event.layer or "")
-    return event.dtype in LOW_PRECISION and (fp32_step is None or fp32_step > event.step)
+    return event.dtype in NARROW_RANGE and (fp32_step is None or fp32_step > event.step)
 
 
 def diagnose_forward(

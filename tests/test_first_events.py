@@ -26,15 +26,16 @@ def test_a_flush_is_half_of_what_was_nonzero_gone_to_zero_in_low_precision():
     assert "80% of its outputs zero (50% at step 0)" in first.describe()
 
 
-def test_a_flush_in_fp32_or_also_in_the_fp32_run_is_not_blamed_on_precision():
+def test_a_flush_in_fp32_or_bf16_or_also_in_the_fp32_run_is_not_blamed_on_precision():
+    """fp32's range and bf16's reach as far toward zero: a flush there is no dtype's."""
     events = FirstEvents()
-    for layer, dtype in (("a", "fp32"), ("b", "bf16")):
+    for layer, dtype in (("a", "fp32"), ("b", "fp16"), ("c", "bf16")):
         events.activation(layer, 0, 10, 0, 0, dtype, 0)
         events.activation(layer, 10, 10, 0, 10, dtype, 0)
     assert events.earliest().layer == "b"
     assert events.earliest(also_in_fp32={"b": 10}) is None  # fp32 flushed it as early
     assert events.earliest(also_in_fp32={"b": 4}) is None
-    assert events.flushed_layers() == {"a": 10, "b": 10}
+    assert events.flushed_layers() == {"a": 10, "b": 10, "c": 10}
 
 
 def test_a_flush_that_fp32_shows_only_later_is_blamed_on_the_dtype():
@@ -90,3 +91,19 @@ def test_one_forward_gives_every_module_in_order_of_completion():
     assert first_nonfinite == "2"
     first = events.earliest()
     assert (first.mechanism, first.layer, first.step) == (FLUSH, "1", 5)
+
+
+def test_a_gradient_flush_is_named_only_where_nothing_broke_the_run():
+    """A head whose logits grow saturates its softmax: its fp16 gradients flush (step
+    310), then its outputs overflow (step 869). The flush stalled the layer; the overflow
+    broke the run, and is what the reason names. A run that only flushed names the
+    flush."""
+    events = FirstEvents()
+    events.gradient("head", 0, 10, 0, "fp16", 2)
+    events.gradient("head", 310, 10, 9, "fp16", 2)
+    first = events.earliest()
+    assert (first.mechanism, first.values, first.step) == (FLUSH, "gradients", 310)
+    events.activation("head", 869, 10, 4, 0, "fp16", 2)
+    first = events.earliest()
+    assert (first.mechanism, first.layer, first.step) == (OVERFLOW, "head", 869)
+    assert FirstEvents.from_list(events.to_list()).earliest() == first
