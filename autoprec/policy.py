@@ -35,8 +35,7 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec._files import load_yaml, parse_yaml, write_atomic
-from autoprec._placement import Placement, announce, place, within
+from autoprec._util.files import load_yaml, parse_yaml, write_atomic
 from autoprec.devices import (
     Backend,
     autocast_behaviour,
@@ -46,11 +45,12 @@ from autoprec.devices import (
 )
 from autoprec.dtypes import BF16, FP8, INT8, POLICY_DTYPES
 from autoprec.errors import PolicyError
-from autoprec.fp8 import DEFAULT_FP8_RECIPE, autocast_refusal, check_recipe, fp8_refusal
-from autoprec.fp8_serving import FP8_SERVING_METHODS, fp8_layer_refusal, is_fp8_serving_method
-from autoprec.observe import casts_inputs, learn, observed_dtypes, probe, synthesized_run
-from autoprec.optimizer_state import OptimizerStates, TrainingState
-from autoprec.plan import (
+from autoprec.numerics.observe import casts_inputs, learn, observed_dtypes, probe, synthesized_run
+from autoprec.optim.state import OptimizerStates, TrainingState
+from autoprec.precision._placement import Placement, announce, place, within
+from autoprec.precision.fp8 import DEFAULT_FP8_RECIPE, autocast_refusal, check_recipe, fp8_refusal
+from autoprec.precision.hooks import Precision
+from autoprec.precision.plan import (
     Plan,
     RegionSpec,
     boundaries,
@@ -60,11 +60,11 @@ from autoprec.plan import (
     parameterised_leaves,
     selects,
 )
-from autoprec.precision import Precision
-from autoprec.quantizers import INT8_METHODS
-from autoprec.scaling import LossScale
+from autoprec.precision.scaling import LossScale
+from autoprec.serving.fp8 import FP8_SERVING_METHODS, fp8_layer_refusal, is_fp8_serving_method
+from autoprec.serving.quantizers import INT8_METHODS
 
-# The name the training trial has imported the share by (one function: `autoprec.plan`).
+# The name the training trial has imported the share by (one function: `autoprec.precision.plan`).
 share_of_parameters = low_precision_share
 _POLICY_FIELDS = (
     "name",
@@ -185,11 +185,11 @@ class Rule:
 @dataclass(frozen=True)
 class Quantization:
     """How a policy's quantized layers are made: ``int8``, the method a serving policy's
-    int8 layers were measured with (one of `autoprec.quantizers.INT8_METHODS`; None: the
+    int8 layers were measured with (one of `autoprec.serving.quantizers.INT8_METHODS`; None: the
     device's default, as for a policy written by hand); ``fp8``, the torchao float8
-    training recipe of its fp8 layers (one of `autoprec.fp8.FP8_RECIPES`; None:
+    training recipe of its fp8 layers (one of `autoprec.precision.fp8.FP8_RECIPES`; None:
     tensorwise, torchao's default), or for a serving policy the method its fp8 layers were
-    measured with (one of `autoprec.fp8_serving.FP8_SERVING_METHODS`, as int8 records its
+    measured with (one of `autoprec.serving.fp8.FP8_SERVING_METHODS`, as int8 records its
     own). Written in the YAML only where set, so a policy without them reads and writes as
     before."""
 
@@ -246,7 +246,7 @@ class Policy:
     policy alone serves what the search measured. ``reduce_dtype``: under FSDP2, the dtype
     gradients are reduced in (`autoprec.apply_fsdp2`; None: fp32), searched where a
     search's trials run under FSDP2. ``optimizer_states``: the optimizer state's and the
-    master weight's dtype per parameter group (`autoprec.optimizer_state`; the YAML's
+    master weight's dtype per parameter group (`autoprec.optim.state`; the YAML's
     ``optimizer`` section, written only where it is not all fp32), built by ``optimizer``.
     """
 
@@ -393,7 +393,7 @@ class Policy:
         where the model's parameters are); raises PolicyError for a rule that matches no
         module with parameters. On a model that holds the searched one (a LightningModule's
         ``self.net``), the policy lands on the submodule where every rule matches, or on the
-        one ``module`` names (`autoprec._placement`); the layers around it stay fp32."""
+        one ``module`` names (`autoprec.precision._placement`); the layers around it stay fp32."""
         placement = self._placement(model, module)
         inner = self._plan(placement.module, device_kind(device, model))
         if placement.on_root:
@@ -602,16 +602,16 @@ class Policy:
         On the device kind the model is on, the classes of leaves that neither the tables
         nor a watched forward know (transformers' RMSNorms, layers of a user's own) are
         probed first, each alone on an input made from its parameters
-        (`autoprec.observe.probe`); a module no input can be made for keeps the tables'
+        (`autoprec.numerics.observe.probe`); a module no input can be made for keeps the tables'
         word (the region's dtype). With ``example`` (a batch as the task gives it, or an
         `autoprec.tasks.Batch`), this is what one forward of it under the policy shows:
         each leaf's output dtype, as forward hooks see it; the classes of leaves it meets
-        are watched first (`autoprec.observe.learn`), so later calls know them too.
+        are watched first (`autoprec.numerics.observe.learn`), so later calls know them too.
         Without one, it is the plan's word, which is exact but for a leaf that runs in the
         dtype its input arrives in, uncast (a LayerNorm on the CPU under a uniform policy:
         fp32 where it reads an fp32 residual stream): then one forward of an input made up
         for the model (transformers' ``dummy_inputs``, or its first leaf's input; see
-        `autoprec.observe.synthesized_run`) is watched instead, and where none can be made
+        `autoprec.numerics.observe.synthesized_run`) is watched instead, and where none can be made
         (or the device refuses the policy) such a leaf is reported in the policy's dtype.
         On another device kind it is the plan's word, from the tables and what was watched
         there so far. Leaves without parameters (ReLU, dropout, pooling) are not listed."""
@@ -699,11 +699,11 @@ class Policy:
         **hyperparameters: Any,
     ) -> torch.optim.Optimizer:
         """The optimizer over ``model``'s parameters that the policy's training states
-        describe (`autoprec.optim.build_optimizer`): ``optimizer`` (a class, called with
+        describe (`autoprec.optim.optimizer.build_optimizer`): ``optimizer`` (a class, called with
         ``hyperparameters``, or a factory ``(params) -> Optimizer``) for fp32 states, and
         torchao's optimizers with the same hyperparameters for the others, as one
         optimizer with ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict``."""
-        from autoprec.optim import build_optimizer
+        from autoprec.optim.optimizer import build_optimizer
 
         return build_optimizer(self.optimizer_states, model, optimizer, **hyperparameters)
 

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoprec._files import open_log, write_atomic
+from autoprec._util.files import open_log, write_atomic
 from autoprec.devices import parse_devices, visible_devices_env
 from autoprec.errors import AutoprecError, first_line
 from autoprec.trials.base import TrialState
@@ -538,7 +538,7 @@ class LaunchedTrials(TrainingTrials):
         sets it (25x its trial, at least 300 s) where no ``--trial-timeout`` was given."""
         plan = self.plan
         if plan.default_limit:
-            from autoprec.search._session import TRIAL_TIMEOUT_FACTOR, TRIAL_TIMEOUT_MIN_S
+            from autoprec.study._session import TRIAL_TIMEOUT_FACTOR, TRIAL_TIMEOUT_MIN_S
 
             limit_s = max(TRIAL_TIMEOUT_MIN_S, TRIAL_TIMEOUT_FACTOR * baseline.run_time_s)
             plan = replace(plan, limit_s=limit_s, default_limit=False)

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoprec._files import write_atomic
+from autoprec._util.files import write_atomic
 from autoprec.devices import get_backend
 from autoprec.distributed.collectives import gather_records
 from autoprec.distributed.launch import AGENT_PID_ENV
