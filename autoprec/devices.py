@@ -630,11 +630,25 @@ class EstimatedMemoryMeter(MemoryMeter):
         }
 
 
+def state_nbytes(tensor: torch.Tensor) -> dict[int, int]:
+    """Bytes of each storage a state tensor holds, by address: a plain tensor's storage,
+    or for a tensor subclass (torchao's ``OptimState8bit``, ``OptimState4bit``,
+    ``OptimStateFp8``) the storages of its inner tensors (codes, scales, code map), found
+    through ``__tensor_flatten__``."""
+    tensor = getattr(tensor, "_local_tensor", tensor)  # a sharded DTensor: its shard
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is not None and type(tensor) is not torch.Tensor:
+        found: dict[int, int] = {}
+        for attr in flatten()[0]:
+            found.update(state_nbytes(getattr(tensor, attr)))
+        return found
+    storage = tensor.untyped_storage()
+    return {storage.data_ptr(): storage.nbytes()}
+
+
 def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
     """Bytes of each distinct storage behind the tensors, keyed by its address (a tensor
     subclass's, such as torchao's 8-bit optimizer states, are its inner tensors')."""
-    from autoprec.optim.state import state_nbytes
-
     storages = {}
     for tensor in tensors:
         storages.update(state_nbytes(tensor))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ import yaml
 from torch import nn
 
 from autoprec._util.files import load_yaml, parse_yaml, write_atomic
+from autoprec._util.safe_names import check_name
 from autoprec.devices import (
     Backend,
     autocast_behaviour,
@@ -82,10 +82,6 @@ _QUANTIZATION_FIELDS = ("int8", "fp8")
 # of odd sizes) run in bf16, as torchao's users run the rest of the model.
 FP8_DEFAULT_REST = BF16
 _RULE_FIELDS = ("name", "patterns", "types", "dtype")
-# What a policy or rule name may hold: what the search names things with (``uniform-fp16``,
-# ``t007 fc1=bf16 scale=dynamic:65536.0``, ``h.0-1.attn``), and no quote, newline or shell
-# character, since names end up in generated files and logs. Exporters quote them anyway.
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_.,:=+\- ]{0,200}")
 
 
 def _check_dtype(value: Any, where: str) -> str:
@@ -93,20 +89,6 @@ def _check_dtype(value: Any, where: str) -> str:
         raise PolicyError(
             f"{where}: unknown dtype {value!r} "
             "(expected fp32, fp16, bf16, fp8 for training, or int8 for serving)"
-        )
-    return value
-
-
-def _check_name(value: Any, where: str) -> str | None:
-    """A policy's or rule's name as read from a file: None, or a string of `_SAFE_NAME`."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise PolicyError(f"{where}: expected a string")
-    if not _SAFE_NAME.fullmatch(value):
-        raise PolicyError(
-            f"{where}: {value[:40]!r}{'...' if len(value) > 40 else ''} is not a safe name "
-            "(up to 200 letters, digits, spaces and _ . , : = + -)"
         )
     return value
 
@@ -178,7 +160,7 @@ class Rule:
         types = _string_list(data["types"], f"{where}.types") if "types" in data else ()
         if not patterns and not types:
             raise PolicyError(f"{where}: needs patterns, types or both")
-        name = _check_name(data.get("name"), f"{where}.name")
+        name = check_name(data.get("name"), f"{where}.name")
         return cls(_check_dtype(data["dtype"], f"{where}.dtype"), patterns, types, name)
 
 
@@ -345,7 +327,7 @@ class Policy:
             for key, value in switches.items():
                 if value is not None and not isinstance(value, bool):
                     raise PolicyError(f"switches.{key}: expected true, false or null")
-            name = _check_name(data.get("name"), "name")
+            name = check_name(data.get("name"), "name")
             quantization = Quantization.from_dict(data.get("quantization"))
             reduce_dtype = data.get("reduce_dtype")
             if reduce_dtype not in (None, *REDUCE_DTYPES):

@@ -52,6 +52,7 @@ from autoprec.devices import (
     record_probed,
     was_probed,
 )
+from autoprec.precision.plan import parameterised_leaves
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy
@@ -80,12 +81,6 @@ def casts_inputs(kind: str, module: nn.Module, dtype: str, uniform: bool) -> boo
     return behaviour == "cast" or (behaviour == "input" and not uniform)
 
 
-def _leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from autoprec.policy import parameterised_leaves
-
-    return parameterised_leaves(model)
-
-
 def _capture_inputs(
     model: nn.Module, run: Any, wanted: list[tuple[str, nn.Module]]
 ) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
@@ -110,7 +105,7 @@ def _capture_inputs(
 def layer_inputs(model: nn.Module, run: Any) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
     """Each leaf with parameters that ``run(model)`` calls, mapped to the (args, kwargs)
     it first received, from one fp32 forward without gradients (for `train_step`)."""
-    return _capture_inputs(model, run, _leaves(model))
+    return _capture_inputs(model, run, parameterised_leaves(model))
 
 
 @contextlib.contextmanager
@@ -245,7 +240,9 @@ def learn(model: nn.Module, run: Any, device: str | torch.device | Backend | Non
     which low dtypes cannot run it. ``model`` is left as it was."""
     backend = _backend(device)
     kind = backend.kind
-    wanted = [(n, m) for n, m in _leaves(model) if learned_behaviour(kind, type(m)) is None]
+    wanted = [
+        (n, m) for n, m in parameterised_leaves(model) if learned_behaviour(kind, type(m)) is None
+    ]
     if not wanted:
         return
     captured = _capture_inputs(model, run, wanted)
@@ -276,7 +273,7 @@ def probe(model: nn.Module, device: str | torch.device | Backend | None) -> None
     if first is None or first.device.type != kind:
         return  # nothing runs on that device kind here
     with torch.random.fork_rng(devices=[]):
-        for _, module in _leaves(model):
+        for _, module in parameterised_leaves(model):
             if learned_behaviour(kind, type(module)) is not None or was_probed(kind, module):
                 continue
             if type(module).forward.__module__.startswith("torch."):
@@ -313,7 +310,7 @@ def synthesized_run(model: nn.Module) -> Any:
     fp32 forward: transformers' ``dummy_inputs`` where the model has them, else the input
     `synthesized_inputs` makes for its first leaf with parameters; None where neither runs
     (the caller then keeps the plan's word)."""
-    leaves = _leaves(model)
+    leaves = parameterised_leaves(model)
     first = next(model.parameters(), None)
     dummy = getattr(model, "dummy_inputs", None)
     if isinstance(dummy, dict) and first is not None:
@@ -346,7 +343,7 @@ def observed_dtypes(
     first floating tensor it returns under ``policy`` (what forward hooks see)."""
     seen: dict[str, str] = {}
     handles = []
-    for name, leaf in _leaves(model):
+    for name, leaf in parameterised_leaves(model):
 
         def hook(leaf: nn.Module, args: Any, output: Any, name: str = name) -> None:
             dtype = first_floating_dtype(output)

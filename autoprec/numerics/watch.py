@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from autoprec._util.structures import tensors
-from autoprec.policy import parameterised_leaves
+from autoprec.precision.plan import parameterised_leaves
 
 # The kinds of totals: a module's floating inputs (positional and keyword), its floating
 # outputs, the gradients that reach those outputs, its parameters' gradients, and whole

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._util.safe_names import check_name
+from autoprec.devices import state_nbytes
 from autoprec.errors import PolicyError
 from autoprec.precision.plan import selects
 
@@ -130,8 +132,6 @@ class StateGroup:
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> StateGroup:
-        from autoprec.policy import _check_name  # one rule for names in a policy
-
         if not isinstance(data, dict):
             raise PolicyError(f"{where}: expected a mapping, got {type(data).__name__}")
         unknown = sorted(set(data) - set(_GROUP_FIELDS))
@@ -149,7 +149,7 @@ class StateGroup:
                 types,
                 None if state is None else _check_kind(state, f"{where}.state"),
                 None if master is None else _check_master(master, f"{where}.master"),
-                _check_name(data.get("name"), f"{where}.name"),
+                check_name(data.get("name"), f"{where}.name"),
             )
         except PolicyError as error:
             message = str(error)
@@ -259,22 +259,6 @@ class OptimizerStates:
         for name, state in self.assign(model).items():
             found.setdefault(name.rpartition(".")[0], state)
         return found
-
-
-def state_nbytes(tensor: torch.Tensor) -> dict[int, int]:
-    """Bytes of each storage a state tensor holds, by address: a plain tensor's storage,
-    or for a tensor subclass (torchao's ``OptimState8bit``, ``OptimState4bit``,
-    ``OptimStateFp8``) the storages of its inner tensors (codes, scales, code map), found
-    through ``__tensor_flatten__``."""
-    tensor = getattr(tensor, "_local_tensor", tensor)  # a sharded DTensor: its shard
-    flatten = getattr(tensor, "__tensor_flatten__", None)
-    if flatten is not None and type(tensor) is not torch.Tensor:
-        found: dict[int, int] = {}
-        for attr in flatten()[0]:
-            found.update(state_nbytes(getattr(tensor, attr)))
-        return found
-    storage = tensor.untyped_storage()
-    return {storage.data_ptr(): storage.nbytes()}
 
 
 def optimizer_state_nbytes(optimizer: Any) -> int:

@@ -76,3 +76,24 @@ class LogitsPath(nn.Module):
         # torch.export binds the example inputs to the forward's signature by name.
         forward.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]
         self.forward = forward
+
+
+class ServedModel(nn.Module):
+    """A converted model as MLflow's PyTorch flavour calls it: one tensor in (several
+    inputs stacked along dimension 1, passed by ``keywords`` where the model takes them by
+    name), one tensor out: the logits path (`autoprec.serving.logits_path`), as the
+    ``model`` export's program computes it."""
+
+    def __init__(
+        self, model: nn.Module, keywords: list[str] | None = None, stacked: bool = False
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.keywords = keywords or []
+        self.stacked = stacked
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inputs = x.unbind(1) if self.stacked else (x,)
+        if self.keywords:
+            return served_logits(self.model, (), dict(zip(self.keywords, inputs, strict=True)))
+        return served_logits(self.model, inputs, {})

@@ -36,34 +36,13 @@ from autoprec.errors import AutoprecError, WriteError, first_line
 from autoprec.policy import Policy
 from autoprec.serving.convert import has_torch_dynamic_int8, weight_dtypes
 from autoprec.serving.fp8 import default_fp8_method
-from autoprec.serving.logits_path import served_logits
+from autoprec.serving.logits_path import ServedModel
 from autoprec.serving.mlflow_rebuilt import FORMAT, write_data
 from autoprec.serving.quantizers import quantizer
 from autoprec.tasks.base import Batch
 
 EXAMPLE_SAMPLES = 4
 _LOADER = "autoprec.serving.mlflow_rebuilt"
-
-
-class ServedModel(nn.Module):
-    """A converted model as MLflow's PyTorch flavour calls it: one tensor in (several
-    inputs stacked along dimension 1, passed by ``keywords`` where the model takes them by
-    name), one tensor out: the logits path (`autoprec.serving.logits_path`), as the
-    ``model`` export's program computes it."""
-
-    def __init__(
-        self, model: nn.Module, keywords: list[str] | None = None, stacked: bool = False
-    ) -> None:
-        super().__init__()
-        self.model = model
-        self.keywords = keywords or []
-        self.stacked = stacked
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inputs = x.unbind(1) if self.stacked else (x,)
-        if self.keywords:
-            return served_logits(self.model, (), dict(zip(self.keywords, inputs, strict=True)))
-        return served_logits(self.model, inputs, {})
 
 
 def served_inputs(batch: Batch) -> tuple[list[str], list[torch.Tensor]]:

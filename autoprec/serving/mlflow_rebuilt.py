@@ -20,6 +20,7 @@ import torch
 
 from autoprec._util.files import atomic_file, write_atomic
 from autoprec.policy import Policy
+from autoprec.serving.logits_path import ServedModel
 
 FORMAT = "autoprec-rebuilt"
 WEIGHTS_FILE = "fp32.pt"
@@ -62,7 +63,6 @@ def _load_pyfunc(data_path: str) -> RebuiltModel:
     """MLflow's entry point: the served model rebuilt from the data folder, nothing
     unpickled."""
     from autoprec import load_inference_model, load_policy
-    from autoprec.serving.mlflow_model import ServedModel
     from autoprec.tasks import load_task
 
     folder = Path(data_path)

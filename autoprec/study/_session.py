@@ -69,17 +69,13 @@ from autoprec.study.summary import candidates
 from autoprec.tasks import Task, check_task, check_task_data, load_task
 from autoprec.tracking import FLUSH_WAIT_S, Tracker, absolute_sqlite_uri
 from autoprec.trials import trials_of
-from autoprec.trials.base import Trials, TrialState
+from autoprec.trials.base import TRIAL_TIMEOUT_FACTOR, TRIAL_TIMEOUT_MIN_S, Trials, TrialState
 from autoprec.trials.schedule import for_trials
 from autoprec.trials.training import Budget
 
 PROFILE_ATTR = "profile"  # study attribute: the ranking the groups and guidance use
 BASELINE_RUN = "baseline-fp32"  # the MLflow child run of the fp32 baseline
 CONFIRMED_ATTR = "confirmed_step_time_ms"  # study attribute: side-by-side re-timings
-# Default per-trial time limit: this many times the fp32 baseline's trial, at least
-# TRIAL_TIMEOUT_MIN_S (fp16 can be 20x slower than fp32 where it has no native kernels).
-TRIAL_TIMEOUT_FACTOR = 25
-TRIAL_TIMEOUT_MIN_S = 300.0
 
 
 def default_space_for(task_name: str) -> str:

@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 
 R = TypeVar("R", bound="Result")
 # Timed units (training steps, or forwards) per candidate and round of a side-by-side.
+# Default per-trial time limit: this many times the fp32 baseline's trial, at least
+# TRIAL_TIMEOUT_MIN_S (fp16 can be 20x slower than fp32 where it has no native kernels).
+TRIAL_TIMEOUT_FACTOR = 25
+TRIAL_TIMEOUT_MIN_S = 300.0
 SIDE_BY_SIDE_BLOCK = 20
 
 
