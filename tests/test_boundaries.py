@@ -16,7 +16,7 @@ from autoprec.errors import PolicyError
 from autoprec.numerics.observe import watch_task
 from autoprec.precision.hooks import PrecisionHooks
 from autoprec.precision.plan import boundaries
-from autoprec.serving.convert import CastInputs, ServingPrecision, convert
+from autoprec.serving.conversion import CastInputs, ServingPrecision, convert
 from autoprec.trials.training import Budget, run_trial
 from tests.boundary_tasks import (
     boundary_task,

@@ -26,7 +26,7 @@ from autoprec.devices import get_backend
 from autoprec.errors import DeviceError, PolicyError, SpaceError
 from autoprec.exports import export_policy
 from autoprec.policy import Quantization
-from autoprec.serving.convert import convert_policy, weight_bytes, weight_dtypes
+from autoprec.serving.conversion import convert_policy, weight_bytes, weight_dtypes
 from autoprec.serving.fp8 import (
     DEFAULT_FP8_METHOD,
     FP8_SERVING_METHODS,

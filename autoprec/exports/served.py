@@ -53,7 +53,7 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
-from autoprec.serving.convert import has_torch_dynamic_int8
+from autoprec.serving.conversion import has_torch_dynamic_int8
 from autoprec.serving.logits_path import LogitsPath
 
 PROGRAM_FILE = "program.pt2"
@@ -78,7 +78,7 @@ def export_model(
     (fp32, trained) on ``device`` as ``policy`` says, int8 layers by ``int8`` (default: the
     device's method). ``example`` is one input batch; without one, no program is written.
     ``task`` (a task's name or file) lets ``load_model.py`` build the model itself."""
-    from autoprec.serving.convert import convert_policy
+    from autoprec.serving.conversion import convert_policy
 
     require(model, "a model (the trained fp32 module)", "model")
     assert model is not None
@@ -184,7 +184,7 @@ def _deviation(
 
 
 def _int8_method(policy: Policy, model: nn.Module, kind: str, int8: str | None) -> str | None:
-    from autoprec.serving.convert import default_int8_method
+    from autoprec.serving.conversion import default_int8_method
 
     if "int8" not in policy.resolve_inference(model).values():
         return None

@@ -31,7 +31,7 @@ them under one ``torch.autocast``; ``remove`` swaps the original Linear layers b
 Where the regions go is `autoprec.precision.plan.boundaries`' answer, the one serving's casts use
 too, and `Precision` has the hooks every precision mode has (`PrecisionHooks`:
 ``convert_module``, ``forward_context``, ``convert_input``, ``convert_output``), as
-serving's `autoprec.serving.convert.ServingPrecision` has.
+serving's `autoprec.serving.conversion.ServingPrecision` has.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from autoprec.precision.scaling import LossScale, LossScaler
 class PrecisionHooks(Protocol):
     """What every precision mode gives the code that runs a model (Lightning Fabric's
     precision plugins have the same shape): training's `Precision` and serving's
-    `autoprec.serving.convert.ServingPrecision`. A loop calls these and never asks which
+    `autoprec.serving.conversion.ServingPrecision`. A loop calls these and never asks which
     mode it is in."""
 
     def convert_module(self, model: nn.Module) -> nn.Module:

@@ -1,7 +1,7 @@
 """One boundary algorithm: where casts go between layers of different dtypes.
 
 Training (`autoprec.policy.Policy.plan`, regions under autocast) and serving
-(`autoprec.serving.convert`, weights converted, casts as hooks) both take each leaf's
+(`autoprec.serving.conversion`, weights converted, casts as hooks) both take each leaf's
 dtype and ask the same question: which modules are the largest subtrees whose leaves all
 take one dtype, so that one cast at each subtree's border does, rather than one per leaf
 (wrapping every leaf cost up to 17% of a short step; see DESIGN.md). This module answers it

@@ -1,9 +1,8 @@
-"""Inference precision: convert a trained fp32 model per layer for serving, and measure it
-against the fp32 model (agreement, latency, throughput, memory)."""
+"""Serving: convert a trained fp32 model per layer (`conversion`, with the int8 and fp8
+methods of `quantizers` and `fp8`), and measure it against the fp32 model (agreement,
+latency, throughput, memory); the served model as an MLflow model."""
 
 import importlib
-import sys
-import types
 from typing import Any
 
 # Imported on first use (PEP 562), so that autoprec.serving.scenarios, which the CLI's
@@ -21,7 +20,7 @@ _WHERE = {
             "weight_bytes",
             "weight_dtypes",
         ),
-        "autoprec.serving.convert",
+        "autoprec.serving.conversion",
     ),
     "load_inference_model": "autoprec.serving.load",
     **dict.fromkeys(
@@ -55,18 +54,6 @@ __all__ = [
     "weight_bytes",
     "weight_dtypes",
 ]
-
-
-class _Package(types.ModuleType):
-    """Keeps ``convert`` the function: importing the submodule of that name would otherwise
-    make it the package's attribute, where the eager imports used to rebind it."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if not (name in _WHERE and isinstance(value, types.ModuleType)):
-            super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

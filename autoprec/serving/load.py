@@ -1,5 +1,5 @@
 """A policy's served model for users: the fp32 model converted per layer as the policy
-says, as the serving trials convert it (`autoprec.serving.convert.convert_policy`)."""
+says, as the serving trials convert it (`autoprec.serving.conversion.convert_policy`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import nn
 
 from autoprec.devices import Backend, get_backend
 from autoprec.policy import Policy
-from autoprec.serving.convert import convert_policy
+from autoprec.serving.conversion import convert_policy
 
 
 def load_inference_model(

@@ -27,7 +27,7 @@ from autoprec._util.structures import cast_floats, map_tensors, tensors
 from autoprec.devices import Backend
 from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.numerics.telemetry import first_nonfinite_layer
-from autoprec.serving.convert import convert, weight_bytes
+from autoprec.serving.conversion import convert, weight_bytes
 from autoprec.tasks import Task
 from autoprec.tasks.base import IGNORE_INDEX, Batch, logits_of
 from autoprec.trials.base import Feasibility, Measured, TrialState

@@ -34,7 +34,7 @@ from torch import nn
 from autoprec._util.files import make_folder
 from autoprec.errors import AutoprecError, WriteError, first_line
 from autoprec.policy import Policy
-from autoprec.serving.convert import has_torch_dynamic_int8, weight_dtypes
+from autoprec.serving.conversion import has_torch_dynamic_int8, weight_dtypes
 from autoprec.serving.fp8 import default_fp8_method
 from autoprec.serving.logits_path import ServedModel
 from autoprec.serving.mlflow_rebuilt import FORMAT, write_data
@@ -88,7 +88,7 @@ def save_mlflow_model(
     task_spec: str | None = None,
 ) -> str:
     """Save ``converted`` (a served model on the CPU, where MLflow's pyfunc runs it; see
-    `autoprec.serving.convert`) as an MLflow model folder at ``path`` (replaced), with
+    `autoprec.serving.conversion`) as an MLflow model folder at ``path`` (replaced), with
     ``batch`` as its input example and the policy in its metadata and beside it; ``int8``
     (default: the policy's) is the method its int8 layers were quantized with. Returns
     the serialization format used: ``pt2`` where it exports, else ``autoprec-rebuilt``

@@ -1,7 +1,7 @@
 """The quantizers: every way autoprec serves a layer in a quantized dtype, in one registry.
 
 A serving policy names its method (``quantization: {int8: torchao-dynamic}``), the search
-measures with it, and the conversion (`autoprec.serving.convert`), the ``torchao``
+measures with it, and the conversion (`autoprec.serving.conversion`), the ``torchao``
 export and the MLflow model all look it up here, so what is served is what was measured.
 Each entry says where it runs, how it quantizes the named layers, which torchao config a
 torchao workflow writes for it, whether ``torch.export`` can trace its weights, and what a

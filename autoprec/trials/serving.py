@@ -30,7 +30,7 @@ from autoprec.devices import DTYPES, Backend
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
 from autoprec.policy import Policy
 from autoprec.precision.plan import low_precision_share
-from autoprec.serving.convert import (
+from autoprec.serving.conversion import (
     convert,
     convert_policy,
     default_int8_method,
