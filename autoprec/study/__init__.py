@@ -1,4 +1,5 @@
-"""The search: an Optuna study over a space of policies, each trial a real short training.
+"""The study behind ``autoprec.search``: an Optuna study over a space of policies, each
+trial a real short training (or serving) run.
 
 ```python
 result = autoprec.search("digits-mlp", config=autoprec.SearchConfig(trials=12))
@@ -14,6 +15,7 @@ The modules of this package, in the order a search uses them:
 - `studies`: what many workers share through Optuna's storage (heartbeats, claims,
   leases, the queue on sqlite);
 - `summary`: the candidates, the chosen best, summary.json and best_policy.yaml;
+- `confirm` and `confirmation`: the long confirmation (``--confirm-steps``) and its types;
 - `summary_schema`: the typed `Summary` and its JSON round trip; `summary_file` reads
   it back, checked;
 - `events`: `Callbacks`, what a search reports while it runs.
