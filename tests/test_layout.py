@@ -156,6 +156,32 @@ def test_the_graph_sees_function_level_imports() -> None:
     assert "autoprec.policy" in graph["autoprec.serving.conversion"]
 
 
+def stale_imports(paths: list[Path]) -> list[str]:
+    """``file:line module`` for each import of an ``autoprec`` module that does not exist
+    (a path from before a move)."""
+    modules = _modules()
+    stale = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                if name.startswith("autoprec.") and name not in modules:
+                    stale.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {name}")
+    return stale
+
+
+def test_every_import_of_autoprec_names_a_module_that_exists() -> None:
+    root = PACKAGE.parent
+    paths = [*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py")]
+    paths += [*(root / "benchmarks").rglob("*.py"), *(root / "docs").rglob("*.py")]
+    assert stale_imports(sorted(paths)) == []
+
+
 def test_no_import_cycles() -> None:
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
