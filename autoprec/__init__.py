@@ -8,19 +8,11 @@ The public names are what a user calls (``dir(autoprec)`` lists exactly ``__all_
 everything else stays reachable from its module (``autoprec.trials.training.run_trial``,
 ``autoprec.devices.get_backend``, ...). Names load on first use, so that applying a policy
 (``load_policy`` and ``Policy.apply``) imports neither Optuna nor MLflow.
-
-``autoprec.search`` is the function that runs a search, whatever was imported before:
-the package of the same name (``autoprec.search.config``, ...) is bound to
-``autoprec.search`` by Python's import system when one of its modules is imported, and
-this package declines that binding (`_Package`). The function's attributes are the
-package's names (``autoprec.search.Callbacks``, ``autoprec.search.config``).
 """
 
 from __future__ import annotations
 
 import importlib as _importlib
-import sys as _sys
-import types as _types
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
@@ -40,14 +32,14 @@ if _TYPE_CHECKING:
         TaskError,
         WriteError,
     )
-    from autoprec.inference import load_inference_model
+    from autoprec.numerics.telemetry import GradientMonitor
     from autoprec.policy import Policy, Rule, load_policy
-    from autoprec.precision import Precision
-    from autoprec.profile import Profile, profile_task
-    from autoprec.scaling import LossScale
-    from autoprec.search import Callbacks, SearchConfig, SearchResult, search
+    from autoprec.precision.hooks import Precision
+    from autoprec.precision.scaling import LossScale
+    from autoprec.profile.sensitivity import Profile, profile_task
+    from autoprec.serving import load_inference_model
+    from autoprec.study import Callbacks, SearchConfig, SearchResult, search
     from autoprec.tasks import Task
-    from autoprec.telemetry import GradientMonitor
     from autoprec.tracking import load_best_policy
 
 _ERRORS = (
@@ -66,22 +58,22 @@ _ERRORS = (
 )
 _WHERE = {
     **dict.fromkeys(_ERRORS, "autoprec.errors"),
-    "Callbacks": "autoprec.search",
-    "GradientMonitor": "autoprec.telemetry",
-    "LossScale": "autoprec.scaling",
+    "Callbacks": "autoprec.study",
+    "GradientMonitor": "autoprec.numerics.telemetry",
+    "LossScale": "autoprec.precision.scaling",
     "Policy": "autoprec.policy",
-    "Precision": "autoprec.precision",
-    "Profile": "autoprec.profile",
+    "Precision": "autoprec.precision.hooks",
+    "Profile": "autoprec.profile.sensitivity",
     "Rule": "autoprec.policy",
-    "SearchConfig": "autoprec.search",
-    "SearchResult": "autoprec.search",
+    "SearchConfig": "autoprec.study",
+    "SearchResult": "autoprec.study",
     "Task": "autoprec.tasks",
     "apply_fsdp2": "autoprec.distributed",
     "load_best_policy": "autoprec.tracking",
-    "load_inference_model": "autoprec.inference",
+    "load_inference_model": "autoprec.serving",
     "load_policy": "autoprec.policy",
-    "profile_task": "autoprec.profile",
-    "search": "autoprec.search",
+    "profile_task": "autoprec.profile.sensitivity",
+    "search": "autoprec.study",
     "shard": "autoprec.distributed",
 }
 __all__ = [
@@ -123,27 +115,9 @@ def __getattr__(name: str) -> _Any:
         raise AttributeError(f"module 'autoprec' has no attribute {name!r}")
     module = _importlib.import_module(_WHERE[name])
     value = getattr(module, name)
-    if name == "search":
-        # The function's attributes are the names of its package, its globals: what reads
-        # the package through this name still works (autoprec.search.Callbacks, as the
-        # README writes it; autoprec.search.config; import autoprec.search.config as c).
-        value.__dict__ = module.__dict__
     globals()[name] = value
     return value
 
 
-class _Package(_types.ModuleType):
-    """This package's module type: it keeps the name ``search`` for the function."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "search" and isinstance(value, _types.ModuleType):
-            # ``import autoprec.search.<module>`` binds the subpackage here once it is
-            # loaded; the name stays the function, resolved on first use.
-            return
-        super().__setattr__(name, value)
-
-    def __dir__(self) -> list[str]:
-        return list(__all__)
-
-
-_sys.modules[__name__].__class__ = _Package
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from autoprec.errors import AutoprecError, redact
 
 if TYPE_CHECKING:
-    from autoprec.search.summary_schema import Summary
     from autoprec.settings import Option
+    from autoprec.study.summary_schema import Summary
 
 EXIT_BAD_INPUT = 2
 
@@ -66,7 +66,7 @@ def _version() -> str:
 
 
 def _add_export(commands: Any) -> None:
-    from autoprec._names import EXPORT_FORMATS as FORMATS
+    from autoprec._util.names import EXPORT_FORMATS as FORMATS
 
     e = commands.add_parser(
         "export",
@@ -162,7 +162,7 @@ def _add_option(group: Any, declared: Option) -> None:
 
 
 def _add_other_commands(commands: Any) -> None:
-    from autoprec._names import DEFAULT_TASK, DEFAULT_TRACKING_URI
+    from autoprec._util.names import DEFAULT_TASK, DEFAULT_TRACKING_URI
 
     pr = commands.add_parser(
         "profile",
@@ -267,8 +267,8 @@ def _search(args: argparse.Namespace) -> int:
     from autoprec.progress import Progress
     from autoprec.report import front_table, gains_line
     from autoprec.report.headroom import forecast_lines
-    from autoprec.search import SearchConfig, search
     from autoprec.settings import options, to_yaml
+    from autoprec.study import SearchConfig, search
 
     values = {declared.name: getattr(args, declared.name) for declared in options()}
     try:
@@ -294,8 +294,8 @@ def _search(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     from autoprec.devices import get_backend
-    from autoprec.profile import profile_task
-    from autoprec.search.config import check_study_name
+    from autoprec.profile.sensitivity import profile_task
+    from autoprec.study.config import check_study_name
     from autoprec.tasks import load_task
     from autoprec.tracking import Tracker, check_tracking_uri
 
@@ -417,7 +417,7 @@ def _tracked_studies(tracking_uri: str) -> list[str]:
 
 
 def _read_summary(runs_dir: str, study: str) -> Summary:
-    from autoprec.search._summary_file import read_summary
+    from autoprec.study._summary_file import read_summary
 
     _check_study_exists(runs_dir, study)
     return read_summary(Path(runs_dir) / study / "summary.json", study)
@@ -443,10 +443,10 @@ def _report(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import warnings
 
-    from autoprec._files import refuse_links
+    from autoprec._util.files import refuse_links
     from autoprec.exports import SERVING_FORMATS, ExportWarning, export_policy
     from autoprec.policy import load_policy
-    from autoprec.search._summary_file import read_header
+    from autoprec.study._summary_file import read_header
     from autoprec.tasks import check_task, load_task
     from autoprec.trials.serving import FP32_CHECKPOINT, load_checkpoint
 
@@ -512,7 +512,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from autoprec._server_process import check_port_free, serve
+    from autoprec._util.server_process import check_port_free, serve
     from autoprec.ui import check_store_exists, find_runs_view, write_runs_view
 
     if not 0 < args.port < 65536:
@@ -552,7 +552,7 @@ def _ui(args: argparse.Namespace) -> int:
 def _check_study_names(args: argparse.Namespace) -> None:
     """Every command's ``--study`` names a folder under the runs directory: checked as a
     search checks it, before anything is read or written, so that none leads outside."""
-    from autoprec.search.config import check_study_name
+    from autoprec.study.config import check_study_name
 
     studies = getattr(args, "study", None)
     for study in studies if isinstance(studies, list) else [studies]:

@@ -88,12 +88,12 @@ def device_kind(
     return kind
 
 
-# What watching real modules run found (autoprec.observe.learn), per device kind and module
+# What watching real modules run found (autoprec.numerics.observe.learn), per device kind and module
 # class: it overrides the tables above, which stay the first guess for classes not seen.
 _LEARNED: dict[tuple[str, type], str] = {}
 _FAILS: dict[tuple[str, type], dict[str, str]] = {}
 # What running one module alone on an input made from its parameters found
-# (autoprec.observe.probe), per device kind, class and parameter dtypes (an fp32 weight
+# (autoprec.numerics.observe.probe), per device kind, class and parameter dtypes (an fp32 weight
 # promotes an upcasting norm's product, a bf16 one may not); None where no input could be
 # made. Below what was watched on real inputs, above the tables.
 _PROBED: dict[tuple[str, type, tuple[torch.dtype, ...]], str | None] = {}
@@ -146,8 +146,8 @@ def autocast_behaviour(kind: str, module: torch.nn.Module) -> str:
     """``"fp32"``, ``"input"``, ``"cast"`` or ``"region"``: whether autocast on this
     device kind runs the module in fp32 whatever the region, in its input's dtype, only on
     inputs already cast to the region's dtype (so a plan casts them), or in the region's;
-    as observed where the module's class was watched (`autoprec.observe.learn`), else as
-    probed on an input made for it (`autoprec.observe.probe`), else from the tables."""
+    as observed where the module's class was watched (`autoprec.numerics.observe.learn`), else as
+    probed on an input made for it (`autoprec.numerics.observe.probe`), else from the tables."""
     learned = _LEARNED.get((kind, type(module))) or _PROBED.get(_probe_key(kind, module))
     return learned if learned is not None else table_behaviour(kind, module)
 
@@ -630,11 +630,25 @@ class EstimatedMemoryMeter(MemoryMeter):
         }
 
 
+def state_nbytes(tensor: torch.Tensor) -> dict[int, int]:
+    """Bytes of each storage a state tensor holds, by address: a plain tensor's storage,
+    or for a tensor subclass (torchao's ``OptimState8bit``, ``OptimState4bit``,
+    ``OptimStateFp8``) the storages of its inner tensors (codes, scales, code map), found
+    through ``__tensor_flatten__``."""
+    tensor = getattr(tensor, "_local_tensor", tensor)  # a sharded DTensor: its shard
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is not None and type(tensor) is not torch.Tensor:
+        found: dict[int, int] = {}
+        for attr in flatten()[0]:
+            found.update(state_nbytes(getattr(tensor, attr)))
+        return found
+    storage = tensor.untyped_storage()
+    return {storage.data_ptr(): storage.nbytes()}
+
+
 def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
     """Bytes of each distinct storage behind the tensors, keyed by its address (a tensor
     subclass's, such as torchao's 8-bit optimizer states, are its inner tensors')."""
-    from autoprec.optimizer_state import state_nbytes
-
     storages = {}
     for tensor in tensors:
         storages.update(state_nbytes(tensor))

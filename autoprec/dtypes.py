@@ -3,11 +3,11 @@ written once, with the sets each mode may use and the torch dtype of each floati
 
 Training runs fp32, fp16 or bf16 under autocast (fp32 master weights). Serving converts the
 weights themselves, so it also has int8 (quantized Linear layers, by a method of
-`autoprec.inference.quantizers`). Training also has fp8 for Linear layers: torchao's
+`autoprec.serving.quantizers`). Training also has fp8 for Linear layers: torchao's
 float8 training swaps them for ``Float8Linear`` (scaled fp8 matmuls, fp32 master weights;
-`autoprec.fp8`), while the layers around them run in their autocast region. fp8 is not a
+`autoprec.precision.fp8`), while the layers around them run in their autocast region. fp8 is not a
 torch dtype a region can autocast to, so it is not in ``TORCH_DTYPES``. Serving has fp8 too:
-Linear layers whose weights are stored in float8 by a torchao method (`autoprec.fp8_serving`),
+Linear layers whose weights are stored in float8 by a torchao method (`autoprec.serving.fp8`),
 quantized as int8 layers are, their activations handed to them in fp32.
 """
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 if TYPE_CHECKING:
-    from autoprec.search import SearchResult
+    from autoprec.study import SearchResult
 
 __all__ = [
     "AutoprecError",
@@ -100,7 +100,7 @@ class TrialTimeout(Exception):
 
 
 class DuplicateKey(yaml.YAMLError):
-    """A YAML mapping gives one key twice (`autoprec._files` turns it into the caller's
+    """A YAML mapping gives one key twice (`autoprec._util.files` turns it into the caller's
     error type, naming the key and both lines)."""
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +34,8 @@ import torch
 import yaml
 from torch import nn
 
-from autoprec._files import load_yaml, parse_yaml, write_atomic
-from autoprec._placement import Placement, announce, place, within
+from autoprec._util.files import load_yaml, parse_yaml, write_atomic
+from autoprec._util.safe_names import check_name
 from autoprec.devices import (
     Backend,
     autocast_behaviour,
@@ -46,11 +45,12 @@ from autoprec.devices import (
 )
 from autoprec.dtypes import BF16, FP8, INT8, POLICY_DTYPES
 from autoprec.errors import PolicyError
-from autoprec.fp8 import DEFAULT_FP8_RECIPE, autocast_refusal, check_recipe, fp8_refusal
-from autoprec.fp8_serving import FP8_SERVING_METHODS, fp8_layer_refusal, is_fp8_serving_method
-from autoprec.observe import casts_inputs, learn, observed_dtypes, probe, synthesized_run
-from autoprec.optimizer_state import OptimizerStates, TrainingState
-from autoprec.plan import (
+from autoprec.numerics.observe import casts_inputs, learn, observed_dtypes, probe, synthesized_run
+from autoprec.optim.state import OptimizerStates, TrainingState
+from autoprec.precision._placement import Placement, announce, place, within
+from autoprec.precision.fp8 import DEFAULT_FP8_RECIPE, autocast_refusal, check_recipe, fp8_refusal
+from autoprec.precision.hooks import Precision
+from autoprec.precision.plan import (
     Plan,
     RegionSpec,
     boundaries,
@@ -60,11 +60,11 @@ from autoprec.plan import (
     parameterised_leaves,
     selects,
 )
-from autoprec.precision import Precision
-from autoprec.quantizers import INT8_METHODS
-from autoprec.scaling import LossScale
+from autoprec.precision.scaling import LossScale
+from autoprec.serving.fp8 import FP8_SERVING_METHODS, fp8_layer_refusal, is_fp8_serving_method
+from autoprec.serving.quantizers import INT8_METHODS
 
-# The name the training trial has imported the share by (one function: `autoprec.plan`).
+# The name the training trial has imported the share by (one function: `autoprec.precision.plan`).
 share_of_parameters = low_precision_share
 _POLICY_FIELDS = (
     "name",
@@ -82,10 +82,6 @@ _QUANTIZATION_FIELDS = ("int8", "fp8")
 # of odd sizes) run in bf16, as torchao's users run the rest of the model.
 FP8_DEFAULT_REST = BF16
 _RULE_FIELDS = ("name", "patterns", "types", "dtype")
-# What a policy or rule name may hold: what the search names things with (``uniform-fp16``,
-# ``t007 fc1=bf16 scale=dynamic:65536.0``, ``h.0-1.attn``), and no quote, newline or shell
-# character, since names end up in generated files and logs. Exporters quote them anyway.
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_.,:=+\- ]{0,200}")
 
 
 def _check_dtype(value: Any, where: str) -> str:
@@ -93,20 +89,6 @@ def _check_dtype(value: Any, where: str) -> str:
         raise PolicyError(
             f"{where}: unknown dtype {value!r} "
             "(expected fp32, fp16, bf16, fp8 for training, or int8 for serving)"
-        )
-    return value
-
-
-def _check_name(value: Any, where: str) -> str | None:
-    """A policy's or rule's name as read from a file: None, or a string of `_SAFE_NAME`."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise PolicyError(f"{where}: expected a string")
-    if not _SAFE_NAME.fullmatch(value):
-        raise PolicyError(
-            f"{where}: {value[:40]!r}{'...' if len(value) > 40 else ''} is not a safe name "
-            "(up to 200 letters, digits, spaces and _ . , : = + -)"
         )
     return value
 
@@ -178,18 +160,18 @@ class Rule:
         types = _string_list(data["types"], f"{where}.types") if "types" in data else ()
         if not patterns and not types:
             raise PolicyError(f"{where}: needs patterns, types or both")
-        name = _check_name(data.get("name"), f"{where}.name")
+        name = check_name(data.get("name"), f"{where}.name")
         return cls(_check_dtype(data["dtype"], f"{where}.dtype"), patterns, types, name)
 
 
 @dataclass(frozen=True)
 class Quantization:
     """How a policy's quantized layers are made: ``int8``, the method a serving policy's
-    int8 layers were measured with (one of `autoprec.quantizers.INT8_METHODS`; None: the
+    int8 layers were measured with (one of `autoprec.serving.quantizers.INT8_METHODS`; None: the
     device's default, as for a policy written by hand); ``fp8``, the torchao float8
-    training recipe of its fp8 layers (one of `autoprec.fp8.FP8_RECIPES`; None:
+    training recipe of its fp8 layers (one of `autoprec.precision.fp8.FP8_RECIPES`; None:
     tensorwise, torchao's default), or for a serving policy the method its fp8 layers were
-    measured with (one of `autoprec.fp8_serving.FP8_SERVING_METHODS`, as int8 records its
+    measured with (one of `autoprec.serving.fp8.FP8_SERVING_METHODS`, as int8 records its
     own). Written in the YAML only where set, so a policy without them reads and writes as
     before."""
 
@@ -246,7 +228,7 @@ class Policy:
     policy alone serves what the search measured. ``reduce_dtype``: under FSDP2, the dtype
     gradients are reduced in (`autoprec.apply_fsdp2`; None: fp32), searched where a
     search's trials run under FSDP2. ``optimizer_states``: the optimizer state's and the
-    master weight's dtype per parameter group (`autoprec.optimizer_state`; the YAML's
+    master weight's dtype per parameter group (`autoprec.optim.state`; the YAML's
     ``optimizer`` section, written only where it is not all fp32), built by ``optimizer``.
     """
 
@@ -345,7 +327,7 @@ class Policy:
             for key, value in switches.items():
                 if value is not None and not isinstance(value, bool):
                     raise PolicyError(f"switches.{key}: expected true, false or null")
-            name = _check_name(data.get("name"), "name")
+            name = check_name(data.get("name"), "name")
             quantization = Quantization.from_dict(data.get("quantization"))
             reduce_dtype = data.get("reduce_dtype")
             if reduce_dtype not in (None, *REDUCE_DTYPES):
@@ -393,7 +375,7 @@ class Policy:
         where the model's parameters are); raises PolicyError for a rule that matches no
         module with parameters. On a model that holds the searched one (a LightningModule's
         ``self.net``), the policy lands on the submodule where every rule matches, or on the
-        one ``module`` names (`autoprec._placement`); the layers around it stay fp32."""
+        one ``module`` names (`autoprec.precision._placement`); the layers around it stay fp32."""
         placement = self._placement(model, module)
         inner = self._plan(placement.module, device_kind(device, model))
         if placement.on_root:
@@ -602,16 +584,16 @@ class Policy:
         On the device kind the model is on, the classes of leaves that neither the tables
         nor a watched forward know (transformers' RMSNorms, layers of a user's own) are
         probed first, each alone on an input made from its parameters
-        (`autoprec.observe.probe`); a module no input can be made for keeps the tables'
+        (`autoprec.numerics.observe.probe`); a module no input can be made for keeps the tables'
         word (the region's dtype). With ``example`` (a batch as the task gives it, or an
         `autoprec.tasks.Batch`), this is what one forward of it under the policy shows:
         each leaf's output dtype, as forward hooks see it; the classes of leaves it meets
-        are watched first (`autoprec.observe.learn`), so later calls know them too.
+        are watched first (`autoprec.numerics.observe.learn`), so later calls know them too.
         Without one, it is the plan's word, which is exact but for a leaf that runs in the
         dtype its input arrives in, uncast (a LayerNorm on the CPU under a uniform policy:
         fp32 where it reads an fp32 residual stream): then one forward of an input made up
         for the model (transformers' ``dummy_inputs``, or its first leaf's input; see
-        `autoprec.observe.synthesized_run`) is watched instead, and where none can be made
+        `autoprec.numerics.observe.synthesized_run`) is watched instead, and where none can be made
         (or the device refuses the policy) such a leaf is reported in the policy's dtype.
         On another device kind it is the plan's word, from the tables and what was watched
         there so far. Leaves without parameters (ReLU, dropout, pooling) are not listed."""
@@ -699,11 +681,11 @@ class Policy:
         **hyperparameters: Any,
     ) -> torch.optim.Optimizer:
         """The optimizer over ``model``'s parameters that the policy's training states
-        describe (`autoprec.optim.build_optimizer`): ``optimizer`` (a class, called with
+        describe (`autoprec.optim.optimizer.build_optimizer`): ``optimizer`` (a class, called with
         ``hyperparameters``, or a factory ``(params) -> Optimizer``) for fp32 states, and
         torchao's optimizers with the same hyperparameters for the others, as one
         optimizer with ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict``."""
-        from autoprec.optim import build_optimizer
+        from autoprec.optim.optimizer import build_optimizer
 
         return build_optimizer(self.optimizer_states, model, optimizer, **hyperparameters)
 

@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autoprec.confirmation import ConfirmationCheck
 from autoprec.errors import redact
-from autoprec.profile import Profile
-from autoprec.search._events import Callbacks
-from autoprec.search._events import Progress as Standing
-from autoprec.search._records import Result, TrialRecord
-from autoprec.search.summary import best_record
+from autoprec.profile.sensitivity import Profile
+from autoprec.study._events import Callbacks
+from autoprec.study._events import Progress as Standing
+from autoprec.study._records import Result, TrialRecord
+from autoprec.study.confirmation import ConfirmationCheck
+from autoprec.study.summary import best_record
 
 
 def _say(text: str) -> None:

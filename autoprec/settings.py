@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoprec._names import (
+from autoprec._util.names import (
     BUILTIN_TASK_NAMES,
     DEFAULT_STORAGE,
     DEFAULT_TASK,
@@ -32,9 +32,9 @@ from autoprec._names import (
     SAMPLERS,
 )
 from autoprec.errors import AutoprecError
-from autoprec.inference.scenarios import SCENARIOS
 from autoprec.selection import TRAINING_PREFERENCES
-from autoprec.trial_schedule import TRIAL_SCHEDULES
+from autoprec.serving.scenarios import SCENARIOS
+from autoprec.trials.schedule import TRIAL_SCHEDULES
 
 
 def option(

@@ -25,7 +25,7 @@ Layers with parameters that no group takes stay in fp32 (add a catch-all group s
 builds the groups when the space is fitted to a model: following its structure
 (``h.0-1.attn``, ``h.2-3.mlp``, ``norms.ln_f``, ``head``), with the riskiest modules of a
 sensitivity profile first as groups of their own (``risk.features``); see
-`autoprec.autogroups`. The fitted space holds the concrete groups, and its fingerprint
+`autoprec.profile.autogroups`. The fitted space holds the concrete groups, and its fingerprint
 says so.
 """
 
@@ -43,8 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from autoprec._files import load_yaml
-from autoprec.autogroups import build_groups
+from autoprec._util.files import load_yaml
 from autoprec.devices import (
     Backend,
     autocast_behaviour,
@@ -54,10 +53,8 @@ from autoprec.devices import (
 )
 from autoprec.dtypes import AUTOCAST_DTYPES, FP8, LOW_PRECISION, POLICY_DTYPES
 from autoprec.errors import PolicyError, SpaceError
-from autoprec.fp8 import DEFAULT_FP8_RECIPE, FAILS_UNDER_AUTOCAST, check_recipe, fp8_refusal
-from autoprec.fp8_serving import fp8_layer_refusal
-from autoprec.optimizer_space import StateSpace
-from autoprec.optimizer_state import OptimizerStates
+from autoprec.optim.space import StateSpace
+from autoprec.optim.state import OptimizerStates
 from autoprec.policy import (
     Policy,
     Quantization,
@@ -66,10 +63,18 @@ from autoprec.policy import (
     parameterised_leaves,
     tied_leaves,
 )
-from autoprec.scaling import LOSS_SCALE_MODES, LossScale
+from autoprec.precision.fp8 import (
+    DEFAULT_FP8_RECIPE,
+    FAILS_UNDER_AUTOCAST,
+    check_recipe,
+    fp8_refusal,
+)
+from autoprec.precision.scaling import LOSS_SCALE_MODES, LossScale
+from autoprec.profile.autogroups import build_groups
+from autoprec.serving.fp8 import fp8_layer_refusal
 
 if TYPE_CHECKING:
-    from autoprec.profile import Profile
+    from autoprec.profile.sensitivity import Profile
 
 DEFAULT_SPACE = "default"
 _GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -140,7 +145,7 @@ class Group:
 class AutoGroups:
     """``groups: auto``: groups built from the model's structure when the space is fitted
     (repeated blocks by block range and role, the rest by type family and position, the
-    head on its own; see `autoprec.autogroups`), at most ``max_groups`` of them. Given a
+    head on its own; see `autoprec.profile.autogroups`), at most ``max_groups`` of them. Given a
     profile, the ``own_groups`` riskiest modules come first as groups of their own
     (``risk.<name>``)."""
 
@@ -185,18 +190,18 @@ class SearchSpace:
     # leaf, which takes the dtype of that leaf's group (one tensor has one dtype)
     ties: tuple[tuple[str, str], ...] = ()
     # fitted for serving: the method its int8 layers are measured with, which every policy
-    # with an int8 layer records (`autoprec.quantizers`), so it serves what was measured
+    # with an int8 layer records (`autoprec.serving.quantizers`), so it serves what was measured
     int8_method: str | None = None
     # torchao float8 recipes searched for the fp8 layers (``fp8.recipe`` where several)
     fp8_recipes: tuple[str, ...] = (DEFAULT_FP8_RECIPE,)
-    # fitted for serving: the method its fp8 layers are measured with (`autoprec.fp8_serving`),
+    # fitted for serving: the method its fp8 layers are measured with (`autoprec.serving.fp8`),
     # recorded in every policy with an fp8 layer, as int8's is
     fp8_method: str | None = None
     # trials under FSDP2: the dtypes gradients may be reduced in (``fsdp.reduce_dtype``
     # where several; `autoprec.distributed`); empty elsewhere
     reduce_dtypes: tuple[str, ...] = ()
     # the optimizer state kinds and master dtypes searched per parameter group (the
-    # ``optimizer_states`` section, `autoprec.optimizer_space`); None: not searched
+    # ``optimizer_states`` section, `autoprec.optim.space`); None: not searched
     optimizer_states: StateSpace | None = None
 
     @property
@@ -313,7 +318,7 @@ class SearchSpace:
         whatever it says; for serving, ``inference``, every layer's weights convert); an
         optional group that takes none is dropped. For serving, a group whose layers can
         all be int8 (Linear, Conv1D) may also take int8, and no other may; with
-        ``fp8_method`` (a serving method the device runs, `autoprec.fp8_serving`), a group
+        ``fp8_method`` (a serving method the device runs, `autoprec.serving.fp8`), a group
         with a Linear layer that method takes may also take fp8.
 
         A ``groups: auto`` space builds its groups here (see `AutoGroups`), with the
@@ -788,8 +793,8 @@ def _without_failing_dtypes(
     groups: list[Group], assignment: dict[str, str], model: nn.Module, kind: str
 ) -> list[Group]:
     """Each group without the dtypes some layer of it was seen to fail in on this device
-    kind (`autoprec.observe.learn`: an LSTM in fp16 on the CPU), so that no policy the space
-    offers crashes for a combination the device cannot run."""
+    kind (`autoprec.numerics.observe.learn`: an LSTM in fp16 on the CPU), so that no policy
+    the space offers crashes for a combination the device cannot run."""
     modules = dict(model.named_modules())
     failing: dict[str, set[str]] = {g.name: set() for g in groups}
     for name, group in assignment.items():
@@ -827,7 +832,7 @@ def _with_fp8_serving_where_it_fits(
     groups: list[Group], assignment: dict[str, str], model: nn.Module, method: str | None
 ) -> list[Group]:
     """For serving: fp8 offered (by ``method``; None: not at all) to the groups with a
-    Linear layer the method takes (`autoprec.fp8_serving.fp8_layer_refusal`); in a group
+    Linear layer the method takes (`autoprec.serving.fp8.fp8_layer_refusal`); in a group
     where only some can, fp8 takes those and the others stay fp32, as int8 does."""
     modules = dict(model.named_modules())
     capable: dict[str, list[str]] = {g.name: [] for g in groups}

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from mlflow.entities import Run
     from mlflow.tracking import MlflowClient
 
-    from autoprec.profile import Profile
+    from autoprec.profile.sensitivity import Profile
 
 DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"
 ROLE_TAG = "autoprec.role"

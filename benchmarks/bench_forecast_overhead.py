@@ -21,9 +21,9 @@ import torch
 
 from autoprec import Policy
 from autoprec.devices import get_backend
-from autoprec.forecast import forecast
+from autoprec.numerics.forecast import forecast
+from autoprec.numerics.telemetry import GradientMonitor
 from autoprec.tasks import load_task
-from autoprec.telemetry import GradientMonitor
 from autoprec.trials.training import TELEMETRY_EVERY, _train_step
 
 BLOCK = 10  # steps per block and arm

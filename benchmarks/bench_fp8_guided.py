@@ -41,13 +41,13 @@ from optuna.trial import TrialState
 from torch import nn
 
 from autoprec.devices import get_backend
-from autoprec.fp8_risk import fp8_group_order
-from autoprec.guided import GuidedStrategy, Observation
+from autoprec.numerics.fp8_risk import fp8_group_order
 from autoprec.policy import Policy
-from autoprec.profile import profile_task
-from autoprec.search._loop import MAX_DUPLICATES_IN_A_ROW
-from autoprec.search._studies import DIRECTIONS, make_sampler
+from autoprec.profile.guided import GuidedStrategy, Observation
+from autoprec.profile.sensitivity import profile_task
 from autoprec.space import SearchSpace
+from autoprec.study._loop import MAX_DUPLICATES_IN_A_ROW
+from autoprec.study._studies import DIRECTIONS, make_sampler
 from autoprec.trials.training import Budget, EarlyStopping, TrialResult, run_trial
 
 EMULATED = get_backend("cpu", emulate="fp8")

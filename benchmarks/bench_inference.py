@@ -28,10 +28,10 @@ from _fresh import fresh_folder
 
 import autoprec
 from autoprec.devices import get_backend
-from autoprec.inference import timing_batch
-from autoprec.inference.convert import convert_policy
 from autoprec.report import benchmark_text, gains_line, text_table
 from autoprec.selection import TIME_TIE
+from autoprec.serving import timing_batch
+from autoprec.serving.conversion import convert_policy
 from autoprec.tasks import Task, load_task
 from autoprec.tasks.builtin import digits_data, mlp
 from autoprec.trials.serving import time_models_side_by_side

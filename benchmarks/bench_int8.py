@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from autoprec.devices import get_backend
-from autoprec.inference import INT8_METHODS, convert, int8_available, weight_bytes
+from autoprec.serving import INT8_METHODS, convert, int8_available, weight_bytes
 from autoprec.tasks.base import Batch
 from autoprec.trials.serving import time_models_side_by_side
 

@@ -27,7 +27,7 @@ import warnings
 import torch
 from torch import nn
 
-from autoprec.optimizer_state import OptimizerStates
+from autoprec.optim.state import OptimizerStates
 from autoprec.policy import Policy
 
 

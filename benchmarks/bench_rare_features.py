@@ -19,7 +19,7 @@ import argparse
 import torch
 from torch.nn import functional as F
 
-from autoprec.optimizer_state import OptimizerStates, StateGroup, optimizer_state_nbytes
+from autoprec.optim.state import OptimizerStates, StateGroup, optimizer_state_nbytes
 from autoprec.policy import Policy
 from autoprec.tasks import load_task
 

@@ -39,11 +39,11 @@ from _efficiency_tasks import TASKS, task_and_space
 from optuna.trial import TrialState
 
 from autoprec.devices import get_backend
-from autoprec.guided import FallbackStrategy, GuidedStrategy, Observation
 from autoprec.policy import Policy
-from autoprec.search._loop import MAX_DUPLICATES_IN_A_ROW
-from autoprec.search._studies import DIRECTIONS, make_sampler
+from autoprec.profile.guided import FallbackStrategy, GuidedStrategy, Observation
 from autoprec.space import SearchSpace
+from autoprec.study._loop import MAX_DUPLICATES_IN_A_ROW
+from autoprec.study._studies import DIRECTIONS, make_sampler
 from autoprec.tasks import Task
 from autoprec.trials.training import Budget, EarlyStopping, TrialResult, run_trial
 
@@ -259,7 +259,7 @@ def wait_for_profile(timeout_s: float) -> Callable[..., Any]:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            from autoprec.profile import profile_task
+            from autoprec.profile.sensitivity import profile_task
 
             return profile_task
         except ImportError:

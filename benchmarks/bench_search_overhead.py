@@ -22,7 +22,7 @@ import time
 from _fresh import fresh_folder
 
 import autoprec
-from autoprec.search.config import SAMPLERS
+from autoprec.study.config import SAMPLERS
 
 
 def run(task: str, trials: int, steps: int, confirm_top: int, sampler: str) -> dict:

@@ -25,7 +25,7 @@ import optuna
 from _fresh import fresh_folder
 
 import autoprec
-from autoprec.search._studies import RECORD_ATTR
+from autoprec.study._studies import RECORD_ATTR
 
 
 def run(workers: int, trials: int, steps: int) -> dict:

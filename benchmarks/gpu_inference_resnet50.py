@@ -45,10 +45,10 @@ from torch import nn
 
 import autoprec
 from autoprec.devices import Backend, get_backend
-from autoprec.inference import timing_batch
-from autoprec.inference.convert import convert_policy
 from autoprec.report import batch_size_text, benchmark_text, gains_line, render_report, text_table
 from autoprec.selection import TIME_TIE
+from autoprec.serving import timing_batch
+from autoprec.serving.conversion import convert_policy
 from autoprec.tasks import Task, load_task
 from autoprec.trials.serving import time_models_side_by_side
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_fp8 import GPT, GPT2_SMALL, SMOKE, batches, lm_loss
 
-from autoprec.optimizer_state import OptimizerStates, optimizer_state_nbytes
+from autoprec.optim.state import OptimizerStates, optimizer_state_nbytes
 from autoprec.policy import Policy, load_policy
 
 UNIFORM = ("fp32", "8bit", "4bit", "fp8")

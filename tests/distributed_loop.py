@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from distributed_tasks import Net, _data
 
 import autoprec
-from autoprec.observe import first_floating_dtype
-from autoprec.plan import parameterised_leaves
+from autoprec.numerics.observe import first_floating_dtype
+from autoprec.precision.plan import parameterised_leaves
 
 POLICY = autoprec.Policy.from_dict(
     {

@@ -45,7 +45,7 @@ class PoisonedLinear(nn.Linear):
     """A Linear whose weight gradient gets one inf on rank 1, on one training forward:
     under FSDP2 it lands in rank 0's shard only (rows are sharded), so the ranks' own
     found-inf flags differ unless they are all-reduced. It counts its own training forwards:
-    the copies autocast's probe runs alone (`autoprec.observe.probe`) count theirs."""
+    the copies autocast's probe runs alone (`autoprec.numerics.observe.probe`) count theirs."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

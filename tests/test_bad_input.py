@@ -213,7 +213,7 @@ def test_a_large_policy_is_refused_before_it_is_parsed(folder):
 
 
 def test_a_merge_key_is_not_a_duplicate(tmp_path):
-    from autoprec._files import load_yaml
+    from autoprec._util.files import load_yaml
 
     (tmp_path / "m.yaml").write_text("base: &b {x: 1, y: 2}\nover:\n  <<: *b\n  x: 3\n")
     from autoprec.errors import SpaceError

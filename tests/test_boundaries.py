@@ -13,10 +13,10 @@ import autoprec
 from autoprec import Policy, Rule
 from autoprec.devices import autocast_behaviour, get_backend
 from autoprec.errors import PolicyError
-from autoprec.inference.convert import CastInputs, ServingPrecision, convert
-from autoprec.observe import watch_task
-from autoprec.plan import boundaries
-from autoprec.precision import PrecisionHooks
+from autoprec.numerics.observe import watch_task
+from autoprec.precision.hooks import PrecisionHooks
+from autoprec.precision.plan import boundaries
+from autoprec.serving.conversion import CastInputs, ServingPrecision, convert
 from autoprec.trials.training import Budget, run_trial
 from tests.boundary_tasks import (
     boundary_task,

@@ -16,8 +16,8 @@ import pytest
 import autoprec
 from autoprec.cli import main
 from autoprec.errors import AutoprecError
-from autoprec.search import _studies
-from autoprec.trial_schedule import (
+from autoprec.study import _studies
+from autoprec.trials.schedule import (
     MAX_LR_SAMPLES,
     MAX_TRAIN_STEPS,
     schedule_warning,
@@ -32,7 +32,7 @@ _AT_THE_BOUND = textwrap.dedent(
     import json, sys
     sys.path.insert(0, {str(REPO)!r})
     import autoprec
-    from autoprec.trial_schedule import learn_lr_shape, schedule_warning, MAX_TRAIN_STEPS
+    from autoprec.trials.schedule import learn_lr_shape, schedule_warning, MAX_TRAIN_STEPS
     from tests.contract_tasks import scheduled
 
     task = scheduled()

@@ -88,11 +88,11 @@ def test_the_console_script_prints_the_version_and_the_help():
 
 def test_the_cli_names_are_the_registries_names():
     """The names the parser offers without importing torch are those the code runs."""
-    from autoprec import _names
+    from autoprec._util import names as _names
     from autoprec.exports import FORMATS
-    from autoprec.fp8_serving import FP8_SERVING_METHODS
-    from autoprec.quantizers import INT8_METHODS
-    from autoprec.search import config
+    from autoprec.serving.fp8 import FP8_SERVING_METHODS
+    from autoprec.serving.quantizers import INT8_METHODS
+    from autoprec.study import config
     from autoprec.tasks import BUILTIN_TASKS, DEFAULT_TASK
     from autoprec.tracking import DEFAULT_TRACKING_URI
 

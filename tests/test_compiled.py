@@ -24,14 +24,14 @@ from torch.nn import functional as F
 import autoprec
 from autoprec import Policy, Rule
 from autoprec.cli import _build_parser, main
-from autoprec.compiled import Compilation
 from autoprec.devices import get_backend
-from autoprec.emulation import emulated_label
 from autoprec.errors import AutoprecError, TaskError
 from autoprec.policy import Quantization
+from autoprec.precision.emulation import emulated_label
 from autoprec.report import render_report
-from autoprec.search import SearchConfig
-from autoprec.search.summary_schema import Summary
+from autoprec.study import SearchConfig
+from autoprec.study.summary_schema import Summary
+from autoprec.trials.compiled import Compilation
 from autoprec.trials.training import (
     Budget,
     TrainingTrials,

@@ -17,17 +17,17 @@ from torch import nn
 
 import autoprec
 from autoprec.cli import main
-from autoprec.confirmation import Confirmation, ConfirmationCheck
 from autoprec.devices import get_backend
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
-from autoprec.search._records import TrialRecord, record_of
-from autoprec.search._studies import finished
-from autoprec.search.confirm import CONFIRMATION_ROLE, KIND_TAG, confirmation_order
-from autoprec.search.summary import best_record
-from autoprec.search.summary_schema import Summary
+from autoprec.study._records import TrialRecord, record_of
+from autoprec.study._studies import finished
+from autoprec.study.confirm import CONFIRMATION_ROLE, KIND_TAG, confirmation_order
+from autoprec.study.confirmation import Confirmation, ConfirmationCheck
+from autoprec.study.summary import best_record
+from autoprec.study.summary_schema import Summary
 from autoprec.tracking import KEY_TAG, ROLE_TAG, load_best_policy, mlflow_client
-from autoprec.trial_schedule import (
+from autoprec.trials.schedule import (
     CompressedScheduler,
     for_trials,
     learn_lr_shape,
@@ -452,7 +452,7 @@ def test_a_late_underflow_is_named_as_a_flush_of_the_layer_that_flushed():
     40-step trial and stops before 200 steps on a non-finite loss. What the telemetry saw
     first is the kernel's values flushing to zero, not the head whose output went
     non-finite after the division; bf16 and fp32 train the 200 steps."""
-    from autoprec.scaling import LossScale
+    from autoprec.precision.scaling import LossScale
     from tests.underflow_task import underflow_task
 
     task, backend = underflow_task(), get_backend("cpu")
@@ -510,8 +510,8 @@ def test_after_a_failed_fp16_candidate_bf16_is_confirmed_before_fp32(underflow_s
     """The choice the issue's other run made (uniform fp16, timing noise breaking the
     tie): its long run fails, the reason names the kernel's flush, and the next in the
     choice's order, uniform bf16, holds; fp32 is never reached."""
-    from autoprec.search._records import TrialRecord, result_of
-    from autoprec.search.confirm import first_seen
+    from autoprec.study._records import TrialRecord, result_of
+    from autoprec.study.confirm import first_seen
     from autoprec.trials.base import Feasibility
     from tests.underflow_task import underflow_task
 

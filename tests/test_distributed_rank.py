@@ -20,7 +20,8 @@ import autoprec
 from autoprec.devices import get_backend
 from autoprec.distributed.data import rank_train_data, shard, takes_rank
 from autoprec.distributed.fsdp import ShardUnit, shard_units
-from autoprec.distributed.rank import combine, trial_result_from_json
+from autoprec.distributed.launch import trial_result_from_json
+from autoprec.distributed.rank import combine
 from autoprec.distributed.telemetry import reduce_telemetry
 from autoprec.errors import TaskError
 from autoprec.policy import Policy

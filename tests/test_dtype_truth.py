@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from autoprec import Policy, Rule
-from autoprec._structures import tensors
-from autoprec.autogroups import _family
+from autoprec._util.structures import tensors
 from autoprec.devices import (
     DTYPES,
     FIXED_FP32,
@@ -26,8 +25,9 @@ from autoprec.devices import (
     autocast_behaviour,
     table_behaviour,
 )
-from autoprec.plan import low_precision_share
 from autoprec.policy import parameterised_leaves
+from autoprec.precision.plan import low_precision_share
+from autoprec.profile.autogroups import _family
 from autoprec.space import load_space, searched_leaves
 from autoprec.tasks import load_task
 from autoprec.tasks.base import Batch

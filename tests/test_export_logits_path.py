@@ -13,8 +13,8 @@ import torch
 from autoprec import Policy, Rule, load_inference_model
 from autoprec.errors import first_line
 from autoprec.exports import ExportWarning, export_policy
-from autoprec.inference.logits_path import LogitsPath, served_logits
-from autoprec.inference.mlflow_model import ServedModel
+from autoprec.serving.logits_path import LogitsPath, served_logits
+from autoprec.serving.mlflow_model import ServedModel
 from autoprec.tasks import load_task
 
 

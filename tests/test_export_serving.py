@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from autoprec import Policy, Rule, load_inference_model, load_policy
-from autoprec._structures import tensors
+from autoprec._util.structures import tensors
 from autoprec.exports import ExportError, ExportWarning, export_policy
 from autoprec.policy import Quantization
 from autoprec.tasks import load_task

@@ -21,7 +21,7 @@ import autoprec
 from autoprec import load_inference_model, load_policy
 from autoprec.cli import main
 from autoprec.exports.hf import ATTRIBUTE
-from autoprec.inference.logits_path import served_logits
+from autoprec.serving.logits_path import served_logits
 from autoprec.tasks import load_task
 from autoprec.trials.serving import FP32_CHECKPOINT
 

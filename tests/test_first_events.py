@@ -1,4 +1,4 @@
-"""What the telemetry saw first (`autoprec.first_events`): the rules on plain counts, and
+"""What the telemetry saw first (`autoprec.numerics.first_events`): the rules on plain counts, and
 one real forward."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autoprec.first_events import (
+from autoprec.numerics.first_events import (
     FLUSH,
     OVERFLOW,
     SCALE_COLLAPSE,

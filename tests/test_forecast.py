@@ -13,10 +13,10 @@ from torch.nn import functional as F
 import autoprec
 from autoprec.devices import get_backend
 from autoprec.errors import AutoprecError
-from autoprec.forecast import Forecast, RangeSeries, TrendKind, fit_trend, forecast
+from autoprec.numerics.forecast import Forecast, RangeSeries, TrendKind, fit_trend, forecast
 from autoprec.report import render_report
 from autoprec.report.headroom import forecast_lines
-from autoprec.search import SearchConfig
+from autoprec.study import SearchConfig
 from autoprec.tasks import load_task
 from autoprec.trials.base import Feasibility, TrialState
 from autoprec.trials.training import Budget, TrialResult, run_trial

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 import autoprec
 from autoprec.devices import get_backend
-from autoprec.forecast import (
+from autoprec.numerics.forecast import (
     Direction,
     Forecast,
     Outcome,

@@ -17,8 +17,8 @@ import autoprec
 from autoprec import Policy, Rule, load_policy
 from autoprec.devices import get_backend
 from autoprec.errors import DeviceError, PolicyError, SpaceError
-from autoprec.fp8 import FP8_RECIPES
 from autoprec.policy import Quantization
+from autoprec.precision.fp8 import FP8_RECIPES
 from autoprec.space import SearchSpace
 
 torchao_float8 = pytest.importorskip("torchao.float8")

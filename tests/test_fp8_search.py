@@ -12,7 +12,7 @@ from torch import nn
 import autoprec
 from autoprec import Policy
 from autoprec.devices import get_backend
-from autoprec.guided import GuidedStrategy, Observation
+from autoprec.profile.guided import GuidedStrategy, Observation
 from autoprec.space import SearchSpace, load_space
 from autoprec.tasks import load_task
 

@@ -25,16 +25,16 @@ from autoprec.cli import main
 from autoprec.devices import get_backend
 from autoprec.errors import DeviceError, PolicyError, SpaceError
 from autoprec.exports import export_policy
-from autoprec.fp8_serving import (
+from autoprec.policy import Quantization
+from autoprec.serving.conversion import convert_policy, weight_bytes, weight_dtypes
+from autoprec.serving.fp8 import (
     DEFAULT_FP8_METHOD,
     FP8_SERVING_METHODS,
     fp8_layer_refusal,
     fp8_serving_refusal,
     search_refusal,
 )
-from autoprec.inference.convert import convert_policy, weight_bytes, weight_dtypes
-from autoprec.policy import Quantization
-from autoprec.quantizers import QUANTIZERS
+from autoprec.serving.quantizers import QUANTIZERS
 from autoprec.space import SearchSpace
 from tests import npu_standin
 
@@ -264,7 +264,7 @@ def test_the_mlflow_model_serves_the_fp8_layers(tmp_path, method):
     """As the search leaves it behind; a hand-written policy (no method) too."""
     import mlflow
 
-    from autoprec.inference.mlflow_model import save_mlflow_model
+    from autoprec.serving.mlflow_model import save_mlflow_model
     from autoprec.tasks import load_task
 
     task = load_task("digits-mlp")
@@ -291,7 +291,7 @@ def test_fp8_beside_torch_s_dynamic_int8_is_rebuilt_at_load(tmp_path):
     does not export, so the MLflow model is rebuilt at load, fp8 layers and all."""
     import mlflow
 
-    from autoprec.inference.mlflow_model import save_mlflow_model
+    from autoprec.serving.mlflow_model import save_mlflow_model
     from autoprec.tasks import load_task
 
     task = load_task("digits-mlp")

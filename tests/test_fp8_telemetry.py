@@ -16,13 +16,13 @@ from torch import nn
 import autoprec
 from autoprec import Policy
 from autoprec.devices import get_backend
-from autoprec.fp8 import Fp8Layers
-from autoprec.fp8_risk import fp8_group_order
-from autoprec.guided import GuidedStrategy, Observation
-from autoprec.profile import Profile, profile_task
+from autoprec.numerics.fp8_risk import fp8_group_order
+from autoprec.numerics.telemetry import GradientMonitor
+from autoprec.precision.fp8 import Fp8Layers
+from autoprec.profile.guided import GuidedStrategy, Observation
+from autoprec.profile.sensitivity import Profile, profile_task
 from autoprec.space import SearchSpace
 from autoprec.tasks import load_task
-from autoprec.telemetry import GradientMonitor
 from autoprec.trials.training import LAYERS_ARTIFACT, Budget, TrialResult, TrialState, run_trial
 
 pytest.importorskip("torchao.float8")

@@ -107,7 +107,7 @@ def test_the_closest_the_last_line_names_is_in_the_table(folder):
 
     from autoprec.report import front_table
     from autoprec.report.gains import closest_entry, gains_line
-    from autoprec.search.summary_schema import Best, Summary
+    from autoprec.study.summary_schema import Best, Summary
 
     args = ["--task", "task.py:factory", "--trials", "3", "--steps", "10", "--study", "named"]
     done = subprocess.run(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from autoprec.errors import SpaceError
-from autoprec.guided import FallbackStrategy, GuidedStrategy, Observation
+from autoprec.profile.guided import FallbackStrategy, GuidedStrategy, Observation
 from autoprec.space import SearchSpace
 
 NAMES = list("abcdefgh")
@@ -399,7 +399,7 @@ def test_a_dtype_whose_uniform_seed_was_feasible_is_bisected_first():
 
 
 def _outcome(observation: Observation):
-    from autoprec.guided import _Outcome
+    from autoprec.profile.guided import _Outcome
 
     return _Outcome(bool(observation.feasible), dict(observation.metrics))
 
@@ -414,7 +414,7 @@ def _outcome(observation: Observation):
     ],
 )
 def test_fp16_probes_start_their_scale_where_the_profiles_gradients_allow(max_gradient, expected):
-    from autoprec.guided import fp16_start_scale_log2
+    from autoprec.profile.guided import fp16_start_scale_log2
 
     space = make_space(("fp32", "fp16"))
     assert fp16_start_scale_log2(space, max_gradient) == expected

@@ -11,7 +11,8 @@ from torch import nn
 
 from autoprec.devices import get_backend
 from autoprec.errors import AutoprecError, DeviceError, PolicyError
-from autoprec.inference import (
+from autoprec.policy import int8_capable, parameterised_leaves
+from autoprec.serving import (
     INT8_METHODS,
     InferenceResult,
     Reference,
@@ -25,7 +26,6 @@ from autoprec.inference import (
     weight_bytes,
     weight_dtypes,
 )
-from autoprec.policy import int8_capable, parameterised_leaves
 from autoprec.tasks import load_task
 from autoprec.trials.serving import time_models_side_by_side as time_side_by_side
 
@@ -216,7 +216,7 @@ def test_bad_mappings_are_refused(mlp):
     _, model = mlp
     with pytest.raises(PolicyError, match="'fc9': not a leaf module"):
         convert(model, {"fc9": "fp16"})
-    # fp8 is a serving dtype now (autoprec.fp8_serving): an unknown one is still refused.
+    # fp8 is a serving dtype now (autoprec.serving.fp8): an unknown one is still refused.
     with pytest.raises(PolicyError, match="unknown dtype 'fp9'"):
         convert(model, {"fc1": "fp9"})
     with pytest.raises(PolicyError, match="unknown method 'fast'"):

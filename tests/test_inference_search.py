@@ -321,7 +321,7 @@ def test_export_without_a_task_name_asks_for_one(tmp_path, monkeypatch, capsys):
 
 def test_a_transformers_model_goes_to_mlflow_with_its_inputs_stacked(tmp_path):
     pytest.importorskip("transformers")
-    from autoprec.inference.mlflow_model import save_mlflow_model
+    from autoprec.serving.mlflow_model import save_mlflow_model
 
     task = load_task("tiny-bert")
     model = task.model().eval()
@@ -341,7 +341,7 @@ def test_a_transformers_model_goes_to_mlflow_with_its_inputs_stacked(tmp_path):
 
 
 def test_inputs_one_array_cannot_carry_are_said(tmp_path):
-    from autoprec.inference.mlflow_model import save_mlflow_model
+    from autoprec.serving.mlflow_model import save_mlflow_model
     from autoprec.tasks.base import Batch
 
     batch = Batch((), {"x": torch.zeros(4, 3), "mask": torch.zeros(4, 5)}, None, None)

@@ -16,7 +16,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autoprec.search._studies import CLAIM_ATTR, RECORD_ATTR
+from autoprec.study._studies import CLAIM_ATTR, RECORD_ATTR
 from autoprec.tracking import KEY_TAG, mlflow_client
 from tests.servers import mlflow_server, postgres, postgres_bin
 

@@ -13,8 +13,8 @@ from torch import nn
 import autoprec
 from autoprec.devices import EstimatedMemoryMeter
 from autoprec.errors import PolicyError
-from autoprec.optim import PolicyOptimizer
-from autoprec.optimizer_state import OptimizerStates, StateGroup, optimizer_state_nbytes
+from autoprec.optim.optimizer import PolicyOptimizer
+from autoprec.optim.state import OptimizerStates, StateGroup, optimizer_state_nbytes
 from autoprec.policy import Policy
 
 torchao_optim = pytest.importorskip("torchao.optim")
@@ -353,7 +353,7 @@ def test_a_rare_row_beside_frequent_ones_collapses_in_8bit_and_is_named():
     """A row whose one gradient is 1e-4 of its block's others: its exp_avg_sq (1e-8 of
     the block's largest) is below the 8-bit map's smallest code, its exp_avg is not, so
     the next updates are lr * exp_avg / eps. fp32 states keep it."""
-    from autoprec.state_health import state_health
+    from autoprec.numerics.state_health import state_health
 
     def run(states: OptimizerStates) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = make_model()

@@ -24,9 +24,9 @@ from autoprec.devices import (
     record_behaviour,
 )
 from autoprec.errors import AutoprecError, DeviceError, PolicyError, SpaceError, TaskError
-from autoprec.observe import watch_task
+from autoprec.numerics.observe import watch_task
 from autoprec.policy import parameterised_leaves
-from autoprec.profile import Profile, _alone
+from autoprec.profile.sensitivity import Profile, _alone
 from autoprec.space import load_space
 from autoprec.tasks import load_task
 from autoprec.tasks.builtin import Bottleneck, ResNet

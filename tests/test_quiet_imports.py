@@ -66,7 +66,7 @@ def test_a_torchao_int8_method_converts_quietly():
         """
         import torch
         from torch import nn
-        from autoprec.inference.convert import convert, weight_dtypes
+        from autoprec.serving.conversion import convert, weight_dtypes
 
         model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
         served = convert(model, {"0": "int8"}, "cpu", int8="torchao-dynamic")

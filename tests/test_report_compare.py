@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from autoprec.cli import main
-from autoprec.search._summary_file import read_summary
+from autoprec.study._summary_file import read_summary
 
 pytestmark = pytest.mark.slow  # two real searches: about a minute on two busy cores
 

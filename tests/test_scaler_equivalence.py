@@ -9,7 +9,7 @@ from torch import nn
 
 from autoprec import LossScale, Policy
 from autoprec.errors import LoopError
-from autoprec.scaling import LossScaler
+from autoprec.precision.scaling import LossScaler
 
 # Non-power-of-two factors make a float64 scale drift from torch's float32 one.
 ODD = {"init_scale": 1000.0, "growth_factor": 3.0, "backoff_factor": 0.3, "growth_interval": 3}

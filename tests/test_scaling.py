@@ -7,7 +7,7 @@ import torch
 
 from autoprec import LossScale
 from autoprec.errors import PolicyError
-from autoprec.scaling import LossScaler
+from autoprec.precision.scaling import LossScaler
 
 
 def _optimizer_with_grad(value: float) -> torch.optim.Optimizer:

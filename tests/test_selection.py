@@ -129,9 +129,9 @@ def test_a_real_search_chooses_the_same_in_any_order(tmp_path, monkeypatch):
     import optuna
 
     import autoprec
-    from autoprec.search._records import TrialRecord, record_of, result_of
-    from autoprec.search._studies import finished
-    from autoprec.search.summary import best_record, candidates
+    from autoprec.study._records import TrialRecord, record_of, result_of
+    from autoprec.study._studies import finished
+    from autoprec.study.summary import best_record, candidates
     from autoprec.trials.base import Feasibility
     from autoprec.trials.training import TrialResult
     from tests.contract_tasks import make_tiny_task

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from autoprec import Policy, load_inference_model
-from autoprec.inference.mlflow_model import save_mlflow_model
+from autoprec.serving.mlflow_model import save_mlflow_model
 from autoprec.tasks import load_task
 from tests.planted import plant
 
@@ -40,7 +40,7 @@ def test_dynamic_int8_is_rebuilt_at_load_not_unpickled(tmp_path, dynamic_int8):
     described = yaml.safe_load((path / "MLmodel").read_text())
     assert set(described["flavors"]) == {"python_function"}  # no PyTorch pickle flavour
     assert described["flavors"]["python_function"]["loader_module"] == (
-        "autoprec.inference.mlflow_rebuilt"
+        "autoprec.serving.mlflow_rebuilt"
     )
     assert described["metadata"]["unpickles"] is False
     assert not [p for p in path.rglob("*") if p.suffix in (".pkl", ".pth", ".pickle")]

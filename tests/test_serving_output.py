@@ -15,8 +15,8 @@ import yaml
 
 import autoprec
 from autoprec import load_inference_model
-from autoprec.inference.convert import convert, default_int8_method
 from autoprec.policy import load_policy
+from autoprec.serving.conversion import convert, default_int8_method
 from autoprec.tasks import load_task
 from tests.test_cli import TASK_FILE
 

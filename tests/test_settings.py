@@ -195,7 +195,7 @@ FINGERPRINT_BEFORE = {
 
 
 def test_the_fingerprint_comes_from_the_declaration_and_is_unchanged(tmp_path, monkeypatch):
-    from autoprec.search import SearchConfig, search
+    from autoprec.study import SearchConfig, search
 
     monkeypatch.chdir(tmp_path)
     config = SearchConfig(trials=1, steps=5, device="cpu", sampler="random", confirm_top=0)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import SpaceError
-from autoprec.profile import ModuleRisk, Profile
+from autoprec.profile.sensitivity import ModuleRisk, Profile
 from autoprec.space import builtin_spaces, load_space, searched_leaves
 from autoprec.tasks import BUILTIN_TASKS, load_task
 

@@ -25,7 +25,7 @@ _WRITE_WITH_A_FULL_DISK = textwrap.dedent(
     import json, resource, signal, sys
     from pathlib import Path
     from autoprec.policy import Policy
-    from autoprec.search.summary import write_outputs
+    from autoprec.study.summary import write_outputs
 
     out = Path(sys.argv[1])
     rules = [{"patterns": [f"layer{i}"], "dtype": "bf16"} for i in range(400)]
@@ -42,7 +42,7 @@ _WRITE_WITH_A_FULL_DISK = textwrap.dedent(
 
 def test_a_write_that_fails_half_way_leaves_the_old_outputs_whole(tmp_path):
     from autoprec.policy import Policy
-    from autoprec.search.summary import write_outputs
+    from autoprec.study.summary import write_outputs
 
     old_policy = Policy.from_dict({"name": "old", "default": "bf16"})
     policy_path, summary_path = write_outputs({"study": "s", "n": 1}, old_policy, tmp_path)

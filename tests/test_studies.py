@@ -9,14 +9,14 @@ import time
 import optuna
 from optuna.trial import TrialState
 
-from autoprec.search._studies import fail_stale, open_storage
+from autoprec.study._studies import fail_stale, open_storage
 
 # Each process says it is ready and waits for all four, then takes queued trials until
 # none is left, and prints the numbers it was handed.
 _TAKE = """
 import json, os, pathlib, sys, time
 import optuna
-from autoprec.search._studies import open_storage
+from autoprec.study._studies import open_storage
 url, ready = sys.argv[1], pathlib.Path(sys.argv[2])
 study = optuna.load_study(study_name="queue", storage=open_storage(url))
 (ready / str(os.getpid())).touch()

@@ -20,7 +20,7 @@ import pytest
 from autoprec.cli import main
 from autoprec.distributed.launch import usable_cores
 from autoprec.errors import StoreError
-from autoprec.search._studies import DIRECTIONS, FINGERPRINT_ATTR, open_storage, open_study
+from autoprec.study._studies import DIRECTIONS, FINGERPRINT_ATTR, open_storage, open_study
 
 TASK = f"{Path(__file__).with_name('contract_tasks.py')}:scheduled"
 BASE = ["search", "--no-progress", "--task", TASK, "--device", "cpu", "--sampler", "random"]

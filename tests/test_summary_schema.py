@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from autoprec.errors import AutoprecError
-from autoprec.inference.measure import InferenceResult
 from autoprec.policy import Policy
 from autoprec.report import front_table, gains_line, render_report
-from autoprec.search._records import TrialRecord
-from autoprec.search._summary_file import read_header, read_summary
-from autoprec.search.summary import best_record, by_batch_size, write_outputs
-from autoprec.search.summary_schema import SCHEMA_VERSION, Summary, finite
+from autoprec.serving.measure import InferenceResult
+from autoprec.study._records import TrialRecord
+from autoprec.study._summary_file import read_header, read_summary
+from autoprec.study.summary import best_record, by_batch_size, write_outputs
+from autoprec.study.summary_schema import SCHEMA_VERSION, Summary, finite
 
 DATA = Path(__file__).parent / "data"
 WRITTEN_BEFORE_THE_VERSION = ["summary_v0_training.json", "summary_v0_serving.json"]

@@ -9,8 +9,8 @@ from torch import nn
 
 from autoprec import LossScale, Policy
 from autoprec.devices import get_backend
+from autoprec.numerics.telemetry import GradientMonitor
 from autoprec.tasks import load_task
-from autoprec.telemetry import GradientMonitor
 from autoprec.trials.training import Budget, EarlyStopping, run_trial
 
 CPU = get_backend("cpu")

@@ -67,7 +67,7 @@ class CountingTrials:
         pass
 
     def profile(self, seed: int):
-        from autoprec.profile import profile_task
+        from autoprec.profile.sensitivity import profile_task
 
         return profile_task(self.task, self.backend, seed=seed, steps=0, model=self.model)
 

@@ -221,7 +221,7 @@ def test_ui_bad_input_is_one_line_and_starts_nothing(searched, args, message):
 def test_a_server_that_fails_by_itself_shows_its_last_lines(capfd):
     """Its output is kept from the terminal while it runs; where it exits with an error
     before anyone stopped it, its last lines (passwords redacted) say why."""
-    from autoprec._server_process import serve
+    from autoprec._util.server_process import serve
 
     code = (
         "print('x' * 10); print('cannot open postgresql://u:hunter2@db/optuna'); "

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.telemetry import GradientMonitor
-from autoprec.watch import CALL, INPUT, OUTPUT, OUTPUT_GRAD, PARAM_GRAD, Counts, Watcher
+from autoprec.numerics.telemetry import GradientMonitor
+from autoprec.numerics.watch import CALL, INPUT, OUTPUT, OUTPUT_GRAD, PARAM_GRAD, Counts, Watcher
 
 
 def elements_and_max(tensor: torch.Tensor) -> torch.Tensor:

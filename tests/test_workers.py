@@ -18,9 +18,9 @@ from optuna.trial import TrialState
 import autoprec
 from autoprec.devices import parse_devices
 from autoprec.errors import DeviceError
-from autoprec.search._loop import interrupts_held
-from autoprec.search._studies import CLAIM_ATTR, RECORD_ATTR
-from autoprec.search._workers import pinned_env
+from autoprec.study._loop import interrupts_held
+from autoprec.study._studies import CLAIM_ATTR, RECORD_ATTR
+from autoprec.study._workers import pinned_env
 from autoprec.tracking import KEY_TAG, mlflow_client
 
 TASKS = Path(__file__).with_name("contract_tasks.py")

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from autoprec import Policy, Rule
-from autoprec._files import atomic_file, open_log, write_atomic
+from autoprec._util.files import atomic_file, open_log, write_atomic
 from autoprec.errors import WriteError, redact
 from autoprec.exports import ExportError, export_policy
 from autoprec.tasks import load_task
@@ -368,7 +368,7 @@ def test_a_file_size_limit_is_a_write_error_too(tmp_path):
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
-from autoprec._files import write_atomic
+from autoprec._util.files import write_atomic
 from autoprec.errors import WriteError
 try:
     write_atomic({str(tmp_path / "big.bin")!r}, b"x" * 100_000)
@@ -438,7 +438,7 @@ def test_redact_hides_tokens_and_keys(url, secret):
 )
 def test_the_settings_written_down_hold_no_secret(url):
     """summary.json's settings and the MLflow parent run's params are the public ones."""
-    from autoprec.search.config import SearchConfig
+    from autoprec.study.config import SearchConfig
 
     storage = STORAGE if url.startswith("http") else url  # Optuna's: a database URL
     public = SearchConfig(storage=storage, tracking_uri=url).public()
@@ -514,7 +514,7 @@ def test_fp8_export_for_the_npu_is_refused_in_one_line(tmp_path):
 
 
 def test_outputs_recorded_before_a_token_was_redacted_still_continue():
-    from autoprec.search._identity import StudyIdentity, refuse_other_storage
+    from autoprec.study._identity import StudyIdentity, refuse_other_storage
 
     url = "postgresql://autoprec@db.example/optuna"
     recorded = StudyIdentity(url, "id")  # as summary.json recorded it before

@@ -1,5 +1,5 @@
 """A task that fails late in fp16 by underflow, and only there (tests of the long
-confirmation, `autoprec.search.confirm`). Imports nothing from the tests, so that a
+confirmation, `autoprec.study.confirm`). Imports nothing from the tests, so that a
 separate command can load it by path (``tests/underflow_task.py:underflow_task``).
 
 Mechanism: a soft assignment of features to fixed centroids by a Gaussian kernel whose

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from autoprec._structures import map_tensors, tensors
+from autoprec._util.structures import map_tensors, tensors
 from autoprec.errors import TaskError
 
 

@@ -1,7 +1,7 @@
 """FSDP2 under a policy: one ``fully_shard`` unit per block, each unit's
 ``MixedPrecisionPolicy`` taken from the policy's dtypes.
 
-- **Units follow blocks**, as the automatic groups do (`autoprec.autogroups`): each
+- **Units follow blocks**, as the automatic groups do (`autoprec.profile.autogroups`): each
   repeated block is a unit, the rest of the model is the root unit. A unit's
   ``param_dtype`` is the dtype that most of its parameters run in under the policy, so
   that its all-gather moves that dtype.
@@ -18,7 +18,7 @@
 - **Gradients are reduced in fp32** by default (``reduce_dtype``); bf16 halves their
   traffic at some accuracy risk, which is the trial's to measure.
 
-The policy's own regions (`autoprec.precision`) are installed first and stay: autocast
+The policy's own regions (`autoprec.precision.hooks`) are installed first and stay: autocast
 still decides what each op computes in, the units decide what the weights are gathered
 and reduced in.
 """
@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autoprec.autogroups import _blocks
 from autoprec.dtypes import TORCH_DTYPES, below_fp32
 from autoprec.errors import PolicyError
-from autoprec.plan import own_parameters
 from autoprec.policy import REDUCE_DTYPES
+from autoprec.precision.plan import own_parameters
+from autoprec.profile.autogroups import _blocks
 
 if TYPE_CHECKING:
     from autoprec.devices import Backend
     from autoprec.policy import Policy
-    from autoprec.precision import Precision
+    from autoprec.precision.hooks import Precision
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoprec._files import open_log, write_atomic
+from autoprec._util.files import open_log, write_atomic
 from autoprec.devices import parse_devices, visible_devices_env
 from autoprec.errors import AutoprecError, first_line
-from autoprec.trials.base import TrialState
+from autoprec.trials.base import TRIAL_TIMEOUT_FACTOR, TRIAL_TIMEOUT_MIN_S, TrialState
 from autoprec.trials.training import TrainingTrials, TrialResult
 
 if TYPE_CHECKING:
@@ -538,8 +538,6 @@ class LaunchedTrials(TrainingTrials):
         sets it (25x its trial, at least 300 s) where no ``--trial-timeout`` was given."""
         plan = self.plan
         if plan.default_limit:
-            from autoprec.search._session import TRIAL_TIMEOUT_FACTOR, TRIAL_TIMEOUT_MIN_S
-
             limit_s = max(TRIAL_TIMEOUT_MIN_S, TRIAL_TIMEOUT_FACTOR * baseline.run_time_s)
             plan = replace(plan, limit_s=limit_s, default_limit=False)
         if early_stopping and isinstance(baseline, TrialResult):
@@ -596,10 +594,16 @@ def _refused(path: Path) -> bool:
         return False
 
 
+def trial_result_from_json(path: str | Path) -> TrialResult:
+    """The `TrialResult` rank 0 wrote to ``path`` (the launcher's side of the interface)."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or "state" not in data:
+        raise AutoprecError(f"{path}: not a trial result written by autoprec.distributed.rank")
+    return TrialResult.from_dict(data)
+
+
 def read_result(path: Path) -> TrialResult:
     """The trial's result as its ranks wrote it (a damaged file: a failed trial)."""
-    from autoprec.distributed.rank import trial_result_from_json
-
     try:
         return trial_result_from_json(path)
     except (AutoprecError, ValueError, TypeError) as error:

@@ -20,11 +20,11 @@ from autoprec.distributed.collectives import max_over_ranks, mean_over_ranks
 from autoprec.distributed.data import rank_train_data
 from autoprec.distributed.fsdp import ShardUnit, shard_model
 from autoprec.errors import AutoprecError
-from autoprec.observe import first_floating_dtype
-from autoprec.plan import parameterised_leaves
+from autoprec.numerics.observe import first_floating_dtype
+from autoprec.precision.plan import parameterised_leaves
 
 if TYPE_CHECKING:
-    from autoprec.precision import Precision
+    from autoprec.precision.hooks import Precision
     from autoprec.tasks import Task
 
 PARALLEL_MODES = ("ddp", "fsdp2")

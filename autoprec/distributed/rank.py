@@ -32,7 +32,8 @@ The interface between the launcher (`autoprec.distributed.launch`) and the ranks
   ``reduce_dtype`` and ``ranks``, one record per rank (its device, step time, peak
   memory, final loss scale, and whether its layers ran in the dtypes the policy resolves
   for them, with the mismatches). The same record is in the result's
-  ``telemetry["distributed"]``. `trial_result_from_json` reads the file back.
+  ``telemetry["distributed"]``. `autoprec.distributed.launch.trial_result_from_json` reads
+  the file back.
 - **Exit code**: 0 when the trial ran to a result on every rank, whatever that result
   (complete, pruned on a non-finite loss, failed by its metric). Non-zero when a rank
   raised or could not start: that rank writes a failed result with its reason to
@@ -67,7 +68,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoprec._files import write_atomic
+from autoprec._util.files import write_atomic
 from autoprec.devices import get_backend
 from autoprec.distributed.collectives import gather_records
 from autoprec.distributed.launch import AGENT_PID_ENV
@@ -82,14 +83,6 @@ from autoprec.trials.training import Budget, EarlyStopping, TrialResult, _train_
 DEFAULT_TIMEOUT_S = 1800.0
 PR_SET_PDEATHSIG = 1  # prctl(2)
 MAX_LISTED_LEAVES = 64  # of the observed dtypes, per rank, in the result
-
-
-def trial_result_from_json(path: str | Path) -> TrialResult:
-    """The `TrialResult` rank 0 wrote to ``path`` (the launcher's side of the interface)."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or "state" not in data:
-        raise AutoprecError(f"{path}: not a trial result written by autoprec.distributed.rank")
-    return TrialResult.from_dict(data)
 
 
 def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""One trial's telemetry from the telemetry of its ranks (`autoprec.telemetry`).
+"""One trial's telemetry from the telemetry of its ranks (`autoprec.numerics.telemetry`).
 
 Each rank counts what it saw: the activations of its own slice of the batch, and the
 gradients it holds. Under DDP those gradients are the same on every rank (all-reduced), so

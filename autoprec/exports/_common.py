@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autoprec import Policy
-from autoprec._files import write_atomic
+from autoprec._util.files import write_atomic
 from autoprec.dtypes import LOW_PRECISION
 from autoprec.errors import ExportError, ExportWarning
 

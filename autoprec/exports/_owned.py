@@ -15,8 +15,8 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from autoprec._digest import file_sha256
-from autoprec._files import write_atomic
+from autoprec._util.digest import file_sha256
+from autoprec._util.files import write_atomic
 from autoprec.exports._common import ExportError, out_folder
 
 RECORD_FILE = ".autoprec-export.json"

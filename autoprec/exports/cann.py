@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from autoprec import Policy
-from autoprec._files import atomic_file
+from autoprec._util.files import atomic_file
 from autoprec.errors import WriteError
 from autoprec.exports._common import (
     ExportError,
@@ -39,7 +39,7 @@ from autoprec.exports._common import (
     write,
 )
 from autoprec.exports._owned import export_folder, record_written
-from autoprec.inference.logits_path import serving_defaults
+from autoprec.serving.logits_path import serving_defaults
 
 MODEL_FILE = "model.onnx"
 KEEP_FILE = "keep_dtype.cfg"

@@ -48,7 +48,7 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
-from autoprec.fp8 import FP8_DIM_MULTIPLE
+from autoprec.precision.fp8 import FP8_DIM_MULTIPLE
 
 TORCHTITAN_FILE = "float8_torchtitan.toml"
 TORCHAO_FILE = "float8_torchao.py"

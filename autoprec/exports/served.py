@@ -6,7 +6,7 @@ writes both ways to it:
 - ``program.pt2``: the converted model's logits path as a ``torch.export`` program (batch
   size free where the model allows, every other dimension as in the example): it takes
   the model's inputs by the model's names and returns its logits, computed as the MLflow
-  model computes them (`autoprec.inference.logits_path`: no key/value cache, so that a
+  model computes them (`autoprec.serving.logits_path`: no key/value cache, so that a
   decoder-only LM's ``DynamicCache`` does not stop the export; an encoder-decoder's decoder
   started from its start token). It loads with ``torch.export.load`` alone: no autoprec,
   no model class. Checked at export time against the converted model on the example;
@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from autoprec import Policy
-from autoprec._files import atomic_file
-from autoprec._structures import map_tensors, tensors, to_device
+from autoprec._util.files import atomic_file
+from autoprec._util.structures import map_tensors, tensors, to_device
 from autoprec.devices import get_backend
 from autoprec.errors import first_line
 from autoprec.exports._common import (
@@ -53,8 +53,8 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
-from autoprec.inference.convert import has_torch_dynamic_int8
-from autoprec.inference.logits_path import LogitsPath
+from autoprec.serving.conversion import has_torch_dynamic_int8
+from autoprec.serving.logits_path import LogitsPath
 
 PROGRAM_FILE = "program.pt2"
 WEIGHTS_FILE = "fp32.pt"
@@ -78,7 +78,7 @@ def export_model(
     (fp32, trained) on ``device`` as ``policy`` says, int8 layers by ``int8`` (default: the
     device's method). ``example`` is one input batch; without one, no program is written.
     ``task`` (a task's name or file) lets ``load_model.py`` build the model itself."""
-    from autoprec.inference.convert import convert_policy
+    from autoprec.serving.conversion import convert_policy
 
     require(model, "a model (the trained fp32 module)", "model")
     assert model is not None
@@ -184,7 +184,7 @@ def _deviation(
 
 
 def _int8_method(policy: Policy, model: nn.Module, kind: str, int8: str | None) -> str | None:
-    from autoprec.inference.convert import default_int8_method
+    from autoprec.serving.conversion import default_int8_method
 
     if "int8" not in policy.resolve_inference(model).values():
         return None

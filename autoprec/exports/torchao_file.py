@@ -11,7 +11,7 @@ this file, and transformers' Conv1D layers (GPT-2), which torchao's int8 handler
 take, too: the warning and the file's header name them; the ``model`` format serves the
 whole policy. The int8 method is the one the policy records (the search measured it), else
 the device's default, as the served model takes it; its torchao config comes from the one
-registry of quantizers (`autoprec.quantizers`), as the fp8 layers' (``FP8_LAYERS``, with
+registry of quantizers (`autoprec.serving.quantizers`), as the fp8 layers' (``FP8_LAYERS``, with
 ``Float8WeightOnlyConfig`` or ``Float8DynamicActivationFloat8WeightConfig``, the method the
 policy records, else the device's): ``torchao-weight-only`` is
 ``Int8WeightOnlyConfig``, ``torchao-dynamic`` ``Int8DynamicActivationInt8WeightConfig``, and
@@ -40,8 +40,8 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
-from autoprec.fp8_serving import default_fp8_method
-from autoprec.quantizers import INT8_METHODS, QUANTIZERS, Quantizer, default_int8_method
+from autoprec.serving.fp8 import default_fp8_method
+from autoprec.serving.quantizers import INT8_METHODS, QUANTIZERS, Quantizer, default_int8_method
 
 CONFIG_FILE = "torchao_config.py"
 FILES = (CONFIG_FILE, POLICY_FILE)

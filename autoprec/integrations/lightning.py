@@ -1,9 +1,10 @@
 """A policy as a Lightning precision plugin: ``Trainer(plugins=[PolicyPrecision(policy)])``.
 
 The plugin applies the policy's regions to the LightningModule (or to the searched model it
-holds, `autoprec._placement`), runs every step (training, validation, test, predict) in the
-policy's autocast, scales the loss, unscales gradients before Lightning clips them, skips the
-optimizer step when they overflowed, and carries the loss-scale state in the checkpoint.
+holds, `autoprec.precision._placement`), runs every step (training, validation, test,
+predict) in the policy's autocast, scales the loss, unscales gradients before Lightning clips
+them, skips the optimizer step when they overflowed, and carries the loss-scale state in the
+checkpoint.
 `PolicyFabricPrecision` does the same for Fabric.
 
 Master weights stay fp32, so the plugin reports Lightning's ``precision="32-true"``. Written
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from autoprec import Policy, Precision
-from autoprec._structures import cast_floats
+from autoprec._util.structures import cast_floats
 
 try:
     import lightning.pytorch as pl

@@ -27,7 +27,7 @@ from autoprec.report.serving import (
 )
 from autoprec.report.text import front_table, text_table
 from autoprec.report.training import training_view
-from autoprec.search.summary_schema import Summary, as_summary
+from autoprec.study.summary_schema import Summary, as_summary
 
 __all__ = [
     "ANCHOR_ORDER",
@@ -71,7 +71,7 @@ def render_report(
 ) -> list[Path]:
     """Write report.html (self-contained: plots embedded) and the PNG plots beside it, in
     the view of the study's mode. No folder below ``within`` (the runs folder, where the
-    CLI writes) is followed where it is a link (see `autoprec._files`)."""
+    CLI writes) is followed where it is a link (see `autoprec._util.files`)."""
     typed = as_summary(summary)
     return render_page(typed, out_dir, VIEWS[typed.mode], within)
 

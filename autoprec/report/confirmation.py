@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 
 from autoprec.report.page import cell, html_table
-from autoprec.search.summary_schema import Summary
+from autoprec.study.summary_schema import Summary
 
 HEADER = [
     "candidate",

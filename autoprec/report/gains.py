@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoprec.search.summary_schema import CONFIRMED_TIME, Entry, Summary, as_summary
 from autoprec.selection import TIME_TIE
+from autoprec.study.summary_schema import CONFIRMED_TIME, Entry, Summary, as_summary
 
 DEVICE_WORDS = {"cpu": "CPU", "cuda": "GPU", "npu": "NPU"}
 TIME_PREFERENCES = ("speed", "latency", "throughput")

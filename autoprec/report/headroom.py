@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from autoprec.forecast import (
+from autoprec.numerics.forecast import (
     DTYPE_RANGES,
     FORECAST_MULTIPLE,
     MOVING,
@@ -17,7 +17,7 @@ from autoprec.forecast import (
     Headroom,
 )
 from autoprec.report.plots import saved
-from autoprec.search.summary_schema import Entry, Summary, as_summary
+from autoprec.study.summary_schema import Entry, Summary, as_summary
 
 MAX_CHARTS = 6  # layers charted
 MAX_LINES = 5  # trials at risk named on the console

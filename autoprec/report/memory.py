@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 
 from autoprec.report.page import cell, html_table
-from autoprec.search.summary_schema import Entry
+from autoprec.study.summary_schema import Entry
 
 PARTS = ("weights", "gradients", "optimizer_state", "activations")
 HEADER = ["policy", "weights MB", "gradients MB", "optimizer state MB", "activations MB"]

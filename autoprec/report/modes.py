@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoprec.search.summary_schema import Summary
+from autoprec.study.summary_schema import Summary
 
 DTYPE_COLOURS = {"fp32": "#4c72b0", "bf16": "#55a868", "fp16": "#dd8452", "fp8": "#c44e52"}
 SERVING_DTYPE_COLOURS = {**DTYPE_COLOURS, "int8": "#8172b3"}

@@ -12,12 +12,12 @@ from typing import Any
 
 import yaml
 
-from autoprec._files import make_folder, write_atomic
-from autoprec.emulation import emulated_mark, emulated_note
+from autoprec._util.files import make_folder, write_atomic
+from autoprec.precision.emulation import emulated_mark, emulated_note
 from autoprec.report.gains import gains_line
 from autoprec.report.modes import mode_text
-from autoprec.search.summary_schema import Best, Entry, Summary, as_summary
 from autoprec.space import policy_label
+from autoprec.study.summary_schema import Best, Entry, Summary, as_summary
 
 # A view: a mode's plots and the report's body, written into the folder given.
 View = Callable[[Summary, Path], tuple[list[Path], str]]
@@ -38,7 +38,7 @@ def render_page(
 ) -> list[Path]:
     """Write report.html (self-contained: plots embedded) around ``view``'s body, and the
     view's PNG plots beside it. No folder below ``within`` (the runs folder, where the
-    CLI writes) may be a link (see `autoprec._files`)."""
+    CLI writes) may be a link (see `autoprec._util.files`)."""
     make_folder(out_dir, within)
     plots, body = view(summary, out_dir)
     study = html.escape(summary.study)
@@ -199,7 +199,7 @@ def render_comparison(
     chosen policy of each (one row where fp32 was chosen, the chosen row marked), and their
     fronts in one plot. A training study's time is its step time, a serving study's its
     latency at its batch size: each in a column of its own. No folder below ``within`` may
-    be a link (see `autoprec._files`)."""
+    be a link (see `autoprec._util.files`)."""
     import matplotlib
 
     from autoprec.report.plots import png_bytes

@@ -7,9 +7,9 @@ import io
 from pathlib import Path
 from typing import Any
 
-from autoprec._files import write_atomic
+from autoprec._util.files import write_atomic
 from autoprec.report.modes import SERVING_DTYPE_COLOURS, mode_text
-from autoprec.search.summary_schema import BatchBest, Entry, Summary, as_summary
+from autoprec.study.summary_schema import BatchBest, Entry, Summary, as_summary
 
 ANCHOR_ORDER = (
     "uniform-fp16",

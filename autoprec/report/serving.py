@@ -8,7 +8,6 @@ import html
 from pathlib import Path
 from typing import Any
 
-from autoprec.inference.scenarios import SCENARIOS
 from autoprec.report.gains import speed_words
 from autoprec.report.page import (
     cell,
@@ -24,15 +23,16 @@ from autoprec.report.page import (
 )
 from autoprec.report.plots import plot_batch_latency, plot_dtype_map, plot_front
 from autoprec.report.text import fmt, text_table
-from autoprec.search.summary_schema import (
+from autoprec.selection import TIME_TIE
+from autoprec.serving.scenarios import SCENARIOS
+from autoprec.space import policy_label
+from autoprec.study.summary_schema import (
     CONFIRMED_TIME,
     Entry,
     Serving,
     Summary,
     as_summary,
 )
-from autoprec.selection import TIME_TIE
-from autoprec.space import policy_label
 
 # The rows of the practitioner's benchmark besides fp32 (the baseline): the uniform anchors
 # and the classic recipe, in that order, as a serving study names them.
@@ -204,7 +204,7 @@ def batch_latencies(summary: Summary | dict[str, Any]) -> dict[str, dict[int, fl
 
     From each entry's ``latency_by_batch_ms`` where the summary holds it; else from what
     it does hold: every entry's latency at the scenario's batch size, and fp32's and each
-    batch size's best one at every size (`autoprec.search.summary.by_batch_size`)."""
+    batch size's best one at every size (`autoprec.study.summary.by_batch_size`)."""
     summary = as_summary(summary)
     main = summary.batch_size
     found: dict[str, dict[int, float]] = {}

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoprec.emulation import emulated_mark, emulated_note
+from autoprec.precision.emulation import emulated_mark, emulated_note
 from autoprec.report.gains import closest_entry
 from autoprec.report.modes import mode_text
-from autoprec.search.summary_schema import Summary, as_summary
 from autoprec.space import policy_label
+from autoprec.study.summary_schema import Summary, as_summary
 
 
 def text_table(rows: list[list[str]]) -> str:

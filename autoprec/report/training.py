@@ -20,7 +20,7 @@ from autoprec.report.page import (
     verdict_cells,
 )
 from autoprec.report.plots import anchor_rank, plot_dtype_map, plot_front
-from autoprec.search.summary_schema import Entry, Summary
+from autoprec.study.summary_schema import Entry, Summary
 
 METRIC_HEADER = [
     "policy",

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec._structures import (
+from autoprec._util.structures import (
     cast_floats,
     describe,
     first_tensor,
@@ -135,7 +135,7 @@ class Task:
     - ``checkpoint``: a file of trained fp32 weights (a state dict), which a serving search
       (``--mode inference``) converts instead of training the model itself.
     - ``compile``: train every trial under ``torch.compile`` (as ``--compile`` asks;
-      `autoprec.compiled`), for a model that is trained compiled.
+      `autoprec.trials.compiled`), for a model that is trained compiled.
     """
 
     name: str

@@ -8,68 +8,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from functools import cache
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from autoprec.tasks.base import IGNORE_INDEX, Task
+from autoprec.tasks.digits import BATCH_SIZE, Batch, batches, digits, digits_data
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-BATCH_SIZE = 64
-VAL_SHARE = 0.2
 RESNET_BATCH = 32
 # BatchNorm statistics that follow the weights within a short trial, for evaluation.
 RESNET_BN_MOMENTUM = 0.3
-
-
-@cache
-def _digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    images = torch.tensor(data.images / 16.0, dtype=torch.float32)  # values in [0, 1]
-    labels = torch.tensor(data.target, dtype=torch.long)
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-    n_val = int(len(labels) * VAL_SHARE)
-    val, train = order[:n_val], order[n_val:]
-    return images[train], labels[train], images[val], labels[val]
-
-
-def _batches(
-    inputs: torch.Tensor, targets: torch.Tensor, seed: int, batch_size: int
-) -> Iterator[Batch]:
-    """Shuffled batches, a new permutation every epoch, forever."""
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        order = torch.randperm(len(targets), generator=generator)
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            index = order[start : start + batch_size]
-            yield inputs[index], targets[index]
-
-
-def digits_data(
-    flatten: bool, input_scale: float = 1.0, batch_size: int = BATCH_SIZE
-) -> tuple[Callable[[int], Iterator[Batch]], Callable[[], list[Batch]]]:
-    """train_data and val_data callables for the digits split, as flat vectors or images,
-    with pixel values in [0, input_scale]."""
-
-    def shape(images: torch.Tensor) -> torch.Tensor:
-        images = images * input_scale
-        return images.reshape(len(images), -1) if flatten else images.unsqueeze(1)
-
-    def train_data(seed: int) -> Iterator[Batch]:
-        x, y, _, _ = _digits()
-        return _batches(shape(x), y, seed, batch_size)
-
-    def val_data() -> list[Batch]:
-        _, _, x, y = _digits()
-        x = shape(x)
-        return [(x[i : i + 256], y[i : i + 256]) for i in range(0, len(y), 256)]
-
-    return train_data, val_data
 
 
 def mlp(hidden: int = 256) -> nn.Module:
@@ -341,12 +290,12 @@ def fp8_outliers() -> Task:
     """
 
     def train_data(seed: int) -> Iterator[Batch]:
-        x, y, _, _ = _digits()
-        for batch_x, batch_y in _batches(x, y, seed, BATCH_SIZE):
+        x, y, _, _ = digits()
+        for batch_x, batch_y in batches(x, y, seed, BATCH_SIZE):
             yield _with_markers(batch_x, batch_y)
 
     def val_data() -> list[Batch]:
-        _, _, x, y = _digits()
+        _, _, x, y = digits()
         return [_with_markers(x[i : i + 256], y[i : i + 256]) for i in range(0, len(y), 256)]
 
     return Task("fp8-outliers", SinkMLP, train_data, val_data, F.cross_entropy)

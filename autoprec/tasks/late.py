@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from autoprec.tasks.base import Task
+from autoprec.tasks.digits import digits_data
 
 LATE_TEMPERATURE = 1e4  # logits = head output / temperature
 LATE_HIDDEN = 128
@@ -53,8 +54,6 @@ def _adam(params: object) -> torch.optim.Optimizer:
 def late_overflow() -> Task:
     """Late overflow: the head's outputs grow under training and pass fp16's 65504 after
     the trial has ended (see the module's docstring)."""
-    from autoprec.tasks.builtin import digits_data
-
     train_data, val_data = digits_data(flatten=True)
     return Task(
         "late-overflow", TemperedMLP, train_data, val_data, F.cross_entropy, optimizer=_adam

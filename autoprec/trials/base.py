@@ -5,7 +5,7 @@ A mode of search (training, serving, and next fp8 or trials across several devic
 one `Trials` implementation: everything that differs between modes sits behind this
 protocol, so that the search loop, the session, the records and the tracker never ask
 which mode they are in. This module depends on nothing of autoprec but the device
-backend, so that results (in `autoprec.inference.measure` too) can build on it.
+backend, so that results (in `autoprec.serving.measure` too) can build on it.
 """
 
 from __future__ import annotations
@@ -28,11 +28,15 @@ if TYPE_CHECKING:
 
     from autoprec.devices import Backend
     from autoprec.policy import Policy
-    from autoprec.profile import Profile
+    from autoprec.profile.sensitivity import Profile
     from autoprec.space import SearchSpace
 
 R = TypeVar("R", bound="Result")
 # Timed units (training steps, or forwards) per candidate and round of a side-by-side.
+# Default per-trial time limit: this many times the fp32 baseline's trial, at least
+# TRIAL_TIMEOUT_MIN_S (fp16 can be 20x slower than fp32 where it has no native kernels).
+TRIAL_TIMEOUT_FACTOR = 25
+TRIAL_TIMEOUT_MIN_S = 300.0
 SIDE_BY_SIDE_BLOCK = 20
 
 

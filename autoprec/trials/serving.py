@@ -24,23 +24,25 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from autoprec._digest import file_sha256
-from autoprec._files import atomic_file
+from autoprec._util.digest import file_sha256
+from autoprec._util.files import atomic_file
 from autoprec.devices import DTYPES, Backend
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
-from autoprec.fp8_serving import (
-    FP8_SERVING_METHODS,
-    default_fp8_method,
-    fp8_serving_refusal,
-    search_refusal,
-)
-from autoprec.inference.convert import (
+from autoprec.policy import Policy
+from autoprec.precision.plan import low_precision_share
+from autoprec.serving.conversion import (
     convert,
     convert_policy,
     default_int8_method,
     int8_unavailable_reason,
 )
-from autoprec.inference.measure import (
+from autoprec.serving.fp8 import (
+    FP8_SERVING_METHODS,
+    default_fp8_method,
+    fp8_serving_refusal,
+    search_refusal,
+)
+from autoprec.serving.measure import (
     TIMED_CALLS,
     WARMUP_CALLS,
     InferenceResult,
@@ -51,10 +53,8 @@ from autoprec.inference.measure import (
     measure_inference,
     timing_batch,
 )
-from autoprec.inference.scenarios import AS_SELECTION, SERVING_PREFERENCES, Scenario, scenario
-from autoprec.plan import low_precision_share
-from autoprec.policy import Policy
-from autoprec.quantizers import INT8_METHODS
+from autoprec.serving.quantizers import INT8_METHODS
+from autoprec.serving.scenarios import AS_SELECTION, SERVING_PREFERENCES, Scenario, scenario
 from autoprec.settings import SERVING, ServingSettings, options
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch, refuse_nan_outputs
@@ -70,7 +70,7 @@ from autoprec.trials.base import (
 from autoprec.trials.training import Budget, train_fp32
 
 if TYPE_CHECKING:
-    from autoprec.profile import Profile
+    from autoprec.profile.sensitivity import Profile
     from autoprec.space import SearchSpace
 
 FP32_CHECKPOINT = "fp32.pt"
@@ -86,9 +86,9 @@ class ServingConfig(ServingSettings):
     and ``batch_sizes`` (``"1,8,64"``: measured too) overriding it, the fp32 weights from
     ``checkpoint`` (else the task's, else trained once for the search's ``steps`` and kept
     as runs/<study>/fp32.pt), and ``int8`` (``auto``: where the device has kernels;
-    ``off``; or a method of `autoprec.inference.INT8_METHODS`), and ``fp8`` likewise
+    ``off``; or a method of `autoprec.serving.INT8_METHODS`), and ``fp8`` likewise
     (``auto``: where the device serves fp8, on the CPU only with ``--emulate fp8``;
-    ``off``; or a method of `autoprec.fp8_serving.FP8_SERVING_METHODS`). Checked when
+    ``off``; or a method of `autoprec.serving.fp8.FP8_SERVING_METHODS`). Checked when
     made."""
 
     def __post_init__(self) -> None:
@@ -488,7 +488,7 @@ class ServingTrials:
 
     def profile(self, seed: int) -> Profile:
         """The trained model's risks (trains nothing: it serves)."""
-        from autoprec.profile import profile_task
+        from autoprec.profile.sensitivity import profile_task
 
         model, _ = self._loaded()
         return profile_task(self.task, self.backend, seed=seed, model=model, steps=0)
@@ -545,7 +545,7 @@ class ServingTrials:
     ) -> dict[str, Any] | None:
         """The chosen model saved as an MLflow model and logged on the parent run; where
         it cannot be, one warning and the reason in the summary."""
-        from autoprec.inference.mlflow_model import PICKLE_NOTE
+        from autoprec.serving.mlflow_model import PICKLE_NOTE
 
         folder, said = save_served_model(self, policy, out_dir, task_spec)
         if folder is None:
@@ -574,7 +574,7 @@ def save_served_model(
     or None and the reason it could not be saved. ``task_spec`` (the task's name or file)
     lets a model that does not export be rebuilt at load rather than pickled."""
     from autoprec.devices import get_backend
-    from autoprec.inference.mlflow_model import save_mlflow_model
+    from autoprec.serving.mlflow_model import save_mlflow_model
 
     cpu = get_backend("cpu")
     int8 = trials.serving.int8

@@ -23,27 +23,25 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from autoprec._structures import cast_floats
-from autoprec.compiled import Compilation, fresh_compiler
+from autoprec._util.structures import cast_floats
 from autoprec.devices import DTYPES, Backend
-from autoprec.emulation import emulated_dtypes
 from autoprec.errors import AutoprecError, PolicyError, TaskError, first_line
-from autoprec.first_events import OVERFLOW, FirstEvents, diagnose_forward
-from autoprec.forecast import (
+from autoprec.numerics.first_events import OVERFLOW, FirstEvents, diagnose_forward
+from autoprec.numerics.forecast import (
     Forecast,
     default_train_steps,
     forecast,
     forecast_brief,
     with_headroom,
 )
-from autoprec.observe import observed_dtypes, watch_task
+from autoprec.numerics.observe import observed_dtypes, watch_task
+from autoprec.numerics.telemetry import GradientMonitor
 from autoprec.policy import Policy, share_of_parameters
-from autoprec.precision import Precision
+from autoprec.precision.emulation import emulated_dtypes
+from autoprec.precision.hooks import Precision
 from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch
-from autoprec.telemetry import GradientMonitor
-from autoprec.trial_schedule import trial_schedule_settings
 from autoprec.trials.base import (
     SIDE_BY_SIDE_BLOCK,
     Choice,
@@ -55,6 +53,8 @@ from autoprec.trials.base import (
     run_with_time_limit,
     time_side_by_side,
 )
+from autoprec.trials.compiled import Compilation, fresh_compiler
+from autoprec.trials.schedule import trial_schedule_settings
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-    from autoprec.profile import Profile
+    from autoprec.profile.sensitivity import Profile
     from autoprec.space import SearchSpace
 
 # With loss scaling, a few non-finite losses in a row are survivable: the scaler skips
@@ -614,8 +614,8 @@ class _Run:
     def _optimizer_states(self, result: TrialResult) -> None:
         """The states' bytes as stored, and where a quantised state collapsed (a second
         moment stored as zero under a nonzero first), the parameter and the mechanism."""
-        from autoprec.optimizer_state import optimizer_state_nbytes
-        from autoprec.state_health import state_health
+        from autoprec.numerics.state_health import state_health
+        from autoprec.optim.state import optimizer_state_nbytes
 
         result.optimizer_state_mb = optimizer_state_nbytes(self.optimizer) / 2**20
         health = state_health(self.model, self.optimizer)
@@ -1052,7 +1052,7 @@ class TrainingTrials:
         """Nothing to ready: every trial trains from the task's initial weights."""
 
     def profile(self, seed: int) -> Profile:
-        from autoprec.profile import profile_task
+        from autoprec.profile.sensitivity import profile_task
 
         return profile_task(self.task, self.backend, seed=seed, steps=3)
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from autoprec.forecast import Forecast
+from autoprec.numerics.forecast import Forecast
 from autoprec.policy import LossScale, Policy, Rule
 from autoprec.trials.base import TrialState
 

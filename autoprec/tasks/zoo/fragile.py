@@ -359,7 +359,7 @@ KERNEL_GAMMA0 = 0.5
 
 
 def _prototypes(count: int) -> torch.Tensor:
-    from autoprec.tasks.builtin import _digits
+    from autoprec.tasks.digits import digits as _digits
 
     x, _, _, _ = _digits()
     generator = torch.Generator().manual_seed(3)

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec._structures import tensors
+from autoprec._util.structures import tensors
 from autoprec.devices import get_backend
 from autoprec.errors import first_line
-from autoprec.observe import watch_task
+from autoprec.numerics.observe import watch_task
 from autoprec.policy import Policy
 from autoprec.tasks.base import Task
 from autoprec.trials.training import _draw, _evaluate, _train_step

@@ -1,0 +1,2 @@
+"""Private helpers shared across autoprec: files, names, digests, nested structures and
+child servers."""

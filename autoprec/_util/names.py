@@ -1,0 +1,40 @@
+"""The names the ``autoprec`` command offers before it runs anything: built-in tasks, export
+formats, serving methods, samplers and the default stores.
+
+They live here, away from the registries that define them (which import torch, MLflow and
+Optuna), so that ``autoprec --version`` and every ``--help`` answer without importing any of
+those. tests/test_cli_help.py checks each name list against its registry.
+"""
+
+from __future__ import annotations
+
+# autoprec.tasks.BUILTIN_TASKS, in its order, and autoprec.tasks.DEFAULT_TASK
+BUILTIN_TASK_NAMES = (
+    "digits-mlp",
+    "digits-cnn",
+    "digits-resnet",
+    "digits-overflow",
+    "digits-underflow",
+    "fp8-outliers",
+    "rare-features",
+    "late-overflow",
+    "tiny-gpt2",
+    "tiny-bert",
+    "tiny-llama",
+    "tiny-t5",
+)
+DEFAULT_TASK = "digits-mlp"
+# autoprec.exports.FORMATS
+EXPORT_FORMATS = ("yaml", "torch-npu", "cann", "transformers", "fp8", "model", "torchao")
+# autoprec.serving.quantizers.INT8_METHODS and autoprec.serving.fp8.FP8_SERVING_METHODS
+INT8_METHODS = ("dynamic", "torchao-dynamic", "torchao-weight-only")
+FP8_SERVING_METHODS = (
+    "torchao-fp8-weight-only",
+    "torchao-fp8-dynamic",
+    "torchao-fp8-dynamic-rowwise",
+)
+# autoprec.study.config's and autoprec.tracking's
+DEFAULT_STORAGE = "sqlite:///runs/optuna.db"
+DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"
+SAMPLERS = ("guided", "tpe", "nsga2", "random")
+HEARTBEAT_INTERVAL_S = 10

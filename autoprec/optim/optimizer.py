@@ -1,0 +1,258 @@
+"""The per-group optimizer a policy's ``optimizer`` section describes, built from the
+libraries' own classes.
+
+``policy.optimizer(model, torch.optim.AdamW, lr=1e-3)`` makes one optimizer per training
+state the policy names (`autoprec.optim.state`): the user's own class for fp32 states
+and fp32 masters, torchao's ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8`` (``Adam*`` for
+``torch.optim.Adam``) for the quantised kinds, and torchao's Adam step (``_AdamBase``, the
+code all of them share) with bf16 buffers for bf16 states and bf16 masters. They come back
+as one `PolicyOptimizer`, an ``torch.optim.Optimizer`` whose ``param_groups`` are theirs
+(so LR schedulers and loss scalers see every parameter) and whose ``step``, ``zero_grad``,
+``state_dict`` and ``load_state_dict`` go to each of them.
+
+torchao steps every parameter on its own through ``torch.compile(single_param_adam)``;
+the compiled code is cached on that function, so later optimizers (other trials in one
+process) reuse it where shapes, dtypes and state kinds repeat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.errors import PolicyError
+from autoprec.optim.state import OptimizerStates, TrainingState
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+_TORCHAO_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+
+
+def build_optimizer(
+    states: OptimizerStates,
+    model: nn.Module,
+    optimizer: type[torch.optim.Optimizer] | OptimizerFactory = torch.optim.AdamW,
+    **hyperparameters: Any,
+) -> PolicyOptimizer:
+    """One optimizer per training state over ``model``'s trainable parameters.
+
+    ``optimizer``: an optimizer class, called as ``optimizer(params, **hyperparameters)``,
+    or a factory ``(params) -> Optimizer`` (a task's); its class and defaults (lr, betas,
+    eps, weight decay, amsgrad) are what the torchao optimizers of the other groups take.
+    Parameters whose master is bf16 are stored in bf16 here, in place."""
+    assigned = states.assign(model)
+    parameters = dict(model.named_parameters())
+    by_state: dict[TrainingState, list[nn.Parameter]] = {}
+    for name, state in assigned.items():
+        by_state.setdefault(state, []).append(parameters[name])
+    reference = optimizer(list(parameters[n] for n in assigned), **hyperparameters)
+    parts: list[tuple[TrainingState, torch.optim.Optimizer]] = []
+    for state, params in by_state.items():
+        if state == TrainingState():
+            parts.append((state, optimizer(params, **hyperparameters)))
+            continue
+        if state.master == "bf16":
+            with torch.no_grad():
+                for param in params:
+                    param.data = param.data.to(torch.bfloat16)
+        parts.append((state, _torchao_optimizer(state, params, reference)))
+    return PolicyOptimizer(parts)
+
+
+def _torchao_optimizer(
+    state: TrainingState, params: list[nn.Parameter], reference: torch.optim.Optimizer
+) -> torch.optim.Optimizer:
+    import torchao.optim as ao
+
+    defaults = reference.defaults
+    if not isinstance(reference, torch.optim.Adam):
+        raise PolicyError(
+            f"optimizer.state {state.state}: quantised and bf16 states are Adam's and AdamW's "
+            f"(torchao); the task's optimizer is {type(reference).__name__}"
+        )
+    for flag in ("maximize", "differentiable"):
+        if defaults.get(flag):
+            raise PolicyError(f"optimizer: torchao's Adam has no {flag}=True")
+    adamw = isinstance(reference, torch.optim.AdamW) or bool(defaults.get("decoupled_weight_decay"))
+    kwargs = {key: defaults[key] for key in _TORCHAO_HYPERPARAMETERS if key in defaults}
+    if isinstance(kwargs.get("lr"), torch.Tensor):
+        kwargs["lr"] = float(kwargs["lr"])
+    kwargs["betas"] = tuple(float(b) for b in kwargs.get("betas", (0.9, 0.999)))
+    stochastic = state.master == "bf16"
+    quantised = {
+        "8bit": (ao.AdamW8bit, ao.Adam8bit),
+        "4bit": (ao.AdamW4bit, ao.Adam4bit),
+        "fp8": (ao.AdamWFp8, ao.AdamFp8),
+    }
+    if state.state in quantised:
+        cls = quantised[state.state][0 if adamw else 1]
+        return cls(params, **kwargs, bf16_stochastic_round=stochastic)
+    buffers = {"fp32": _Fp32StateAdam, "bf16": _Bf16StateAdam, "fp8-bf16": _Fp8Bf16StateAdam}
+    return buffers[state.state](params, adamw, stochastic, **kwargs)
+
+
+def _adam_base() -> type:
+    from autoprec.serving.quantizers import import_torchao
+
+    import_torchao()  # quietly: its import-time noise is not the user's to see
+    from torchao.optim.adam import _AdamBase
+
+    return _AdamBase
+
+
+class _BufferAdam(_adam_base()):  # type: ignore[misc]
+    """torchao's Adam step (``_AdamBase``) with the state buffers a subclass makes."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        adamw: bool,
+        bf16_stochastic_round: bool,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+    ) -> None:
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            block_size=256,
+            bf16_stochastic_round=bf16_stochastic_round,
+            is_adamw=adamw,
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, which casts plain state tensors to their parameter's dtype; these keep
+        theirs (fp32 moments of a bf16 master, bf16 moments of an fp32 one), as saved."""
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, values in state_dict["state"].items():
+            param = params[index]
+            for key, value in values.items():
+                if key != "step" and type(value) is torch.Tensor:
+                    self.state[param][key] = value.to(param.device, copy=True)
+
+
+class _Fp32StateAdam(_BufferAdam):
+    """fp32 moments whatever the parameter's dtype (a bf16 master keeps fp32 states)."""
+
+    def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+        return torch.zeros_like(p, dtype=torch.float32)
+
+
+class _Bf16StateAdam(_BufferAdam):
+    """Both moments in bf16 (torchao's step computes in fp32 and rounds them to nearest)."""
+
+    def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+        return torch.zeros_like(p, dtype=torch.bfloat16)
+
+
+class _Fp8Bf16StateAdam(_BufferAdam):
+    """MS-AMP O2-like: the first moment in torchao's blockwise fp8 (``OptimStateFp8``),
+    the second in bf16; tensors torchao would not quantise keep fp32 first moments."""
+
+    @staticmethod
+    def _subclass_zeros(p: torch.Tensor, signed: bool, block_size: int) -> torch.Tensor:
+        from torchao.optim.subclass_fp8 import OptimStateFp8
+
+        return OptimStateFp8.zeros(p.shape, block_size, p.device, dtype=p.dtype)
+
+    def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+        if signed:
+            return super()._new_buffer(p, signed)  # type: ignore[no-any-return]
+        return torch.zeros_like(p, dtype=torch.bfloat16)
+
+
+class _States(Mapping[Any, dict[str, Any]]):
+    """The parts' ``state`` as one read-only mapping (parameter -> its state)."""
+
+    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
+        self._parts = parts
+
+    def __getitem__(self, key: Any) -> dict[str, Any]:
+        for part in self._parts:
+            if key in part.state:
+                return part.state[key]
+        for part in self._parts:  # a parameter not stepped yet: {} as torch's defaultdict
+            if any(key is p for group in part.param_groups for p in group["params"]):
+                return part.state[key]
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        for part in self._parts:
+            yield from part.state
+
+    def __len__(self) -> int:
+        return sum(len(part.state) for part in self._parts)
+
+
+class PolicyOptimizer(torch.optim.Optimizer):
+    """Several optimizers, one per training state, seen as one: ``param_groups`` are
+    theirs (the same dicts, so a scheduler's lr reaches them), ``state`` is theirs read
+    together, and ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict`` go to
+    each. ``parts``: (training state, optimizer) pairs."""
+
+    def __init__(self, parts: list[tuple[TrainingState, torch.optim.Optimizer]]) -> None:
+        self.parts = parts
+        groups = [group for _, part in parts for group in part.param_groups]
+        super().__init__(groups, {})
+        self.state = _States([part for _, part in parts])  # type: ignore[assignment]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for _, part in self.parts:
+            part.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "parts": [
+                {"state": state.state, "master": state.master, "optimizer": part.state_dict()}
+                for state, part in self.parts
+            ]
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("parts") if isinstance(state_dict, dict) else None
+        here = [(state.state, state.master) for state, _ in self.parts]
+        found = [(p.get("state"), p.get("master")) for p in saved or [] if isinstance(p, dict)]
+        if saved is None or found != here:
+            raise PolicyError(
+                f"optimizer state_dict: saved for training states {found}, this optimizer "
+                f"has {here} (build it from the same policy and model)"
+            )
+        for (_, part), entry in zip(self.parts, saved, strict=True):
+            part.load_state_dict(entry["optimizer"])
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "parts") and len(self.param_groups) >= sum(
+            len(part.param_groups) for _, part in self.parts
+        ):
+            raise PolicyError(
+                "PolicyOptimizer: parameters are grouped by the policy; "
+                "add them to the model and build it again"
+            )
+        super().add_param_group(param_group)
+
+    def describe(self) -> list[str]:
+        """One line per part: its training state, its class and how many parameters."""
+        return [
+            f"{state.describe()}: {type(part).__module__}.{type(part).__name__}, "
+            f"{sum(p.numel() for g in part.param_groups for p in g['params'])} parameters"
+            for state, part in self.parts
+        ]

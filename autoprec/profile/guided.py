@@ -1,0 +1,418 @@
+"""Guided search: find the groups that must stay in higher precision in few trials.
+
+A strategy proposes the next policy (as Optuna parameters) from the trials finished so
+far and those running elsewhere; it keeps no state of its own, so a continued study or
+several workers sharing one get the same proposals from the same history, in any order.
+Pure: no Optuna objects, no MLflow.
+
+`GuidedStrategy`, given the groups ranked riskiest first (by a profile):
+
+1. seed: every group in one low dtype, for each low dtype the space allows (fp16 with
+   the dynamic loss scaling of the space's anchors; fp8 as the uniform-fp8 anchor has
+   it, the groups that cannot take fp8 in bf16 where they may);
+2. bisect: per low dtype, the one whose seed did better for the preference first, the
+   smallest k such that keeping the k riskiest groups in fp32 and the rest in that dtype
+   is feasible. k = n is all fp32, feasible by definition; a pruned or failed trial
+   counts as infeasible. The search gallops (k = 1, 2, 4, ...) and then halves the
+   bracket, as the few layers that must stay in fp32 are usually a small prefix:
+   about 2 log2(k) + 1 trials, never more than 2 log2(n) + 2. fp8 is bisected in the
+   profile's fp8 order (each Linear's fp8 deviation against bf16, `autoprec.numerics.fp8_risk`)
+   where it has one;
+3. refine: try to drop single groups from the kept set (the risk order is a ranking,
+   not an oracle), and, for fp16 and fp8 where the space also has bf16, to run the kept
+   groups in bf16
+   rather than fp32 (bf16 has fp32's range, so overflow-prone layers often survive in
+   it, and it halves their activation memory).
+
+When these are done, `propose` returns None and the caller hands the study to its
+multi-objective sampler, which tunes the rest and the loss scale.
+
+`FallbackStrategy` is the one-at-a-time fallback of Intel Neural Compressor, kept as a
+reference point for benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from autoprec.dtypes import FP8, LOW_PRECISION
+from autoprec.errors import AutoprecError, SpaceError
+from autoprec.selection import PREFER_METRICS, TRAINING_PREFERENCES, preference_score
+from autoprec.space import Group, SearchSpace, dtype_beside
+
+_HIGH_FIRST = ("fp32", "bf16", "fp16", FP8, "int8")
+# Low dtypes whose kept groups the refine phase tries in bf16 rather than fp32.
+_KEPT_IN_BF16 = ("fp16", FP8)
+Proposal = tuple[dict[str, Any], str]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A finished trial as a strategy sees it.
+
+    ``params`` are the trial's Optuna parameters (as `SearchSpace.suggest` or
+    `SearchSpace.uniform_params` produce them); ``state`` is "complete", "pruned" or
+    "failed"; ``feasible`` means completed with the accuracy drop within tolerance.
+    """
+
+    params: Mapping[str, Any]
+    state: str
+    feasible: bool
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    feasible: bool
+    metrics: Mapping[str, float]
+
+
+class _Strategy:
+    """What both strategies share: policies as dtype assignments, and what is known.
+
+    Given the model (and the device kind), policies are told apart by what a trial of
+    them measures (`Policy.identity`), so that two that run alike count as one; without
+    it, by each group's dtype."""
+
+    def __init__(
+        self, space: SearchSpace, model: nn.Module | None = None, device: Any = None
+    ) -> None:
+        self.space = space
+        self.model = model
+        self.device = device
+        self._keys: dict[str, str | None] = {}
+        self.groups: tuple[Group, ...] = space.groups
+        scaling = space.uniform_params("fp16")
+        self._fp16_scaling = {k: v for k, v in scaling.items() if k.startswith("loss_scale.")}
+
+    def propose(
+        self, history: Sequence[Observation], pending: Sequence[Mapping[str, Any]] = ()
+    ) -> Proposal | None:
+        """The next parameters to try and the phase that proposes them ("seed", "bisect",
+        "refine"; the fallback's "seed", "single", "accumulate"), or None when this
+        strategy has nothing to try now: it is done, or what it needs next runs elsewhere
+        (ask again once that finishes). Policies already measured (in ``history``) or
+        running elsewhere (in ``pending``) are never proposed."""
+        known: dict[str, _Outcome] = {}
+        for observation in history:
+            key = self._key(observation.params)
+            if key is None:
+                continue
+            feasible = observation.state == "complete" and bool(observation.feasible)
+            if key not in known or (feasible and not known[key].feasible):
+                known[key] = _Outcome(feasible, dict(observation.metrics))
+        busy = {self._key(params) for params in pending}
+        for params, phase in self._plan(known, busy):
+            key = self._key(params)
+            if key not in known and key not in busy:
+                return params, phase
+        return None
+
+    def _plan(self, known: dict[str, _Outcome], busy: set[str | None]) -> Iterator[Proposal]:
+        raise NotImplementedError
+
+    # -- policies as dtype assignments ----------------------------------------------------
+
+    def _params(self, dtypes: Mapping[str, str]) -> dict[str, Any]:
+        params: dict[str, Any] = {f"dtype.{g.name}": dtypes[g.name] for g in self.groups}
+        if "fp16" in dtypes.values():
+            params.update(self._fp16_scaling)
+        if FP8 in dtypes.values() and len(self.space.fp8_recipes) > 1:
+            params["fp8.recipe"] = self.space.anchor_recipe
+        return params
+
+    def _assign(self, low: str, kept: set[str] | frozenset[str]) -> dict[str, str]:
+        """Groups in ``kept`` in their highest dtype, the others in ``low`` where allowed;
+        a group that cannot take fp8 runs beside it as the uniform-fp8 anchor runs it
+        (`autoprec.space.dtype_beside`: bf16 where it may)."""
+
+        def dtype(group: Group) -> str:
+            if group.name in kept:
+                return _high(group)
+            if low == FP8:
+                return dtype_beside(group, low)
+            return low if low in group.dtypes else _high(group)
+
+        return {g.name: dtype(g) for g in self.groups}
+
+    def _key(self, params: Mapping[str, Any]) -> str | None:
+        """What a trial of these parameters measures (`Policy.identity`); None for
+        parameters of another space."""
+        seen = json.dumps(dict(params), sort_keys=True, default=str)
+        if seen not in self._keys:
+            try:
+                policy = self.space.policy(params)
+                self._keys[seen] = policy.identity(
+                    self.model, self.device, inference=self.space.inference
+                )
+            except (KeyError, AutoprecError):
+                self._keys[seen] = None
+        return self._keys[seen]
+
+    def _outcome(self, known: dict[str, _Outcome], dtypes: Mapping[str, str]) -> _Outcome | None:
+        return known.get(self._key(self._params(dtypes)) or "")
+
+    def _searchable(self, low: str, order: Sequence[str]) -> list[str]:
+        """Groups of ``order`` that can run in ``low`` and also in something higher."""
+        by_name = {g.name: g for g in self.groups}
+        return [n for n in order if low in by_name[n].dtypes and _high(by_name[n]) != low]
+
+
+# Headroom the start scale leaves below fp16's largest value (gradients grow as training
+# goes on): 2**-4 of it.
+_START_HEADROOM_LOG2 = 4
+
+
+def fp16_start_scale_log2(space: SearchSpace, max_gradient: float | None) -> int | None:
+    """The dynamic loss scale's start (log2) for the guided search's fp16 probes: the
+    largest that keeps the largest gradient the profile saw ``2**-4`` under fp16's
+    65504, within the space's ``init_scale_log2`` range, and never above torch's 2**16.
+    A short trial then does not spend its first steps backing off from a scale that
+    overflows (torch's default start costs one skipped step per halving), and the probes
+    measure which layers are at risk. None: keep the space's default (no profile, or no
+    such range)."""
+    bounds = space.loss_scale.ranges.get("init_scale_log2")
+    if max_gradient is None or not math.isfinite(max_gradient) or max_gradient <= 0 or not bounds:
+        return None
+    safe = math.floor(math.log2(65504.0 / max_gradient)) - _START_HEADROOM_LOG2
+    low, high = bounds
+    return int(min(max(safe, low), high, 16))
+
+
+def _high(group: Group) -> str:
+    """The widest-ranged dtype ``group`` offers (a serving group may offer only int8)."""
+    return next((d for d in _HIGH_FIRST if d in group.dtypes), group.dtypes[0])
+
+
+class GuidedStrategy(_Strategy):
+    """Seed, bisect over the risk order, refine (see the module docstring).
+
+    ``space`` is fitted to the model; ``risk_order`` names its groups riskiest first
+    (groups it leaves out are taken as the least risky, in model order), and
+    ``fp8_risk_order`` riskiest in fp8 first, the order fp8 is bisected in (groups it
+    leaves out follow in ``risk_order``'s order); ``prefer``
+    ("speed", "memory" or "balanced") decides which low dtype is searched first; with
+    ``model`` and ``device``, policies that run alike count as one.
+    """
+
+    def __init__(
+        self,
+        space: SearchSpace,
+        risk_order: Sequence[str],
+        prefer: str = "speed",
+        model: nn.Module | None = None,
+        device: Any = None,
+        max_gradient: float | None = None,
+        fp8_risk_order: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(space, model, device)
+        start = fp16_start_scale_log2(space, max_gradient)
+        if start is not None:
+            self._fp16_scaling["loss_scale.init_scale_log2"] = start
+        if prefer not in TRAINING_PREFERENCES:
+            raise AutoprecError(
+                f"prefer: expected one of {', '.join(TRAINING_PREFERENCES)}, got {prefer!r}"
+            )
+        names = [g.name for g in self.groups]
+        unknown = [n for n in risk_order if n not in names]
+        if unknown:
+            raise SpaceError(
+                f"{space.source}: risk order names {unknown[0]!r}, not a group of the space "
+                f"({', '.join(names)})"
+            )
+        ranked = list(dict.fromkeys(risk_order))
+        self.risk_order = ranked + [n for n in names if n not in ranked]
+        # fp8 is bisected in the profile's fp8 order (`autoprec.numerics.fp8_risk`) where it
+        # has one.
+        fp8_ranked = list(dict.fromkeys(fp8_risk_order or ()))
+        stray = [n for n in fp8_ranked if n not in names]
+        if stray:
+            raise SpaceError(
+                f"{space.source}: fp8 risk order names {stray[0]!r}, not a group of the space"
+            )
+        self.fp8_risk_order = fp8_ranked + [n for n in self.risk_order if n not in fp8_ranked]
+        self.prefer = prefer
+        # fp8 where the space offers it (training: torchao's float8 Linear layers); serving
+        # spaces may also offer int8 (to the layers that take it).
+        self.low_dtypes = [d for d in (*LOW_PRECISION, FP8, "int8") if self._searchable(d, names)]
+
+    def _plan(self, known: dict[str, _Outcome], busy: set[str | None]) -> Iterator[Proposal]:
+        for low in self.low_dtypes:
+            yield self._params(self._assign(low, set())), "seed"
+        for low in self._dtype_order(known):
+            order = self._searchable(low, self.fp8_risk_order if low == FP8 else self.risk_order)
+            needed = yield from self._bisect(low, order, known, busy)
+            if needed is not None:
+                yield from self._refine(low, order[:needed], known, busy)
+
+    def _dtype_order(self, known: dict[str, _Outcome]) -> list[str]:
+        """Low dtypes, the one whose seed did better for the preference first (a seed that
+        measured nothing comes last)."""
+        seeds = {d: self._outcome(known, self._assign(d, set())) for d in self.low_dtypes}
+        wanted = PREFER_METRICS[self.prefer]
+        measured = {
+            d: o.metrics
+            for d, o in seeds.items()
+            if o is not None and all(math.isfinite(o.metrics.get(m, math.nan)) for m in wanted)
+        }
+        best = {m: min(v[m] for v in measured.values()) for m in wanted} if measured else {}
+
+        def score(dtype: str) -> float:
+            if dtype not in measured:
+                return math.inf
+            return preference_score(measured[dtype], self.prefer, best)
+
+        def feasible(dtype: str) -> bool:
+            outcome = seeds[dtype]
+            return outcome is not None and outcome.feasible
+
+        # A dtype whose uniform seed was feasible first: bisecting one whose seed failed
+        # measures why it failed (a scaler's start-up, say) before which layers are at risk.
+        return sorted(
+            self.low_dtypes,
+            key=lambda d: (not feasible(d), score(d), self.low_dtypes.index(d)),
+        )
+
+    def _bisect(
+        self, low: str, order: list[str], known: dict[str, _Outcome], busy: set[str | None]
+    ) -> Generator[Proposal, None, int | None]:
+        """Probe prefixes of ``order`` kept high; returns the smallest feasible prefix
+        length once the bracket closes, None while probes are missing or running."""
+        n = len(order)
+
+        def state(k: int) -> bool | None:
+            if k == n:
+                return True  # every searchable group high: fp32 where the space has it
+            outcome = self._outcome(known, self._assign(low, set(order[:k])))
+            return None if outcome is None else outcome.feasible
+
+        states = {k: state(k) for k in range(n + 1)}
+        hi = min(k for k, s in states.items() if s)
+        lo = max((k for k, s in states.items() if s is False and k < hi), default=-1)
+        if hi - lo == 1:
+            return hi
+        # The next probe, or while it runs elsewhere, the probes that follow either outcome.
+        brackets = [(lo, hi)]
+        while brackets:
+            a, b = brackets.pop(0)
+            if b - a <= 1:
+                continue
+            probe = _probe(a, b, galloping=b == n)
+            params = self._params(self._assign(low, set(order[:probe])))
+            if self._key(params) not in busy:
+                yield params, "seed" if probe == 0 else "bisect"
+                return None
+            brackets += [(a, probe), (probe, b)]
+        return None
+
+    def _refine(
+        self, low: str, kept: list[str], known: dict[str, _Outcome], busy: set[str | None]
+    ) -> Iterator[Proposal]:
+        """Drop single groups from the kept set, least risky first (the last one was needed:
+        keeping one fewer was infeasible); then, with fp16 or fp8, try the kept groups in
+        bf16."""
+        current = list(kept)
+        for name in reversed(kept[:-1]):
+            smaller = [n for n in current if n != name]
+            outcome = self._outcome(known, self._assign(low, set(smaller)))
+            if outcome is None:
+                params = self._params(self._assign(low, set(smaller)))
+                if self._key(params) not in busy:
+                    yield params, "refine"
+                    return
+            elif outcome.feasible:
+                current = smaller
+        if low not in _KEPT_IN_BF16:
+            return
+        by_name = {g.name: g for g in self.groups}
+        swappable = [n for n in current if {"fp32", "bf16"} <= set(by_name[n].dtypes)]
+        if not swappable:
+            return
+        base = self._assign(low, set(current))
+        # All kept groups in bf16 at once; if that fails, one at a time, least risky first.
+        together = {**base, **dict.fromkeys(swappable, "bf16")}
+        outcome = self._outcome(known, together)
+        if outcome is None or outcome.feasible or len(swappable) == 1:
+            if outcome is None and self._key(self._params(together)) not in busy:
+                yield self._params(together), "refine"
+            return
+        for name in reversed(swappable):
+            dtypes = {**base, name: "bf16"}
+            outcome = self._outcome(known, dtypes)
+            if outcome is None:
+                if self._key(self._params(dtypes)) not in busy:
+                    yield self._params(dtypes), "refine"
+                    return
+            elif outcome.feasible:
+                base = dtypes
+
+
+def _probe(lo: int, hi: int, galloping: bool) -> int:
+    """The next prefix length to try strictly between ``lo`` (infeasible, or -1) and
+    ``hi`` (feasible): 0, 1, 2, 4, ... while no smaller feasible one is known, then the
+    middle of the bracket."""
+    if galloping:
+        step = max(lo + 1, 2 * lo)
+        if step < hi:
+            return step
+    return (lo + hi) // 2
+
+
+class FallbackStrategy(_Strategy):
+    """One-at-a-time fallback in the style of Intel Neural Compressor.
+
+    All groups in ``dtype`` (fp16 where the space has it, else bf16); if that is
+    infeasible, each group alone back in fp32 (one trial each, in model order); if none
+    of those is feasible, groups go back in fp32 cumulatively, ranked by the accuracy
+    their single trials reached (best first), until the policy is feasible.
+    """
+
+    def __init__(
+        self,
+        space: SearchSpace,
+        dtype: str | None = None,
+        model: nn.Module | None = None,
+        device: Any = None,
+    ) -> None:
+        super().__init__(space, model, device)
+        names = [g.name for g in self.groups]
+        if dtype is None:
+            dtype = next((d for d in LOW_PRECISION if self._searchable(d, names)), "fp16")
+        if dtype not in LOW_PRECISION:
+            raise AutoprecError(f"dtype: expected fp16 or bf16, got {dtype!r}")
+        self.low = dtype
+        self.order = self._searchable(dtype, names)
+
+    def _plan(self, known: dict[str, _Outcome], busy: set[str | None]) -> Iterator[Proposal]:
+        if not self.order:
+            return
+        steps: list[tuple[set[str], str]] = [(set(), "seed")]
+        if len(self.order) > 1:  # with one group, its fallback is the all-fp32 baseline
+            steps += [({name}, "single") for name in self.order]
+        singles: dict[str, _Outcome | None] = {}
+        for kept, phase in steps:
+            outcome = self._outcome(known, self._assign(self.low, kept))
+            if outcome is not None and outcome.feasible:
+                return
+            if phase == "single":
+                singles[next(iter(kept))] = outcome
+            yield self._params(self._assign(self.low, kept)), phase
+
+        def accuracy(name: str) -> float:
+            outcome = singles[name]
+            value = None if outcome is None else outcome.metrics.get("accuracy")
+            return -math.inf if value is None or not math.isfinite(value) else value
+
+        ranked = sorted(self.order, key=lambda n: (-accuracy(n), self.order.index(n)))
+        for count in range(2, len(ranked)):
+            kept = set(ranked[:count])
+            outcome = self._outcome(known, self._assign(self.low, kept))
+            if outcome is not None and outcome.feasible:
+                return
+            yield self._params(self._assign(self.low, kept)), "accumulate"

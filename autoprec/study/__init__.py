@@ -1,0 +1,251 @@
+"""The study behind ``autoprec.search``: an Optuna study over a space of policies, each
+trial a real short training (or serving) run.
+
+```python
+result = autoprec.search("digits-mlp", config=autoprec.SearchConfig(trials=12))
+result = autoprec.search("digits-mlp", trials=12, prefer="memory")  # the same, as keywords
+```
+
+The modules of this package, in the order a search uses them:
+- `config`: `SearchConfig`, the settings, checked;
+- `session`: the checked inputs, the stores and the study's one-off set-up (parent run,
+  profile, baseline, anchors), shared with the workers;
+- `loop`: ask, claim, train, tell and log until the budget is met;
+- `workers`: worker processes on this host, pinned to devices;
+- `studies`: what many workers share through Optuna's storage (heartbeats, claims,
+  leases, the queue on sqlite);
+- `summary`: the candidates, the chosen best, summary.json and best_policy.yaml;
+- `confirm` and `confirmation`: the long confirmation (``--confirm-steps``) and its types;
+- `summary_schema`: the typed `Summary` and its JSON round trip; `summary_file` reads
+  it back, checked;
+- `events`: `Callbacks`, what a search reports while it runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from autoprec.errors import SearchInterrupted
+from autoprec.policy import Policy
+from autoprec.space import SearchSpace
+from autoprec.study._events import Callbacks
+from autoprec.study._loop import run_trials
+from autoprec.study._session import Prepared, Session, identity_of, prepare
+from autoprec.study._workers import run_workers
+from autoprec.study.config import SearchConfig
+from autoprec.study.confirm import confirm_choice
+from autoprec.study.summary import completed, numeric, summarize, write_outputs
+from autoprec.study.summary_schema import ProfileRow, ServedModel, Serving, Summary
+from autoprec.tasks import DEFAULT_TASK, Task
+from autoprec.tracking import FLUSH_WAIT_S, INTERRUPTED_FLUSH_S, Tracker
+from autoprec.trials.schedule import schedule_warning
+
+__all__ = ["Callbacks", "SearchConfig", "SearchInterrupted", "SearchResult", "search"]
+
+
+@dataclass
+class SearchResult:
+    """The chosen policy and the summary: ``summary`` as summary.json holds it, ``typed``
+    the same as a `Summary`."""
+
+    study: str
+    best_policy: Policy
+    summary: dict[str, Any]
+    best_policy_path: Path
+    summary_path: Path
+    typed: Summary | None = None
+
+
+def search(
+    task: Task | str = DEFAULT_TASK,
+    space: SearchSpace | str | Path | None = None,
+    config: SearchConfig | None = None,
+    callbacks: Callbacks | None = None,
+    **settings: Any,
+) -> SearchResult:
+    """Search precision policies for a task and return the best one.
+
+    ``config`` holds the settings (see `SearchConfig`); any of its fields may also be
+    given as a keyword. Workers need ``task`` and ``space`` by name or path. Ctrl-C
+    writes what was measured and raises `SearchInterrupted`.
+    """
+    started_s = time.perf_counter()
+    prepared = prepare(task, space, SearchConfig.of(config, settings))
+    session = Session.open(prepared, callbacks)
+    warning = schedule_warning(prepared.task, prepared.model, prepared.config)
+    if warning is not None:  # the trials see only the start of the task's warm-up
+        session.callbacks.warning(warning)
+    phases_s = {"setup": time.perf_counter() - started_s}
+    session.set_up(_parent_params(prepared))
+    phases_s["baseline"] = time.perf_counter() - started_s - phases_s["setup"]
+    confirmed, interrupted = _trials_and_confirmation(session, phases_s)
+    return _finish(session, confirmed, interrupted, phases_s, started_s)
+
+
+def _parent_params(prepared: Prepared) -> dict[str, Any]:
+    config = prepared.config
+    return {
+        **prepared.settings,
+        "trials": config.trials,
+        "accuracy_tolerance": prepared.tolerance,
+        "prefer": config.prefer or prepared.prefer,
+        "sampler": config.sampler,
+        "storage": config.public()["storage"],
+    }
+
+
+def _trials_and_confirmation(
+    session: Session, phases_s: dict[str, float]
+) -> tuple[dict[str, float], bool]:
+    """The trials (here or in workers), then the side-by-side re-timing; a Ctrl-C keeps
+    what was measured. The parent run is closed as KILLED if anything else stops it."""
+    config = session.prepared.config
+    finished_cleanly = False
+    interrupted = False
+    confirmed: dict[str, float] = {}
+    try:
+        try:
+            if session.prepared.workers == 1:
+                if len(session.measured()) < config.trials:
+                    session.warm_up()
+                run_trials(session.study, session.context(), config.trials, session.callbacks)
+            else:
+                run_workers(session, session.prepared.workers)
+        except KeyboardInterrupt:  # Ctrl-C: keep what was measured, write it out, then stop
+            interrupted = True
+        mark_s = time.perf_counter()
+        if not interrupted:
+            try:
+                confirmed = session.confirm(config.confirm_top)
+            except KeyboardInterrupt:  # the trials' own times stand
+                interrupted = True
+        phases_s["confirm"] = time.perf_counter() - mark_s
+        finished_cleanly = True
+    finally:
+        if not finished_cleanly:
+            session.tracker.end_parent("KILLED")
+            session.tracker.close()
+    return confirmed, interrupted
+
+
+def _finish(
+    session: Session,
+    confirmed: dict[str, float],
+    interrupted: bool,
+    phases_s: dict[str, float],
+    started_s: float,
+) -> SearchResult:
+    """The choice and the outputs: summary.json, best_policy.yaml, the parent run."""
+    prepared, tracker = session.prepared, session.tracker
+    trials = session.trials  # the mode: its part of the summary, and what it leaves behind
+    assert session.baseline is not None
+    mark_s = time.perf_counter()
+    part = trials.summary_part(prepared.feasibility)
+    summary = summarize(
+        session.study,
+        session.space,
+        session.baseline,
+        prepared.feasibility,
+        prepared.prefer,
+        confirmed,
+        _run_ids(tracker),
+        None if part is None else Serving(**part),
+    )
+    if not interrupted:  # --confirm-steps: the choice trained as long (may change it)
+        long_s = time.perf_counter()
+        summary, interrupted = confirm_choice(_confirming(session, summary), summary, confirmed)
+        phases_s["long_confirmation"] = time.perf_counter() - long_s
+        mark_s += phases_s["long_confirmation"]  # its own phase, not the tracking's
+    best_policy = Policy.from_dict(summary.best.policy or {})
+    layers = trials.layer_table(best_policy, prepared.model)
+    left = trials.leave_behind(best_policy, prepared.out_dir, prepared.task_spec, tracker)
+    served = None if left is None else ServedModel(**left)
+    summary = completed(
+        summary,
+        settings=_settings(session),
+        parent_run_id=tracker.parent_id,
+        # Which Optuna study this is: a search with another --storage refuses these outputs.
+        identity=identity_of(session.study, prepared.config.storage).to_dict(),
+        interrupted=interrupted,
+        profile=None
+        if session.profile is None
+        else [ProfileRow(m.rank, m.name, m.risk, m.reason) for m in session.profile.modules[:5]],
+        layers=layers,
+        served_model=served,
+    )
+    phases_s["tracking_flush"] = time.perf_counter() - mark_s
+    summary.wall_time_s = time.perf_counter() - started_s
+    summary.phase_time_s = phases_s  # this invocation's set-up, warm-up and re-timing
+    policy_path, summary_path = write_outputs(summary, best_policy, prepared.out_dir)
+    best_key = summary.best.key
+    tracker.finish_parent(
+        best_key,
+        numeric(summary.best.metrics),
+        [policy_path, summary_path],
+        status="KILLED" if interrupted else "FINISHED",
+    )
+    tracker.mark_children({e.key for e in summary.entries if e.pareto}, best_key)
+    tracker.close(INTERRUPTED_FLUSH_S if interrupted else FLUSH_WAIT_S)
+    data = summary.to_json()
+    session.callbacks.done(data)
+    result = SearchResult(prepared.study, best_policy, data, policy_path, summary_path, summary)
+    if interrupted:
+        raise SearchInterrupted(result)
+    return result
+
+
+def _confirming(session: Session, summary: Summary) -> Session:
+    """The session the long confirmation runs in: as it is, or, when --train-steps is given
+    without --confirm-steps and the chosen trial's forecast cannot tell, one that confirms
+    the finalists at --train-steps (the forecast's honest path: the real length, trained)."""
+    config = session.prepared.config
+    telemetry = summary.best.telemetry or {}
+    if config.confirm_steps or not config.train_steps or not telemetry.get("cannot_tell"):
+        return session
+    long_config = copy.copy(config)  # the settings as given, but the confirmation's length
+    object.__setattr__(long_config, "confirm_steps", config.train_steps)
+    confirming = copy.copy(session)
+    confirming.prepared = replace(session.prepared, config=long_config)
+    return confirming
+
+
+def _settings(session: Session) -> dict[str, Any]:
+    """The settings summary.json records: the search's own, and what an export needs."""
+    prepared, config = session.prepared, session.prepared.config
+    settings = prepared.settings
+    return {
+        **settings,
+        "task_spec": prepared.task_spec,  # for autoprec export
+        **session.trials.summary_settings(),  # the checkpoint
+        "trials": config.trials,
+        "sampler": config.sampler,
+        "prefer": config.prefer or prepared.prefer,
+        "confirm_top": config.confirm_top,
+        "confirm_steps": config.confirm_steps,
+        # as the trials ran it (as-is for a task without a scheduler to compress)
+        "trial_schedule": settings.get("trial_schedule", config.trial_schedule),
+        "train_steps_asked": config.train_steps,  # None: the forecast's default horizon
+        "forecast": config.forecast,
+        "accuracy_tolerance": prepared.tolerance,
+        "storage": config.public()["storage"],
+        "tracking_uri": config.public()["tracking_uri"],
+        "device_name": prepared.backend.name,
+        "workers": prepared.workers,
+        "devices": prepared.devices,
+        "trial_timeout_s": session.trial_limit_s,
+    }
+
+
+def _run_ids(tracker: Tracker) -> dict[str, str]:
+    """The child runs by key once the queued writes are done; none while the tracking
+    store is unreachable (the summary then names no runs)."""
+    if not tracker.flush(FLUSH_WAIT_S):
+        return {}
+    try:
+        return tracker.run_ids()
+    except Exception:  # gone since the flush: the next run of the study catches up
+        return {}

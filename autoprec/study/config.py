@@ -1,0 +1,334 @@
+"""A search's settings, typed and checked in one place.
+
+The CLI builds a `SearchConfig` from its options; ``autoprec.search(task, space, config)``
+takes one (or its fields as keywords). Everything here is checked when the config is
+made, before any task is loaded or any store opened; what depends on the task or the
+space (the study's default name, the space's tolerance) is settled by the session.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import InitVar, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+# Re-exported: the search's names for them (SAMPLERS' guided: profile-ranked seeding and
+# bisection, `autoprec.profile.guided`, then TPE; a trial silent for 3 heartbeat intervals fails).
+from autoprec._util.names import DEFAULT_STORAGE as DEFAULT_STORAGE
+from autoprec._util.names import HEARTBEAT_INTERVAL_S as HEARTBEAT_INTERVAL_S
+from autoprec._util.names import SAMPLERS
+from autoprec.devices import check_emulate
+from autoprec.errors import AutoprecError, StoreError, redact
+from autoprec.settings import (
+    SERVING,
+    Budget,
+    Choice,
+    Compiled,
+    Faults,
+    Launch,
+    LongerThanATrial,
+    Where,
+    options,
+)
+from autoprec.tracking import check_tracking_uri
+from autoprec.trials import MODES, trials_class
+from autoprec.trials.schedule import MAX_TRAIN_STEPS, TRIAL_SCHEDULES
+from autoprec.trials.serving import ServingConfig
+
+DEFAULT_RUNS_DIR = Path(Where().runs_dir)
+# ServingConfig's fields, also taken flat (``SearchConfig(mode="inference", scenario=...)``,
+# ``--scenario``) and nested into ``serving``.
+SERVING_KEYWORDS = tuple(o.name for o in options(SERVING))
+# Matched whole (fullmatch): a pattern ending in "$" would pass a name ending in "\n".
+STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+# The sections last to first: a dataclass takes its bases' fields in reverse order.
+@dataclass(frozen=True, kw_only=True)
+class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Budget):
+    """How a search runs: the settings of every section of `autoprec.settings` (`Budget`,
+    `Where`, `Choice`, `Faults`, `Compiled`, `LongerThanATrial`, `Launch`; the task and
+    the space are `autoprec.search`'s own arguments), each declared there once with its
+    type, default and help, as ``autoprec search --help`` prints them.
+
+    Beyond what the command line gives: ``device`` may be a Backend; ``runs_dir`` is where
+    summary.json and best_policy.yaml go; ``mode`` left None is inference when ``serving``
+    is given, else training; ``serving`` holds the serving settings
+    (`autoprec.trials.serving.ServingConfig`: scenario, batch sizes, checkpoint, int8, fp8),
+    whose fields may also be given flat with ``mode="inference"`` (``scenario="edge"``);
+    ``prefer`` may then also be ``latency`` or ``throughput``. The settings of the compiled
+    trials and of the section "longer than a trial" are the training mode's: refused with
+    ``mode="inference"``.
+
+    A study keeps the settings that change what its trials measure (its fingerprint,
+    `autoprec.settings.study_settings`): continuing it with others is refused.
+    """
+
+    serving: ServingConfig | None = None
+    # The serving settings given flat, nested into ``serving`` (not kept as fields).
+    scenario: InitVar[str | None] = None
+    batch_size: InitVar[int | None] = None
+    batch_sizes: InitVar[str | Sequence[int] | None] = None
+    checkpoint: InitVar[str | Path | None] = None
+    int8: InitVar[str | None] = None
+    fp8: InitVar[str | None] = None
+
+    def __post_init__(
+        self,
+        scenario: str | None,
+        batch_size: int | None,
+        batch_sizes: str | Sequence[int] | None,
+        checkpoint: str | Path | None,
+        int8: str | None,
+        fp8: str | None,
+    ) -> None:
+        object.__setattr__(self, "runs_dir", Path(self.runs_dir))
+        flat = {
+            "scenario": scenario,
+            "batch_size": batch_size,
+            "batch_sizes": batch_sizes,
+            "checkpoint": checkpoint,
+            "int8": int8,
+            "fp8": fp8,
+        }
+        self._nest_serving({k: v for k, v in flat.items() if v is not None})
+        object.__setattr__(self, "emulate", tuple(sorted(check_emulate(self.emulate))))
+        _check_positive(self.trials, "--trials", "a positive integer")
+        if _not_int(self.steps) or self.steps < 3:
+            raise AutoprecError(f"steps: must be an integer of at least 3, got {self.steps!r}")
+        if _not_int(self.seed):
+            raise AutoprecError(f"--seed: expected an integer, got {self.seed!r}")
+        if self.workers is not None:
+            _check_positive(self.workers, "--workers", "a positive integer")
+        if _not_int(self.confirm_top) or self.confirm_top < 0:
+            raise AutoprecError(
+                f"--confirm-top: expected an integer >= 0, got {self.confirm_top!r}"
+            )
+        timeout = self.trial_timeout_s
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0
+        ):
+            raise AutoprecError(
+                f"--trial-timeout: expected seconds >= 0 (0: no limit), got {timeout!r}"
+            )
+        if _not_int(self.heartbeat_s) or self.heartbeat_s < 1:
+            raise AutoprecError(
+                f"--heartbeat: expected whole seconds >= 1, got {self.heartbeat_s!r}"
+            )
+        self._check_mode()
+        if not isinstance(self.compile, bool):
+            raise AutoprecError(f"--compile: expected True or False, got {self.compile!r}")
+        if self.compile and self.mode != "training":
+            raise AutoprecError("--compile: only with --mode training (serving is not compiled)")
+        self._check_long_runs()
+        _check_forecast(self.train_steps, self.forecast, self.steps)
+        from autoprec.distributed.launch import settle_parallel
+
+        parallel = settle_parallel(
+            self.nproc_per_trial, self.parallel, self.mode, self.devices, self.workers
+        )
+        object.__setattr__(self, "parallel", parallel)
+        self._check_launched()
+        if self.sampler not in SAMPLERS:
+            raise AutoprecError(
+                f"--sampler: expected one of {', '.join(SAMPLERS)}, got {self.sampler!r}"
+            )
+        if self.accuracy_tolerance is not None:
+            check_tolerance(self.accuracy_tolerance)
+        if self.study is not None:
+            check_study_name(self.study)
+        check_storage_url(self.storage)
+        check_tracking_uri(self.tracking_uri)
+
+    def _nest_serving(self, flat: dict[str, Any]) -> None:
+        """``serving`` made from the flat serving keywords (on top of a ``serving`` given
+        too; a dict of its fields, as a worker gets it, becomes one), and the mode it
+        implies."""
+        serving = self.serving
+        if isinstance(serving, dict):
+            serving = ServingConfig(**serving)
+        mode = self.mode
+        if mode is None:  # a ServingConfig says the mode; flat keywords need --mode
+            mode = _owner("serving") if serving is not None else "training"
+        if flat:
+            serving = replace(serving or ServingConfig(), **flat)
+        if mode in MODES and MODES[mode][1] == "serving" and serving is None:
+            serving = ServingConfig()
+        object.__setattr__(self, "serving", serving)
+        object.__setattr__(self, "mode", mode)
+
+    def _check_mode(self) -> None:
+        if self.mode not in MODES:
+            raise AutoprecError(f"--mode: expected {' or '.join(MODES)}, got {self.mode!r}")
+        allowed = trials_class(self.mode).preferences
+        if self.prefer is not None and self.prefer not in (*allowed, "speed"):
+            raise AutoprecError(
+                f"--prefer: expected one of {', '.join(allowed)} for {self.mode}, "
+                f"got {self.prefer!r}"
+            )
+        if self.serving is not None and MODES[self.mode][1] != "serving":
+            given = self.serving.given() or ["--mode"]
+            raise AutoprecError(f"{given[0]}: only with --mode {_owner('serving')}")
+
+    def _check_long_runs(self) -> None:
+        confirm = self.confirm_steps
+        if confirm is not None and (_not_int(confirm) or confirm < self.steps):
+            raise AutoprecError(
+                f"--confirm-steps: expected an integer of at least --steps ({self.steps}), "
+                f"got {confirm!r}"
+            )
+        training_only = {
+            "--confirm-steps": confirm is not None,
+            "--trial-schedule": self.trial_schedule != "as-is",
+            "--train-steps": self.train_steps is not None,
+            "--forecast": self.forecast != "infeasible",
+        }
+        for option, given in training_only.items():
+            if given and self.mode != "training":
+                raise AutoprecError(f"{option}: only with --mode training (trials that train)")
+        if self.trial_schedule not in TRIAL_SCHEDULES:
+            raise AutoprecError(
+                f"--trial-schedule: expected {' or '.join(TRIAL_SCHEDULES)}, "
+                f"got {self.trial_schedule!r}"
+            )
+
+    def _check_launched(self) -> None:
+        """What a trial launched as several ranks does not do yet: refused in one line,
+        rather than run on one device or eager while the search says otherwise."""
+        if self.nproc_per_trial == 1:
+            return
+        unsupported = {
+            "--compile": self.compile,
+            "--trial-schedule compressed": self.trial_schedule == "compressed",
+            "--confirm-steps": self.confirm_steps is not None,
+        }
+        for option, asked in unsupported.items():
+            if asked:
+                raise AutoprecError(
+                    f"{option}: not with --nproc-per-trial {self.nproc_per_trial} yet "
+                    "(launched trials run eager, on the task's own schedule, and are not "
+                    "confirmed); drop one of them"
+                )
+
+    def public(self) -> dict[str, Any]:
+        """The settings as they may be written down or shown (summary.json, the MLflow
+        parent run, messages): every URL's password replaced by ``***``. The settings
+        are only ever written through here; credentials stay in the URLs the stores are
+        opened with, or better outside them (PGPASSWORD, ~/.pgpass,
+        MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)."""
+        values = self.to_dict()
+        for name in ("storage", "tracking_uri"):
+            values[name] = redact(values[name])
+        for name in ("runs_dir", "device"):
+            values[name] = None if values[name] is None else str(values[name])
+        return values
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as keywords that make this config again (``serving`` as a dict of
+        its fields), for a worker process."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["serving"] = None if self.serving is None else self.serving.to_dict()
+        return values
+
+    @classmethod
+    def from_options(cls, values: Mapping[str, Any]) -> SearchConfig:
+        """The config of the declared settings' values (`autoprec.settings.options`, as
+        the command line and a config file give them; the task and the space left out).
+        The serving settings away from their defaults are given flat: they need
+        ``mode="inference"``, as ``--scenario`` needs ``--mode inference``."""
+        given = {o.name: values[o.name] for o in options(SERVING) if values[o.name] != o.default}
+        kept = {f.name for f in fields(cls)} - {"serving"}
+        return cls(**{name: values[name] for name in kept}, **given)
+
+    def option_values(self) -> dict[str, Any]:
+        """The settings as they are in effect, one plain value per declared setting (the
+        mode settled, the serving section's defaults where it has none): what
+        ``--print-config`` writes, and `from_options` makes this config again of."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "serving"}
+        serving = self.serving or ServingConfig()
+        values.update({name: getattr(serving, name) for name in SERVING_KEYWORDS})
+        return values
+
+    @classmethod
+    def of(cls, config: SearchConfig | None, settings: dict[str, Any]) -> SearchConfig:
+        """``config`` (or the defaults) with ``settings`` given as keywords on top."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(settings) - known - set(SERVING_KEYWORDS))
+        if unknown:
+            raise TypeError(f"search() got an unexpected keyword argument {unknown[0]!r}")
+        base = config or cls()
+        return cls(**{**{name: getattr(base, name) for name in known}, **settings})
+
+
+def _not_int(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
+
+
+def _check_positive(value: Any, option: str, expected: str) -> None:
+    if _not_int(value) or value < 1:
+        raise AutoprecError(f"{option}: expected {expected}, got {value!r}")
+
+
+FORECAST_MODES = ("infeasible", "warn")
+
+
+def _check_forecast(train_steps: Any, mode: Any, steps: int) -> None:
+    if train_steps is not None and (_not_int(train_steps) or train_steps < steps):
+        raise AutoprecError(
+            f"--train-steps: expected an integer of at least --steps ({steps}), got {train_steps!r}"
+        )
+    if train_steps is not None and train_steps > MAX_TRAIN_STEPS:
+        raise AutoprecError(
+            f"--train-steps {train_steps}: at most {MAX_TRAIN_STEPS} (the schedule is learnt "
+            "by stepping the task's scheduler that far)"
+        )
+    if mode not in FORECAST_MODES:
+        raise AutoprecError(f"--forecast: expected infeasible or warn, got {mode!r}")
+
+
+def _owner(field: str) -> str:
+    """The mode whose own settings are SearchConfig's ``field``."""
+    return next(mode for mode, (_, owned) in MODES.items() if owned == field)
+
+
+# The flat serving keywords are taken by __init__ only: reading them is a mistake.
+for _name in SERVING_KEYWORDS:
+    delattr(SearchConfig, _name)
+
+
+def check_tolerance(tolerance: Any) -> float:
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, int | float)
+        or not math.isfinite(tolerance)
+        or tolerance < 0
+    ):
+        raise AutoprecError(f"--accuracy-tolerance: expected a number >= 0, got {tolerance!r}")
+    return float(tolerance)
+
+
+def check_study_name(name: str) -> str:
+    if not isinstance(name, str) or not STUDY_NAME.fullmatch(name):
+        raise AutoprecError(
+            f"--study {name!r}: use letters, digits, '.', '-' and '_' (at most 100)"
+        )
+    return name
+
+
+def check_storage_url(url: str) -> None:
+    """Refuse an Optuna storage URL that is not a database URL, before anything is
+    written."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):  # no URL; a port that is no number
+        raise StoreError(
+            f"--storage {redact(str(url))!r}: not a database URL (e.g. sqlite:///runs/optuna.db)"
+        ) from None
+    if parsed.get_backend_name() not in ("sqlite", "postgresql", "mysql"):
+        raise StoreError(f"--storage {redact(url)!r}: expected a sqlite, postgresql or mysql URL")

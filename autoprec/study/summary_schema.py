@@ -1,0 +1,554 @@
+"""summary.json as types: what a finished search hands to the CLI, the report and the
+exports, with a schema version and one JSON round trip.
+
+Readers use fields (``summary.best.speedup_vs_fp32``), never string keys, so that a
+renamed field is one change here. ``Summary.from_json`` reads every summary written
+since the first version (version 0 has no ``schema_version``); ``to_json`` writes the
+same shape plus the version. Metrics stay a mapping by metric name: each mode measures
+its own (``metric_names``), and MLflow and the report name them alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from autoprec.study.confirmation import Confirmation
+
+SCHEMA_VERSION = 1  # 0: summaries written before the version was recorded
+
+Key = int | str  # a trial's number, or "baseline"
+BASELINE = "baseline"
+
+# The time each mode chooses by (the metric its trials are compared on).
+TIME_METRIC = {"training": "step_time_ms", "inference": "latency_p50_ms"}
+CONFIRMED_TIME = "confirmed_step_time_ms"  # the side-by-side re-timing, in either mode
+
+
+def _number(value: Any) -> Any:
+    """A metric read back from strict JSON: 'nan' and 'inf' (see `finite`) are floats."""
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    return value
+
+
+@dataclass
+class Layer:
+    """One leaf module of the chosen policy, as it runs."""
+
+    name: str
+    type: str
+    params: int
+    dtype: str
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Layer:
+        return cls(data["name"], data["type"], data["params"], data["dtype"])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "type": self.type, "params": self.params, "dtype": self.dtype}
+
+
+@dataclass
+class Entry:
+    """One measured policy: the baseline or a trial, with its metrics and verdicts."""
+
+    number: Key
+    state: str
+    metrics: dict[str, Any]
+    params: dict[str, Any]
+    feasible: bool
+    pareto: bool
+    reason: str | None = None
+    counted: bool = True  # in the budget: measured to an end
+    anchor: str | None = None
+    guided: str | None = None
+    policy: dict[str, Any] | None = None
+    mlflow_run_id: str | None = None
+    peak_memory_is_estimate: bool = False
+    switches: dict[str, Any] = field(default_factory=dict)
+    telemetry: dict[str, Any] = field(default_factory=dict)
+    latency_by_batch_ms: dict[int, float] | None = None  # serving: at each batch size
+    # How the figures were made: compute_capability, and where so, compiled (graph_breaks,
+    # compile_s) and emulated (the dtypes run emulated: `autoprec.precision.emulation`).
+    execution: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """The number as text: how re-timings, run ids and MLflow name an entry."""
+        return str(self.number)
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.number == BASELINE
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "complete"
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.metrics.get("accuracy")
+
+    @property
+    def accuracy_drop(self) -> float | None:
+        return self.metrics.get("accuracy_drop")
+
+    @property
+    def peak_memory_mb(self) -> float | None:
+        return self.metrics.get("peak_memory_mb")
+
+    @property
+    def emulated(self) -> list[str]:
+        """The dtypes this entry's figures ran emulated (``["fp8"]``; none: real)."""
+        return list(self.execution.get("emulated") or [])
+
+    @property
+    def confirmed_time_ms(self) -> float | None:
+        """The side-by-side re-timing, where this entry was re-timed."""
+        return self.metrics.get(CONFIRMED_TIME)
+
+    @property
+    def label(self) -> str:
+        """``fp32 baseline``, or ``trial 7 (uniform-bf16)``."""
+        if self.is_baseline:
+            return "fp32 baseline"
+        return self.name
+
+    @property
+    def name(self) -> str:
+        """``baseline``, or ``trial 7 (uniform-bf16)``."""
+        if self.is_baseline:
+            return BASELINE
+        return f"trial {self.number}" + (f" ({self.anchor})" if self.anchor else "")
+
+    @property
+    def groups(self) -> list[str]:
+        """The searched layer groups, in the space's order."""
+        return [k.removeprefix("dtype.") for k in self.params if k.startswith("dtype.")]
+
+    def dtype_of(self, group: str) -> str:
+        return self.params[f"dtype.{group}"]
+
+    @classmethod
+    def _fields_from(cls, data: dict[str, Any]) -> dict[str, Any]:
+        by_batch = data.get("latency_by_batch_ms")
+        return {
+            "number": data["number"],
+            "state": data["state"],
+            "metrics": {k: _number(v) for k, v in (data.get("metrics") or {}).items()},
+            "params": dict(data.get("params") or {}),
+            "feasible": bool(data.get("feasible", False)),
+            "pareto": bool(data.get("pareto", False)),
+            "reason": data.get("reason"),
+            "counted": data.get("counted", True),
+            "anchor": data.get("anchor"),
+            "guided": data.get("guided"),
+            "policy": data.get("policy"),
+            "mlflow_run_id": data.get("mlflow_run_id"),
+            "peak_memory_is_estimate": data.get("peak_memory_is_estimate", False),
+            "switches": data.get("switches") or {},
+            "telemetry": data.get("telemetry") or {},
+            "execution": dict(data.get("execution") or {}),
+            "latency_by_batch_ms": None
+            if by_batch is None
+            else {int(k): _number(v) for k, v in by_batch.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Entry:
+        return cls(**cls._fields_from(data))
+
+    def to_json(self) -> dict[str, Any]:
+        data = {
+            "number": self.number,
+            "state": self.state,
+            "reason": self.reason,
+            "counted": self.counted,
+            "anchor": self.anchor,
+            "guided": self.guided,
+            "params": self.params,
+            "policy": self.policy,
+            "metrics": self.metrics,
+            "feasible": self.feasible,
+            "pareto": self.pareto,
+            "mlflow_run_id": self.mlflow_run_id,
+            "peak_memory_is_estimate": self.peak_memory_is_estimate,
+            "switches": self.switches,
+        }
+        if self.latency_by_batch_ms is not None:
+            data["latency_by_batch_ms"] = {str(k): v for k, v in self.latency_by_batch_ms.items()}
+        data["telemetry"] = self.telemetry
+        if self.execution:
+            data["execution"] = self.execution
+        return data
+
+
+@dataclass
+class Best(Entry):
+    """The chosen entry, with its gains over fp32 and its layer table."""
+
+    trial: Key = BASELINE
+    speedup_vs_fp32: float | None = None
+    memory_saving_vs_fp32: float | None = None
+    layers: list[Layer] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls, entry: Entry, speedup_vs_fp32: float | None, memory_saving_vs_fp32: float | None
+    ) -> Best:
+        own = {f.name: getattr(entry, f.name) for f in fields(Entry)}
+        return cls(
+            **own,
+            trial=entry.number,
+            speedup_vs_fp32=speedup_vs_fp32,
+            memory_saving_vs_fp32=memory_saving_vs_fp32,
+        )
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Best:
+        return cls(
+            **cls._fields_from(data),
+            trial=data.get("trial", data["number"]),
+            speedup_vs_fp32=_number(data.get("speedup_vs_fp32")),
+            memory_saving_vs_fp32=_number(data.get("memory_saving_vs_fp32")),
+            layers=[Layer.from_json(r) for r in data.get("layers") or []],
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **super().to_json(),
+            "trial": self.trial,
+            "speedup_vs_fp32": self.speedup_vs_fp32,
+            "memory_saving_vs_fp32": self.memory_saving_vs_fp32,
+            "layers": [layer.to_json() for layer in self.layers],
+        }
+
+
+@dataclass
+class BatchBest:
+    """At one batch size a serving study measured: the fastest feasible policy there."""
+
+    batch_size: int
+    best: Key
+    latency_ms: float
+    fp32_latency_ms: float | None
+    speedup_vs_fp32: float | None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BatchBest:
+        return cls(
+            data["batch_size"],
+            data["best"],
+            data["latency_ms"],
+            data.get("fp32_latency_ms"),
+            data.get("speedup_vs_fp32"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "best": self.best,
+            "latency_ms": self.latency_ms,
+            "fp32_latency_ms": self.fp32_latency_ms,
+            "speedup_vs_fp32": self.speedup_vs_fp32,
+        }
+
+
+@dataclass
+class ServedModel:
+    """The chosen model saved as an MLflow model, or why it was not."""
+
+    logged: bool
+    reason: str | None = None
+    format: str | None = None
+    unpickles: bool | None = None
+    path: str | None = None
+    uri: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ServedModel:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.logged:
+            return {"logged": False, "reason": self.reason}
+        return {
+            "logged": True,
+            "format": self.format,
+            "unpickles": self.unpickles,
+            "path": self.path,
+            "uri": self.uri,
+        }
+
+
+@dataclass
+class Serving:
+    """What a serving study adds: the scenario and its bounds, the fp32 weights the trials
+    converted, the best at each batch size measured and the saved model."""
+
+    scenario: str | None
+    batch_sizes: list[int]
+    int8: str | None = None
+    fp32_checkpoint: str | None = None
+    min_top1_agreement: float | None = None
+    max_rel_deviation: float | None = None
+    by_batch_size: list[BatchBest] = field(default_factory=list)
+    mlflow_model: ServedModel | None = None
+
+    @property
+    def batch_size(self) -> int | None:
+        """The batch size the study chose by: the scenario's, the first measured."""
+        return self.batch_sizes[0] if self.batch_sizes else None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Serving:
+        model = data.get("mlflow_model")
+        return cls(
+            data.get("scenario"),
+            list(data.get("batch_sizes") or []),
+            data.get("int8"),
+            data.get("fp32_checkpoint"),
+            data.get("min_top1_agreement"),
+            data.get("max_rel_deviation"),
+            [BatchBest.from_json(r) for r in data.get("by_batch_size") or []],
+            None if model is None else ServedModel.from_json(model),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "scenario": self.scenario,
+            "batch_sizes": self.batch_sizes,
+            "int8": self.int8,
+            "fp32_checkpoint": self.fp32_checkpoint,
+            "min_top1_agreement": self.min_top1_agreement,
+            "max_rel_deviation": self.max_rel_deviation,
+            "by_batch_size": [r.to_json() for r in self.by_batch_size],
+        }
+        if self.mlflow_model is not None:
+            data["mlflow_model"] = self.mlflow_model.to_json()
+        return data
+
+
+@dataclass
+class Settings:
+    """The search's settings as written, in order (the report lists them all); what the
+    CLI and the exports read is a field."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def task_spec(self) -> str | None:
+        """The task by name or path, for ``autoprec export`` (None: given as an object)."""
+        return self.values.get("task_spec")
+
+    @property
+    def checkpoint(self) -> str | None:
+        return self.values.get("checkpoint")
+
+    @property
+    def device(self) -> str:
+        return str(self.values.get("device", "cpu"))
+
+    @property
+    def device_name(self) -> str:
+        return str(self.values.get("device_name", self.values.get("device", "?")))
+
+    @property
+    def emulated(self) -> list[str]:
+        """The dtypes the search's device ran emulated (``--emulate fp8``)."""
+        return [d for d in str(self.values.get("emulated") or "").split(",") if d]
+
+    @property
+    def int8(self) -> str | None:
+        return self.values.get("int8")
+
+    @property
+    def tracking_uri(self) -> str | None:
+        return self.values.get("tracking_uri")
+
+    @property
+    def confirm_top(self) -> int | None:
+        return self.values.get("confirm_top")
+
+
+@dataclass
+class ProfileRow:
+    """One of the riskiest layers the profile found."""
+
+    rank: int
+    module: str
+    risk: float
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "module": self.module, "risk": self.risk, "reason": self.reason}
+
+
+@dataclass
+class Header:
+    """What every reader of a summary reads first, and all an export needs."""
+
+    mode: str
+    settings: Settings
+
+    @property
+    def serving(self) -> bool:
+        """Whether the study's policy is a serving one (converted weights, no training)."""
+        return self.mode == "inference"
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Header:
+        return cls(data["mode"], Settings(dict(data.get("settings") or {})))
+
+
+@dataclass
+class Summary:
+    """A finished (or interrupted) search: the baseline, every trial, the Pareto front,
+    the chosen best, the settings and what the run took."""
+
+    study: str
+    mode: str
+    baseline: Entry
+    trials: list[Entry]
+    best: Best
+    accuracy_tolerance: float
+    prefer: str
+    metric_names: list[str] = field(default_factory=list)
+    peak_memory_is_estimate: bool = False
+    step_times_confirmed: list[str] = field(default_factory=list)
+    pareto_front: list[Key] = field(default_factory=list)
+    duplicates_skipped: int = 0
+    advice: list[str] = field(default_factory=list)
+    trial_time_s: float = 0.0
+    serving: Serving | None = None
+    settings: Settings = field(default_factory=Settings)
+    mlflow_parent_run_id: str | None = None
+    optuna_study: dict[str, Any] | None = None  # see autoprec.study._identity
+    interrupted: bool = False
+    profile: list[ProfileRow] | None = None
+    wall_time_s: float | None = None
+    phase_time_s: dict[str, float] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+    confirmation: Confirmation | None = None  # --confirm-steps: the long runs
+
+    @property
+    def entries(self) -> list[Entry]:
+        """The baseline, then every trial."""
+        return [self.baseline, *self.trials]
+
+    def entry(self, key: Key) -> Entry | None:
+        """The baseline or trial of that number (as a number or as text)."""
+        return next((e for e in self.entries if e.key == str(key)), None)
+
+    @property
+    def time_metric(self) -> str:
+        """The metric the study's time is: the training step's, or the latency served."""
+        return TIME_METRIC.get(self.mode, "step_time_ms")
+
+    @property
+    def batch_size(self) -> int | None:
+        """The batch size a serving study chose by; None for training."""
+        served = None if self.serving is None else self.serving.batch_size
+        found = served or self.baseline.metrics.get("batch_size")
+        return None if found is None else int(found)
+
+    def time_ms(self, entry: Entry) -> float | None:
+        """An entry's time as compared: its side-by-side re-timing where it has one."""
+        confirmed = entry.confirmed_time_ms
+        return confirmed if confirmed is not None else entry.metrics.get(self.time_metric)
+
+    def retimed(self, entry: Entry) -> bool:
+        """Whether the entry and fp32 were both re-timed side by side."""
+        return BASELINE in self.step_times_confirmed and entry.key in self.step_times_confirmed
+
+    @property
+    def header(self) -> Header:
+        return Header(self.mode, self.settings)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Summary:
+        """A summary as any version wrote it (checked first: see summary_file)."""
+        profile = data.get("profile")
+        serving = data.get("inference")
+        return cls(
+            study=data["study"],
+            mode=data["mode"],
+            baseline=Entry.from_json(data["baseline"]),
+            trials=[Entry.from_json(t) for t in data["trials"]],
+            best=Best.from_json(data.get("best") or data["baseline"]),
+            accuracy_tolerance=data["accuracy_tolerance"],
+            prefer=data["prefer"],
+            metric_names=list(data.get("metric_names") or []),
+            peak_memory_is_estimate=data.get("peak_memory_is_estimate", False),
+            step_times_confirmed=[str(k) for k in data.get("step_times_confirmed") or []],
+            pareto_front=list(data.get("pareto_front") or []),
+            duplicates_skipped=data.get("duplicates_skipped", 0),
+            advice=list(data.get("advice") or []),
+            trial_time_s=data.get("trial_time_s", 0.0),
+            serving=None if serving is None else Serving.from_json(serving),
+            settings=Settings(dict(data.get("settings") or {})),
+            mlflow_parent_run_id=data.get("mlflow_parent_run_id"),
+            optuna_study=data.get("optuna_study"),
+            interrupted=data.get("interrupted", False),
+            profile=None if profile is None else [ProfileRow(**row) for row in profile],
+            wall_time_s=data.get("wall_time_s"),
+            phase_time_s=dict(data.get("phase_time_s") or {}),
+            schema_version=data.get("schema_version", 0),
+            confirmation=None
+            if data.get("confirmation") is None
+            else Confirmation.from_json(data["confirmation"]),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The summary.json shape (floats as they are: `finite` makes them strict JSON)."""
+        data: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "study": self.study,
+            "mode": self.mode,
+            "metric_names": self.metric_names,
+            "peak_memory_is_estimate": self.peak_memory_is_estimate,
+            "step_times_confirmed": self.step_times_confirmed,
+            "accuracy_tolerance": self.accuracy_tolerance,
+            "prefer": self.prefer,
+            "baseline": self.baseline.to_json(),
+            "trials": [t.to_json() for t in self.trials],
+            "pareto_front": self.pareto_front,
+            "best": self.best.to_json(),
+            "duplicates_skipped": self.duplicates_skipped,
+            "advice": self.advice,
+            "trial_time_s": self.trial_time_s,
+        }
+        if self.serving is not None:
+            data["inference"] = self.serving.to_json()
+        data.update(
+            settings=self.settings.values,
+            mlflow_parent_run_id=self.mlflow_parent_run_id,
+            optuna_study=self.optuna_study,
+            interrupted=self.interrupted,
+            profile=None if self.profile is None else [r.to_json() for r in self.profile],
+            wall_time_s=self.wall_time_s,
+            phase_time_s=self.phase_time_s,
+        )
+        if self.confirmation is not None:
+            data["confirmation"] = self.confirmation.to_json()
+        return data
+
+
+def as_summary(summary: Summary | dict[str, Any]) -> Summary:
+    """A summary given typed or as its JSON mapping (``SearchResult.summary``, a test's
+    edited copy)."""
+    return summary if isinstance(summary, Summary) else Summary.from_json(summary)
+
+
+def finite(value: Any) -> Any:
+    """Strict JSON: non-finite floats (a diverged loss) become the strings 'nan', 'inf'."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value

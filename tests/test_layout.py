@@ -1,0 +1,192 @@
+"""The package's shape: a short root, and no import cycles between its modules.
+
+The import graph is read from the sources (every ``import`` and ``from`` statement, at
+module level or inside a function), not from ``sys.modules``: a cycle through a function's
+import is a cycle in the design even when Python tolerates it at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "autoprec"
+
+# `__init__.py` included: the root holds at most this many `.py` files.
+MAX_ROOT_MODULES = 15
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name; a package is its ``__init__.py``."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest prefix of ``name`` that is a module of the package (``autoprec.x.y.f``
+    names the module ``autoprec.x.y``)."""
+    parts = name.split(".")
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in modules:
+            return candidate
+        parts.pop()
+    return None
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``module`` imports, anywhere in its source."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in _statements(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            # ``from autoprec.x import y``: y is a submodule, or a name in autoprec.x.
+            names = [f"{origin}.{alias.name}" for alias in node.names] or [origin]
+        else:
+            continue
+        for name in names:
+            if name == "autoprec" or name.startswith("autoprec."):
+                target = _resolve(name, modules)
+                # ``from autoprec import Policy``: the root's lazy names are not edges.
+                if target is not None and target not in (module, "autoprec"):
+                    found.add(target)
+    return found
+
+
+def _statements(tree: ast.AST) -> list[ast.AST]:
+    """Every node of the tree but those under ``if TYPE_CHECKING:``, which never run."""
+    found: list[ast.AST] = []
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        found.append(node)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            pending.extend(node.orelse)
+            continue
+        pending.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package and the package's modules it imports."""
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_one_cycle(graph, set(component)) for component in components]
+
+
+def _one_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest path back to the component's first module, through the component."""
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        next_frontier = []
+        for node in frontier:
+            for target in sorted(graph[node] & component):
+                if target == start:
+                    return [*paths[node], start]
+                if target not in paths:
+                    paths[target] = [*paths[node], target]
+                    next_frontier.append(target)
+        frontier = next_frontier
+    return sorted(component)
+
+
+def test_the_root_is_short() -> None:
+    root = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert find_cycles(graph) == [["a", "b", "c", "a"]]
+
+
+def test_the_graph_sees_function_level_imports() -> None:
+    graph = import_graph()
+    # A function-level import (the MLflow loader builds the task's model), and a module-level one.
+    assert "autoprec.tasks" in graph["autoprec.serving.mlflow_rebuilt"]
+    assert "autoprec.policy" in graph["autoprec.serving.conversion"]
+
+
+def stale_imports(paths: list[Path]) -> list[str]:
+    """``file:line module`` for each import of an ``autoprec`` module that does not exist
+    (a path from before a move)."""
+    modules = _modules()
+    stale = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                if name.startswith("autoprec.") and name not in modules:
+                    stale.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {name}")
+    return stale
+
+
+def test_every_import_of_autoprec_names_a_module_that_exists() -> None:
+    root = PACKAGE.parent
+    paths = [*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py")]
+    paths += [*(root / "benchmarks").rglob("*.py"), *(root / "docs").rglob("*.py")]
+    assert stale_imports(sorted(paths)) == []
+
+
+def test_no_import_cycles() -> None:
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+if __name__ == "__main__":
+    for cycle in find_cycles(import_graph()):
+        print(" -> ".join(cycle))
