@@ -219,14 +219,14 @@ def search_at_real_length(
 
 def confirmation_reason(entry: ZooEntry, real_steps: int) -> Rejected | None:
     """What the confirmation would name for a fragile task's uniform fp16 at the real
-    length: fp32 and fp16 trained ``real_steps`` as `autoprec.search.confirm` trains them
+    length: fp32 and fp16 trained ``real_steps`` as `autoprec.study.confirm` trains them
     (the same `run_trial`, the same early stopping judged by accuracy), and the first
-    event its telemetry saw (`autoprec.search.confirm.first_seen`), judged against the
+    event its telemetry saw (`autoprec.study.confirm.first_seen`), judged against the
     truth; None where fp16 held."""
     from dataclasses import replace
 
     from autoprec.devices import get_backend
-    from autoprec.search.confirm import first_seen
+    from autoprec.study.confirm import first_seen
     from autoprec.trials.base import TrialState
     from autoprec.trials.training import Budget, EarlyStopping, run_trial
 
