@@ -26,6 +26,7 @@ from autoprec.devices import NPUBackend, forget_watched, get_backend, npu_availa
 from autoprec.errors import DeviceError, PolicyError
 from autoprec.exports import ExportWarning, export_policy
 from autoprec.exports.npu import precision_mode
+from autoprec.numerics.observe import watch_task
 from autoprec.tasks import load_task
 from autoprec.trials.training import Budget, run_trial
 from tests import npu_standin
@@ -181,6 +182,13 @@ def test_policy_resolves_with_the_npu_autocast_table(standin):
 def test_a_trial_runs_on_the_npu_with_the_allocator_peak(standin, dtype):
     standin.peak_bytes = 3 * 2**20
     task = load_task("digits-mlp")
+    # A trial first watches its layers' classes on a real batch under each low dtype
+    # the device has (once per class: `autoprec.numerics.observe`); what trains after is
+    # the trial's own autocast.
+    watch_task(task, task.model().to(get_backend("npu").device), get_backend("npu"))
+    assert set(standin.calls_to("autocast")) == {torch.float16, torch.bfloat16}
+    standin.reset()
+    standin.peak_bytes = 3 * 2**20
     result = run_trial(task, Policy.uniform(dtype), get_backend("npu"), Budget(steps=12))
     assert result.state == "complete", result.reason
     assert result.steps_run == 12 and result.accuracy > 0.5
