@@ -7,7 +7,7 @@ steps with the telemetry as it was before the forecast (``GradientMonitor(ranges
 and a block with the range series (``ranges=True``, the default). The forecast's extra
 cost per trial is (observed step with ranges - without) x the observed steps of a trial
 (one in ``TELEMETRY_EVERY``), plus the fit of every layer's series at its end
-(`autoprec.forecast.forecast`, timed on the series the run recorded). It is shown
+(`autoprec.numerics.forecast.forecast`, timed on the series the run recorded). It is shown
 against the trial's training time, plain step x steps. Target: at most 5%.
 """
 

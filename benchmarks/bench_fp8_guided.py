@@ -16,7 +16,7 @@ a search), measured the first time any strategy proposes its policy and kept in
 measurements and a rerun costs only the policies not measured yet. Each strategy runs as
 ``autoprec search --sampler X`` would: the space's anchors first (uniform bf16, uniform
 fp8), then, for ``guided``, `GuidedStrategy` with the profile's orders (the groups'
-fp16/bf16 risk, and the fp8 risk it bisects fp8 in: `autoprec.fp8_risk`, a profile per
+fp16/bf16 risk, and the fp8 risk it bisects fp8 in: `autoprec.numerics.fp8_risk`, a profile per
 seed), then TPE; ``random`` is Optuna's random sampler; ``guided, random order`` is the
 guided strategy with a shuffled fp8 order (an ablation: what the profile's ranking
 buys). A proposal that measures the same as a policy already measured (the fp32

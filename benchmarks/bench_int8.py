@@ -2,7 +2,7 @@
 
 Run by hand: ``python benchmarks/bench_int8.py [--threads 1] [--rounds 8] [--norms]``.
 A Linear-heavy model (1024 -> 4096 -> 1024, twice, with GELU: 16.8M parameters) is
-converted by ``autoprec.inference.convert`` to fp32, bf16, fp16 and int8 by each method
+converted by ``autoprec.serving.convert`` to fp32, bf16, fp16 and int8 by each method
 (torch's dynamic quantization, torchao's dynamic-activation and weight-only configs), then
 timed at each batch size with ``time_models_side_by_side``: the variants alternate in short
 blocks, so that drift of a shared machine hits them alike; each figure is the median of

@@ -10,7 +10,7 @@ same model shape and times its first step:
 - ``again``: a second optimizer on a fresh model of the same shapes, as the next trial of
   a search builds it (Dynamo's cache sits on the compiled function, not the optimizer);
 - ``after reset``: after ``torch._dynamo.reset()``, which every ``--compile`` trial does
-  first (`autoprec.compiled.fresh_compiler`), so those trials compile their optimizer
+  first (`autoprec.trials.compiled.fresh_compiler`), so those trials compile their optimizer
   again (inductor's on-disk cache makes it cheaper than ``first``).
 
     python benchmarks/bench_optimizer_compile.py [--kinds 8bit,4bit,fp8,bf16] [--width 256]

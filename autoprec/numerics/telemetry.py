@@ -136,7 +136,7 @@ def _activation_counts(args: Any, kwargs: Any, output: Any) -> torch.Tensor:
 def _grad_range(grad: torch.Tensor, scale: float) -> torch.Tensor:
     """`_flush_counts`, then the largest |gradient| and a low quantile (the 1st
     percentile, of up to ``RANGE_SAMPLE`` elements taken at a stride) of the nonzero
-    ones, as held at the loss scale, for the range series (`autoprec.forecast`)."""
+    ones, as held at the loss scale, for the range series (`autoprec.numerics.forecast`)."""
     scaled = grad.detach().float().flatten() * scale
     magnitude = scaled.abs()
     sample = magnitude[:: max(1, magnitude.numel() // RANGE_SAMPLE)]
@@ -150,10 +150,10 @@ def _grad_range(grad: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def _activation_range_counts(args: Any, kwargs: Any, output: Any) -> torch.Tensor:
-    """`_activation_counts`, then the output dtype's code (`autoprec.forecast.dtype_code`),
-    the count of outputs that are exactly zero (for `autoprec.first_events`) and the count
+    """`_activation_counts`, then the output dtype's code (`autoprec.numerics.forecast.dtype_code`),
+    the count of outputs that are exactly zero (for `autoprec.numerics.first_events`) and the count
     of subnormal ones (nonzero, below their dtype's smallest normal: values shrinking into
-    the band where they flush to zero, for `autoprec.forecast`)."""
+    the band where they flush to zero, for `autoprec.numerics.forecast`)."""
     counts = _activation_counts(args, kwargs, output)
     floating = [t for t in tensors(output) if t.is_floating_point() and t.numel()]
     code = max((dtype_code(str(t.dtype).removeprefix("torch.")) for t in floating), default=0)
@@ -195,7 +195,7 @@ class GradientMonitor:
     ) -> None:
         self.model = model
         self.warn_underflow = warn_underflow
-        # Per observed step, each layer's range (`autoprec.forecast.RangeSeries`).
+        # Per observed step, each layer's range (`autoprec.numerics.forecast.RangeSeries`).
         self.ranges: RangeSeries | None = RangeSeries() if ranges else None
         self._step = 0
         self._watcher = Watcher(model)
@@ -204,7 +204,7 @@ class GradientMonitor:
         self._stats = {name: LayerStats(name) for name, _ in self.layers}
         self.fp8 = Fp8Telemetry(model, self._watcher)  # torchao float8 layers' casts
         self.observed_steps = 0  # forward passes watched
-        # What each observed step showed first (`autoprec.first_events`), and the dtype
+        # What each observed step showed first (`autoprec.numerics.first_events`), and the dtype
         # each layer's outputs were last seen in.
         self.first_events = FirstEvents()
         self.computes: dict[str, str | None] = {}

@@ -86,7 +86,7 @@ LAYERS_ARTIFACT = "telemetry_layers.csv"  # a trial's per-layer telemetry, in ML
 class Budget:
     """How long a trial trains. The first ``warmup_steps`` steps are not timed.
     ``train_steps`` is how long the user's real run trains, the step every layer's range
-    is forecast to (None: `autoprec.forecast.FORECAST_MULTIPLE` times ``steps``)."""
+    is forecast to (None: `autoprec.numerics.forecast.FORECAST_MULTIPLE` times ``steps``)."""
 
     steps: int = 200
     warmup_steps: int = 5
@@ -138,16 +138,16 @@ class TrialResult(Measured):
     loss_scales: list[float] = field(default_factory=list)
     switches: dict[str, bool] = field(default_factory=dict)
     telemetry: dict[str, Any] = field(default_factory=dict)
-    # How the figures were made (`autoprec.compiled`, `autoprec.emulation`): under
+    # How the figures were made (`autoprec.trials.compiled`, `autoprec.precision.emulation`): under
     # torch.compile, on a device of this compute capability, with dtypes emulated.
     compiled: bool = False
     graph_breaks: int | None = None
     compile_s: float | None = None
     compute_capability: str | None = None
     emulated: list[str] = field(default_factory=list)
-    forecast: dict[str, Any] = field(default_factory=dict)  # `autoprec.forecast.Forecast`
+    forecast: dict[str, Any] = field(default_factory=dict)  # `autoprec.numerics.forecast.Forecast`
     at_risk: str | None = None  # why the forecast says the real run would overflow
-    # What the telemetry saw first, per mechanism and layer (`autoprec.first_events`).
+    # What the telemetry saw first, per mechanism and layer (`autoprec.numerics.first_events`).
     first_events: list[dict[str, Any]] = field(default_factory=list)
     # Why the forecast cannot tell, and what was done (the trial extended, or the finalists
     # confirmed at --train-steps); never makes the trial infeasible.
@@ -324,7 +324,7 @@ def run_trial(
     compiled: bool = False,
 ) -> TrialResult:
     """Train ``task`` under ``policy`` on ``backend`` for ``budget`` (``compiled``: under
-    torch.compile, `autoprec.compiled`); never raises for a problem of the trial itself
+    torch.compile, `autoprec.trials.compiled`); never raises for a problem of the trial itself
     (bad input to autoprec still raises AutoprecError)."""
     started = time.perf_counter()
     try:
@@ -996,7 +996,7 @@ class TrainingTrials:
         self.task, self.model, self.backend, self.budget = task, model, backend, budget
         self.asked = (accuracy_tolerance, prefer, study)
         self.stopping = stopping
-        self.compiled = compiled  # every trial under torch.compile (`autoprec.compiled`)
+        self.compiled = compiled  # every trial under torch.compile (`autoprec.trials.compiled`)
         self.forecast_warns = forecast_warns
         # The trials' schedule and the real run's length (`trial_schedule_settings`).
         self.schedule = dict(schedule or {})
@@ -1005,7 +1005,7 @@ class TrainingTrials:
     def of(
         cls, config: Any, task: Task, model: nn.Module, backend: Backend, budget: Budget
     ) -> TrainingTrials:
-        """The mode made from a search's settings (`autoprec.search.SearchConfig`)."""
+        """The mode made from a search's settings (`autoprec.study.config.SearchConfig`)."""
         return cls(
             task=task,
             model=model,
