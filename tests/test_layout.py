@@ -187,6 +187,23 @@ def test_no_import_cycles() -> None:
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+def test_every_sub_package_ships_in_the_wheel() -> None:
+    """pyproject lists the packages a wheel holds: a sub-package left out imports in an
+    editable install and is missing from a real one."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "packages"
+        ]
+    )
+    found = {
+        ".".join(path.parent.relative_to(PACKAGE.parent).parts)
+        for path in PACKAGE.rglob("__init__.py")
+    }
+    assert found <= listed, sorted(found - listed)
+
+
 if __name__ == "__main__":
     for cycle in find_cycles(import_graph()):
         print(" -> ".join(cycle))
