@@ -544,63 +544,60 @@ def _choose(
             why=f"no trend predicts the trial's last part (the best misses it by {missed} bits)",
         )
     best = valid[0]
+    why = _unclear_why(best, valid, witnesses, log2_limit) if judged else None
+    if why is None:
+        return best.trend
+    return replace(
+        base,
+        kind=TrendKind.UNCERTAIN,
+        noise_log2=noise,
+        holdout_error_bits=best.holdout_error_bits,
+        why=why,
+    )
+
+
+def _unclear_why(
+    best: _Candidate,
+    valid: list[_Candidate],
+    witnesses: list[_Candidate],
+    log2_limit: float | None,
+) -> str | None:
+    """Why the best model's verdict cannot be trusted, if it cannot: its crossing moves as
+    the trial goes on, models nearly as good disagree on crossing, the crossing needs more
+    than ``EXTRAPOLATION_LIMIT`` times the bits the trend moved, or a start-up-transient
+    witness crosses where the best does not."""
     near = [c for c in valid if c.rank <= (1 + AMBIGUITY_SHARE) * best.rank + AMBIGUITY_BITS]
-    if judged and not best.stable:
-        assert best.crossing is not None
-        return replace(
-            base,
-            kind=TrendKind.UNCERTAIN,
-            noise_log2=noise,
-            holdout_error_bits=best.holdout_error_bits,
-            why=(
-                f"its crossing moves as the trial goes on ({best.trend.kind}: at step "
-                f"~{best.early_crossing} from the trial's earlier part, ~{best.crossing} "
-                "from all of it)"
-            ),
+    if not best.stable:
+        return (
+            f"its crossing moves as the trial goes on ({best.trend.kind}: at step "
+            f"~{best.early_crossing} from the trial's earlier part, ~{best.crossing} "
+            "from all of it)"
         )
-    if judged and any((c.crossing is None) != (best.crossing is None) for c in near):
+    if any((c.crossing is None) != (best.crossing is None) for c in near):
         crossing_one = next(c for c in near if c.crossing is not None)
-        return replace(
-            base,
-            kind=TrendKind.UNCERTAIN,
-            noise_log2=noise,
-            holdout_error_bits=best.holdout_error_bits,
-            why=(
-                f"trends that predict the trial's last part disagree ({crossing_one.trend.kind} "
-                f"crosses at step ~{crossing_one.crossing}, another does not)"
-            ),
+        return (
+            f"trends that predict the trial's last part disagree ({crossing_one.trend.kind} "
+            f"crosses at step ~{crossing_one.crossing}, another does not)"
         )
-    if judged and best.crossing is not None and log2_limit is not None:
+    if best.crossing is not None and log2_limit is not None:
         trend = best.trend
         now = trend.model_log2(trend.last_step)
         moved = (now - trend.model_log2(trend.first_step)) * trend.direction
         needed = (log2_limit - now) * trend.direction
         if math.isfinite(moved) and needed > EXTRAPOLATION_LIMIT * max(moved, 0.0):
-            return replace(
-                base,
-                kind=TrendKind.UNCERTAIN,
-                noise_log2=noise,
-                holdout_error_bits=best.holdout_error_bits,
-                why=(
-                    f"its crossing at step ~{best.crossing} ({trend.kind}) needs "
-                    f"{needed:.1f} bits more, {needed / max(moved, 1e-9):.1f} times what it "
-                    "moved over the trial: an extrapolation the trial has not earned"
-                ),
+            return (
+                f"its crossing at step ~{best.crossing} ({trend.kind}) needs "
+                f"{needed:.1f} bits more, {needed / max(moved, 1e-9):.1f} times what it "
+                "moved over the trial: an extrapolation the trial has not earned"
             )
     witness = next((c for c in witnesses if c.crossing is not None), None)
-    if judged and best.crossing is None and witness is not None:
-        return replace(
-            base,
-            kind=TrendKind.UNCERTAIN,
-            noise_log2=noise,
-            holdout_error_bits=best.holdout_error_bits,
-            why=(
-                f"may go on under its saturating start ({witness.trend.kind} growth "
-                f"after a start-up transient also predicts the trial's last part, and crosses "
-                f"at step ~{witness.crossing})"
-            ),
+    if best.crossing is None and witness is not None:
+        return (
+            f"may go on under its saturating start ({witness.trend.kind} growth "
+            f"after a start-up transient also predicts the trial's last part, and crosses "
+            f"at step ~{witness.crossing})"
         )
-    return best.trend
+    return None
 
 
 @dataclass
