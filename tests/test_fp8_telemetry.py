@@ -142,6 +142,7 @@ def test_a_profile_where_fp8_does_not_run_has_no_fp8_risk():
     assert profile.fp8_table() == ""
 
 
+@pytest.mark.slow  # a whole search end to end: the everyday subset skips it
 def test_an_fp8_trial_that_crushes_the_outlier_layer_names_it():
     task = load_task("fp8-outliers")
     policy = Policy.from_dict({"default": "bf16", "rules": [{"types": ["Linear"], "dtype": "fp8"}]})

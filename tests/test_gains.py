@@ -36,6 +36,7 @@ def folder(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow  # a whole search end to end: the everyday subset skips it
 def test_speed_claims_come_from_the_side_by_side_timing(folder):
     # The built-in MLP, whose uniform fp16 the CPU runs slower than fp32 where it has no
     # fp16 kernels: the line says so; where fp16 wins, it says by how much side by side.

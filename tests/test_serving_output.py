@@ -55,6 +55,7 @@ def test_the_start_line_names_the_checkpoint_it_keeps(served):
     assert (folder / kept).is_file()
 
 
+@pytest.mark.slow  # a whole search end to end: the everyday subset skips it
 def test_serving_policies_are_written_and_shown_without_loss_scale(served):
     folder, _ = served
     best_file = folder / "runs" / STUDY / "best_policy.yaml"

@@ -119,6 +119,7 @@ def test_print_config_then_config_round_trips_as_typed(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing was searched, no store made
 
 
+@pytest.mark.slow  # a whole search end to end: the everyday subset skips it
 def test_a_search_from_a_config_file(tmp_path):
     """A file of only a few settings, the rest at their defaults; a flag overrides it."""
     (tmp_path / "out").mkdir()  # a sqlite store's folder must exist (but the default runs/)
