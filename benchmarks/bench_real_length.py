@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     table = load_table()
     names = [n for n in names_or_all(args.only) if n in table["tasks"]]
     if args.reasons:
-        return _reasons(names, 10 * args.steps)
+        return _reasons(names, 10 * args.steps, table)
     verdicts = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="zoo-real-length-") as scratch:
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _reasons(names: list[str], real_steps: int) -> int:
+def _reasons(names: list[str], real_steps: int, table: dict[str, Any]) -> int:
     rows = ["| task | failed | layer named | mechanism named | right layer | right mechanism |"]
     rows.append("|---|---|---|---|---|---|")
     right_layer = right_mechanism = failed = 0
@@ -77,7 +78,7 @@ def _reasons(names: list[str], real_steps: int) -> int:
         entry = ZOO[name]
         if entry.kind != Kind.FRAGILE:
             continue
-        named = confirmation_reason(entry, real_steps)
+        named = confirmation_reason(entry, real_steps, table)
         if named is None:
             rows.append(f"| {name} | no | - | - | - | - |")
         else:

@@ -365,7 +365,12 @@ def observed_dtypes(
 def watch_task(task: Task, model: nn.Module, backend: Backend) -> None:
     """`learn` from one forward of ``model`` (or a copy on the backend's device) on the
     task's first validation batch, so that the plan, the space and the profile know how
-    autocast treats each of its layers there; the caller's random stream is kept."""
+    autocast treats each of its layers there; the caller's random stream is kept. Where
+    every leaf class is known on this device kind already (each trial after the first),
+    no batch is drawn."""
+    leaves = parameterised_leaves(model)
+    if all(learned_behaviour(backend.kind, type(m)) is not None for _, m in leaves):
+        return
     with torch.random.fork_rng(devices=[]):
         example = task.first_val_batch().to(backend.device)
         first = next(model.parameters(), None)

@@ -30,6 +30,7 @@ from typing import Any
 from torch import nn
 
 from autoprec.policy import LossScale, Policy, Rule
+from autoprec.precision.plan import parameterised_leaves
 from autoprec.tasks.zoo import ZOO, Kind, ZooEntry
 from autoprec.tasks.zoo.truth import earliest_failure, load_table
 
@@ -157,15 +158,6 @@ class Calibration:
         }
 
 
-def parameter_leaves(model: nn.Module) -> list[str]:
-    """Leaf modules with parameters of their own (those a policy's rules may name)."""
-    return [
-        n
-        for n, m in model.named_modules()
-        if n and next(m.children(), None) is None and next(m.parameters(False), None) is not None
-    ]
-
-
 def _group_dtypes(entry: ZooEntry, policy: Policy, model: nn.Module) -> list[str]:
     """The dtypes the entry's failing groups resolve to under the policy."""
     import fnmatch
@@ -272,7 +264,7 @@ def random_mixed_policies(entry: ZooEntry, count: int = RANDOM_POLICIES) -> list
     """``count`` policies giving every leaf module fp16 or bf16 at random (seeded by the
     task's name), with the default dynamic loss scaling."""
     model = entry.task().model()
-    leaves = parameter_leaves(model)
+    leaves = [name for name, _ in parameterised_leaves(model)]
     chooser = random.Random(entry.name)
     policies = []
     for index in range(count):

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.policy import Policy
+from autoprec.precision.plan import parameterised_leaves
 from autoprec.tasks.zoo import ZOO, Kind, ZooEntry
-from autoprec.tasks.zoo.calibration import parameter_leaves
 from autoprec.tasks.zoo.forecast_rates import OVERFLOW, UNDERFLOW
 
 ACCURACY_DROP = 0.01  # the search's default tolerance for a training task
@@ -89,7 +89,7 @@ def _truth_label(
     policy = Policy.from_dict(policy_data)
     model = entry.task().model()
     resolved = policy.resolve(model)
-    leaves = {n: resolved.get(n) for n in parameter_leaves(model)}
+    leaves = {n: resolved.get(n) for n, _ in parameterised_leaves(model)}
     scaled = policy.loss_scale.mode == "dynamic"
     dtypes = set(leaves.values())
     if dtypes == {"bf16"} or dtypes == {"fp32"}:
@@ -217,7 +217,7 @@ def search_at_real_length(
     return verdict
 
 
-def confirmation_reason(entry: ZooEntry, real_steps: int) -> Rejected | None:
+def confirmation_reason(entry: ZooEntry, real_steps: int, table: dict[str, Any]) -> Rejected | None:
     """What the confirmation would name for a fragile task's uniform fp16 at the real
     length: fp32 and fp16 trained ``real_steps`` as `autoprec.study.confirm` trains them
     (the same `run_trial`, the same early stopping judged by accuracy), and the first
@@ -235,9 +235,14 @@ def confirmation_reason(entry: ZooEntry, real_steps: int) -> Rejected | None:
     fp32 = run_trial(task, Policy.uniform("fp32"), backend, budget)
     stopping = replace(EarlyStopping.from_baseline(fp32), reference_losses=())
     result = run_trial(task, Policy.uniform("fp16"), backend, budget, stopping)
-    failed = result.state != TrialState.COMPLETE or result.nonfinite_steps > 0
-    if not failed and result.accuracy is not None and fp32.accuracy is not None:
-        failed = fp32.accuracy - result.accuracy > ACCURACY_DROP
+    # The confirmation's own verdict: it ended, has no more non-finite losses than fp32,
+    # and its accuracy is within the tolerance of fp32's.
+    failed = (
+        result.state != TrialState.COMPLETE
+        or result.accuracy is None
+        or result.nonfinite_steps > fp32.nonfinite_steps
+        or (fp32.accuracy is not None and fp32.accuracy - result.accuracy > ACCURACY_DROP)
+    )
     if not failed:
         return None
     first = first_seen(result, fp32)
@@ -247,9 +252,7 @@ def confirmation_reason(entry: ZooEntry, real_steps: int) -> Rejected | None:
         "layer": None if first is None else first.layer,
         "first_step": None if first is None else first.step,
     }
-    from autoprec.tasks.zoo.truth import load_table
-
-    return _rejected(check, entry, load_table()["tasks"].get(entry.name))
+    return _rejected(check, entry, table["tasks"].get(entry.name))
 
 
 def verdict_rows(verdicts: list[RealLengthVerdict]) -> list[str]:
