@@ -9,7 +9,10 @@ torch's own agent with ranks that die, crash or hang on purpose.
 - ``hang``: rank ``fake_rank`` ignores SIGTERM and sleeps; the others wait in a barrier;
 - ``silent``: every rank exits 0 and none writes a result.
 Every rank writes its pid to ``pids/<rank>`` beside the result, so that a test can check
-that none is left.
+that none is left, and ``ready-<rank>`` once the process group is up, as the real ranks do.
+Where ``$AUTOPREC_TEST_ABORT_DIR`` is set, rank 1 of the first launch that counts itself
+there aborts (SIGABRT, as a C++ ``terminate`` does) before it joins the process group: a
+launch that fails setting up.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+ABORT_DIR_ENV = "AUTOPREC_TEST_ABORT_DIR"  # where rank 1 counts launches (main's docstring)
+
 
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
@@ -31,6 +36,12 @@ def main() -> int:
     pids = result_path.parent / "pids"
     pids.mkdir(exist_ok=True)
     (pids / str(rank)).write_text(str(os.getpid()))  # before the slow imports
+    aborts = os.environ.get(ABORT_DIR_ENV)
+    if aborts and rank == 1:
+        Path(aborts).mkdir(parents=True, exist_ok=True)
+        (Path(aborts) / str(os.getpid())).touch()
+        if len(list(Path(aborts).iterdir())) == 1:
+            os.abort()
     from torch.distributed.elastic.multiprocessing.errors import record
 
     return record(_run)(spec, result_path, rank, world)
@@ -41,6 +52,7 @@ def _run(spec: dict, result_path: Path, rank: int, world: int) -> int:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    (result_path.parent / f"ready-{rank}").touch()
     behaviour, chosen = spec.get("fake", "ok"), rank == spec.get("fake_rank", 1)
     if behaviour == "die" and chosen:
         time.sleep(float(spec.get("after_s", 0.5)))

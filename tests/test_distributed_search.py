@@ -25,16 +25,19 @@ import pytest
 
 from autoprec.cli import main
 from autoprec.distributed.launch import (
+    LaunchOutcome,
+    LaunchPlan,
     device_groups,
     failure_of,
     group_env,
     launch,
+    launch_set_up,
     local_group,
     settle_parallel,
     usable_cores,
 )
 from autoprec.errors import AutoprecError
-from tests.distributed_fakes import KILL_AT_ENV, KILL_DIR_ENV
+from tests.distributed_fakes import ABORT_DIR_ENV, KILL_AT_ENV, KILL_DIR_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 FAKES = "tests.distributed_fakes"
@@ -228,6 +231,35 @@ def test_a_hanging_rank_that_ignores_sigterm_is_ended_by_the_limit(tmp_path):
     assert len(pids) == 2 and not any(_running(pid) for pid in pids)
 
 
+@pytest.mark.slow
+def test_a_launch_that_fails_setting_up_is_launched_again_once(tmp_path):
+    aborts = tmp_path / "aborts"
+    plan = LaunchPlan(
+        nproc=2,
+        parallel="ddp",
+        backend="gloo",
+        group=["cpu", "cpu"],
+        task_spec="unused",
+        folder=tmp_path / "launches",
+        limit_s=120.0,
+        module=FAKES,
+        env={ABORT_DIR_ENV: str(aborts)},  # rank 1 of the first launch aborts at its start
+    )
+    outcome, retries = launch_set_up({"fake": "ok"}, plan)
+    assert retries == 1 and outcome.exit_code == 0, outcome.reason(120.0, 2)
+    assert json.loads(outcome.result_path.read_text())["step_time_ms"] == 3.0  # both ranks
+    first, second = sorted(plan.folder.iterdir(), key=lambda f: int(f.name.split("-")[1]))
+    assert not (first / "ready-1").exists() and (second / "ready-1").exists()
+    failed = LaunchOutcome(1, first / "result.json", first / "launch.log", 0.0)
+    assert failed.failed_setting_up(2)
+    assert "SIGABRT" in failed.reason(120.0, 2), failed.reason(120.0, 2)
+    # A launch whose ranks all got ready fails as it ended: the policy ran.
+    assert not LaunchOutcome(
+        1, second / "result.json", second / "launch.log", 0.0
+    ).failed_setting_up(2)
+    assert len(list(aborts.iterdir())) == 2  # launched twice, never a third time
+
+
 # -- searches through the CLI -----------------------------------------------------------
 
 
@@ -245,6 +277,14 @@ def _trials(folder: Path, study: str) -> list[optuna.trial.FrozenTrial]:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = f"sqlite:///{folder}/runs/optuna.db"
     return optuna.load_study(study_name=study, storage=storage).trials
+
+
+def _why(result: dict, folder: Path) -> str:
+    """A failed launch's reason, and the end of the log it names (kept for a failed one)."""
+    reason = str(result.get("reason"))
+    log = folder / reason.rpartition("(log: ")[2].rstrip(")")  # where it is relative
+    tail = log.read_text(errors="replace")[-3000:] if log.is_file() else ""
+    return f"{reason}\n{tail}"
 
 
 def _parent_runs(folder: Path, study: str) -> int:
@@ -275,6 +315,7 @@ def test_a_search_at_two_ranks_finishes(parallel, tmp_path):
     assert _parent_runs(tmp_path, "blocks") == 1
     for trial in trials:
         result = trial.user_attrs["autoprec"]["result"]
+        assert "distributed" in (result.get("telemetry") or {}), _why(result, tmp_path)  # ranks ran
         record = result["telemetry"]["distributed"]
         assert (record["nproc"], record["parallel"], record["backend"]) == (2, parallel, "gloo")
         assert [r["rank"] for r in record["ranks"]] == [0, 1]

@@ -69,6 +69,12 @@ _INHERITED = re.compile(
 # the agent) and the agent's (read by each rank, `autoprec.distributed.rank`).
 LAUNCHER_PID_ENV = "AUTOPREC_LAUNCHER_PID"
 AGENT_PID_ENV = "AUTOPREC_AGENT_PID"
+# Each rank writes READY_PREFIX + its rank beside the result once its process group is up.
+READY_PREFIX = "ready-"
+# A launch that failed setting up (a rank died before every rank joined the process group,
+# which no policy touches: under heavy load, gloo's rendezvous once aborted a rank) is
+# launched again, this many times, before its trial fails.
+SETUP_RETRIES = 1
 # The agent dies with its launcher (Linux: PR_SET_PDEATHSIG); on that SIGTERM it ends
 # its ranks, and each rank dies with it too (SIGKILL). A launcher gone before the agent
 # asked (its parent is then another) ends it at once. Then it is torch's launcher, run
@@ -214,6 +220,14 @@ class LaunchOutcome:
     @property
     def timed_out(self) -> bool:
         return self.exit_code is None
+
+    def failed_setting_up(self, nproc: int) -> bool:
+        """Whether the launch ended in error, in time and with no result, before all
+        ``nproc`` ranks were ready (`READY_PREFIX`): before the policy ran."""
+        if self.exit_code in (None, 0) or self.result_path.exists():
+            return False
+        folder = self.result_path.parent
+        return any(not (folder / f"{READY_PREFIX}{rank}").exists() for rank in range(nproc))
 
     def reason(self, limit_s: float, nproc: int) -> str:
         """Why the launch gave no result, in one line."""
@@ -545,18 +559,12 @@ class LaunchedTrials(TrainingTrials):
         return self if plan is self.plan else LaunchedTrials(self, plan)
 
     def measure(self, policy: Policy) -> TrialResult:
-        """One launch of the policy's trial; a launch that failed is a failed trial, and
-        one whose rank was refused its input (an AutoprecError) raises it here."""
+        """One launch of the policy's trial (`launch_set_up`: again where it failed
+        setting up); a launch that failed is a failed trial, and one whose rank was
+        refused its input (an AutoprecError) raises it here."""
         plan = self.plan
-        folder = plan.folder / f"{os.getpid()}-{next(_LAUNCHES)}"
-        outcome = launch(
-            plan.spec(policy, self.budget),
-            plan.nproc,
-            folder,
-            plan.limit_s,
-            plan.environment(),
-            plan.module,
-        )
+        outcome, retries = launch_set_up(plan.spec(policy, self.budget), plan)
+        folder = outcome.result_path.parent
         if outcome.result_path.is_file():  # a rank that raised wrote why, as a failed result
             result = read_result(outcome.result_path)
             if _refused(outcome.result_path):  # as a trial on one device raises it
@@ -572,6 +580,14 @@ class LaunchedTrials(TrainingTrials):
             result = TrialResult(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
         if result.state != TrialState.FAILED:
             shutil.rmtree(folder, ignore_errors=True)  # a failed launch keeps its log
+        if retries:  # said beside the ranks' record, and in a failed trial's reason
+            record = (result.telemetry or {}).get("distributed")
+            if isinstance(record, dict):
+                record["setup_retries"] = retries
+            if result.state == TrialState.FAILED:
+                result.reason = (
+                    f"after {retries} launch(es) that failed setting up: {result.reason}"
+                )
         result.run_time_s = outcome.elapsed_s
         return result
 
@@ -583,6 +599,20 @@ class LaunchedTrials(TrainingTrials):
             result = self.measure(policy)
             times.append(result.step_time_ms if result.step_time_ms is not None else math.inf)
         return times
+
+
+def launch_set_up(spec: dict[str, Any], plan: LaunchPlan) -> tuple[LaunchOutcome, int]:
+    """One trial's launch (`launch`) in a folder of its own under ``plan.folder``, launched
+    again where it failed setting up (`LaunchOutcome.failed_setting_up`), at most
+    `SETUP_RETRIES` times: the last outcome, and how many launches were retried. Each
+    failed launch keeps its folder, with its log."""
+    retries = 0
+    while True:
+        folder = plan.folder / f"{os.getpid()}-{next(_LAUNCHES)}"
+        outcome = launch(spec, plan.nproc, folder, plan.limit_s, plan.environment(), plan.module)
+        if retries == SETUP_RETRIES or not outcome.failed_setting_up(plan.nproc):
+            return outcome, retries
+        retries += 1
 
 
 def _refused(path: Path) -> bool:

@@ -42,6 +42,9 @@ The interface between the launcher (`autoprec.distributed.launch`) and the ranks
   input, an `AutoprecError`, which a single-device trial raises rather than records), so
   the launcher should read the file whenever it exists, and fail the trial as crashed
   where it does not.
+- **Ready files**: once its process group is up (every rank has joined a barrier), each
+  rank writes an empty ``ready-RANK`` beside RESULT_JSON_PATH (`READY_PREFIX`). A launch
+  that failed before every rank wrote one failed setting up, before the policy ran.
 
 Every rank runs the single-device trial's loop (`autoprec.trials.training`) with
 `RankTraining`: the same losses, loss scaling, early stops and measurements, with the
@@ -71,7 +74,7 @@ import torch.distributed as dist
 from autoprec._util.files import write_atomic
 from autoprec.devices import get_backend
 from autoprec.distributed.collectives import gather_records
-from autoprec.distributed.launch import AGENT_PID_ENV
+from autoprec.distributed.launch import AGENT_PID_ENV, READY_PREFIX
 from autoprec.distributed.parallel import RankTraining
 from autoprec.distributed.telemetry import reduce_telemetry
 from autoprec.errors import AutoprecError, first_line
@@ -188,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = json.loads(spec_path.read_text())
         _init_process_group(spec)
+        dist.barrier()  # every rank has joined: the launch is set up
+        write_atomic(result_path.parent / f"{READY_PREFIX}{rank}", "")
         result, record = run_rank(spec)
     except BaseException as error:  # a crashed rank: say why, where no rank has yet
         reason = f"rank {rank}: {type(error).__name__}: {first_line(error, 400)}"[:500]
