@@ -223,3 +223,34 @@ def test_the_cpu_estimate_counts_bitsandbytes_states_as_stored():
     meter.start(model)
     params_and_grads = sum(2 * p.nbytes for p in model.parameters())
     assert meter.peak_mb(model, optimizer) * 2**20 == pytest.approx(params_and_grads + expected)
+
+
+def test_a_trials_optimizer_state_metric_is_bitsandbytes_bytes_as_stored():
+    from autoprec.devices import get_backend
+    from autoprec.tasks import Task
+    from autoprec.trials.training import Budget, run_trial
+
+    generator = torch.Generator().manual_seed(2)
+    classes = torch.randint(0, 8, (64,), generator=generator)
+
+    def train_data(seed: int):
+        g = torch.Generator().manual_seed(seed)
+        while True:
+            tokens = torch.randint(0, 64, (16,), generator=g)
+            yield tokens, classes[tokens]
+
+    task = Task(
+        "tokens",
+        make_model,
+        train_data,
+        lambda: [(torch.arange(64), classes)],
+        nn.functional.cross_entropy,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+    )
+    policy = Policy(optimizer_states=EMBEDDINGS_FP32)
+    result = run_trial(task, policy, get_backend("cpu"), Budget(steps=4, warmup_steps=1))
+    assert result.state.name == "COMPLETE", result.reason
+    embedding, weight = 64 * 64, 130 * 64
+    small = 130 + 130 * 8 + 8
+    stored = 8 * (embedding + small) + 2 * weight + 2 * 4 * -(-weight // BLOCK) + QMAP_BYTES
+    assert result.optimizer_state_mb * 2**20 == pytest.approx(stored, rel=1e-12)
