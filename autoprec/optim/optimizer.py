@@ -35,7 +35,7 @@ from autoprec.errors import PolicyError
 from autoprec.optim.state import OptimizerStates, TrainingState
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
-_TORCHAO_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+_ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 # bitsandbytes' optim_bits for each state kind it implements.
 BITSANDBYTES_BITS = {"fp32": 32, "8bit": 8}
 
@@ -108,7 +108,7 @@ def _adam_defaults(
         if defaults.get(flag):
             raise PolicyError(f"optimizer: {library}'s Adam has no {flag}=True")
     adamw = isinstance(reference, torch.optim.AdamW) or bool(defaults.get("decoupled_weight_decay"))
-    kwargs = {key: defaults[key] for key in _TORCHAO_HYPERPARAMETERS if key in defaults}
+    kwargs = {key: defaults[key] for key in _ADAM_HYPERPARAMETERS if key in defaults}
     if isinstance(kwargs.get("lr"), torch.Tensor):
         kwargs["lr"] = float(kwargs["lr"])
     kwargs["betas"] = tuple(float(b) for b in kwargs.get("betas", (0.9, 0.999)))

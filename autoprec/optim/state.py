@@ -35,7 +35,7 @@ block of 256 included).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -182,7 +182,9 @@ class OptimizerStates:
     state: str = "fp32"
     master: str = "fp32"
     groups: tuple[StateGroup, ...] = ()
-    library: str = "torchao"
+    # Out of the repr, which policy identities hash: a torchao section's stays what it was
+    # (Policy.identity adds another library).
+    library: str = field(default="torchao", repr=False)
 
     def __post_init__(self) -> None:
         _check_kind(self.state, "optimizer.state")
