@@ -71,7 +71,8 @@ def _add_export(commands: Any) -> None:
     e = commands.add_parser(
         "export",
         help="write a study's best policy in a format other tools read (a served model, "
-        "torchao, ATC, torch_npu, transformers, fp8 for torchtitan/torchao/accelerate)",
+        "torchao, ATC, torch_npu, transformers, fp8 for torchtitan/torchao/accelerate, "
+        "optimizer states for torchao, bitsandbytes and the Trainer)",
         description="Export the best policy of a finished search. Formats: model (serving "
         "studies' default: program.pt2, a torch.export program of the converted model, with "
         "fp32.pt, policy.yaml and load_model.py), torchao (the int8 layers as a FqnToConfig), "
@@ -79,7 +80,11 @@ def _add_export(commands: Any) -> None:
         "command), transformers (_keep_in_fp32_modules_strict), fp8 (a training policy's fp8 "
         "layers as torchtitan's [quantize.linear.float8] filter_fqns with its command line, "
         "torchao's convert_to_float8_training and accelerate's AORecipeKwargs; a policy "
-        "without fp8 layers is refused). Where a format cannot say "
+        "without fp8 layers is refused), and a training policy's optimizer states: "
+        "torchao-optimizer (torchao's optimizer classes per parameter group), bitsandbytes "
+        "(8-bit AdamW with its 32-bit overrides), trainer (transformers' Trainer: its optim "
+        "string where one holds the policy, else optimizers= built from it). Where a format "
+        "cannot say "
         "exactly what the policy says, a note on stderr says what it approximates.",
         formatter_class=_DefaultsFormatter,
     )

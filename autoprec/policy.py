@@ -566,7 +566,9 @@ class Policy:
                 if model is not None
                 else self.optimizer_states
             )
-            measured.append({"optimizer": repr(states)})
+            library = self.optimizer_states.library
+            extra = {"library": library} if library != "torchao" else {}  # old identities kept
+            measured.append({"optimizer": repr(states), **extra})
         text = json.dumps(measured, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 

@@ -25,7 +25,18 @@ BUILTIN_TASK_NAMES = (
 )
 DEFAULT_TASK = "digits-mlp"
 # autoprec.exports.FORMATS
-EXPORT_FORMATS = ("yaml", "torch-npu", "cann", "transformers", "fp8", "model", "torchao")
+EXPORT_FORMATS = (
+    "yaml",
+    "torch-npu",
+    "cann",
+    "transformers",
+    "fp8",
+    "model",
+    "torchao",
+    "torchao-optimizer",
+    "bitsandbytes",
+    "trainer",
+)
 # autoprec.serving.quantizers.INT8_METHODS and autoprec.serving.fp8.FP8_SERVING_METHODS
 INT8_METHODS = ("dynamic", "torchao-dynamic", "torchao-weight-only")
 FP8_SERVING_METHODS = (

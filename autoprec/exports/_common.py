@@ -18,6 +18,7 @@ from autoprec import Policy
 from autoprec._util.files import write_atomic
 from autoprec.dtypes import LOW_PRECISION
 from autoprec.errors import ExportError, ExportWarning
+from autoprec.optim.state import TrainingState
 
 COMMENT_WIDTH = 92
 
@@ -146,3 +147,36 @@ def example_inputs(example: Any, fmt: str) -> tuple[tuple[Any, ...], dict[str, A
         )
     kwargs.pop("labels", None)
     return args, kwargs
+
+
+# torch.optim.AdamW's defaults: what a generated optimizer file takes when not told.
+ADAMW_SIGNATURE = (
+    "lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, "
+    "weight_decay: float = 0.01"
+)
+ADAMW_ARGUMENTS = "lr=lr, betas=betas, eps=eps, weight_decay=weight_decay"
+
+
+def parameters_by_state(
+    policy: Policy, model: nn.Module | None, fmt: str
+) -> dict[TrainingState, list[str]]:
+    """The model's trainable parameters by name, grouped by the training state the policy's
+    ``optimizer`` section gives them (in ``named_parameters()`` order, as
+    ``policy.optimizer`` groups them)."""
+    require(model, "a model (the fp32 module, for its parameter names)", fmt)
+    assert model is not None
+    grouped: dict[TrainingState, list[str]] = {}
+    for name, state in policy.resolve_states(model).items():
+        grouped.setdefault(state, []).append(name)
+    return grouped
+
+
+def library_note(policy: Policy, library: str) -> list[str]:
+    """A note where the export's library is not the one the search measured the states in."""
+    measured = policy.optimizer_states.library
+    if measured == library or "8bit" not in policy.optimizer_states.kinds():
+        return []
+    return [
+        f"the policy's states were measured with {measured}'s optimizers; {library}'s "
+        "quantise differently, so its 8-bit states are not bit for bit what the trials ran"
+    ]

@@ -12,6 +12,14 @@ reports a skipped step, on which the Trainer leaves the LR scheduler alone, and 
 saves and loads it as it would a GradScaler. Tested with transformers 5 on the CPU, one
 process; DDP is expected to work (the regions sit on the module DDP wraps) but was not run.
 DeepSpeed and FSDP bring their own mixed precision and are not supported.
+
+A policy's optimizer states (its ``optimizer`` section) reach the Trainer as
+``optimizers=policy_optimizers(policy, model, args)``: ``policy.optimizer(model,
+torch.optim.AdamW, ...)`` with the arguments' learning rate, betas, epsilon and weight decay.
+`PolicyTrainer` builds it so itself where its policy names states and no optimizer is given.
+The Trainer's own optimizer exempts biases and norms from weight decay; this one decays
+every parameter (the same where ``weight_decay`` is 0). Where a Trainer ``optim`` string
+builds the same optimizer, `autoprec.exports.trainer_optim` names it.
 """
 
 from __future__ import annotations
@@ -35,6 +43,23 @@ except ImportError:
 
 # TrainingArguments that would add the Trainer's own mixed precision on top of the policy's.
 REFUSED_ARGUMENTS = ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval")
+
+
+def policy_optimizers(
+    policy: Policy, model: nn.Module, args: Any
+) -> tuple[torch.optim.Optimizer, None]:
+    """``(optimizer, None)`` for ``Trainer(..., optimizers=...)``: the per-group optimizer
+    the policy describes for ``model``, with the TrainingArguments' AdamW hyperparameters;
+    the Trainer makes its LR scheduler over it."""
+    optimizer = policy.optimizer(
+        model,
+        torch.optim.AdamW,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+    )
+    return optimizer, None
 
 
 class _PrecisionScaler:
@@ -113,6 +138,15 @@ class PolicyTrainer(transformers.Trainer):
         assert self.model is not None  # the Trainer refuses no model without a model_init
         self.precision = policy.apply(self.model, self.args.device, module=module)
         self.accelerator.scaler = _PrecisionScaler(self.precision)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The policy's per-group optimizer where its policy names optimizer states and none
+        was given (`policy_optimizers`); else the Trainer's own."""
+        target = model if model is not None else self.model
+        if self.optimizer is None and not self.policy.optimizer_states.is_default:
+            assert target is not None  # the Trainer refuses no model without a model_init
+            self.optimizer = policy_optimizers(self.policy, target, self.args)[0]
+        return super().create_optimizer(model)  # type: ignore[no-any-return]
 
     def autocast_smart_context_manager(
         self, cache_enabled: bool | None = True

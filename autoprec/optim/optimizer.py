@@ -10,6 +10,13 @@ as one `PolicyOptimizer`, an ``torch.optim.Optimizer`` whose ``param_groups`` ar
 (so LR schedulers and loss scalers see every parameter) and whose ``step``, ``zero_grad``,
 ``state_dict`` and ``load_state_dict`` go to each of them.
 
+With ``library: bitsandbytes`` every part is a ``bitsandbytes.optim.AdamW8bit``
+(``Adam8bit``), and the parameters of an fp32 part get
+``GlobalOptimManager.override_config(param, "optim_bits", 32)``, as bitsandbytes documents
+for embeddings: bitsandbytes steps each parameter on its own, so this trains bit for bit as
+one such optimizer with the same overrides (tested on the CPU; its CUDA kernels never ran
+here).
+
 torchao steps every parameter on its own through ``torch.compile(single_param_adam)``;
 the compiled code is cached on that function, so later optimizers (other trials in one
 process) reuse it where shapes, dtypes and state kinds repeat.
@@ -17,6 +24,7 @@ process) reuse it where shapes, dtypes and state kinds repeat.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -27,7 +35,9 @@ from autoprec.errors import PolicyError
 from autoprec.optim.state import OptimizerStates, TrainingState
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
-_TORCHAO_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+_ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+# bitsandbytes' optim_bits for each state kind it implements.
+BITSANDBYTES_BITS = {"fp32": 32, "8bit": 8}
 
 
 def build_optimizer(
@@ -50,6 +60,9 @@ def build_optimizer(
     reference = optimizer(list(parameters[n] for n in assigned), **hyperparameters)
     parts: list[tuple[TrainingState, torch.optim.Optimizer]] = []
     for state, params in by_state.items():
+        if states.library == "bitsandbytes":
+            parts.append((state, _bitsandbytes_optimizer(state, params, reference)))
+            continue
         if state == TrainingState():
             parts.append((state, optimizer(params, **hyperparameters)))
             continue
@@ -66,20 +79,7 @@ def _torchao_optimizer(
 ) -> torch.optim.Optimizer:
     import torchao.optim as ao
 
-    defaults = reference.defaults
-    if not isinstance(reference, torch.optim.Adam):
-        raise PolicyError(
-            f"optimizer.state {state.state}: quantised and bf16 states are Adam's and AdamW's "
-            f"(torchao); the task's optimizer is {type(reference).__name__}"
-        )
-    for flag in ("maximize", "differentiable"):
-        if defaults.get(flag):
-            raise PolicyError(f"optimizer: torchao's Adam has no {flag}=True")
-    adamw = isinstance(reference, torch.optim.AdamW) or bool(defaults.get("decoupled_weight_decay"))
-    kwargs = {key: defaults[key] for key in _TORCHAO_HYPERPARAMETERS if key in defaults}
-    if isinstance(kwargs.get("lr"), torch.Tensor):
-        kwargs["lr"] = float(kwargs["lr"])
-    kwargs["betas"] = tuple(float(b) for b in kwargs.get("betas", (0.9, 0.999)))
+    adamw, kwargs = _adam_defaults(reference, state, "torchao")
     stochastic = state.master == "bf16"
     quantised = {
         "8bit": (ao.AdamW8bit, ao.Adam8bit),
@@ -91,6 +91,64 @@ def _torchao_optimizer(
         return cls(params, **kwargs, bf16_stochastic_round=stochastic)
     buffers = {"fp32": _Fp32StateAdam, "bf16": _Bf16StateAdam, "fp8-bf16": _Fp8Bf16StateAdam}
     return buffers[state.state](params, adamw, stochastic, **kwargs)
+
+
+def _adam_defaults(
+    reference: torch.optim.Optimizer, state: TrainingState, library: str
+) -> tuple[bool, dict[str, Any]]:
+    """Whether ``reference`` (the user's optimizer) is AdamW, and its hyperparameters as the
+    library's Adam takes them; PolicyError where the library's Adam cannot follow it."""
+    defaults = reference.defaults
+    if not isinstance(reference, torch.optim.Adam):
+        raise PolicyError(
+            f"optimizer.state {state.state}: {library}'s states are Adam's and AdamW's; "
+            f"the task's optimizer is {type(reference).__name__}"
+        )
+    for flag in ("maximize", "differentiable"):
+        if defaults.get(flag):
+            raise PolicyError(f"optimizer: {library}'s Adam has no {flag}=True")
+    adamw = isinstance(reference, torch.optim.AdamW) or bool(defaults.get("decoupled_weight_decay"))
+    kwargs = {key: defaults[key] for key in _ADAM_HYPERPARAMETERS if key in defaults}
+    if isinstance(kwargs.get("lr"), torch.Tensor):
+        kwargs["lr"] = float(kwargs["lr"])
+    kwargs["betas"] = tuple(float(b) for b in kwargs.get("betas", (0.9, 0.999)))
+    return adamw, kwargs
+
+
+def import_bitsandbytes() -> Any:
+    """bitsandbytes, imported where a policy asks for it (an optional dependency). On a CPU
+    without its optional 4-bit matmul kernel it logs a warning at import that concerns no
+    optimizer: not the user's to see."""
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise PolicyError(
+            "optimizer.library: bitsandbytes is not installed (pip install bitsandbytes, "
+            "or pip install 'autoprec[bitsandbytes]')"
+        ) from None
+    return bitsandbytes
+
+
+def _bitsandbytes_optimizer(
+    state: TrainingState, params: list[nn.Parameter], reference: torch.optim.Optimizer
+) -> torch.optim.Optimizer:
+    """bitsandbytes' 8-bit Adam over ``params``, each told its state's bits through the
+    global manager (by ``id``: a stale entry of a freed parameter with the same id would
+    otherwise apply)."""
+    bnb = import_bitsandbytes()
+    adamw, kwargs = _adam_defaults(reference, state, "bitsandbytes")
+    if kwargs.pop("amsgrad", False):
+        raise PolicyError("optimizer: bitsandbytes' 8-bit Adam has no amsgrad=True")
+    if not adamw and kwargs.get("weight_decay"):
+        raise PolicyError(
+            "optimizer: bitsandbytes' Adam8bit decays weights as AdamW does (decoupled), "
+            "not as torch.optim.Adam's weight_decay; use torch.optim.AdamW"
+        )
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.override_config(params, key_value_dict={"optim_bits": BITSANDBYTES_BITS[state.state]})
+    cls = bnb.optim.AdamW8bit if adamw else bnb.optim.Adam8bit
+    return cls(params, **kwargs)  # type: ignore[no-any-return]
 
 
 def _adam_base() -> type:

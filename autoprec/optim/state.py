@@ -23,11 +23,19 @@ The master weight is ``fp32`` (the parameter stays fp32), or ``bf16``: the param
 stored in bf16 and torchao's step rounds its fp32 update stochastically
 (``bf16_stochastic_round=True``), so small updates are not lost on average. A bf16 master
 suits layers that compute in bf16; in an fp32 layer the weight is read in bf16.
+
+``library: bitsandbytes`` (the section's; torchao by default, not written) builds the whole
+optimizer from bitsandbytes instead: ``bitsandbytes.optim.AdamW8bit`` (``Adam8bit``), with
+``GlobalOptimManager.override_config(param, "optim_bits", 32)`` for the parameters whose
+state is ``fp32``, as bitsandbytes' documentation keeps embeddings in 32 bits. It
+implements ``fp32`` and ``8bit`` states and fp32 masters only (`LIBRARY_KINDS`); it keeps
+tensors under 4,096 elements in fp32 too, but quantises any larger one (a last, partial
+block of 256 included).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,12 +48,18 @@ from autoprec.precision.plan import selects
 
 STATE_KINDS = ("fp32", "bf16", "8bit", "4bit", "fp8", "fp8-bf16")
 MASTER_DTYPES = ("fp32", "bf16")
+LIBRARIES = ("torchao", "bitsandbytes")
+# What each library implements: state kinds, then master dtypes.
+LIBRARY_KINDS = {
+    "torchao": (STATE_KINDS, MASTER_DTYPES),
+    "bitsandbytes": (("fp32", "8bit"), ("fp32",)),
+}
 # Bytes one parameter's Adam state (two moments) takes per element, quantised in full
 # (scales and code maps add a little: `state_nbytes` counts them).
 STATE_BYTES_PER_ELEMENT = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0, "4bit": 1.0, "fp8": 2.0}
 STATE_BYTES_PER_ELEMENT["fp8-bf16"] = 3.0
 _GROUP_FIELDS = ("name", "patterns", "types", "state", "master")
-_SECTION_FIELDS = ("state", "master", "groups")
+_SECTION_FIELDS = ("library", "state", "master", "groups")
 
 
 def _check_kind(value: Any, where: str) -> str:
@@ -160,18 +174,41 @@ class StateGroup:
 
 @dataclass(frozen=True)
 class OptimizerStates:
-    """The policy's ``optimizer`` section: default state kind and master dtype, and
-    groups that override them. The default (fp32 states, fp32 masters, no groups) is
+    """The policy's ``optimizer`` section: default state kind and master dtype, groups
+    that override them, and the library that implements the states (``torchao`` or
+    ``bitsandbytes``). The default (fp32 states, fp32 masters, no groups, torchao) is
     what a policy without the section means, and is not written in its YAML."""
 
     state: str = "fp32"
     master: str = "fp32"
     groups: tuple[StateGroup, ...] = ()
+    # Out of the repr, which policy identities hash: a torchao section's stays what it was
+    # (Policy.identity adds another library).
+    library: str = field(default="torchao", repr=False)
 
     def __post_init__(self) -> None:
         _check_kind(self.state, "optimizer.state")
         _check_master(self.master, "optimizer.master")
         object.__setattr__(self, "groups", tuple(self.groups))
+        if self.library not in LIBRARIES:
+            raise PolicyError(
+                f"optimizer.library: unknown library {self.library!r} "
+                f"(expected {', '.join(LIBRARIES)})"
+            )
+        kinds, masters = LIBRARY_KINDS[self.library]
+        named: list[tuple[str, str | None, str | None]] = [("optimizer", self.state, self.master)]
+        named += [(f"optimizer.groups[{i}]", g.state, g.master) for i, g in enumerate(self.groups)]
+        for where, state, master in named:
+            if state is not None and state not in kinds:
+                raise PolicyError(
+                    f"{where}.state: {self.library} implements {' and '.join(kinds)} states, "
+                    f"not {state} (library: torchao has it)"
+                )
+            if master is not None and master not in masters:
+                raise PolicyError(
+                    f"{where}.master: {self.library} keeps fp32 master weights, not {master} "
+                    "(library: torchao rounds bf16 ones stochastically)"
+                )
 
     @property
     def is_default(self) -> bool:
@@ -179,8 +216,11 @@ class OptimizerStates:
 
     def all_fp32(self, model: nn.Module | None = None) -> bool:
         """Whether every parameter (of ``model``; without one, every group and the
-        default) keeps fp32 states and an fp32 master: what a policy without the
-        section measures."""
+        default) keeps fp32 states and an fp32 master in the user's own optimizer: what
+        a policy without the section measures (bitsandbytes' fp32 states are its own
+        32-bit step, so never)."""
+        if self.library != "torchao":
+            return False
         if model is not None:
             return all(s == TrainingState() for s in self.assign(model).values())
         named = [(g.state or "fp32", g.master or "fp32") for g in self.groups]
@@ -191,7 +231,10 @@ class OptimizerStates:
         return {self.state, *(g.state for g in self.groups if g.state is not None)}
 
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"state": self.state, "master": self.master}
+        data: dict[str, Any] = {}
+        if self.library != "torchao":
+            data["library"] = self.library
+        data.update(state=self.state, master=self.master)
         if self.groups:
             data["groups"] = [group.to_dict() for group in self.groups]
         return data
@@ -217,6 +260,7 @@ class OptimizerStates:
             _check_kind(data.get("state", "fp32"), "optimizer.state"),
             _check_master(data.get("master", "fp32"), "optimizer.master"),
             groups,
+            data.get("library", "torchao"),
         )
 
     def assign(self, model: nn.Module) -> dict[str, TrainingState]:
