@@ -77,6 +77,9 @@ def build_optimizer(
 def _torchao_optimizer(
     state: TrainingState, params: list[nn.Parameter], reference: torch.optim.Optimizer
 ) -> torch.optim.Optimizer:
+    from autoprec.serving.quantizers import import_torchao
+
+    import_torchao()  # quietly: its import-time noise is not the user's to see
     import torchao.optim as ao
 
     adamw, kwargs = _adam_defaults(reference, state, "torchao")
@@ -89,8 +92,9 @@ def _torchao_optimizer(
     if state.state in quantised:
         cls = quantised[state.state][0 if adamw else 1]
         return cls(params, **kwargs, bf16_stochastic_round=stochastic)
-    buffers = {"fp32": _Fp32StateAdam, "bf16": _Bf16StateAdam, "fp8-bf16": _Fp8Bf16StateAdam}
-    return buffers[state.state](params, adamw, stochastic, **kwargs)
+    from autoprec.optim._torchao_adam import BUFFERED  # imports torchao: only where used
+
+    return BUFFERED[state.state](params, adamw, stochastic, **kwargs)
 
 
 def _adam_defaults(
@@ -149,83 +153,6 @@ def _bitsandbytes_optimizer(
     manager.override_config(params, key_value_dict={"optim_bits": BITSANDBYTES_BITS[state.state]})
     cls = bnb.optim.AdamW8bit if adamw else bnb.optim.Adam8bit
     return cls(params, **kwargs)  # type: ignore[no-any-return]
-
-
-def _adam_base() -> type:
-    from autoprec.serving.quantizers import import_torchao
-
-    import_torchao()  # quietly: its import-time noise is not the user's to see
-    from torchao.optim.adam import _AdamBase
-
-    return _AdamBase
-
-
-class _BufferAdam(_adam_base()):  # type: ignore[misc]
-    """torchao's Adam step (``_AdamBase``) with the state buffers a subclass makes."""
-
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        adamw: bool,
-        bf16_stochastic_round: bool,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-    ) -> None:
-        super().__init__(
-            params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            amsgrad,
-            block_size=256,
-            bf16_stochastic_round=bf16_stochastic_round,
-            is_adamw=adamw,
-        )
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, which casts plain state tensors to their parameter's dtype; these keep
-        theirs (fp32 moments of a bf16 master, bf16 moments of an fp32 one), as saved."""
-        super().load_state_dict(state_dict)
-        params = [p for group in self.param_groups for p in group["params"]]
-        for index, values in state_dict["state"].items():
-            param = params[index]
-            for key, value in values.items():
-                if key != "step" and type(value) is torch.Tensor:
-                    self.state[param][key] = value.to(param.device, copy=True)
-
-
-class _Fp32StateAdam(_BufferAdam):
-    """fp32 moments whatever the parameter's dtype (a bf16 master keeps fp32 states)."""
-
-    def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
-        return torch.zeros_like(p, dtype=torch.float32)
-
-
-class _Bf16StateAdam(_BufferAdam):
-    """Both moments in bf16 (torchao's step computes in fp32 and rounds them to nearest)."""
-
-    def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
-        return torch.zeros_like(p, dtype=torch.bfloat16)
-
-
-class _Fp8Bf16StateAdam(_BufferAdam):
-    """MS-AMP O2-like: the first moment in torchao's blockwise fp8 (``OptimStateFp8``),
-    the second in bf16; tensors torchao would not quantise keep fp32 first moments."""
-
-    @staticmethod
-    def _subclass_zeros(p: torch.Tensor, signed: bool, block_size: int) -> torch.Tensor:
-        from torchao.optim.subclass_fp8 import OptimStateFp8
-
-        return OptimStateFp8.zeros(p.shape, block_size, p.device, dtype=p.dtype)
-
-    def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
-        if signed:
-            return super()._new_buffer(p, signed)  # type: ignore[no-any-return]
-        return torch.zeros_like(p, dtype=torch.bfloat16)
 
 
 class _States(Mapping[Any, dict[str, Any]]):
