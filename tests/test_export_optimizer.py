@@ -8,6 +8,7 @@ string where the mapping claims it."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from types import ModuleType
 
@@ -15,9 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec import Policy
+from autoprec import Policy, load_policy
+from autoprec.cli import main
 from autoprec.exports import ExportError, export_policy, trainer_optim
 from autoprec.optim.state import OptimizerStates, StateGroup
+from autoprec.tasks import load_task
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -313,3 +316,36 @@ def test_the_trainers_adamw_bnb_8bit_is_the_bitsandbytes_recipe_bit_for_bit(tmp_
         optimizers=policy_optimizers(BNB, ours, args),
     ).train()
     assert_identical(own, ours)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "written"),
+    [
+        ("torchao-optimizer", "torchao_optimizer.py"),
+        ("bitsandbytes", "bitsandbytes_optimizer.py"),
+        ("trainer", "trainer_optimizer.py"),
+    ],
+)
+def test_autoprec_export_writes_each_optimizer_format_of_a_training_study(
+    fmt, written, in_tmp, capsys
+):
+    study = in_tmp / "runs" / "s"  # what a training search leaves and export reads
+    study.mkdir(parents=True)
+    settings = {"task_spec": "rare-features", "device": "cpu"}
+    (study / "summary.json").write_text(json.dumps({"mode": "training", "settings": settings}))
+    states = OptimizerStates("8bit", groups=(StateGroup(patterns=("inputs",), state="fp32"),))
+    Policy(optimizer_states=states, name="inputs-fp32").save(study / "best_policy.yaml")
+    assert main(["export", "--study", "s", "--format", fmt]) == 0
+    out = study / f"export-{fmt}"
+    assert load_policy(out / "policy.yaml") == load_policy(study / "best_policy.yaml")
+    generated = load(out / written)
+    model = load_task("rare-features").model()
+    if fmt == "bitsandbytes":
+        built = generated.optimizer(model, lr=1e-3)
+        assert isinstance(built, bnb.optim.AdamW8bit)
+        assert "not bit for bit" in capsys.readouterr().err  # trials ran torchao's states
+    elif fmt == "torchao-optimizer":
+        classes = {type(o).__name__ for o in generated.optimizers(model, lr=1e-3)}
+        assert classes == {"AdamW", "AdamW8bit"}
+    else:
+        assert hasattr(generated, "training_arguments") and hasattr(generated, "optimizers")
