@@ -24,6 +24,13 @@ Pure: no Optuna objects, no MLflow.
    rather than fp32 (bf16 has fp32's range, so overflow-prone layers often survive in
    it, and it halves their activation memory).
 
+In a space that searches optimizer states per group (`autoprec.optim.space`), the same
+three phases run over the state groups, with every layer in its highest dtype: seed every
+group in each quantised kind offered, bisect the groups in the order of what that kind's
+quantiser lost on the fp32 baseline's real states (``state_losses``:
+`autoprec.numerics.state_health.rank_state_groups`), keep the needed ones in fp32, then
+try them in bf16 states. Layer proposals keep every state in its highest kind.
+
 When these are done, `propose` returns None and the caller hands the study to its
 multi-objective sampler, which tunes the rest and the loss scale.
 
@@ -141,9 +148,8 @@ class _Strategy:
         for choice in self.state_groups:
             params[f"state.{choice.name}"] = (states or {}).get(choice.name, _highest(choice))
             if len(choice.masters) > 1:
-                params[f"master.{choice.name}"] = (
-                    "fp32" if "fp32" in choice.masters else (choice.masters[0])
-                )
+                master = "fp32" if "fp32" in choice.masters else choice.masters[0]
+                params[f"master.{choice.name}"] = master
         return params
 
     def _assign(self, low: str, kept: set[str] | frozenset[str]) -> dict[str, str]:
@@ -280,8 +286,8 @@ class GuidedStrategy(_Strategy):
         # below its highest, the fewest bytes first, bisected in the order of what that
         # kind's quantiser lost on the baseline's states (`StateSpace.risk_order`).
         state_names = [c.name for c in self.state_groups]
-        self.state_kinds = _state_kinds(self.state_groups)
-        self.state_kinds = [k for k in self.state_kinds if self._state_searchable(k, state_names)]
+        kinds = _state_kinds(self.state_groups)
+        self.state_kinds = [k for k in kinds if self._state_searchable(k, state_names)]
         states = space.optimizer_states
         self.state_risk_orders = {
             kind: states.risk_order(state_losses, kind) if states is not None else state_names
