@@ -176,3 +176,16 @@ def test_adams_bound_holds_for_exact_moments_and_is_reached():
     growing = [(beta2 / beta1) ** i for i in range(60)]
     assert all(ratio == pytest.approx(bound, rel=1e-9) for ratio, bound in ratios(growing))
     assert adam_step_bound(0.999, 0.9, 5) == math.inf  # beta1**2 >= beta2: no bound
+
+
+def test_a_trials_mlflow_writes_split_only_past_mlflows_limits():
+    from autoprec.tracking import MAX_ENTITIES, MAX_PARAMS_TAGS, _batches
+
+    assert len(_batches(list(range(900)), list(range(40)), list(range(20)))) == 1
+    many = _batches(list(range(2500)), list(range(150)), list(range(120)))
+    assert all(
+        len(b["params"]) <= MAX_PARAMS_TAGS and len(b["tags"]) <= MAX_PARAMS_TAGS for b in many
+    )
+    assert all(len(b["metrics"]) + len(b["params"]) + len(b["tags"]) <= MAX_ENTITIES for b in many)
+    assert sorted(m for b in many for m in b["metrics"]) == list(range(2500))
+    assert sum(len(b["params"]) for b in many) == 150 and sum(len(b["tags"]) for b in many) == 120
