@@ -10,7 +10,9 @@ parent; one child per trial number, and the baseline), so a write that is retrie
 made again by a later run, never creates a second run.
 
 Each trial is logged with one ``log_batch`` call (tags, params, metrics and the loss and
-loss-scale curves), its policy YAML and telemetry table as artifacts, and closed. The
+loss-scale curves; more calls only past MLflow's 1,000 entities a call, as many
+optimizer-state groups can take), its policy YAML and telemetry table as artifacts, and
+closed. The
 parent carries the search settings as params, the best policy and summary as
 artifacts (and, for a serving study, the chosen model as the MLflow model ``model``), the
 best trial's metrics as ``best.<metric>``, and the tag ``autoprec.best_run_id`` naming the
@@ -54,7 +56,9 @@ LOGGED_TAG = "autoprec.logged"  # "true" once a child holds everything its trial
 KIND_TAG = "mlflow.experimentKind"  # MLflow 3: the UI opens a training experiment on runs
 KIND = "custom_model_development"
 POLICY_ARTIFACT = "policy.yaml"
-MAX_CURVE_POINTS = 400  # per curve, so that one log_batch stays under MLflow's 1000
+MAX_CURVE_POINTS = 400  # per curve, so that one log_batch usually holds a trial's all
+MAX_ENTITIES = 1000  # MLflow's limits per log_batch: metrics, params and tags together
+MAX_PARAMS_TAGS = 100  # ... and params, and tags, each
 BEST_POLICY_ARTIFACT = "best_policy.yaml"
 SUMMARY_ARTIFACT = "summary.json"
 _SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "databricks")
@@ -411,16 +415,14 @@ class Tracker:
                 if step < len(curve) and math.isfinite(curve[step]):
                     metrics.append(Metric(key, float(curve[step]), timestamp_ms, step))
         logged = self.client.get_run(run_id).data.params
-        self.client.log_batch(
-            run_id,
-            metrics=metrics,
-            params=[
-                Param(k, str(v))
-                for k, v in {**log.params, **result.run_params()}.items()
-                if k not in logged
-            ],
-            tags=[RunTag(k, v) for k, v in log.tags.items()],
-        )
+        params = [
+            Param(k, str(v))
+            for k, v in {**log.params, **result.run_params()}.items()
+            if k not in logged
+        ]
+        tags = [RunTag(k, v) for k, v in log.tags.items()]
+        for batch in _batches(metrics, params, tags):
+            self.client.log_batch(run_id, **batch)
         self.client.log_text(run_id, log.policy.to_yaml(), POLICY_ARTIFACT)
         for name, text in result.artifacts().items():
             self.client.log_text(run_id, text, name)
@@ -582,6 +584,21 @@ class Tracker:
                     self.kill_trial(key, reason)
 
         self._later("catch up with the study", work)
+
+
+def _batches(metrics: list[Any], params: list[Any], tags: list[Any]) -> list[dict[str, Any]]:
+    """Everything a run is given, in as few ``log_batch`` calls as MLflow's limits allow
+    (each call costs a transaction: ~10 ms on sqlite): at most ``MAX_PARAMS_TAGS`` params
+    and as many tags, and ``MAX_ENTITIES`` entities in all, per call; one call for a
+    trial's usual load (its curves, metrics, params and tags)."""
+    batches: list[dict[str, Any]] = []
+    while metrics or params or tags or not batches:
+        batch_params, params = params[:MAX_PARAMS_TAGS], params[MAX_PARAMS_TAGS:]
+        batch_tags, tags = tags[:MAX_PARAMS_TAGS], tags[MAX_PARAMS_TAGS:]
+        room = MAX_ENTITIES - len(batch_params) - len(batch_tags)
+        batch_metrics, metrics = metrics[:room], metrics[room:]
+        batches.append({"metrics": batch_metrics, "params": batch_params, "tags": batch_tags})
+    return batches
 
 
 def find_parent_run(client: MlflowClient, study: str, uri: str) -> Any:

@@ -422,3 +422,79 @@ def test_fp16_probes_start_their_scale_where_the_profiles_gradients_allow(max_gr
     seed = strategy._params(strategy._assign("fp16", set()))
     if expected is not None:
         assert seed["loss_scale.init_scale_log2"] == expected
+
+
+# -- optimizer states -------------------------------------------------------------------
+
+
+def state_space(names: list[str] = NAMES[:4]) -> SearchSpace:
+    """Layers in fp32 only; optimizer states per group: fp32, bf16 or 8-bit."""
+    return SearchSpace.from_dict(
+        {
+            "name": "states",
+            "dtypes": ["fp32"],
+            "groups": [{"name": "all", "patterns": ["*"]}],
+            "optimizer_states": {
+                "states": ["fp32", "bf16", "8bit"],
+                "groups": [{"name": n, "patterns": [n]} for n in names],
+            },
+        },
+        "<states>",
+    )
+
+
+def states_of(params: Mapping[str, Any]) -> dict[str, str]:
+    return {k.removeprefix("state."): v for k, v in params.items() if k.startswith("state.")}
+
+
+def fragile_states(*needed: str) -> Oracle:
+    """Infeasible iff one of ``needed`` keeps 8-bit states; memory falls with each byte."""
+    size = {"fp32": 8, "bf16": 4, "8bit": 2}
+
+    def oracle(params: Mapping[str, Any]) -> Observation:
+        states = states_of(params)
+        if any(states[n] == "8bit" for n in needed):
+            return Observation(dict(params), "pruned", False, {})
+        memory = float(sum(size[s] for s in states.values()))
+        metrics = {"accuracy": 0.9, "peak_memory_mb": memory, "step_time_ms": 10.0}
+        return Observation(dict(params), "complete", True, metrics)
+
+    return oracle
+
+
+def losses(collapsed: dict[str, float], error: dict[str, float]) -> list[Any]:
+    from autoprec.numerics.state_health import GroupStateLoss
+
+    return [
+        GroupStateLoss(n, "8bit", 4096, 4096, error.get(n, 0.01), collapsed.get(n, 0.0))
+        for n in NAMES[:4]
+    ]
+
+
+def test_state_groups_are_ranked_by_collapse_then_relative_error():
+    space = state_space()
+    # c has the largest error but no collapse: a and b, whose second moments become zero
+    # under a live first moment, rank before it, the larger share first.
+    ranked = space.optimizer_states.risk_order(
+        losses({"b": 0.01, "a": 0.001}, {"c": 0.3, "d": 0.2}), "8bit"
+    )
+    assert ranked == ["b", "a", "c", "d"]
+    assert space.optimizer_states.risk_order([], "8bit") == ["a", "b", "c", "d"]
+
+
+def test_the_group_whose_states_lose_most_is_kept_high_first_then_tried_in_bf16():
+    space, oracle = state_space(), fragile_states("c")
+    right = GuidedStrategy(space, [], prefer="memory", state_losses=losses({"c": 0.01}, {}))
+    proposals = run(right, oracle)
+    phases = [phase for _, phase in proposals]
+    assert [states_of(p) for p, _ in proposals] == [
+        dict.fromkeys("abcd", "8bit"),  # the seed
+        {"a": "8bit", "b": "8bit", "c": "fp32", "d": "8bit"},  # c, ranked first, kept high
+        {"a": "8bit", "b": "8bit", "c": "bf16", "d": "8bit"},  # and tried in bf16
+    ]
+    assert phases == ["seed", "bisect", "refine"]
+    assert all(dtypes_of(p) == {"all": "fp32"} for p, _ in proposals)
+    # Ranked last (no figures), c is found all the same, in more trials.
+    blind = run(GuidedStrategy(space, [], prefer="memory"), oracle)
+    assert len(blind) > len(proposals)
+    assert states_of(best_feasible(blind, oracle)) == states_of(best_feasible(proposals, oracle))

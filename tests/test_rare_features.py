@@ -3,6 +3,7 @@ high, the rest in 8 bits, and finds uniform 8-bit states infeasible, naming the 
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 
@@ -10,7 +11,11 @@ import pytest
 import torch
 
 import autoprec
+from autoprec.numerics.state_health import rank_state_groups
+from autoprec.report import render_report
+from autoprec.study.summary_schema import Summary
 from autoprec.tasks import load_task
+from autoprec.tracking import mlflow_client
 
 pytest.importorskip("torchao.optim")
 
@@ -38,11 +43,15 @@ def test_rare_features_trains_in_fp32_and_its_inputs_take_8bit_states():
 
 @pytest.mark.slow
 def test_a_search_keeps_the_rare_features_states_high(tmp_path, monkeypatch):
+    """The guided search ranks ``inputs`` first from the baseline's own states, so three
+    trials find the choice: uniform 8-bit (the anchor and the seed), ``inputs`` kept in
+    fp32, then in bf16. The uniform trial's reason, summary, MLflow run and report name
+    the group and the mechanism."""
     monkeypatch.chdir(tmp_path)
     autoprec.search(
         "rare-features",
         space=str(SHIPPED),
-        trials=8,  # the 6 combinations and the anchors
+        trials=3,  # the anchor (every group 8-bit), the bisection's probe, the refinement
         steps=200,
         study="rare",
         device="cpu",
@@ -60,6 +69,42 @@ def test_a_search_keeps_the_rare_features_states_high(tmp_path, monkeypatch):
         assert uniform["metrics"]["accuracy"] < baseline["accuracy"] - TOLERANCE
     assert "optimizer state of group inputs: inputs.weight" in uniform["reason"]
     assert "lr * exp_avg / eps" in uniform["reason"]
+
+    # The ranking: what 8 bits lose on the fp32 baseline's states, inputs first.
+    typed = Summary.from_json(summary)
+    losses = {(x.group, x.kind): x for x in typed.baseline.state_loss}
+    assert losses["inputs", "8bit"].collapsed_share > 0.0
+    assert losses["rest", "8bit"].collapsed_share == 0.0
+    assert rank_state_groups(typed.baseline.state_loss, "8bit", ["inputs", "rest"])[0] == "inputs"
+    guided = [(t["guided"], t["params"]) for t in summary["trials"] if t.get("guided")]
+    assert [phase for phase, _ in guided] == ["bisect", "refine"]
+    assert [(p["state.inputs"], p["state.rest"]) for _, p in guided] == [
+        ("fp32", "8bit"),
+        ("bf16", "8bit"),
+    ]
+
+    # The reason per group: in summary.json (typed), MLflow and the report.
+    health = {g.group: g for g in typed.entry(uniform["number"]).state_health}
+    assert health["inputs"].state == "8bit"
+    assert health["inputs"].collapsed_share > 0.0
+    assert "underflow" in health["inputs"].mechanisms
+    assert health["inputs"].reason is not None
+    assert health["inputs"].reason.startswith("optimizer state of group inputs: inputs.weight")
+    client = mlflow_client("sqlite:///runs/mlflow.db")
+    run = client.get_run(uniform["mlflow_run_id"])
+    assert run.data.tags["state_reason.inputs"] == health["inputs"].reason
+    assert run.data.metrics["state_health.inputs.collapsed_share"] == pytest.approx(
+        health["inputs"].collapsed_share
+    )
+    fp32_run = client.get_run(summary["baseline"]["mlflow_run_id"])
+    assert fp32_run.data.metrics["state_loss.inputs.8bit.collapsed_share"] == pytest.approx(
+        losses["inputs", "8bit"].collapsed_share
+    )
+    page = next(p for p in render_report(summary, tmp_path / "report") if p.suffix == ".html")
+    text = page.read_text()
+    assert "Optimizer state health per group" in text
+    assert "what each kind loses" in text
+    assert html.escape(health["inputs"].reason) in text
 
     best = summary["best"]
     assert best["params"]["state.inputs"] in ("fp32", "bf16")

@@ -74,6 +74,22 @@ def build_optimizer(
     return PolicyOptimizer(parts)
 
 
+def state_buffer(
+    state: str, parameter: torch.Tensor, reference: torch.optim.Optimizer, signed: bool
+) -> torch.Tensor:
+    """An empty buffer in which the optimizer a state kind builds (from ``reference``'s
+    class and defaults) would store one of ``parameter``'s moments (``signed``: the first),
+    made by that optimizer itself: torchao's blockwise state where it quantises the
+    parameter, a plain tensor (fp32, or bf16 for bf16 states) where it does not. Copying a
+    moment in quantises it as a trial's optimizer would (`autoprec.numerics.state_health`)."""
+    if state == "fp32":
+        return torch.zeros_like(parameter, dtype=torch.float32)
+    alone = nn.Parameter(parameter.detach(), requires_grad=False)  # its storage, not a copy
+    optimizer = _torchao_optimizer(TrainingState(state), [alone], reference)
+    buffer: torch.Tensor = optimizer._new_buffer(parameter, signed)  # type: ignore[attr-defined]
+    return buffer
+
+
 def _torchao_optimizer(
     state: TrainingState, params: list[nn.Parameter], reference: torch.optim.Optimizer
 ) -> torch.optim.Optimizer:

@@ -20,9 +20,9 @@ them; every state in fp32 is the fp32 baseline itself.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -33,6 +33,9 @@ from autoprec.optim.state import (
     OptimizerStates,
     StateGroup,
 )
+
+if TYPE_CHECKING:
+    from autoprec.numerics.state_health import GroupStateLoss
 
 _SECTION_FIELDS = ("states", "masters", "groups")
 _GROUP_FIELDS = ("name", "patterns", "types", "states", "masters", "optional")
@@ -189,6 +192,13 @@ class StateSpace:
         }
         anchors.update({name: params for name, params in candidates.items() if params})
         return anchors
+
+    def risk_order(self, losses: Sequence[GroupStateLoss], kind: str) -> list[str]:
+        """The group names, those whose states ``kind`` loses most first, by what its
+        quantiser did to the fp32 baseline's real states (`rank_state_groups`)."""
+        from autoprec.numerics.state_health import rank_state_groups
+
+        return rank_state_groups(losses, kind, [choice.name for choice in self.groups])
 
     def flat_params(self, states: OptimizerStates) -> dict[str, str]:
         by_name = {group.name: group for group in states.groups}

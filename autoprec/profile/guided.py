@@ -24,6 +24,13 @@ Pure: no Optuna objects, no MLflow.
    rather than fp32 (bf16 has fp32's range, so overflow-prone layers often survive in
    it, and it halves their activation memory).
 
+In a space that searches optimizer states per group (`autoprec.optim.space`), the same
+three phases run over the state groups, with every layer in its highest dtype: seed every
+group in each quantised kind offered, bisect the groups in the order of what that kind's
+quantiser lost on the fp32 baseline's real states (``state_losses``:
+`autoprec.numerics.state_health.rank_state_groups`), keep the needed ones in fp32, then
+try them in bf16 states. Layer proposals keep every state in its highest kind.
+
 When these are done, `propose` returns None and the caller hands the study to its
 multi-objective sampler, which tunes the rest and the loss scale.
 
@@ -35,16 +42,22 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import AutoprecError, SpaceError
+from autoprec.optim.state import STATE_BYTES_PER_ELEMENT
 from autoprec.selection import PREFER_METRICS, TRAINING_PREFERENCES, preference_score
 from autoprec.space import Group, SearchSpace, dtype_beside
+
+if TYPE_CHECKING:
+    from autoprec.numerics.state_health import GroupStateLoss
+    from autoprec.optim.space import StateChoice
 
 _HIGH_FIRST = ("fp32", "bf16", "fp16", FP8, "int8")
 # Low dtypes whose kept groups the refine phase tries in bf16 rather than fp32.
@@ -88,6 +101,8 @@ class _Strategy:
         self.device = device
         self._keys: dict[str, str | None] = {}
         self.groups: tuple[Group, ...] = space.groups
+        states = None if space.inference else space.optimizer_states
+        self.state_groups: tuple[StateChoice, ...] = () if states is None else states.groups
         scaling = space.uniform_params("fp16")
         self._fp16_scaling = {k: v for k, v in scaling.items() if k.startswith("loss_scale.")}
 
@@ -119,12 +134,22 @@ class _Strategy:
 
     # -- policies as dtype assignments ----------------------------------------------------
 
-    def _params(self, dtypes: Mapping[str, str]) -> dict[str, Any]:
+    def _params(
+        self, dtypes: Mapping[str, str], states: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
+        """The parameters of a policy: layer ``dtypes`` by group, and in a space that
+        searches optimizer states, ``states`` by state group (every other group, and
+        every master weight, in its highest)."""
         params: dict[str, Any] = {f"dtype.{g.name}": dtypes[g.name] for g in self.groups}
         if "fp16" in dtypes.values():
             params.update(self._fp16_scaling)
         if FP8 in dtypes.values() and len(self.space.fp8_recipes) > 1:
             params["fp8.recipe"] = self.space.anchor_recipe
+        for choice in self.state_groups:
+            params[f"state.{choice.name}"] = (states or {}).get(choice.name, _highest(choice))
+            if len(choice.masters) > 1:
+                master = "fp32" if "fp32" in choice.masters else choice.masters[0]
+                params[f"master.{choice.name}"] = master
         return params
 
     def _assign(self, low: str, kept: set[str] | frozenset[str]) -> dict[str, str]:
@@ -155,8 +180,8 @@ class _Strategy:
                 self._keys[seen] = None
         return self._keys[seen]
 
-    def _outcome(self, known: dict[str, _Outcome], dtypes: Mapping[str, str]) -> _Outcome | None:
-        return known.get(self._key(self._params(dtypes)) or "")
+    def _outcome(self, known: dict[str, _Outcome], params: Mapping[str, Any]) -> _Outcome | None:
+        return known.get(self._key(params) or "")
 
     def _searchable(self, low: str, order: Sequence[str]) -> list[str]:
         """Groups of ``order`` that can run in ``low`` and also in something higher."""
@@ -185,6 +210,21 @@ def fp16_start_scale_log2(space: SearchSpace, max_gradient: float | None) -> int
     return int(min(max(safe, low), high, 16))
 
 
+def _highest(choice: StateChoice) -> str:
+    """The state kind ``choice`` offers that stores the most (fp32 where it may)."""
+    return max(choice.states, key=lambda kind: STATE_BYTES_PER_ELEMENT[kind])
+
+
+def _state_kinds(groups: Sequence[StateChoice]) -> list[str]:
+    """The kinds the guided search seeds and bisects, the fewest bytes first: every kind
+    offered below fp32 except bf16 where narrower ones are offered (bf16 is where the
+    refinement then tries the groups those keep)."""
+    offered = {kind for c in groups for kind in c.states if kind != "fp32"}
+    if offered - {"bf16"}:
+        offered.discard("bf16")
+    return sorted(offered, key=lambda kind: (STATE_BYTES_PER_ELEMENT[kind], kind))
+
+
 def _high(group: Group) -> str:
     """The widest-ranged dtype ``group`` offers (a serving group may offer only int8)."""
     return next((d for d in _HIGH_FIRST if d in group.dtypes), group.dtypes[0])
@@ -210,6 +250,7 @@ class GuidedStrategy(_Strategy):
         device: Any = None,
         max_gradient: float | None = None,
         fp8_risk_order: Sequence[str] | None = None,
+        state_losses: Sequence[GroupStateLoss] = (),
     ) -> None:
         super().__init__(space, model, device)
         start = fp16_start_scale_log2(space, max_gradient)
@@ -241,20 +282,56 @@ class GuidedStrategy(_Strategy):
         # fp8 where the space offers it (training: torchao's float8 Linear layers); serving
         # spaces may also offer int8 (to the layers that take it).
         self.low_dtypes = [d for d in (*LOW_PRECISION, FP8, "int8") if self._searchable(d, names)]
+        # Optimizer states (`autoprec.optim.space`): each kind a group could be stored in
+        # below its highest, the fewest bytes first, bisected in the order of what that
+        # kind's quantiser lost on the baseline's states (`StateSpace.risk_order`).
+        state_names = [c.name for c in self.state_groups]
+        kinds = _state_kinds(self.state_groups)
+        self.state_kinds = [k for k in kinds if self._state_searchable(k, state_names)]
+        states = space.optimizer_states
+        self.state_risk_orders = {
+            kind: states.risk_order(state_losses, kind) if states is not None else state_names
+            for kind in self.state_kinds
+        }
 
     def _plan(self, known: dict[str, _Outcome], busy: set[str | None]) -> Iterator[Proposal]:
         for low in self.low_dtypes:
             yield self._params(self._assign(low, set())), "seed"
+        for kind in self.state_kinds:
+            yield self._states_at(kind, set()), "seed"
         for low in self._dtype_order(known):
             order = self._searchable(low, self.fp8_risk_order if low == FP8 else self.risk_order)
-            needed = yield from self._bisect(low, order, known, busy)
+            at = partial(self._layers_at, low)
+            needed = yield from self._bisect(order, at, known, busy)
             if needed is not None:
-                yield from self._refine(low, order[:needed], known, busy)
+                kept = yield from self._drop_singles(order[:needed], at, known, busy)
+                if kept is not None and low in _KEPT_IN_BF16:
+                    yield from self._in_bf16(kept, self._layers_in_bf16(low), known, busy)
+        for kind in self.state_kinds:
+            order = self._state_searchable(kind, self.state_risk_orders[kind])
+            at = partial(self._states_at, kind)
+            needed = yield from self._bisect(order, at, known, busy)
+            if needed is not None:
+                kept = yield from self._drop_singles(order[:needed], at, known, busy)
+                if kept is not None and kind != "bf16":
+                    yield from self._in_bf16(kept, self._states_in_bf16(kind), known, busy)
+
+    def _layers_at(self, low: str, kept: set[str]) -> dict[str, Any]:
+        return self._params(self._assign(low, kept))
+
+    def _states_at(self, kind: str, kept: set[str]) -> dict[str, Any]:
+        """Layers in their highest dtypes; state groups in ``kept`` in their highest kind,
+        the others in ``kind`` where they offer it."""
+        states = {
+            c.name: kind if kind in c.states and c.name not in kept else _highest(c)
+            for c in self.state_groups
+        }
+        return self._params({g.name: _high(g) for g in self.groups}, states)
 
     def _dtype_order(self, known: dict[str, _Outcome]) -> list[str]:
         """Low dtypes, the one whose seed did better for the preference first (a seed that
         measured nothing comes last)."""
-        seeds = {d: self._outcome(known, self._assign(d, set())) for d in self.low_dtypes}
+        seeds = {d: self._outcome(known, self._layers_at(d, set())) for d in self.low_dtypes}
         wanted = PREFER_METRICS[self.prefer]
         measured = {
             d: o.metrics
@@ -280,16 +357,21 @@ class GuidedStrategy(_Strategy):
         )
 
     def _bisect(
-        self, low: str, order: list[str], known: dict[str, _Outcome], busy: set[str | None]
+        self,
+        order: list[str],
+        at: Callable[[set[str]], dict[str, Any]],
+        known: dict[str, _Outcome],
+        busy: set[str | None],
     ) -> Generator[Proposal, None, int | None]:
-        """Probe prefixes of ``order`` kept high; returns the smallest feasible prefix
-        length once the bracket closes, None while probes are missing or running."""
+        """Probe prefixes of ``order`` kept high (``at(kept)``: the policy's parameters);
+        returns the smallest feasible prefix length once the bracket closes, None while
+        probes are missing or running."""
         n = len(order)
 
         def state(k: int) -> bool | None:
             if k == n:
                 return True  # every searchable group high: fp32 where the space has it
-            outcome = self._outcome(known, self._assign(low, set(order[:k])))
+            outcome = self._outcome(known, at(set(order[:k])))
             return None if outcome is None else outcome.feasible
 
         states = {k: state(k) for k in range(n + 1)}
@@ -304,53 +386,94 @@ class GuidedStrategy(_Strategy):
             if b - a <= 1:
                 continue
             probe = _probe(a, b, galloping=b == n)
-            params = self._params(self._assign(low, set(order[:probe])))
+            params = at(set(order[:probe]))
             if self._key(params) not in busy:
                 yield params, "seed" if probe == 0 else "bisect"
                 return None
             brackets += [(a, probe), (probe, b)]
         return None
 
-    def _refine(
-        self, low: str, kept: list[str], known: dict[str, _Outcome], busy: set[str | None]
-    ) -> Iterator[Proposal]:
-        """Drop single groups from the kept set, least risky first (the last one was needed:
-        keeping one fewer was infeasible); then, with fp16 or fp8, try the kept groups in
-        bf16."""
+    def _drop_singles(
+        self,
+        kept: list[str],
+        at: Callable[[set[str]], dict[str, Any]],
+        known: dict[str, _Outcome],
+        busy: set[str | None],
+    ) -> Generator[Proposal, None, list[str] | None]:
+        """Drop single groups from the kept set, least risky first (the last one was
+        needed: keeping one fewer was infeasible); returns the groups still kept, or None
+        after proposing a probe."""
         current = list(kept)
         for name in reversed(kept[:-1]):
             smaller = [n for n in current if n != name]
-            outcome = self._outcome(known, self._assign(low, set(smaller)))
+            params = at(set(smaller))
+            outcome = self._outcome(known, params)
             if outcome is None:
-                params = self._params(self._assign(low, set(smaller)))
+                if self._key(params) not in busy:
+                    yield params, "refine"
+                    return None
+            elif outcome.feasible:
+                current = smaller
+        return current
+
+    def _in_bf16(
+        self,
+        kept: list[str],
+        swap: tuple[list[str], Callable[[list[str], set[str]], dict[str, Any]]],
+        known: dict[str, _Outcome],
+        busy: set[str | None],
+    ) -> Iterator[Proposal]:
+        """The kept groups in bf16 rather than their highest: all of them at once; if that
+        fails, one at a time, least risky first. ``swap``: the kept groups that may, and
+        the parameters with a set of them in bf16."""
+        swappable, at = swap
+        names = [n for n in kept if n in swappable]
+        if not names:
+            return
+        together = at(kept, set(names))
+        outcome = self._outcome(known, together)
+        if outcome is None or outcome.feasible or len(names) == 1:
+            if outcome is None and self._key(together) not in busy:
+                yield together, "refine"
+            return
+        accepted: set[str] = set()
+        for name in reversed(names):
+            params = at(kept, accepted | {name})
+            outcome = self._outcome(known, params)
+            if outcome is None:
                 if self._key(params) not in busy:
                     yield params, "refine"
                     return
             elif outcome.feasible:
-                current = smaller
-        if low not in _KEPT_IN_BF16:
-            return
-        by_name = {g.name: g for g in self.groups}
-        swappable = [n for n in current if {"fp32", "bf16"} <= set(by_name[n].dtypes)]
-        if not swappable:
-            return
-        base = self._assign(low, set(current))
-        # All kept groups in bf16 at once; if that fails, one at a time, least risky first.
-        together = {**base, **dict.fromkeys(swappable, "bf16")}
-        outcome = self._outcome(known, together)
-        if outcome is None or outcome.feasible or len(swappable) == 1:
-            if outcome is None and self._key(self._params(together)) not in busy:
-                yield self._params(together), "refine"
-            return
-        for name in reversed(swappable):
-            dtypes = {**base, name: "bf16"}
-            outcome = self._outcome(known, dtypes)
-            if outcome is None:
-                if self._key(self._params(dtypes)) not in busy:
-                    yield self._params(dtypes), "refine"
-                    return
-            elif outcome.feasible:
-                base = dtypes
+                accepted.add(name)
+
+    def _layers_in_bf16(
+        self, low: str
+    ) -> tuple[list[str], Callable[[list[str], set[str]], dict[str, Any]]]:
+        swappable = [g.name for g in self.groups if {"fp32", "bf16"} <= set(g.dtypes)]
+
+        def at(kept: list[str], in_bf16: set[str]) -> dict[str, Any]:
+            return self._params({**self._assign(low, set(kept)), **dict.fromkeys(in_bf16, "bf16")})
+
+        return swappable, at
+
+    def _states_in_bf16(
+        self, kind: str
+    ) -> tuple[list[str], Callable[[list[str], set[str]], dict[str, Any]]]:
+        swappable = [c.name for c in self.state_groups if {"fp32", "bf16"} <= set(c.states)]
+
+        def at(kept: list[str], in_bf16: set[str]) -> dict[str, Any]:
+            params = self._states_at(kind, set(kept))
+            params.update({f"state.{name}": "bf16" for name in in_bf16})
+            return params
+
+        return swappable, at
+
+    def _state_searchable(self, kind: str, order: Sequence[str]) -> list[str]:
+        """State groups of ``order`` that can take ``kind`` and also something that
+        stores more."""
+        by_name = {c.name: c for c in self.state_groups}
+        return [n for n in order if kind in by_name[n].states and _highest(by_name[n]) != kind]
 
 
 def _probe(lo: int, hi: int, galloping: bool) -> int:
@@ -397,7 +520,7 @@ class FallbackStrategy(_Strategy):
             steps += [({name}, "single") for name in self.order]
         singles: dict[str, _Outcome | None] = {}
         for kept, phase in steps:
-            outcome = self._outcome(known, self._assign(self.low, kept))
+            outcome = self._outcome(known, self._params(self._assign(self.low, kept)))
             if outcome is not None and outcome.feasible:
                 return
             if phase == "single":
@@ -412,7 +535,7 @@ class FallbackStrategy(_Strategy):
         ranked = sorted(self.order, key=lambda n: (-accuracy(n), self.order.index(n)))
         for count in range(2, len(ranked)):
             kept = set(ranked[:count])
-            outcome = self._outcome(known, self._assign(self.low, kept))
+            outcome = self._outcome(known, self._params(self._assign(self.low, kept)))
             if outcome is not None and outcome.feasible:
                 return
             yield self._params(self._assign(self.low, kept)), "accumulate"

@@ -20,6 +20,7 @@ from autoprec.report.page import (
     verdict_cells,
 )
 from autoprec.report.plots import anchor_rank, plot_dtype_map, plot_front
+from autoprec.report.states import states_section
 from autoprec.study.summary_schema import Entry, Summary
 
 METRIC_HEADER = [
@@ -72,6 +73,7 @@ side with the baseline, their step times are those re-timings. Feasible: accurac
 <h2>Baseline, anchors and the chosen policy</h2>
 {html_table(METRIC_HEADER, [metric_row(summary, e) for e in side])}
 {memory_section(side)}
+{states_section(summary, side)}
 <h2>Trade-offs</h2>
 {images(plots)}
 {layers_section(best)}

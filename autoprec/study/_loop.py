@@ -221,7 +221,12 @@ def trial_log(
 ) -> TrialLog:
     """What a trial's MLflow child run holds, from what the study recorded of it."""
     result = record.result
-    tags = {**tags, "state": str(result.state), "feasible": str(record.feasible).lower()}
+    tags = {
+        **tags,
+        **result.run_tags(),
+        "state": str(result.state),
+        "feasible": str(record.feasible).lower(),
+    }
     if result.reason:
         tags["reason"] = result.reason[:4000]
     drop = record.accuracy_drop

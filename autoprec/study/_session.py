@@ -30,6 +30,7 @@ from autoprec.distributed.data import check_shardable
 from autoprec.distributed.launch import check_cores, launched, trial_devices
 from autoprec.errors import AutoprecError, StoreError, first_line, redact
 from autoprec.numerics.fp8_risk import fp8_group_order
+from autoprec.numerics.state_health import GroupStateLoss
 from autoprec.profile.guided import GuidedStrategy
 from autoprec.profile.sensitivity import Profile
 from autoprec.selection import rank_key
@@ -460,7 +461,14 @@ class Session:
             self.prepared.backend,
             max_gradient=self.profile.max_gradient(),
             fp8_risk_order=fp8_order,
+            state_losses=self._state_losses(),
         )
+
+    def _state_losses(self) -> list[GroupStateLoss]:
+        """What each quantised state kind lost, per group, on the baseline's fp32 states
+        (none where the space searches no states, or the baseline is from before)."""
+        assert self.baseline is not None
+        return list(self.baseline.result.entry_fields().get("state_loss") or [])
 
     def measured(self) -> list[TrialRecord]:
         feasibility, result_type = self.prepared.feasibility, self.trials.result_type

@@ -18,6 +18,7 @@ from optuna.trial import TrialState
 
 from autoprec._util.files import write_atomic
 from autoprec.errors import AutoprecError
+from autoprec.numerics.state_health import GroupStateHealth, GroupStateLoss
 from autoprec.policy import Policy
 from autoprec.selection import TIME_TIE, Candidate, pareto_front, select_best
 from autoprec.space import SearchSpace
@@ -99,6 +100,8 @@ class _Read:
     telemetry: dict[str, Any]
     advice: list[str]
     execution: dict[str, Any]  # compiled, compute capability, emulated dtypes
+    state_health: list[GroupStateHealth]  # per optimizer-state group (training)
+    state_loss: list[GroupStateLoss]
 
 
 def _read(result: Result) -> _Read:
@@ -111,6 +114,8 @@ def _read(result: Result) -> _Read:
         telemetry=result.telemetry_brief(),
         advice=result.advice(),
         execution=fields.get("execution") or {},
+        state_health=list(fields.get("state_health") or []),
+        state_loss=list(fields.get("state_loss") or []),
     )
 
 
@@ -170,6 +175,8 @@ def summarize(
             latency_by_batch_ms=read.latency_by_batch_ms,
             telemetry=read.telemetry,
             execution=read.execution,
+            state_health=read.state_health,
+            state_loss=read.state_loss,
         )
 
     chosen = Best.of(

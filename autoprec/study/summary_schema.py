@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from autoprec.numerics.state_health import GroupStateHealth, GroupStateLoss
 from autoprec.study.confirmation import Confirmation
 
 SCHEMA_VERSION = 1  # 0: summaries written before the version was recorded
@@ -73,6 +74,11 @@ class Entry:
     # How the figures were made: compute_capability, and where so, compiled (graph_breaks,
     # compile_s) and emulated (the dtypes run emulated: `autoprec.precision.emulation`).
     execution: dict[str, Any] = field(default_factory=dict)
+    # Training with optimizer states: each group's health at the end (the mechanism and
+    # reason where its quantised state hurt), and on an all-fp32 entry (the baseline)
+    # what each quantised kind would lose on its states (`autoprec.numerics.state_health`).
+    state_health: list[GroupStateHealth] = field(default_factory=list)
+    state_loss: list[GroupStateLoss] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -151,6 +157,8 @@ class Entry:
             "switches": data.get("switches") or {},
             "telemetry": data.get("telemetry") or {},
             "execution": dict(data.get("execution") or {}),
+            "state_health": [GroupStateHealth.from_json(g) for g in data.get("state_health") or []],
+            "state_loss": [GroupStateLoss.from_json(g) for g in data.get("state_loss") or []],
             "latency_by_batch_ms": None
             if by_batch is None
             else {int(k): _number(v) for k, v in by_batch.items()},
@@ -161,7 +169,7 @@ class Entry:
         return cls(**cls._fields_from(data))
 
     def to_json(self) -> dict[str, Any]:
-        data = {
+        data: dict[str, Any] = {
             "number": self.number,
             "state": self.state,
             "reason": self.reason,
@@ -182,6 +190,10 @@ class Entry:
         data["telemetry"] = self.telemetry
         if self.execution:
             data["execution"] = self.execution
+        if self.state_health:
+            data["state_health"] = [g.to_json() for g in self.state_health]
+        if self.state_loss:
+            data["state_loss"] = [g.to_json() for g in self.state_loss]
         return data
 
 

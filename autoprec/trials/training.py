@@ -35,6 +35,7 @@ from autoprec.numerics.forecast import (
     with_headroom,
 )
 from autoprec.numerics.observe import observed_dtypes, watch_task
+from autoprec.numerics.state_health import GroupStateHealth, GroupStateLoss, metric_safe
 from autoprec.numerics.telemetry import GradientMonitor
 from autoprec.policy import Policy, share_of_parameters
 from autoprec.precision.emulation import emulated_dtypes
@@ -152,8 +153,12 @@ class TrialResult(Measured):
     # Why the forecast cannot tell, and what was done (the trial extended, or the finalists
     # confirmed at --train-steps); never makes the trial infeasible.
     cannot_tell: str | None = None
-    # where the policy names optimizer states: their bytes as stored (`autoprec.optim`)
+    # where the policy names optimizer states: their bytes as stored (`autoprec.optim`),
+    # per group their health at the end (`autoprec.numerics.state_health.GroupStateHealth`)
+    # and, where all are fp32, what each quantised kind would lose on them (`GroupStateLoss`)
     optimizer_state_mb: float | None = None
+    state_health: list[dict[str, Any]] = field(default_factory=list)
+    state_loss: list[dict[str, Any]] = field(default_factory=list)
 
     METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
@@ -193,7 +198,12 @@ class TrialResult(Measured):
         return {LAYERS_ARTIFACT: layers_csv(with_headroom(layers, self.forecast))} if layers else {}
 
     def entry_fields(self) -> dict[str, Any]:
-        return {"switches": self.switches, "execution": self.execution()}
+        return {
+            "switches": self.switches,
+            "execution": self.execution(),
+            "state_health": self.state_groups(),
+            "state_loss": self.state_losses(),
+        }
 
     def execution(self) -> dict[str, Any]:
         """How the figures were made, as summary.json's entry holds it."""
@@ -212,7 +222,28 @@ class TrialResult(Measured):
         if self.compiled:
             values = {"graph_breaks": self.graph_breaks, "compile_s": self.compile_s}
             metrics.update({k: math.nan if v is None else float(v) for k, v in values.items()})
+        for group in self.state_groups():
+            metrics.update(group.metrics())
+        for loss in self.state_losses():
+            metrics.update(loss.metrics())
         return metrics
+
+    def state_groups(self) -> list[GroupStateHealth]:
+        """Each optimizer-state group's health at the end of the trial (none where the
+        policy names no states)."""
+        return [GroupStateHealth.from_json(data) for data in self.state_health]
+
+    def state_losses(self) -> list[GroupStateLoss]:
+        """What each quantised kind would lose on this trial's fp32 states, per group."""
+        return [GroupStateLoss.from_json(data) for data in self.state_loss]
+
+    def run_tags(self) -> dict[str, str]:
+        """Per optimizer-state group whose state hurt: ``state_reason.<group>``."""
+        return {
+            f"state_reason.{metric_safe(group.group)}": group.reason[:4000]
+            for group in self.state_groups()
+            if group.reason is not None
+        }
 
     def run_params(self) -> dict[str, str]:
         return {
@@ -612,20 +643,31 @@ class _Run:
         return result
 
     def _optimizer_states(self, result: TrialResult) -> None:
-        """The states' bytes as stored, and where a quantised state collapsed (a second
-        moment stored as zero under a nonzero first), the parameter and the mechanism."""
-        from autoprec.numerics.state_health import state_health
-        from autoprec.optim.state import optimizer_state_nbytes
+        """The states' bytes as stored; per group, their health (`state_health`) and the
+        reason naming the group and the mechanism where a quantised state hurts; where
+        every state is fp32 (the baseline of a space that searches them), what each
+        quantised kind would lose on this real state (`state_loss`), for the guided
+        search's ranking of the groups."""
+        from autoprec.numerics.state_health import (
+            group_health,
+            state_health,
+            state_loss,
+            worst_group,
+        )
+        from autoprec.optim.state import STATE_KINDS, optimizer_state_nbytes
 
+        states = self.policy.optimizer_states
         result.optimizer_state_mb = optimizer_state_nbytes(self.optimizer) / 2**20
-        health = state_health(self.model, self.optimizer)
-        worst = max(health, key=lambda h: h.collapsed_share, default=None)
-        reason = worst.reason() if worst is not None else None
-        if worst is not None and reason is not None:
-            group = self.policy.optimizer_states.group_of(self.model, worst.parameter)
-            where = f" of group {group.describe()}" if group is not None else ""
-            reason = f"optimizer state{where}: {reason}"
+        groups = group_health(self.model, states, state_health(self.model, self.optimizer))
+        result.state_health = [group.to_json() for group in groups]
+        worst = worst_group(groups)
+        if worst is not None and worst.reason is not None:
+            reason = worst.reason
             result.reason = f"{result.reason}; {reason}" if result.reason else reason
+        if states.all_fp32(self.model):
+            kinds = tuple(kind for kind in STATE_KINDS if kind != "fp32")
+            losses = state_loss(self.model, self.optimizer, states, kinds)
+            result.state_loss = [loss.to_json() for loss in losses]
 
     def _forecast(self, batches: Iterator[Any] | None) -> None:
         """Every layer's range projected to the run's length; a crossing within it puts
