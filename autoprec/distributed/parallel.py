@@ -18,7 +18,7 @@ from torch import nn
 
 from autoprec.distributed.collectives import max_over_ranks, mean_over_ranks
 from autoprec.distributed.data import rank_train_data
-from autoprec.distributed.ddp import check_ddp_reduce_dtype, compress_gradients
+from autoprec.distributed.ddp import compress_gradients
 from autoprec.distributed.fsdp import ShardUnit, shard_model
 from autoprec.errors import AutoprecError
 from autoprec.numerics.observe import first_floating_dtype
@@ -59,7 +59,6 @@ class RankTraining:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = None if self.device.type == "cpu" else [self.device]
-        check_ddp_reduce_dtype(self.reduce_dtype)  # before DDP's first collective
         ddp = DistributedDataParallel(model, device_ids=ids)
         self.comm_hook = compress_gradients(ddp, self.reduce_dtype)
         return ddp

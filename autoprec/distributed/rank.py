@@ -162,21 +162,21 @@ def combine(
     underflow = [
         r["grad_underflow_ratio"] for r in records if r["grad_underflow_ratio"] is not None
     ]
-    states = [r["optimizer_state_mb"] for r in records if r.get("optimizer_state_mb") is not None]
+    state_mb = [r["optimizer_state_mb"] for r in records if r.get("optimizer_state_mb") is not None]
     result.step_time_ms = max(times) if times else None
     result.peak_memory_mb = max(memory) if memory else None
-    result.optimizer_state_mb = max(states) if states else None
+    result.optimizer_state_mb = max(state_mb) if state_mb else None
     result.grad_underflow_ratio = max(underflow) if underflow else None
     result.run_time_s = max(r["run_time_s"] for r in records)
     if telemetry:
         result.grad_underflow_ratio = telemetry["grad_underflow_ratio"]
     result.telemetry = {**(telemetry or result.telemetry or {}), "distributed": record}
-    ends = {r["state"] for r in records}
+    states = {r["state"] for r in records}
     scales = {r["loss_scale_final"] for r in records}
-    if len(ends) > 1 or len(scales) > 1:
+    if len(states) > 1 or len(scales) > 1:
         result.state = TrialState.FAILED
         result.reason = (
-            f"the ranks disagree: states {sorted(ends)}, loss scales {sorted(map(str, scales))}"
+            f"the ranks disagree: states {sorted(states)}, loss scales {sorted(map(str, scales))}"
         )
         result.accuracy = None
     return result
