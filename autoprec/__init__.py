@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 if _TYPE_CHECKING:
-    from autoprec.distributed import apply_fsdp2, shard
+    from autoprec.distributed import apply_fsdp2, register_comm_hook, shard
     from autoprec.errors import (
         AutoprecError,
         DeviceError,
@@ -73,6 +73,7 @@ _WHERE = {
     "load_inference_model": "autoprec.serving",
     "load_policy": "autoprec.policy",
     "profile_task": "autoprec.profile.sensitivity",
+    "register_comm_hook": "autoprec.distributed",
     "search": "autoprec.study",
     "shard": "autoprec.distributed",
 }
@@ -104,6 +105,7 @@ __all__ = [
     "load_inference_model",
     "load_policy",
     "profile_task",
+    "register_comm_hook",
     "search",
     "shard",
 ]

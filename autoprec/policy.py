@@ -76,7 +76,7 @@ _POLICY_FIELDS = (
     "reduce_dtype",
     "optimizer",
 )
-REDUCE_DTYPES = ("fp32", "bf16")  # what FSDP2 may reduce gradients in
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")  # what gradients may be communicated in
 _QUANTIZATION_FIELDS = ("int8", "fp8")
 # Where the default is fp8, the layers fp8 cannot take (norms, embeddings, Linear layers
 # of odd sizes) run in bf16, as torchao's users run the rest of the model.
@@ -225,11 +225,13 @@ class Policy:
     loss is scaled, so its YAML has no ``loss_scale``; a YAML without one reads back so
     (which changes only how it is written again). ``quantization``: for serving, the
     method its int8 layers are quantized with (`Quantization`), so that converting by the
-    policy alone serves what the search measured. ``reduce_dtype``: under FSDP2, the dtype
-    gradients are reduced in (`autoprec.apply_fsdp2`; None: fp32), searched where a
-    search's trials run under FSDP2. ``optimizer_states``: the optimizer state's and the
-    master weight's dtype per parameter group (`autoprec.optim.state`; the YAML's
-    ``optimizer`` section, written only where it is not all fp32), built by ``optimizer``.
+    policy alone serves what the search measured. ``reduce_dtype``: on several devices,
+    the dtype gradients are communicated in (None: fp32): FSDP2's ``reduce_dtype``
+    (`autoprec.apply_fsdp2`), or DDP's fp16 or bf16 compression hook
+    (`autoprec.register_comm_hook`); searched where a search's trials run on several.
+    ``optimizer_states``: the optimizer state's and the master weight's dtype per
+    parameter group (`autoprec.optim.state`; the YAML's ``optimizer`` section, written
+    only where it is not all fp32), built by ``optimizer``.
     """
 
     rules: tuple[Rule, ...] = ()
@@ -247,7 +249,8 @@ class Policy:
         _check_dtype(self.default, "default")
         if self.reduce_dtype not in (None, *REDUCE_DTYPES):
             raise PolicyError(
-                f"reduce_dtype: expected {' or '.join(REDUCE_DTYPES)}, got {self.reduce_dtype!r}"
+                f"reduce_dtype: expected one of {', '.join(REDUCE_DTYPES)}, "
+                f"got {self.reduce_dtype!r}"
             )
         object.__setattr__(self, "rules", tuple(self.rules))
         if not isinstance(self.quantization, Quantization):
@@ -332,7 +335,8 @@ class Policy:
             reduce_dtype = data.get("reduce_dtype")
             if reduce_dtype not in (None, *REDUCE_DTYPES):
                 raise PolicyError(
-                    f"reduce_dtype: expected {' or '.join(REDUCE_DTYPES)}, got {reduce_dtype!r}"
+                    f"reduce_dtype: expected one of {', '.join(REDUCE_DTYPES)}, "
+                    f"got {reduce_dtype!r}"
                 )
             optimizer_states = OptimizerStates.from_dict(data.get("optimizer"))
         except PolicyError as error:

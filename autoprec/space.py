@@ -77,6 +77,8 @@ if TYPE_CHECKING:
     from autoprec.profile.sensitivity import Profile
 
 DEFAULT_SPACE = "default"
+FSDP_REDUCE_PARAM = "fsdp.reduce_dtype"  # the reduce dtype's parameter under FSDP2
+DDP_REDUCE_PARAM = "ddp.reduce_dtype"  # and under DDP (its compression hook)
 _GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _SPACE_FIELDS = (
     "name",
@@ -197,9 +199,11 @@ class SearchSpace:
     # fitted for serving: the method its fp8 layers are measured with (`autoprec.serving.fp8`),
     # recorded in every policy with an fp8 layer, as int8's is
     fp8_method: str | None = None
-    # trials under FSDP2: the dtypes gradients may be reduced in (``fsdp.reduce_dtype``
-    # where several; `autoprec.distributed`); empty elsewhere
+    # trials on several devices: the dtypes gradients may be communicated in, searched as
+    # ``reduce_param`` where several (``fsdp.reduce_dtype`` under FSDP2, ``ddp.reduce_dtype``
+    # under DDP; `autoprec.distributed`); empty elsewhere
     reduce_dtypes: tuple[str, ...] = ()
+    reduce_param: str = FSDP_REDUCE_PARAM
     # the optimizer state kinds and master dtypes searched per parameter group (the
     # ``optimizer_states`` section, `autoprec.optim.space`); None: not searched
     optimizer_states: StateSpace | None = None
@@ -514,6 +518,8 @@ class SearchSpace:
             content["fp8_recipes"] = self.fp8_recipes
         if self.reduce_dtypes:  # likewise
             content["reduce_dtypes"] = self.reduce_dtypes
+        if self.reduce_param != FSDP_REDUCE_PARAM:  # likewise: FSDP2 studies keep theirs
+            content["reduce_param"] = self.reduce_param
         if self.optimizer_states is not None:  # likewise
             content["optimizer_states"] = self.optimizer_states.fingerprint_content()
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:12]
@@ -531,14 +537,16 @@ class SearchSpace:
             name = f"switch.{self.switch}"
             params[name] = trial.suggest_categorical(name, [False, True])
         if len(self.reduce_dtypes) > 1:
-            params["fsdp.reduce_dtype"] = trial.suggest_categorical(
-                "fsdp.reduce_dtype", list(self.reduce_dtypes)
+            params[self.reduce_param] = trial.suggest_categorical(
+                self.reduce_param, list(self.reduce_dtypes)
             )
         if self.optimizer_states is not None and not self.inference:
             params.update(self.optimizer_states.suggest(trial))
-        if FP8 in params.values() and len(self.fp8_recipes) > 1:
+        # the layers' dtypes (not an fp16 gradient communication, nor an fp8 state kind)
+        layers = {value for key, value in params.items() if key.startswith("dtype.")}
+        if FP8 in layers and len(self.fp8_recipes) > 1:
             params["fp8.recipe"] = trial.suggest_categorical("fp8.recipe", list(self.fp8_recipes))
-        if "fp16" in params.values() and not self.inference:  # serving scales no loss
+        if "fp16" in layers and not self.inference:  # serving scales no loss
             space = self.loss_scale
             mode = trial.suggest_categorical("loss_scale.mode", list(space.modes))
             params["loss_scale.mode"] = mode
@@ -600,7 +608,7 @@ class SearchSpace:
             serving=self.inference,
             quantization=Quantization(int8=int8, fp8=fp8),
             reduce_dtype=params.get(
-                "fsdp.reduce_dtype", self.reduce_dtypes[0] if self.reduce_dtypes else None
+                self.reduce_param, self.reduce_dtypes[0] if self.reduce_dtypes else None
             ),
             optimizer_states=(
                 self.optimizer_states.states(params)
@@ -708,7 +716,7 @@ class SearchSpace:
         if self.offers_fp8:
             flat["fp8.recipe"] = policy.fp8_recipe if FP8 in flat.values() else "-"
         if self.reduce_dtypes:
-            flat["fsdp.reduce_dtype"] = policy.reduce_dtype or "fp32"
+            flat[self.reduce_param] = policy.reduce_dtype or "fp32"
         if self.optimizer_states is not None:
             flat.update(self.optimizer_states.flat_params(policy.optimizer_states))
         return flat

@@ -80,7 +80,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return centers[labels] + torch.randn(128, 8, generator=generator), labels
 
 
-def _task(name: str, poisoned: bool = False) -> autoprec.Task:
+def _task(name: str, poisoned: bool = False, width: int = 16) -> autoprec.Task:
     inputs, labels = _data()
 
     def train_data(seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -94,7 +94,11 @@ def _task(name: str, poisoned: bool = False) -> autoprec.Task:
         return [(inputs[96:112], labels[96:112]), (inputs[112:], labels[112:])]
 
     return autoprec.Task(
-        name, lambda: Net(poisoned=poisoned), train_data, val_data, F.cross_entropy
+        name,
+        lambda: Net(width, poisoned=poisoned),
+        train_data,
+        val_data,
+        F.cross_entropy,
     )
 
 
@@ -106,3 +110,9 @@ def blocks() -> autoprec.Task:
 def poisoned() -> autoprec.Task:
     """`blocks`, with one inf in rank 1's gradients on one step."""
     return _task("poisoned", poisoned=True)
+
+
+def wide() -> autoprec.Task:
+    """`blocks` at width 128: each block's weight (16,384 elements, 8,192 per rank under
+    FSDP2) is large enough for torchao to quantise its optimizer state."""
+    return _task("wide", width=128)

@@ -309,8 +309,12 @@ def test_a_policy_carries_its_reduce_dtype_and_is_measured_apart_by_it():
     assert "reduce_dtype" not in plain.to_dict()  # other policies read and hash as before
     assert Policy.from_yaml(reduced.to_yaml()) == reduced
     assert reduced.identity() != plain.identity()
-    with pytest.raises(autoprec.PolicyError, match="reduce_dtype: expected fp32 or bf16"):
-        Policy.from_dict({**MIXED, "reduce_dtype": "fp16"})
+    fp16 = Policy.from_dict({**MIXED, "reduce_dtype": "fp16"})  # DDP's fp16 hook
+    assert Policy.from_yaml(fp16.to_yaml()) == fp16 and fp16.identity() != reduced.identity()
+    with pytest.raises(
+        autoprec.PolicyError, match="reduce_dtype: expected one of fp32, bf16, fp16, got 'fp8'"
+    ):
+        Policy.from_dict({**MIXED, "reduce_dtype": "fp8"})
 
 
 def test_a_space_for_fsdp2_searches_the_reduce_dtype():
@@ -330,3 +334,118 @@ def test_a_space_for_fsdp2_searches_the_reduce_dtype():
     assert fsdp.flat_params(policy)["fsdp.reduce_dtype"] == "bf16"
     assert fsdp.policy(params).reduce_dtype == "fp32"  # the anchors reduce in fp32
     assert fsdp.fingerprint() != space.fingerprint()
+
+
+def test_a_space_for_ddp_searches_its_compression_hook_as_its_own_parameter():
+    import dataclasses
+
+    import optuna
+
+    from autoprec.space import DDP_REDUCE_PARAM, load_space
+
+    space = load_space("default").fit(Net())
+    params = {f"dtype.{g.name}": "fp32" for g in space.groups}
+    fsdp = dataclasses.replace(space, reduce_dtypes=("fp32", "fp16"))
+    ddp = dataclasses.replace(fsdp, reduce_param=DDP_REDUCE_PARAM)
+    policy = ddp.suggest(optuna.trial.FixedTrial({**params, "ddp.reduce_dtype": "fp16"}))
+    assert policy.reduce_dtype == "fp16"
+    flat = ddp.flat_params(policy)
+    assert flat["ddp.reduce_dtype"] == "fp16" and "fsdp.reduce_dtype" not in flat
+    assert ddp.policy(params).reduce_dtype == "fp32"  # the anchors communicate in fp32
+    assert len({space.fingerprint(), fsdp.fingerprint(), ddp.fingerprint()}) == 3
+
+
+def test_ddp_communicates_in_the_dtypes_torch_has_a_hook_for_here():
+    from autoprec.distributed.ddp import (
+        bf16_hook_supported,
+        check_ddp_reduce_dtype,
+        ddp_reduce_dtypes,
+    )
+
+    for dtype in ("fp32", "fp16"):
+        check_ddp_reduce_dtype(dtype)
+    if bf16_hook_supported():  # a CUDA build with NCCL 2.10+ (never run here)
+        assert ddp_reduce_dtypes() == ("fp32", "bf16", "fp16")
+        return
+    assert ddp_reduce_dtypes() == ("fp32", "fp16")  # the CPU wheel: torch refuses bf16's hook
+    with pytest.raises(autoprec.PolicyError) as refused:
+        check_ddp_reduce_dtype("bf16")
+    message = str(refused.value)
+    assert message.startswith("reduce_dtype bf16 under DDP: torch registers bf16_compress_hook")
+    assert "\n" not in message
+
+
+def test_fsdp2_refuses_only_the_optimizer_states_that_fail_under_it_on_the_cpu():
+    from autoprec.distributed.fsdp import fsdp2_state_refusal
+
+    for kinds in ({"fp32"}, {"8bit", "fp8"}, {"bf16", "fp8-bf16"}):
+        assert fsdp2_state_refusal(kinds, "cpu") is None
+    refusal = fsdp2_state_refusal({"fp32", "4bit"}, "cpu")
+    assert refusal is not None and "4bit under --parallel fsdp2" in refusal
+    assert fsdp2_state_refusal({"4bit"}, "cuda") is None  # not known to fail there
+
+
+def test_the_public_comm_hook_is_the_distributed_one():
+    from autoprec.distributed.ddp import register_comm_hook
+
+    assert autoprec.register_comm_hook is register_comm_hook
+
+
+# -- launched: the gradient communication dtype and per-group optimizer states -----------
+
+
+@pytest.mark.slow
+def test_the_policys_hook_gives_the_gradients_of_torchs_own_hook(tmp_path):
+    from autoprec.distributed.ddp import bf16_hook_supported
+
+    done = _torchrun(tmp_path, "tests/distributed_comm.py", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["hooks"] == {"fp16": "fp16_compress_hook", "fp32": None, "none": None}
+        assert report["equal_to_torch_hook"] == [True, True, True]  # bit for bit, each step
+        assert all(diff > 0 for diff in report["max_abs_diff_to_fp32"])  # the hook ran
+        assert report["grads_dtype"] == "torch.float32"  # decompressed, as torch's does
+        if not bf16_hook_supported():
+            assert report["bf16"].startswith("reduce_dtype bf16 under DDP:")
+
+
+@pytest.mark.slow
+def test_a_ddp_trial_communicates_its_gradients_in_the_policys_dtype(tmp_path):
+    policy = {**MIXED, "reduce_dtype": "fp16"}
+    done, data = _trial(tmp_path, task=f"{TASKS}:blocks", policy=policy, parallel="ddp")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert data["state"] == "complete", data["reason"]
+    assert (data["reduce_dtype"], data["comm_hook"]) == ("fp16", "fp16_compress_hook")
+    assert data["telemetry"]["distributed"]["comm_hook"] == "fp16_compress_hook"
+    _finite_from_both_ranks(data)
+
+
+def _adam_state_bytes(elements: int, quantised: bool) -> int:
+    """One parameter's Adam state as stored: a step tensor (4 bytes) and two moments, in
+    fp32 or as torchao's 8-bit state (uint8 codes, an fp32 scale per block of 256 and its
+    own 256-entry fp32 code map)."""
+    moment = elements + elements // 256 * 4 + 256 * 4 if quantised else elements * 4
+    return 4 + 2 * moment
+
+
+@pytest.mark.slow
+def test_an_fsdp2_trial_builds_the_policys_per_group_optimizer_and_counts_its_shard(tmp_path):
+    # torchao compiles its 8-bit step on each rank (tens of seconds on a loaded machine).
+    optimizer = {"state": "fp32", "groups": [{"patterns": ["blocks"], "state": "8bit"}]}
+    policy = {"default": "fp32", "loss_scale": {"mode": "none"}, "optimizer": optimizer}
+    done, data = _trial(tmp_path, task=f"{TASKS}:wide", policy=policy, parallel="fsdp2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert data["state"] == "complete", data["reason"]
+    # Each rank holds half of every parameter's rows: the blocks' 128x128 weights keep
+    # 8-bit states over their 64x128 shards, the rest (and the blocks' biases, under
+    # torchao's 4,096 elements) fp32 states.
+    shards = {"inp.weight": 64 * 8, "inp.bias": 64, "head.weight": 2 * 128, "head.bias": 2}
+    expected = sum(_adam_state_bytes(n, False) for n in shards.values())
+    expected += 2 * (_adam_state_bytes(64 * 128, True) + _adam_state_bytes(64, False))
+    assert expected == 45104
+    for record in data["ranks"]:
+        assert record["optimizer_state_mb"] * 2**20 == expected
+    assert data["optimizer_state_mb"] * 2**20 == expected
+    assert data["telemetry"]["memory_split_mb"]["optimizer_state"] * 2**20 == expected
+    _finite_from_both_ranks(data)

@@ -82,6 +82,22 @@ def test_bad_launch_settings_exit_2_with_one_line(options, message, in_tmp, caps
     assert not (in_tmp / "runs").exists()  # refused before any store was opened
 
 
+def test_optimizer_states_fsdp2_cannot_train_here_are_refused_before_any_store_opens(
+    in_tmp, capsys, monkeypatch
+):
+    monkeypatch.setattr("autoprec.distributed.launch.usable_cores", lambda: 8)  # any machine
+    space = in_tmp / "states.yaml"
+    space.write_text(
+        "name: states\ndtypes: [fp32]\ngroups: [{name: all, patterns: ['*']}]\n"
+        "optimizer_states: {states: [fp32, 4bit], groups: [{name: blocks, patterns: [blocks]}]}\n"
+    )
+    argv = ["search", "--task", TASK, "--space", str(space), "--trials", "1", "--device", "cpu"]
+    assert main([*argv, "--nproc-per-trial", "2", "--parallel", "fsdp2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "optimizer state 4bit under --parallel fsdp2: torchao's AdamW4bit fails" in err, err
+    assert len(err.splitlines()) == 1 and not (in_tmp / "runs").exists()
+
+
 def test_more_ranks_than_cores_are_refused_before_any_store_opens(in_tmp, capsys):
     cores = usable_cores()
     argv = ["search", "--nproc-per-trial", str(cores + 1), "--device", "cpu", "--trials", "1"]
@@ -323,12 +339,20 @@ def test_a_search_at_two_ranks_finishes(parallel, tmp_path):
             if rank["state"] == "complete":
                 assert math.isfinite(rank["step_time_ms"]) and math.isfinite(rank["final_loss"])
                 assert math.isfinite(rank["peak_memory_mb"])
-    # FSDP2's gradient reduction dtype is a searched setting; DDP has none to search
-    reduce = {t.params.get("fsdp.reduce_dtype") for t in trials}
-    if parallel == "fsdp2":
-        assert reduce <= {"fp32", "bf16"} and reduce != {None}, reduce
-    else:
-        assert reduce == {None}
+    # The dtype gradients are communicated in is searched: FSDP2's reduce_dtype, DDP's
+    # compression hook (fp16 only on the CPU wheel: torch refuses bf16's hook without NCCL)
+    param, other = (
+        ("fsdp.reduce_dtype", "ddp.reduce_dtype")
+        if parallel == "fsdp2"
+        else ("ddp.reduce_dtype", "fsdp.reduce_dtype")
+    )
+    offered = {"fp32", "bf16"} if parallel == "fsdp2" else {"fp32", "fp16"}
+    reduce = {t.params.get(param) for t in trials}
+    assert reduce <= offered and reduce != {None}, reduce
+    assert {t.params.get(other) for t in trials} == {None}
+    for trial in trials:
+        record = trial.user_attrs["autoprec"]["result"]["telemetry"]["distributed"]
+        assert record["reduce_dtype"] == trial.params.get(param, "fp32")
 
 
 @pytest.mark.slow

@@ -15,8 +15,15 @@
   to its own ``param_dtype`` (``cast_forward_inputs``). So FSDP2's casts alone carry a
   mixed model across its boundaries; without them a bf16 block before an fp32 one fails
   with ``mat1 and mat2 must have the same dtype``.
-- **Gradients are reduced in fp32** by default (``reduce_dtype``); bf16 halves their
-  traffic at some accuracy risk, which is the trial's to measure.
+- **Gradients are reduced in fp32** by default (``reduce_dtype``); bf16 (or fp16) halves
+  their traffic at some accuracy risk, which is the trial's to measure.
+- **Optimizer states** (the policy's ``optimizer`` section) shard with the parameters:
+  torchao's optimizers keep each state as a DTensor over this rank's shard, quantised per
+  shard. On the CPU (gloo, 2 ranks) 8-bit, fp8, bf16 and fp8-bf16 states stepped the
+  same weights under FSDP2 as under DDP, bit for bit, where no state collapsed; torchao's
+  4-bit state fails in its step there (``AssertionError: wrong number of dimensions1 for
+  op: input``), so it is refused on the CPU (`fsdp2_state_refusal`). bf16 masters are cast
+  after sharding and before the first forward, which FSDP2 takes up at its lazy init.
 
 The policy's own regions (`autoprec.precision.hooks`) are installed first and stay: autocast
 still decides what each op computes in, the units decide what the weights are gathered
@@ -100,6 +107,17 @@ def _odd_leaves(leaves: list[str], leaf_dtypes: dict[str, str], around: str) -> 
     return [
         ShardUnit(leaf, leaf_dtypes[leaf], around) for leaf in leaves if leaf_dtypes[leaf] != around
     ]
+
+
+def fsdp2_state_refusal(kinds: set[str] | tuple[str, ...], device_type: str) -> str | None:
+    """Why FSDP2 on ``device_type`` cannot train optimizer states of ``kinds`` (None: it
+    can): torchao's 4-bit state fails in its step on sharded parameters on the CPU."""
+    if "4bit" in kinds and device_type == "cpu":
+        return (
+            "optimizer state 4bit under --parallel fsdp2: torchao's AdamW4bit fails on "
+            "sharded parameters on the CPU; drop 4bit or use --parallel ddp"
+        )
+    return None
 
 
 def shard_model(

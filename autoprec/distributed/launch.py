@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from autoprec.space import SearchSpace
 
 PARALLEL_MODES = ("ddp", "fsdp2")
-REDUCE_DTYPES = ("fp32", "bf16")
+FSDP2_REDUCE_DTYPES = ("fp32", "bf16")  # searched under FSDP2 (DDP's: `ddp_reduce_dtypes`)
 # The collective backend of each kind of device.
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 RANK_MODULE = "autoprec.distributed.rank"
@@ -530,12 +530,28 @@ class LaunchedTrials(TrainingTrials):
         self.plan = plan
 
     def fit(self, space: SearchSpace, profile: Any) -> SearchSpace:
-        """The training mode's space; under FSDP2 the gradients' reduce dtype is searched
-        too (fp32 or bf16), unless the space file names its own."""
+        """The training mode's space (refused where its optimizer states cannot train
+        under FSDP2 here), with the dtype gradients are communicated in searched too,
+        unless the space names its own: under FSDP2 its ``reduce_dtype``
+        (``fsdp.reduce_dtype``: fp32 or bf16), under DDP its compression hook
+        (``ddp.reduce_dtype``: fp32 or fp16, and bf16 where torch allows its hook)."""
+        from autoprec.distributed.ddp import ddp_reduce_dtypes
+        from autoprec.distributed.fsdp import fsdp2_state_refusal
+        from autoprec.space import DDP_REDUCE_PARAM, FSDP_REDUCE_PARAM
+
         fitted = super().fit(space, profile)
-        if self.plan.parallel == "fsdp2" and not fitted.reduce_dtypes:
-            fitted = replace(fitted, reduce_dtypes=REDUCE_DTYPES)
-        return fitted
+        if self.plan.parallel == "fsdp2" and fitted.optimizer_states is not None:
+            kind = self.plan.group[0].split(":")[0]
+            refusal = fsdp2_state_refusal(fitted.optimizer_states.kinds(), kind)
+            if refusal is not None:  # before any store is opened
+                raise AutoprecError(f"{fitted.source}: {refusal}")
+        if fitted.reduce_dtypes:
+            return fitted
+        if self.plan.parallel == "fsdp2":
+            return replace(
+                fitted, reduce_dtypes=FSDP2_REDUCE_DTYPES, reduce_param=FSDP_REDUCE_PARAM
+            )
+        return replace(fitted, reduce_dtypes=ddp_reduce_dtypes(), reduce_param=DDP_REDUCE_PARAM)
 
     @property
     def settings(self) -> dict[str, Any]:

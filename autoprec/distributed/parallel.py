@@ -18,6 +18,7 @@ from torch import nn
 
 from autoprec.distributed.collectives import max_over_ranks, mean_over_ranks
 from autoprec.distributed.data import rank_train_data
+from autoprec.distributed.ddp import compress_gradients
 from autoprec.distributed.fsdp import ShardUnit, shard_model
 from autoprec.errors import AutoprecError
 from autoprec.numerics.observe import first_floating_dtype
@@ -44,6 +45,7 @@ class RankTraining:
         self.expected_dtypes: dict[str, str] = {}
         self.observed_dtypes: dict[str, str] = {}
         self.units: list[ShardUnit] = []
+        self.comm_hook: str | None = None  # DDP's compression hook, where one is registered
         self._hooks: list[Any] = []
 
     def wrap(self, model: nn.Module, prec: Precision) -> nn.Module:
@@ -57,7 +59,9 @@ class RankTraining:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = None if self.device.type == "cpu" else [self.device]
-        return DistributedDataParallel(model, device_ids=ids)
+        ddp = DistributedDataParallel(model, device_ids=ids)
+        self.comm_hook = compress_gradients(ddp, self.reduce_dtype)
+        return ddp
 
     def train_data(self, task: Task, seed: int) -> Iterable[Any]:
         return rank_train_data(task.train_data, seed, self.rank, self.world)

@@ -15,9 +15,10 @@ The interface between the launcher (`autoprec.distributed.launch`) and the ranks
   - ``backend``: the process group's backend, ``"gloo"``, ``"nccl"`` or ``"hccl"``;
   - ``devices``: one device per local rank, ``["cpu", "cpu"]`` or ``["cuda:0",
     "cuda:1"]``; rank ``i`` of the host uses ``devices[LOCAL_RANK]``;
-  - ``reduce_dtype`` (optional, FSDP2 only): ``"fp32"`` (default) or ``"bf16"``, the
-    dtype gradients are reduced in where the policy does not say (its ``reduce_dtype``,
-    a searched setting, wins);
+  - ``reduce_dtype`` (optional): ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``, the
+    dtype gradients are communicated in where the policy does not say (its
+    ``reduce_dtype``, a searched setting, wins): FSDP2's ``reduce_dtype``, or under DDP
+    torch's compression hook of that dtype (`autoprec.distributed.ddp`);
   - ``emulate`` (optional): the dtypes the backend may emulate (``["fp8"]``), as
     ``--emulate`` says;
   - ``timeout_s`` (optional, default 1800): the process group's collective timeout;
@@ -28,8 +29,10 @@ The interface between the launcher (`autoprec.distributed.launch`) and the ranks
 - **RESULT_JSON_PATH**: rank 0 writes one JSON object, the `TrialResult` as a dict
   (``TrialResult.to_dict``: state, reason, losses, accuracy, ...), with the figures of all
   ranks combined: ``step_time_ms`` is the slowest rank's median step, ``peak_memory_mb``
-  the largest rank's; and beside them ``nproc``, ``parallel``, ``backend``,
-  ``reduce_dtype`` and ``ranks``, one record per rank (its device, step time, peak
+  (and ``optimizer_state_mb``, where the policy names optimizer states) the largest
+  rank's; and beside them ``nproc``, ``parallel``, ``backend``,
+  ``reduce_dtype`` (the dtype gradients were communicated in), ``comm_hook`` (DDP's
+  compression hook, or None) and ``ranks``, one record per rank (its device, step time, peak
   memory, final loss scale, and whether its layers ran in the dtypes the policy resolves
   for them, with the mismatches). The same record is in the result's
   ``telemetry["distributed"]``. `autoprec.distributed.launch.trial_result_from_json` reads
@@ -74,10 +77,11 @@ import torch.distributed as dist
 from autoprec._util.files import write_atomic
 from autoprec.devices import get_backend
 from autoprec.distributed.collectives import gather_records
+from autoprec.distributed.fsdp import fsdp2_state_refusal
 from autoprec.distributed.launch import AGENT_PID_ENV, READY_PREFIX
 from autoprec.distributed.parallel import RankTraining
 from autoprec.distributed.telemetry import reduce_telemetry
-from autoprec.errors import AutoprecError, first_line
+from autoprec.errors import AutoprecError, PolicyError, first_line
 from autoprec.policy import Policy
 from autoprec.tasks.loading import load_task
 from autoprec.trials.base import TrialState
@@ -103,6 +107,11 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
         else EarlyStopping.from_baseline(TrialResult.from_dict(spec["baseline"]))
     )
     reduce_dtype = policy.reduce_dtype or spec.get("reduce_dtype") or "fp32"
+    if spec["parallel"] == "fsdp2":
+        kinds = policy.optimizer_states.kinds()
+        refusal = fsdp2_state_refusal(kinds, backend.device.type)
+        if refusal is not None:
+            raise PolicyError(refusal)
     ranks = RankTraining(spec["parallel"], backend.device, reduce_dtype)
     started = time.perf_counter()
     with backend.selected():
@@ -115,6 +124,7 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
         "state": str(result.state),
         "step_time_ms": result.step_time_ms,
         "peak_memory_mb": result.peak_memory_mb,
+        "optimizer_state_mb": result.optimizer_state_mb,
         "accuracy": result.accuracy,
         "final_loss": result.final_loss,
         "loss_scale_final": result.loss_scales[-1] if result.loss_scales else None,
@@ -131,7 +141,8 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
         "nproc": dist.get_world_size(),
         "parallel": spec["parallel"],
         "backend": dist.get_backend(),
-        "reduce_dtype": reduce_dtype if spec["parallel"] == "fsdp2" else None,
+        "reduce_dtype": reduce_dtype,
+        "comm_hook": ranks.comm_hook,
         "ranks": records,
         "units": [asdict(unit) for unit in ranks.units],
     }
@@ -145,7 +156,8 @@ def combine(
     telemetry: dict[str, Any] | None = None,
 ) -> TrialResult:
     """Rank 0's result with the figures of every rank: the slowest rank's median step, the
-    largest rank's peak memory, the longest run, the telemetry of all ranks
+    largest rank's peak memory and optimizer state (under FSDP2 each rank holds its shard
+    of it), the longest run, the telemetry of all ranks
     (`reduce_telemetry`; without it, the worst rank's underflow); a trial whose ranks
     disagree on how it ended failed (that is a bug of ours, not the policy's)."""
     times = [r["step_time_ms"] for r in records if r["step_time_ms"] is not None]
@@ -153,8 +165,10 @@ def combine(
     underflow = [
         r["grad_underflow_ratio"] for r in records if r["grad_underflow_ratio"] is not None
     ]
+    state_mb = [r["optimizer_state_mb"] for r in records if r.get("optimizer_state_mb") is not None]
     result.step_time_ms = max(times) if times else None
     result.peak_memory_mb = max(memory) if memory else None
+    result.optimizer_state_mb = max(state_mb) if state_mb else None
     result.grad_underflow_ratio = max(underflow) if underflow else None
     result.run_time_s = max(r["run_time_s"] for r in records)
     if telemetry:

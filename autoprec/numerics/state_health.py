@@ -219,7 +219,7 @@ def adam_step_bound(beta1: float, beta2: float, step: float) -> float:
 
 def state_health(model: nn.Module, optimizer: Any) -> list[StateHealth]:
     """Every trainable parameter with an Adam state (``exp_avg``, ``exp_avg_sq``), in
-    ``named_parameters()`` order."""
+    ``named_parameters()`` order; of a sharded state (FSDP2), this rank's shard."""
     import torch
 
     modules = dict(model.named_modules())
@@ -229,7 +229,7 @@ def state_health(model: nn.Module, optimizer: Any) -> list[StateHealth]:
         state = optimizer.state.get(parameter) if hasattr(optimizer.state, "get") else None
         if not state or "exp_avg_sq" not in state or "exp_avg" not in state:
             continue
-        second, first = state["exp_avg_sq"], state["exp_avg"]
+        second, first = _local(state["exp_avg_sq"]), _local(state["exp_avg"])
         stored = type(second)
         stored_as = (
             f"torch.{second.dtype}".replace("torch.torch.", "torch.")
@@ -400,6 +400,11 @@ def _adam_reference(optimizer: Any) -> Any:
 
 def _severity(item: StateHealth) -> tuple[float, float, float]:
     return (item.collapsed_share, item.saturated_share, item.blown_up_share)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded DTensor's shard (under FSDP2: this rank's part of the state), else itself."""
+    return getattr(tensor, "_local_tensor", tensor)
 
 
 def _values(tensor: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,10 @@ class StateChoice:
 class StateSpace:
     groups: tuple[StateChoice, ...]
 
+    def kinds(self) -> set[str]:
+        """Every state kind some group may take."""
+        return {kind for choice in self.groups for kind in choice.states}
+
     @classmethod
     def from_dict(cls, data: Any, fail: Any) -> StateSpace:
         if not isinstance(data, dict):

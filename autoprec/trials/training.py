@@ -25,7 +25,7 @@ import torch
 
 from autoprec._util.structures import cast_floats
 from autoprec.devices import DTYPES, Backend
-from autoprec.errors import AutoprecError, PolicyError, TaskError, first_line
+from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.numerics.first_events import OVERFLOW, FirstEvents, diagnose_forward
 from autoprec.numerics.forecast import (
     Forecast,
@@ -482,7 +482,7 @@ class _Run:
         # What trains: the model itself, or a rank's wrapper of it (DDP, FSDP2), made
         # before the optimizer, which takes the parameters the wrapper trains.
         self.trained = self.model if ranks is None else ranks.wrap(self.model, self.prec)
-        self.optimizer = _make_optimizer(task, policy, self.trained, ranks is not None)
+        self.optimizer = _make_optimizer(task, policy, self.model)
         self.scheduler = task.make_scheduler(self.optimizer)
         self.compilation = Compilation(self.trained, compiled, backend.now_s)
         self.meter = backend.memory_meter()
@@ -949,7 +949,7 @@ class _Timed:
         self.task, self.policy, self.backend = task, policy, backend
         self.model = task.model().to(backend.device).train()
         self.prec = policy.apply(self.model, backend)
-        self.optimizer = _make_optimizer(task, policy, self.model, False)
+        self.optimizer = _make_optimizer(task, policy, self.model)
         self.compilation = Compilation(self.model, compiled, backend.now_s, fresh=False)
         self.untimed = budget.untimed_steps
         self.batches: list[list[Batch]] = []
@@ -977,18 +977,15 @@ class _Timed:
         return times_s
 
 
-def _make_optimizer(
-    task: Task, policy: Policy, trained: nn.Module, launched: bool
-) -> torch.optim.Optimizer:
+def _make_optimizer(task: Task, policy: Policy, model: nn.Module) -> torch.optim.Optimizer:
     """The task's optimizer, or where the policy names training states other than fp32,
-    the per-group optimizer it describes, from the task's optimizer's class and defaults."""
+    the per-group optimizer it describes, from the task's optimizer's class and defaults.
+    ``model``: the model itself, not a rank's DDP wrapper (whose parameter names the
+    policy's groups would not match); under FSDP2, its sharded parameters, whose states
+    torchao shards alike."""
     if policy.optimizer_states.is_default:
-        return task.make_optimizer(trained.parameters())
-    if launched:
-        raise PolicyError(
-            "optimizer: per-group optimizer states are not searched across several ranks yet"
-        )
-    return policy.optimizer(trained, task.make_optimizer)
+        return task.make_optimizer(model.parameters())
+    return policy.optimizer(model, task.make_optimizer)
 
 
 def _evaluate(task: Task, model: torch.nn.Module, prec: Any, backend: Backend) -> float:
