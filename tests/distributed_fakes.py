@@ -7,9 +7,12 @@ torch's own agent with ranks that die, crash or hang on purpose.
 - ``die``: rank ``fake_rank`` kills itself with SIGKILL while the others wait in a barrier;
 - ``crash``: rank ``fake_rank`` raises RuntimeError while the others wait;
 - ``hang``: rank ``fake_rank`` ignores SIGTERM and sleeps; the others wait in a barrier;
-- ``silent``: every rank exits 0 and none writes a result.
+- ``silent``: every rank exits 0 and none writes a result;
+- ``abort-at-exit``: as ``ok``, then rank ``fake_rank`` aborts (SIGABRT) once it has
+  written ``done-<rank>``, as a C++ destructor's ``terminate`` at exit does.
 Every rank writes its pid to ``pids/<rank>`` beside the result, so that a test can check
-that none is left, and ``ready-<rank>`` once the process group is up, as the real ranks do.
+that none is left, ``ready-<rank>`` once the process group is up and ``done-<rank>`` once
+it is destroyed, as the real ranks do.
 Where ``$AUTOPREC_TEST_ABORT_DIR`` is set, rank 1 of the first launch that counts itself
 there aborts (SIGABRT, as a C++ ``terminate`` does) before it joins the process group: a
 launch that fails setting up.
@@ -67,7 +70,7 @@ def _run(spec: dict, result_path: Path, rank: int, world: int) -> int:
         dist.barrier()  # waits for the chosen rank, which never comes
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
-    if rank == 0 and behaviour == "ok":
+    if rank == 0 and behaviour in ("ok", "abort-at-exit"):
         result = {
             "state": "complete",
             "accuracy": 0.5,
@@ -81,6 +84,9 @@ def _run(spec: dict, result_path: Path, rank: int, world: int) -> int:
         }
         result_path.write_text(json.dumps(result))
     dist.destroy_process_group()
+    (result_path.parent / f"done-{rank}").touch()
+    if behaviour == "abort-at-exit" and chosen:
+        os.abort()
     return 0
 
 

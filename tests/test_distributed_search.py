@@ -276,6 +276,17 @@ def test_a_launch_that_fails_setting_up_is_launched_again_once(tmp_path):
     assert len(list(aborts.iterdir())) == 2  # launched twice, never a third time
 
 
+@pytest.mark.slow
+def test_a_rank_that_aborts_after_the_trial_is_done_leaves_its_result(tmp_path):
+    aborted = launch({"fake": "abort-at-exit"}, 2, tmp_path, 120.0, module=FAKES)
+    assert aborted.exit_code not in (0, None)
+    assert "SIGABRT" in aborted.reason(120.0, 2)  # the agent saw it
+    assert aborted.finished(2) and not aborted.failed_setting_up(2)  # the result stands
+    assert json.loads(aborted.result_path.read_text())["step_time_ms"] == 3.0
+    crashed = launch({"fake": "crash"}, 2, tmp_path / "crash", 120.0, module=FAKES)
+    assert not crashed.finished(2)  # a rank that failed during the trial
+
+
 # -- searches through the CLI -----------------------------------------------------------
 
 

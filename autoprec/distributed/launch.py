@@ -71,6 +71,8 @@ LAUNCHER_PID_ENV = "AUTOPREC_LAUNCHER_PID"
 AGENT_PID_ENV = "AUTOPREC_AGENT_PID"
 # Each rank writes READY_PREFIX + its rank beside the result once its process group is up.
 READY_PREFIX = "ready-"
+# ... and DONE_PREFIX + its rank once it has ended its process group, the trial done.
+DONE_PREFIX = "done-"
 # A launch that failed setting up (a rank died before every rank joined the process group,
 # which no policy touches: under heavy load, gloo's rendezvous once aborted a rank) is
 # launched again, this many times, before its trial fails.
@@ -226,8 +228,17 @@ class LaunchOutcome:
         ``nproc`` ranks were ready (`READY_PREFIX`): before the policy ran."""
         if self.exit_code in (None, 0) or self.result_path.exists():
             return False
+        return not self._all(READY_PREFIX, nproc)
+
+    def finished(self, nproc: int) -> bool:
+        """Whether every one of ``nproc`` ranks ended its process group after the trial
+        (`DONE_PREFIX`): the result stands whatever the exit codes say of what came after
+        (an abort at exit, in a destructor, of a rank or of the agent)."""
+        return self.result_path.is_file() and self._all(DONE_PREFIX, nproc)
+
+    def _all(self, prefix: str, nproc: int) -> bool:
         folder = self.result_path.parent
-        return any(not (folder / f"{READY_PREFIX}{rank}").exists() for rank in range(nproc))
+        return all((folder / f"{prefix}{rank}").exists() for rank in range(nproc))
 
     def reason(self, limit_s: float, nproc: int) -> str:
         """Why the launch gave no result, in one line."""
@@ -585,7 +596,12 @@ class LaunchedTrials(TrainingTrials):
             result = read_result(outcome.result_path)
             if _refused(outcome.result_path):  # as a trial on one device raises it
                 raise AutoprecError(f"{result.reason} (log: {outcome.log_path})")
-            if outcome.exit_code != 0 and result.state == TrialState.FAILED:
+            if outcome.exit_code != 0 and outcome.finished(plan.nproc):
+                # Every rank ended its process group: what failed came after the trial.
+                record = (result.telemetry or {}).get("distributed")
+                if isinstance(record, dict):
+                    record["exit_code_after_done"] = outcome.exit_code
+            elif outcome.exit_code != 0 and result.state == TrialState.FAILED:
                 # The agent names the rank that died first; the written reason is what
                 # the rank that wrote it saw then (often: its peer gone).
                 agent = failure_of(_read(outcome.log_path))
@@ -594,7 +610,7 @@ class LaunchedTrials(TrainingTrials):
                 result = TrialResult(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
         else:
             result = TrialResult(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
-        if result.state != TrialState.FAILED:
+        if result.state != TrialState.FAILED and outcome.exit_code == 0:
             shutil.rmtree(folder, ignore_errors=True)  # a failed launch keeps its log
         if retries:  # said beside the ranks' record, and in a failed trial's reason
             record = (result.telemetry or {}).get("distributed")

@@ -48,6 +48,9 @@ The interface between the launcher (`autoprec.distributed.launch`) and the ranks
 - **Ready files**: once its process group is up (every rank has joined a barrier), each
   rank writes an empty ``ready-RANK`` beside RESULT_JSON_PATH (`READY_PREFIX`). A launch
   that failed before every rank wrote one failed setting up, before the policy ran.
+  Once its process group is destroyed at the end, each rank writes ``done-RANK``
+  (`DONE_PREFIX`): a launch whose every rank wrote one has its result, whatever
+  happens to a process after that (an abort in a C++ destructor at exit).
 
 Every rank runs the single-device trial's loop (`autoprec.trials.training`) with
 `RankTraining`: the same losses, loss scaling, early stops and measurements, with the
@@ -78,7 +81,7 @@ from autoprec._util.files import write_atomic
 from autoprec.devices import get_backend
 from autoprec.distributed.collectives import gather_records
 from autoprec.distributed.fsdp import fsdp2_state_refusal
-from autoprec.distributed.launch import AGENT_PID_ENV, READY_PREFIX
+from autoprec.distributed.launch import AGENT_PID_ENV, DONE_PREFIX, READY_PREFIX
 from autoprec.distributed.parallel import RankTraining
 from autoprec.distributed.telemetry import reduce_telemetry
 from autoprec.errors import AutoprecError, PolicyError, first_line
@@ -224,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(result_path, result, record)
     dist.barrier()
     dist.destroy_process_group()
+    write_atomic(result_path.parent / f"{DONE_PREFIX}{rank}", "")
     return 0
 
 
