@@ -309,6 +309,7 @@ def _profile(args: argparse.Namespace) -> int:
     check_tracking_uri(args.tracking_uri)
     task = load_task(args.task)
     backend = get_backend(args.device, emulate=tuple(args.emulate))
+    backend.check_training_emulation()
     study = check_study_name(args.study or task.name)
     profile = profile_task(task, backend, steps=args.steps, seed=args.seed)
     path = profile.save(Path(args.runs_dir) / study / "profile.json")

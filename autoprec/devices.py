@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import importlib.util
 import re
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from autoprec.dtypes import FP8, SERVING_DTYPES, TORCH_DTYPES
-from autoprec.errors import DeviceError
+from autoprec.errors import DeviceError, first_line
 
 # The names the device code has always used for `autoprec.dtypes`' sets (one definition).
 DTYPES = TORCH_DTYPES
@@ -198,13 +199,28 @@ class Backend:
         return str(self.device)
 
     def supports(self, dtype: str) -> bool:
+        """Whether layers train in ``dtype`` here (fp8: `fp8_training_refusal`)."""
         if dtype == FP8:
-            return self.fp8_refusal() is None
+            return self.fp8_training_refusal() is None
         return dtype in DTYPES
 
     def fp8_refusal(self) -> str | None:
-        """Why fp8 training does not run here, in one line (None: it runs)."""
+        """Why fp8 does not run here at all, in one line (None: it runs, natively or
+        emulated where opted into): what serving and training share."""
         return None
+
+    def fp8_training_refusal(self) -> str | None:
+        """Why fp8 layers do not train here (torchao's float8 training), in one line
+        (None: they do)."""
+        return self.fp8_refusal()
+
+    def check_training_emulation(self) -> None:
+        """Raises DeviceError, in one line, where a dtype asked for emulated (``--emulate``)
+        cannot train here: what a training search or a profile would otherwise leave out
+        of its space without a word."""
+        refusal = self.fp8_training_refusal() if FP8 in self.emulate else None
+        if refusal is not None:
+            raise DeviceError(f"--emulate fp8: {refusal}")
 
     def emulated(self) -> tuple[str, ...]:
         """The dtypes this backend runs emulated (their step times and memory are no
@@ -272,11 +288,47 @@ class CPUBackend(Backend):
             "policy.apply(model, emulate='fp8'))"
         )
 
+    def fp8_training_refusal(self) -> str | None:
+        if (refusal := self.fp8_refusal()) is not None:
+            return refusal
+        missing = cpu_scaled_mm_error()
+        if missing is None:
+            return None
+        return (
+            "fp8 training is emulated with torch._scaled_mm, which has no kernel on this CPU "
+            "(oneDNN's fp8 matmul needs AVX-512 FP16, as on Xeon Sapphire Rapids and "
+            f"later): {missing}"
+        )
+
     def emulated(self) -> tuple[str, ...]:
         return tuple(sorted(self.emulate))
 
     def memory_meter(self) -> MemoryMeter:
         return EstimatedMemoryMeter()
+
+
+@functools.cache
+def cpu_scaled_mm_error() -> str | None:
+    """Why torch._scaled_mm (what torchao's float8 training runs on the CPU) fails on this
+    CPU, tried once on 32 x 32 x 64 operands as torchao calls it (None: it runs): the forward's
+    e4m3 x e4m3 with fast accumulation, the backward's e5m2 x e4m3 without. oneDNN
+    dispatches it by the CPU's instruction set (``ONEDNN_MAX_CPU_ISA`` caps it), and
+    ATen's own CPU capability changes which calls reach oneDNN."""
+    one = torch.tensor(1.0)
+    calls = [
+        (torch.float8_e4m3fn, torch.float8_e4m3fn, True),
+        (torch.float8_e5m2, torch.float8_e4m3fn, False),
+    ]
+    try:
+        # After a bf16 matmul, as in training (the first oneDNN call can take another path).
+        torch.ones(32, 32, dtype=torch.bfloat16) @ torch.ones(32, 64, dtype=torch.bfloat16)
+        for left, right, fast in calls:
+            a = torch.ones(32, 32).to(left)
+            b = torch.ones(64, 32).to(right).t()
+            torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    except RuntimeError as error:
+        return first_line(error, 120)
+    return None
 
 
 class CUDABackend(Backend):
@@ -427,13 +479,13 @@ def fp8_unavailable_reason(
     """Why fp8 training does not run on ``device`` (None: where ``model``'s parameters
     are), in one line; None where it runs. Only a Backend can say it emulates fp8."""
     if isinstance(device, Backend):
-        return device.fp8_refusal()
+        return device.fp8_training_refusal()
     kind = device_kind(device, model)
     if kind == "npu":
         return NPU_NO_FP8
     if kind == "cpu":
-        return CPUBackend().fp8_refusal()
-    return get_backend(kind if device is None else device).fp8_refusal()
+        return CPUBackend().fp8_training_refusal()
+    return get_backend(kind if device is None else device).fp8_training_refusal()
 
 
 def visible_devices_env(kind: str) -> str | None:

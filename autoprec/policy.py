@@ -731,8 +731,8 @@ class Policy:
         probe(model, backend)  # as ``resolve`` does, so that both follow one plan
         placement = self._placement(model, module)
         plan = self.plan(model, backend, placement.name)
-        if plan.fp8_recipe is not None and backend.fp8_refusal() is not None:
-            raise PolicyError(f"dtype fp8: {backend.fp8_refusal()}")
+        if plan.fp8_recipe is not None and backend.fp8_training_refusal() is not None:
+            raise PolicyError(f"dtype fp8: {backend.fp8_training_refusal()}")
         unsupported = sorted(d for d in set(plan.leaf_dtypes.values()) if not backend.supports(d))
         if unsupported:
             raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")

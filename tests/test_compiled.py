@@ -38,6 +38,7 @@ from autoprec.trials.training import (
     run_trial,
     time_policies_side_by_side,
 )
+from tests.cpu_fp8 import trains_fp8
 
 HERE = Path(__file__).resolve()
 BUDGET = Budget(steps=6, warmup_steps=2)
@@ -175,6 +176,7 @@ def test_a_gpu_records_its_capability_as_major_dot_minor():
 # -- emulated figures are labelled ----------------------------------------------------------
 
 
+@trains_fp8
 def test_an_emulated_fp8_trial_says_so_and_the_label_has_one_wording():
     result = run_trial(blobs_task(), FP8, EMULATED, BUDGET)
     assert result.state == "complete", result.reason
@@ -187,6 +189,7 @@ def test_an_emulated_fp8_trial_says_so_and_the_label_has_one_wording():
     assert emulated_label([]) is None
 
 
+@trains_fp8
 @pytest.mark.slow
 def test_an_emulated_search_labels_the_table_the_summary_and_the_report(in_tmp, capsys):
     space = in_tmp / "fp8-space.yaml"

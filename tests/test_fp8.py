@@ -20,6 +20,7 @@ from autoprec.errors import DeviceError, PolicyError, SpaceError
 from autoprec.policy import Quantization
 from autoprec.precision.fp8 import FP8_RECIPES
 from autoprec.space import SearchSpace
+from tests.cpu_fp8 import trains_fp8
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 STEPS = 6
@@ -93,6 +94,7 @@ def train_with_torchao(recipe: str, model: nn.Module) -> list[float]:
     return losses
 
 
+@trains_fp8
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_layers_train_as_torchao_trains_them(recipe):
     """fp8 layers with the rest in bf16: one bf16 region, no region of autoprec's own, so
@@ -107,6 +109,7 @@ def test_fp8_layers_train_as_torchao_trains_them(recipe):
     assert losses != train_with_policy(Policy.uniform("bf16"), mlp())
 
 
+@trains_fp8
 def test_remove_puts_the_same_linear_layers_and_parameters_back():
     model = mlp()
     before = dict(model.named_modules())
@@ -130,6 +133,7 @@ def test_remove_puts_the_same_linear_layers_and_parameters_back():
     assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))
 
 
+@trains_fp8
 def test_resolve_says_fp8_for_the_fp8_layers():
     policy = fp8_policy("rowwise")
     expected = {"fc1": "fp8", "block.fc": "fp8", "head": "bf16"}
@@ -191,6 +195,7 @@ def test_a_layer_fp8_cannot_take_is_refused_by_name(model, layer, reason):
     assert _one_line(e).startswith(f"{layer}: cannot be fp8: ")
 
 
+@trains_fp8
 def test_a_recipe_that_fails_under_autocast_is_refused_before_training():
     """rowwise_with_gw_hp fails inside a bf16 region on the CPU (torch 2.13, torchao 0.18):
     refused with the reason; in fp32 surroundings it runs."""
@@ -206,6 +211,7 @@ def test_a_recipe_that_fails_under_autocast_is_refused_before_training():
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
+@trains_fp8
 def test_fp8_on_the_cpu_needs_the_opt_in():
     with pytest.raises(PolicyError, match="dtype fp8: fp8 on the CPU is emulated") as e:
         fp8_policy("tensorwise").apply(mlp(), device="cpu")
@@ -231,6 +237,7 @@ def _space(text: str = SPACE) -> SearchSpace:
     return SearchSpace.from_dict(yaml.safe_load(text), "fp8.yaml")
 
 
+@trains_fp8
 def test_the_space_offers_fp8_only_where_it_runs(tiny_task):
     """The tiny task's head (32 -> 4) cannot be fp8; fc1 (16 -> 32) can. A recipe that fails
     inside the bf16 regions the space also offers is left out."""
@@ -247,6 +254,7 @@ def test_the_space_offers_fp8_only_where_it_runs(tiny_task):
     assert "fp8.recipe" in fitted.flat_params(policy)
 
 
+@trains_fp8
 def test_the_space_refuses_fp8_where_it_cannot_run(tiny_task):
     model = tiny_task.model()
     with pytest.raises(SpaceError, match="fp8 on the CPU is emulated") as e:
@@ -259,6 +267,7 @@ def test_the_space_refuses_fp8_where_it_cannot_run(tiny_task):
         _space(SPACE.replace("rowwise_with_gw_hp", "blockwise"))
 
 
+@trains_fp8
 @pytest.mark.slow
 def test_a_search_with_fp8_on_the_cpu_says_emulated(tiny_task, in_tmp):
     space = _space()
@@ -273,6 +282,7 @@ def test_a_search_with_fp8_on_the_cpu_says_emulated(tiny_task, in_tmp):
     assert any(p.names_fp8 for p in policies), [p.to_dict() for p in policies]
 
 
+@trains_fp8
 def test_lightning_trains_an_fp8_layer_as_bf16_mixed_with_torchao(tmp_path):
     """PolicyPrecision with one fp8 layer and the rest bf16 trains as Lightning's own
     ``bf16-mixed`` on the same model converted by torchao, and hands the Linear back."""
@@ -321,6 +331,7 @@ def test_lightning_trains_an_fp8_layer_as_bf16_mixed_with_torchao(tmp_path):
     assert type(ours.net.block.fc) is nn.Linear  # taken off at the end of fit
 
 
+@trains_fp8
 def test_applying_fp8_prints_no_torchao_import_noise():
     code = """
 import torch

@@ -15,6 +15,9 @@ from autoprec.devices import get_backend
 from autoprec.profile.guided import GuidedStrategy, Observation
 from autoprec.space import SearchSpace, load_space
 from autoprec.tasks import load_task
+from tests.cpu_fp8 import trains_fp8
+
+pytestmark = trains_fp8  # every test here trains in emulated fp8
 
 pytest.importorskip("torchao.float8")
 SHIPPED = Path(__file__).resolve().parents[1] / "search_spaces" / "fp8.yaml"

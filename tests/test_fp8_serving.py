@@ -37,6 +37,7 @@ from autoprec.serving.fp8 import (
 from autoprec.serving.quantizers import QUANTIZERS
 from autoprec.space import SearchSpace
 from tests import npu_standin
+from tests.cpu_fp8 import trains_fp8
 
 quantization = pytest.importorskip("torchao.quantization")
 WEIGHT_ONLY = "torchao-fp8-weight-only"
@@ -359,6 +360,7 @@ def _benchmark(*args: str, cwd) -> subprocess.CompletedProcess:
     )
 
 
+@trains_fp8
 def test_the_gpu_fp8_script_runs_its_smoke_mode(tmp_path):
     """benchmarks/gpu_fp8.py on a tiny model, emulated on the CPU and not compiled, with a
     policy given (the built-in short search is the slow part, skipped here): it times the

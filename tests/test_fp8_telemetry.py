@@ -24,6 +24,9 @@ from autoprec.profile.sensitivity import Profile, profile_task
 from autoprec.space import SearchSpace
 from autoprec.tasks import load_task
 from autoprec.trials.training import LAYERS_ARTIFACT, Budget, TrialResult, TrialState, run_trial
+from tests.cpu_fp8 import trains_fp8
+
+pytestmark = trains_fp8  # every test here trains in emulated fp8
 
 pytest.importorskip("torchao.float8")
 EMULATED = get_backend("cpu", emulate="fp8")

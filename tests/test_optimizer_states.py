@@ -375,7 +375,10 @@ def test_a_rare_row_beside_frequent_ones_collapses_in_8bit_and_is_named():
     assert (fp32_model[0].weight[1] - start).abs().max() < 0.05
     assert (eight_model[0].weight[1] - start).abs().max() > 10.0
     health = {h.parameter: h for h in state_health(eight_model, eight_optimizer)}
-    assert health["0.weight"].collapsed_share == pytest.approx(64 / 4096)
+    # Entries of the rare row only (64 of the 4,096), not necessarily all: how many land
+    # below the map's smallest code moves with the CPU's kernels (half of them where
+    # oneDNN is held to AVX2).
+    assert 0 < health["0.weight"].collapsed_share <= 64 / 4096
     reason = health["0.weight"].reason()
     assert reason is not None and "0.weight (Embedding, OptimState8bit" in reason
     assert all(h.reason() is None for h in state_health(fp32_model, fp32_optimizer))

@@ -1071,6 +1071,7 @@ class TrainingTrials:
 
     def fit(self, space: SearchSpace, profile: Profile | None) -> SearchSpace:
         """Training runs under autocast: how it treats these layers is watched first."""
+        self.backend.check_training_emulation()
         watch_task(self.task, self.model, self.backend)
         supported = {d for d in (*DTYPES, "fp8") if self.backend.supports(d)}
         return space.fit(self.model, profile, self.backend, inference=False).restrict(supported)
