@@ -59,6 +59,10 @@ def hand_built(model: nn.Module, **hyperparameters) -> torch.optim.Optimizer:
     """bitsandbytes' recipe as its documentation writes it: 8-bit AdamW, the embedding's
     weight overridden to 32 bits."""
     manager = bnb.optim.GlobalOptimManager.get_instance()
+    # Its overrides are keyed by id(param): an earlier test's freed parameter may have
+    # left one on an id a parameter here now has (the hazard policy.optimizer avoids by
+    # setting every parameter's bits). A user starting afresh starts from none.
+    manager.initialize()
     manager.override_config(model[0].weight, "optim_bits", 32)
     return bnb.optim.AdamW8bit(model.parameters(), **hyperparameters)
 
@@ -160,6 +164,7 @@ def test_adam_without_weight_decay_is_bitsandbytes_adam8bit():
     data = batches(3)
     direct, ours = make_model(), make_model()
     manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.initialize()  # no stale override (see hand_built)
     manager.override_config(direct[0].weight, "optim_bits", 32)
     reference = bnb.optim.Adam8bit(direct.parameters(), lr=3e-3)
     optimizer = Policy(optimizer_states=EMBEDDINGS_FP32).optimizer(
@@ -256,3 +261,29 @@ def test_a_trials_optimizer_state_metric_is_bitsandbytes_bytes_as_stored():
     small = 130 + 130 * 8 + 8
     stored = 8 * (embedding + small) + 2 * weight + 2 * 4 * -(-weight // BLOCK) + QMAP_BYTES
     assert result.optimizer_state_mb * 2**20 == pytest.approx(stored, rel=1e-12)
+
+
+# -- the states' health -----------------------------------------------------------------
+
+
+def test_state_health_reads_bitsandbytes_moments_and_names_a_collapse():
+    """bitsandbytes keeps Adam's moments as ``state1``/``state2`` (8-bit codes, read back
+    through its own blockwise dequantisation): healthy after training, and a second moment
+    set to its zero code under a live first moment is a collapse, named."""
+    from autoprec.numerics.state_health import state_health
+
+    model = make_model()
+    optimizer = Policy(optimizer_states=EMBEDDINGS_FP32).optimizer(model, lr=1e-3)
+    train(model, optimizer, batches(4))
+    health = {h.parameter: h for h in state_health(model, optimizer)}
+    assert health["0.weight"].stored_as == "torch.float32"  # the override: 32 bits
+    assert health["1.weight"].stored_as == "bitsandbytes 8-bit"
+    assert all(h.reason() is None for h in health.values())
+    state = optimizer.state[model[1].weight]
+    zero_code = int(torch.nonzero(state["qmap2"] == 0)[0])
+    live = state["state1"][0] != int(torch.argmin(state["qmap1"].abs()))  # nonzero exp_avg
+    state["state2"][0][live] = zero_code  # row 0's second moment stored as 0
+    collapsed = {h.parameter: h for h in state_health(model, optimizer)}["1.weight"]
+    assert collapsed.collapsed_share == pytest.approx(int(live.sum()) / model[1].weight.numel())
+    reason = collapsed.reason()
+    assert reason is not None and "bitsandbytes 8-bit" in reason and "1.weight" in reason

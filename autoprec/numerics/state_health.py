@@ -220,23 +220,15 @@ def adam_step_bound(beta1: float, beta2: float, step: float) -> float:
 def state_health(model: nn.Module, optimizer: Any) -> list[StateHealth]:
     """Every trainable parameter with an Adam state (``exp_avg``, ``exp_avg_sq``), in
     ``named_parameters()`` order; of a sharded state (FSDP2), this rank's shard."""
-    import torch
 
     modules = dict(model.named_modules())
     groups = {id(p): g for g in getattr(optimizer, "param_groups", []) for p in g["params"]}
     found = []
     for name, parameter in model.named_parameters():
         state = optimizer.state.get(parameter) if hasattr(optimizer.state, "get") else None
-        if not state or "exp_avg_sq" not in state or "exp_avg" not in state:
+        if not state or (moments := _moments(state)) is None:
             continue
-        second, first = _local(state["exp_avg_sq"]), _local(state["exp_avg"])
-        stored = type(second)
-        stored_as = (
-            f"torch.{second.dtype}".replace("torch.torch.", "torch.")
-            if stored is torch.Tensor
-            else stored.__name__
-        )
-        second_values, first_values = _values(second), _values(first)
+        first, second, first_values, second_values, stored_as = moments
         zero = second_values == 0
         collapsed = zero & (first_values != 0)
         saturated = _saturated(first, first_values) | _saturated(second, second_values)
@@ -407,6 +399,38 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return getattr(tensor, "_local_tensor", tensor)
 
 
+def _moments(
+    state: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str] | None:
+    """Adam's two moments as stored, their values in fp32 and how they are stored: torch's
+    and torchao's ``exp_avg``/``exp_avg_sq`` (a shard under FSDP2), or bitsandbytes'
+    ``state1``/``state2`` (8-bit codes read back through its own blockwise dequantisation,
+    or 32-bit tensors); None for a state without both."""
+    import torch
+
+    if "exp_avg" in state and "exp_avg_sq" in state:
+        first, second = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+        stored_as = (
+            f"torch.{second.dtype}".replace("torch.torch.", "torch.")
+            if type(second) is torch.Tensor
+            else type(second).__name__
+        )
+        return first, second, _values(first), _values(second), stored_as
+    if "state1" in state and "state2" in state:  # bitsandbytes
+        first, second = state["state1"], state["state2"]
+        if first.dtype != torch.uint8:
+            return first, second, _values(first), _values(second), str(second.dtype)
+        from bitsandbytes.functional import dequantize_blockwise
+
+        def read(index: int) -> torch.Tensor:
+            codes, absmax, code = (state[f"{k}{index}"] for k in ("state", "absmax", "qmap"))
+            # bitsandbytes' 8-bit optimizers quantise in blocks of 256 (one absmax each)
+            return dequantize_blockwise(codes, absmax=absmax, code=code, blocksize=256).float()
+
+        return first, second, read(1), read(2), "bitsandbytes 8-bit"
+    return None
+
+
 def _values(tensor: torch.Tensor) -> torch.Tensor:
     import torch
 
@@ -443,7 +467,9 @@ def _steps(
     eps, lr = float(group["eps"]), float(group["lr"])
     if step < 1:
         return 0.0, 0.0
-    second = _values(state["exp_avg_sq"])
+    moments = _moments(state)
+    assert moments is not None  # state_health read them
+    second = moments[3]
     denominator = second.clamp(min=0).sqrt() / math.sqrt(1.0 - beta2**step) + eps
     ratio = (first / (1.0 - beta1**step)).abs() / denominator
     ratio = torch.where(torch.isfinite(ratio), ratio, torch.full_like(ratio, math.inf))

@@ -166,7 +166,12 @@ def _bitsandbytes_optimizer(
             "not as torch.optim.Adam's weight_decay; use torch.optim.AdamW"
         )
     manager = bnb.optim.GlobalOptimManager.get_instance()
-    manager.override_config(params, key_value_dict={"optim_bits": BITSANDBYTES_BITS[state.state]})
+    for param in params:
+        # A dict of its own for each parameter, set rather than updated: override_config
+        # stores the dict it is given for every new id and updates the one already there,
+        # which an earlier call may share with other ids (a freed parameter's included), so
+        # one group's bits could reach another's parameter.
+        manager.pid2config[id(param)] = {"optim_bits": BITSANDBYTES_BITS[state.state]}
     cls = bnb.optim.AdamW8bit if adamw else bnb.optim.Adam8bit
     return cls(params, **kwargs)  # type: ignore[no-any-return]
 
