@@ -1,6 +1,7 @@
 """The README's loop with the policy's optimizer (``policy.optimizer``) in place of the
 user's own: under a policy whose optimizer section keeps one group's states high and the
-rest in 8 bits, it trains to the accuracy a search's trial of that policy measured.
+rest in 8 bits, it trains to the accuracy a search's trial of that policy measured, to the
+last bit (the same seed, batches, kernels and steps).
 
 The loop is the README's (``load_task``, ``policy.apply``, ``prec.autocast``,
 ``prec.backward``, ``prec.step``), on the built-in rare-features task, whose optimizer is
@@ -19,7 +20,6 @@ from autoprec.trials.training import Budget, run_trial
 pytest.importorskip("torchao.optim")
 
 STEPS = 200  # the rare-features search's trial length
-TOLERANCE = 0.02  # the task's space's accuracy_tolerance
 POLICY = """
 name: inputs-bf16-rest-8bit
 default: fp32
@@ -58,11 +58,10 @@ def test_the_readme_loop_with_the_policys_optimizer_trains_to_the_trials_accurac
     policy = Policy.from_yaml(POLICY)
     task = load_task("rare-features")
     trial = run_trial(task, policy, get_backend("cpu"), Budget(steps=STEPS))
-    fp32 = run_trial(task, Policy.uniform("fp32"), get_backend("cpu"), Budget(steps=STEPS))
     assert trial.state == "complete" and trial.accuracy is not None, trial.reason
-    assert fp32.accuracy is not None and trial.accuracy >= fp32.accuracy - TOLERANCE
     states = trial.metrics().get("optimizer_state_mb")
     assert states is not None and states < 0.5 * 2.196  # 8-bit states stored, not fp32's
-    loop = _readme_loop(policy)
-    assert abs(loop - trial.accuracy) <= TOLERANCE, (loop, trial.accuracy)
-    assert loop >= fp32.accuracy - TOLERANCE
+    assert _readme_loop(policy) == trial.accuracy
+    # Here the policy holds (0.999, as fp32). With oneDNN held to AVX2 its hidden.weight's
+    # 8-bit states collapse too (0.518 in the trial and in the loop alike): whether it
+    # holds is the search's to measure (tests/test_rare_features.py).
