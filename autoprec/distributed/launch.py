@@ -598,9 +598,7 @@ class LaunchedTrials(TrainingTrials):
                 raise AutoprecError(f"{result.reason} (log: {outcome.log_path})")
             if outcome.exit_code != 0 and outcome.finished(plan.nproc):
                 # Every rank ended its process group: what failed came after the trial.
-                record = (result.telemetry or {}).get("distributed")
-                if isinstance(record, dict):
-                    record["exit_code_after_done"] = outcome.exit_code
+                _note(result, "exit_code_after_done", outcome.exit_code)
             elif outcome.exit_code != 0 and result.state == TrialState.FAILED:
                 # The agent names the rank that died first; the written reason is what
                 # the rank that wrote it saw then (often: its peer gone).
@@ -613,9 +611,7 @@ class LaunchedTrials(TrainingTrials):
         if result.state != TrialState.FAILED and outcome.exit_code == 0:
             shutil.rmtree(folder, ignore_errors=True)  # a failed launch keeps its log
         if retries:  # said beside the ranks' record, and in a failed trial's reason
-            record = (result.telemetry or {}).get("distributed")
-            if isinstance(record, dict):
-                record["setup_retries"] = retries
+            _note(result, "setup_retries", retries)
             if result.state == TrialState.FAILED:
                 result.reason = (
                     f"after {retries} launch(es) that failed setting up: {result.reason}"
@@ -631,6 +627,13 @@ class LaunchedTrials(TrainingTrials):
             result = self.measure(policy)
             times.append(result.step_time_ms if result.step_time_ms is not None else math.inf)
         return times
+
+
+def _note(result: TrialResult, key: str, value: Any) -> None:
+    """``value`` under ``key`` in the ranks' record of ``result`` (none: a failed launch)."""
+    record = (result.telemetry or {}).get("distributed")
+    if isinstance(record, dict):
+        record[key] = value
 
 
 def launch_set_up(spec: dict[str, Any], plan: LaunchPlan) -> tuple[LaunchOutcome, int]:

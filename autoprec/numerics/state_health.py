@@ -233,7 +233,9 @@ def state_health(model: nn.Module, optimizer: Any) -> list[StateHealth]:
         collapsed = zero & (first_values != 0)
         saturated = _saturated(first, first_values) | _saturated(second, second_values)
         count = second_values.numel()
-        blown, ratio = _steps(parameter, state, groups.get(id(parameter)), first_values)
+        blown, ratio = _steps(
+            parameter, state, groups.get(id(parameter)), first_values, second_values
+        )
         found.append(
             StateHealth(
                 name,
@@ -455,9 +457,11 @@ def _steps(
     state: dict[str, Any],
     group: dict[str, Any] | None,
     first: torch.Tensor,
+    second: torch.Tensor,
 ) -> tuple[float, float]:
-    """Entries whose step (``|m_hat| / (sqrt(v_hat) + eps)``) exceeds Adam's bound by
-    ``BLOWUP_MARGIN``, and the norm of the update the state gives over the weight's."""
+    """Entries whose step (``|m_hat| / (sqrt(v_hat) + eps)``, from the moments' values
+    ``first`` and ``second``) exceeds Adam's bound by ``BLOWUP_MARGIN``, and the norm of
+    the update the state gives over the weight's."""
     import torch
 
     if group is None or "step" not in state:
@@ -467,9 +471,6 @@ def _steps(
     eps, lr = float(group["eps"]), float(group["lr"])
     if step < 1:
         return 0.0, 0.0
-    moments = _moments(state)
-    assert moments is not None  # state_health read them
-    second = moments[3]
     denominator = second.clamp(min=0).sqrt() / math.sqrt(1.0 - beta2**step) + eps
     ratio = (first / (1.0 - beta1**step)).abs() / denominator
     ratio = torch.where(torch.isfinite(ratio), ratio, torch.full_like(ratio, math.inf))
