@@ -27,11 +27,9 @@ from autoprec.exports._common import (
     note_lines,
     parameters_by_state,
     policy_label,
-    warn,
-    write,
 )
-from autoprec.exports._owned import export_folder, record_written
-from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
+from autoprec.exports._owned import export_folder
+from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
 from autoprec.optim.state import LIBRARY_KINDS
 
 SNIPPET_FILE = "bitsandbytes_optimizer.py"
@@ -96,6 +94,4 @@ def export_bitsandbytes(
         f"    return bnb.optim.AdamW8bit(chosen, {ADAMW_ARGUMENTS})",
         "",
     ]
-    path = write(folder / SNIPPET_FILE, "\n".join(lines))
-    warn(notes)
-    return record_written(folder, [path, *export_yaml(policy, folder)], FILES)
+    return export_code_beside_policy(policy, folder / SNIPPET_FILE, lines, FILES, notes)

@@ -29,11 +29,9 @@ from autoprec.exports._common import (
     note_lines,
     parameters_by_state,
     policy_label,
-    warn,
-    write,
 )
-from autoprec.exports._owned import export_folder, record_written
-from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
+from autoprec.exports._owned import export_folder
+from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
 
 CONFIG_FILE = "torchao_optimizer.py"
 FILES = (CONFIG_FILE, POLICY_FILE)
@@ -122,6 +120,4 @@ def export_torchao_optimizer(
         "    return built",
         "",
     ]
-    path = write(folder / CONFIG_FILE, "\n".join(lines))
-    warn(notes)
-    return record_written(folder, [path, *export_yaml(policy, folder)], FILES)
+    return export_code_beside_policy(policy, folder / CONFIG_FILE, lines, FILES, notes)

@@ -35,11 +35,9 @@ from autoprec.exports._common import (
     note_lines,
     policy_label,
     require,
-    warn,
-    write,
 )
-from autoprec.exports._owned import export_folder, record_written
-from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
+from autoprec.exports._owned import export_folder
+from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
 from autoprec.serving.fp8 import default_fp8_method
 from autoprec.serving.quantizers import INT8_METHODS, QUANTIZERS, Quantizer, default_int8_method
 
@@ -134,9 +132,7 @@ def export_torchao(
         "    return model",
         "",
     ]
-    path = write(folder / CONFIG_FILE, "\n".join(lines))
-    warn(notes)
-    return record_written(folder, [path, *export_yaml(policy, folder)], FILES)
+    return export_code_beside_policy(policy, folder / CONFIG_FILE, lines, FILES, notes)
 
 
 def _fp8_method(policy: Policy, device: str) -> Quantizer:

@@ -34,10 +34,9 @@ from autoprec.exports._common import (
     parameters_by_state,
     policy_label,
     require,
-    write,
 )
-from autoprec.exports._owned import export_folder, record_written
-from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
+from autoprec.exports._owned import export_folder
+from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
 from autoprec.optim.state import TrainingState
 
 SNIPPET_FILE = "trainer_optimizer.py"
@@ -124,5 +123,4 @@ def export_trainer(
         "    return policy_optimizers(autoprec.load_policy(POLICY_FILE), model, args)",
         "",
     ]
-    path = write(folder / SNIPPET_FILE, "\n".join(lines))
-    return record_written(folder, [path, *export_yaml(policy, folder)], FILES)
+    return export_code_beside_policy(policy, folder / SNIPPET_FILE, lines, FILES)
