@@ -37,7 +37,7 @@ if _TYPE_CHECKING:
     from autoprec.precision.hooks import Precision
     from autoprec.precision.scaling import LossScale
     from autoprec.profile.sensitivity import Profile, profile_task
-    from autoprec.serving import load_inference_model
+    from autoprec.serving import load_served_model
     from autoprec.study import Callbacks, SearchConfig, SearchResult, search
     from autoprec.tasks import Task
     from autoprec.tracking import load_best_policy
@@ -70,6 +70,8 @@ _WHERE = {
     "Task": "autoprec.tasks",
     "apply_fsdp2": "autoprec.distributed",
     "load_best_policy": "autoprec.tracking",
+    "load_served_model": "autoprec.serving",
+    # its earlier name, still importable
     "load_inference_model": "autoprec.serving",
     "load_policy": "autoprec.policy",
     "profile_task": "autoprec.profile.sensitivity",
@@ -102,8 +104,8 @@ __all__ = [
     "WriteError",
     "apply_fsdp2",
     "load_best_policy",
-    "load_inference_model",
     "load_policy",
+    "load_served_model",
     "profile_task",
     "register_comm_hook",
     "search",

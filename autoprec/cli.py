@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from autoprec.errors import AutoprecError, redact
+from autoprec.trials import MODES, canonical
 
 if TYPE_CHECKING:
     from autoprec.settings import Option
@@ -42,7 +43,7 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="autoprec",
         description="Find the per-layer precision policy that trains as well as fp32 "
         "(fp32/fp16/bf16/fp8 and loss scaling) or serves as accurately as fp32 (fp32/fp16/"
-        "bf16/int8/fp8, --mode inference) with the least time or memory. fp8 runs where the "
+        "bf16/int8/fp8, --mode serving) with the least time or memory. fp8 runs where the "
         "device has its kernels (CUDA 8.9+), on the CPU only emulated (--emulate fp8).",
     )
     parser.add_argument(
@@ -213,10 +214,12 @@ def _add_other_commands(commands: Any) -> None:
     r.add_argument("--task", default=DEFAULT_TASK, help="task whose model to resolve against")
     r.add_argument(
         "--mode",
-        choices=("training", "inference"),
+        type=canonical,
+        choices=tuple(MODES),
         default=None,
-        help="training: the dtype each layer computes in under autocast; inference: the dtype "
-        "its weights are served in (default: inference for a policy with int8 layers)",
+        help="training: the dtype each layer computes in under autocast; serving: the dtype "
+        "its weights are served in (default: serving for a policy with int8 layers; "
+        "inference: serving's earlier name)",
     )
     r.add_argument(
         "--device",
@@ -352,7 +355,7 @@ def _resolve(args: argparse.Namespace) -> int:
     task = load_task(args.task)
     model = check_task(task)
     kind = get_backend(args.device).kind if args.device == "auto" else device_kind(args.device)
-    serving = args.mode == "inference" or (args.mode is None and policy.serving_only)
+    serving = args.mode == "serving" or (args.mode is None and policy.serving_only)
     # On this machine's own device kind, what runs is watched on one batch of the task.
     watched = not serving and kind == get_backend("auto").kind
     example = task.first_val_batch() if watched else None
@@ -462,7 +465,7 @@ def _export(args: argparse.Namespace) -> int:
     fmt = args.format or ("model" if serving else "yaml")
     if fmt in SERVING_FORMATS and not serving:
         raise AutoprecError(
-            f"--format {fmt}: for serving studies (--mode inference); {args.study!r} is a "
+            f"--format {fmt}: for serving studies (--mode serving); {args.study!r} is a "
             "training study, whose policy is applied with autoprec.Precision"
         )
     folder = Path(args.runs_dir) / args.study

@@ -25,12 +25,11 @@ from typing import Any
 
 import torch
 
-from autoprec.dtypes import FP8, SERVING_DTYPES, TORCH_DTYPES
+from autoprec.dtypes import FP8, TORCH_DTYPES
 from autoprec.errors import DeviceError, first_line
 
 # The names the device code has always used for `autoprec.dtypes`' sets (one definition).
 DTYPES = TORCH_DTYPES
-INFERENCE_DTYPES = SERVING_DTYPES
 _MB = 2.0**20
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|npu)(?::(\d+))?$")
 _RANGE = re.compile(r"^(cuda|npu):(\d+)-(\d+)$")

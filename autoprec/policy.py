@@ -487,13 +487,13 @@ class Policy:
         ):
             if dtype == "int8":
                 raise PolicyError(
-                    f"{where}: int8 is for serving only (autoprec.load_inference_model); "
+                    f"{where}: int8 is for serving only (autoprec.load_served_model); "
                     "training runs fp32, fp16 or bf16"
                 )
         if self.fp8_method is not None and self.names_fp8:
             raise PolicyError(
                 f"quantization.fp8: {self.fp8_method} is a serving method "
-                "(autoprec.load_inference_model); training takes a torchao float8 recipe"
+                "(autoprec.load_served_model); training takes a torchao float8 recipe"
             )
 
     def _check_used(self, used: list[bool], model: nn.Module) -> None:
@@ -504,7 +504,7 @@ class Policy:
                     f"in {type(model).__name__}"
                 )
 
-    def resolve_inference(self, model: nn.Module) -> dict[str, str]:
+    def resolve_served(self, model: nn.Module) -> dict[str, str]:
         """Every leaf with parameters mapped to the dtype its weights are converted to for
         serving: its first matching rule's, or the default (no autocast table: serving
         converts the weights themselves). int8 from the default applies to the layers that
@@ -545,12 +545,12 @@ class Policy:
     ) -> str:
         """What a trial of this policy measures, as a short hash: the dtype each layer
         runs in (given a model, each leaf with parameters on the device kind, as
-        ``resolve`` says, or for serving as ``resolve_inference`` says; without one, each
+        ``resolve`` says, or for serving as ``resolve_served`` says; without one, each
         rule's dtype and the default), the loss scaling where any of them is fp16 in
         training, and the switches. Policies alike in this are measured once, whichever
         rules say it."""
         if model is not None and inference:
-            dtypes = self.resolve_inference(model)
+            dtypes = self.resolve_served(model)
         elif model is not None:
             dtypes = self.resolve(model, device)
         else:
@@ -655,7 +655,7 @@ class Policy:
         ``resolve`` observes it on that batch)."""
         modules = dict(model.named_modules())
         resolved = (
-            self.resolve_inference(model)
+            self.resolve_served(model)
             if inference
             else self.resolve(model, device, example=example)
         )
@@ -705,7 +705,7 @@ class Policy:
         """Share of the model's parameters that run in fp16 or bf16 (or, served, int8);
         ``example``: as ``resolve`` observes it on that batch."""
         resolved = (
-            self.resolve_inference(model)
+            self.resolve_served(model)
             if inference
             else self.resolve(model, device, example=example)
         )

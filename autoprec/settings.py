@@ -34,6 +34,7 @@ from autoprec._util.names import (
 from autoprec.errors import AutoprecError
 from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.serving.scenarios import SCENARIOS
+from autoprec.trials import DEFAULT_MODE, MODES
 from autoprec.trials.schedule import TRIAL_SCHEDULES
 
 
@@ -161,10 +162,11 @@ class Budget:
     seed: int = option(0, "seed of weights, data order and sampler", study="seed")
     mode: str | None = option(
         None,
-        "training: trials train the model under each policy; inference: trials convert a "
-        "trained fp32 model's weights per layer (fp32/fp16/bf16/int8) and serve it (default: "
-        "training; from Python, inference when given a ServingConfig)",
-        choices=("training", "inference"),
+        "; ".join(f"{m.name}: {m.help}" for m in MODES.values())
+        + f" (default: {DEFAULT_MODE}; from Python, serving when given a ServingConfig; "
+        "inference: serving's earlier name)",
+        choices=(*MODES, *(alias for m in MODES.values() for alias in m.aliases)),
+        metavar="{" + ",".join(MODES) + "}",
         study="mode",
     )
 
@@ -178,7 +180,7 @@ _PRESETS = "; ".join(
 
 @dataclass(frozen=True, kw_only=True)
 class ServingSettings:
-    """The serving mode's own settings (``--mode inference``)."""
+    """The serving mode's own settings (``--mode serving``)."""
 
     scenario: str | None = option(
         None,
@@ -257,7 +259,7 @@ class Choice:
     prefer: str | None = option(
         None,
         "how the best feasible policy is chosen (default: speed in training, the scenario's "
-        "in inference; latency and throughput are for inference)",
+        "in serving; latency and throughput are for serving)",
         choices=(*TRAINING_PREFERENCES, "latency", "throughput"),
     )
     sampler: str = option(
@@ -389,7 +391,7 @@ class Section:
     mode: str | None = None
 
 
-SERVING = Section("serving", "serving (--mode inference)", (ServingSettings,), mode="inference")
+SERVING = Section("serving", "serving (--mode serving)", (ServingSettings,), mode="serving")
 SECTIONS = (
     Section("what", "what is searched", (Target, Budget)),
     SERVING,

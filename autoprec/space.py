@@ -428,7 +428,7 @@ class SearchSpace:
         for where, dtypes in listed:
             if "int8" in dtypes:
                 raise SpaceError(
-                    f"{self.source}: {where}: int8 is for serving (--mode inference); a "
+                    f"{self.source}: {where}: int8 is for serving (--mode serving); a "
                     "training search runs fp32, fp16 and bf16"
                 )
 

@@ -136,7 +136,7 @@ def _run(root, *args):
 
 
 SEARCH = ["search", "--no-progress", "--trials", "2", "--steps", "5"]
-SERVE = [*SEARCH, "--mode", "inference"]
+SERVE = [*SEARCH, "--mode", "serving"]
 
 
 @pytest.mark.parametrize(
@@ -150,8 +150,8 @@ SERVE = [*SEARCH, "--mode", "inference"]
         ([*SERVE, "--batch-sizes", "1,100000000"], "--batch-sizes '1,100000000': at most"),
         ([*SERVE, "--batch-size", "0"], "--batch-size"),
         ([*SEARCH, "--task", "nan_task.py:make"], "outputs are NaN on its first training"),
-        ([*SEARCH, "--int8", "dynamic"], "--int8: only with --mode inference"),
-        ([*SEARCH, "--int8", "off"], "--int8: only with --mode inference"),
+        ([*SEARCH, "--int8", "dynamic"], "--int8: only with --mode serving"),
+        ([*SEARCH, "--int8", "off"], "--int8: only with --mode serving"),
         ([*SEARCH, "--space", "int8_space.yaml"], "int8_space.yaml: dtypes: int8 is for serving"),
         ([*SEARCH, "--space", "dup_space.yaml"], "line 3: key 'groups' given twice (first on"),
         ([*SEARCH, "--space", "list_space.yaml"], "list_space.yaml: expected a mapping"),
@@ -169,7 +169,7 @@ SERVE = [*SEARCH, "--mode", "inference"]
         (["resolve", "--policy", "latin1.yaml"], "not UTF-8 text"),
         (["resolve", "--policy", "a_folder.yaml"], "is a folder"),
         (["report", "--study", "list"], "summary.json: the top level: expected a mapping"),
-        (["report", "--study", "empty"], "summary.json: mode: expected training or inference"),
+        (["report", "--study", "empty"], "summary.json: mode: expected training or serving"),
         (["report", "--study", "nosettings"], "settings: expected a mapping, got nothing"),
         (["report", "--study", "trials"], "trials: expected a list"),
         (["report", "--study", "row"], "trials[0]: expected a mapping"),
@@ -178,13 +178,13 @@ SERVE = [*SEARCH, "--mode", "inference"]
         (["report", "--study", "deep"], "summary.json: nested too deeply"),
         (["export", "--study", "list"], "summary.json: the top level"),
         (["export", "--study", "nosettings"], "settings: expected a mapping"),
-        (["compare", "--study", "empty", "--study", "row"], "mode: expected training or inference"),
+        (["compare", "--study", "empty", "--study", "row"], "mode: expected training or serving"),
         (["ui", "--port", "99999"], "--port 99999: expected a port from 1 to 65535"),
         ([*SEARCH, "--study", "name\n"], "--study 'name\\n': use letters, digits"),
         ([*SERVE, "--train-steps", "100"], "--train-steps: only with --mode training"),
         ([*SERVE, "--trial-schedule", "compressed"], "--trial-schedule: only with --mode training"),
         ([*SERVE, "--forecast", "warn"], "--forecast: only with --mode training"),
-        ([*SEARCH, "--fp8", "off"], "--fp8: only with --mode inference"),
+        ([*SEARCH, "--fp8", "off"], "--fp8: only with --mode serving"),
         ([*SEARCH, "--train-steps", "10" * 8], "--train-steps 1010101010101010: at most 1000000"),
         ([*SEARCH, "--storage", "optuna.db"], "--storage 'optuna.db': not a database URL"),
         ([*SEARCH, "--storage", "postgresql://u@h:port/db"], "not a database URL"),

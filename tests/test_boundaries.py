@@ -181,13 +181,13 @@ def test_training_regions_and_serving_casts_sit_on_the_same_subtrees():
         default="fp16",
     )
     plan = policy.plan(model, "cpu")
-    served = convert(model, policy.resolve_inference(model), "cpu")
+    served = convert(model, policy.resolve_served(model), "cpu")
     casting = {
         name
         for name, module in served.named_modules()
         if name and any(isinstance(h, CastInputs) for h in module._forward_pre_hooks.values())
     }
-    subtrees = boundaries(model, policy.resolve_inference(model)).subtrees
+    subtrees = boundaries(model, policy.resolve_served(model)).subtrees
     assert casting == {s.name for s in subtrees} == {"0", "1", "2.fc", "2.proj", "3"}
     assert {r.name for r in plan.regions} == {
         s.name for s in subtrees if s.dtype != plan.outer_dtype

@@ -83,10 +83,10 @@ def test_a_compressed_schedule_for_a_task_without_one_is_said_and_recorded_as_is
 
 
 def test_fp8_is_a_flat_serving_keyword_as_int8_is():
-    config = autoprec.SearchConfig(mode="inference", fp8="off", int8="off")
+    config = autoprec.SearchConfig(mode="serving", fp8="off", int8="off")
     assert (config.serving.fp8, config.serving.int8) == ("off", "off")
     for keyword in ("fp8", "int8"):
-        with pytest.raises(AutoprecError, match=f"--{keyword}: only with --mode inference"):
+        with pytest.raises(AutoprecError, match=f"--{keyword}: only with --mode serving"):
             autoprec.SearchConfig(**{keyword: "off"})
 
 

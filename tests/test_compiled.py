@@ -142,7 +142,7 @@ def test_a_task_or_the_config_asks_for_compiled_trials():
 
 def test_compile_refuses_what_it_cannot_do():
     with pytest.raises(AutoprecError, match="--compile: only with --mode training"):
-        SearchConfig(compile=True, mode="inference")
+        SearchConfig(compile=True, mode="serving")
     with pytest.raises(AutoprecError, match="--compile: expected True or False"):
         SearchConfig(compile="yes")
     with pytest.raises(TaskError, match="compile must be True or False"):

@@ -299,7 +299,7 @@ def test_config_refuses_a_short_or_serving_confirmation():
     with pytest.raises(AutoprecError, match="--confirm-steps"):
         autoprec.SearchConfig(steps=50, confirm_steps=20)
     with pytest.raises(AutoprecError, match="--confirm-steps"):
-        autoprec.SearchConfig(mode="inference", confirm_steps=400)
+        autoprec.SearchConfig(mode="serving", confirm_steps=400)
     with pytest.raises(AutoprecError, match="--trial-schedule"):
         autoprec.SearchConfig(trial_schedule="squeezed")
 

@@ -54,7 +54,7 @@ TASK = f"{REPO}/tests/distributed_tasks.py:blocks"
         (["--parallel", "fsdp2"], "--parallel fsdp2: only with --nproc-per-trial 2 or more"),
         (["--nproc-per-trial", "4", "--devices", "npu:0-1"], "lists 2 device(s); a trial needs 4"),
         (["--nproc-per-trial", "3", "--devices", "cuda:0-7"], "does not divide the 8 devices"),
-        (["--nproc-per-trial", "2", "--mode", "inference"], "only with --mode training"),
+        (["--nproc-per-trial", "2", "--mode", "serving"], "only with --mode training"),
         (
             ["--nproc-per-trial", "4", "--devices", "cuda:0-7", "--workers", "3"],
             "--workers 3: --devices cuda:0-7 makes 2 group(s) of 4 devices",

@@ -29,7 +29,7 @@ def study(tmp_path, monkeypatch):
     folder = tmp_path / "runs" / "s"
     folder.mkdir(parents=True)
     settings = {"task_spec": TASK, "checkpoint": None, "device": "cpu", "int8": "dynamic"}
-    (folder / "summary.json").write_text(json.dumps({"mode": "inference", "settings": settings}))
+    (folder / "summary.json").write_text(json.dumps({"mode": "serving", "settings": settings}))
     POLICY.save(folder / "best_policy.yaml")
     torch.manual_seed(0)
     torch.save(load_task(TASK).model().state_dict(), folder / "fp32.pt")

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from autoprec import Policy, Rule, load_inference_model
+from autoprec import Policy, Rule, load_served_model
 from autoprec.errors import first_line
 from autoprec.exports import ExportWarning, export_policy
 from autoprec.serving.logits_path import LogitsPath, served_logits
@@ -49,7 +49,7 @@ def test_a_llama_with_its_cache_on_gets_a_program_of_its_logits(tmp_path):
     files, notes = export(policy, model, batch, tmp_path)
     assert "program.pt2" in files and notes == []
     program = torch.export.load(files["program.pt2"]).module()
-    converted = load_inference_model(model, policy)
+    converted = load_served_model(model, policy)
     with torch.no_grad():
         logits = converted(**inputs).logits
         assert torch.equal(program(**inputs), logits)
@@ -78,7 +78,7 @@ def test_an_encoder_decoder_program_starts_its_decoder(tmp_path):
     inputs = {k: v for k, v in batch.kwargs.items() if k != "labels"}
     program = torch.export.load(files["program.pt2"]).module()
     start = torch.full((len(inputs["input_ids"]), 1), model.config.decoder_start_token_id)
-    converted = load_inference_model(model, Policy.uniform("bf16"))
+    converted = load_served_model(model, Policy.uniform("bf16"))
     with torch.no_grad():
         expected = converted(**inputs, decoder_input_ids=start).logits
         assert torch.equal(program(**inputs), expected)

@@ -4,7 +4,7 @@ The ``model`` format writes a torch.export program of the converted model (check
 it at export time), the fp32 weights, the policy and ``load_model.py``; the ``torchao`` format
 writes the int8 layers as a torchao ``FqnToConfig``. Each is loaded back here with the
 library itself (torch.export.load, torchao's quantize_) and compared with what
-``autoprec.load_inference_model`` serves, which is what the search's trial measured.
+``autoprec.load_served_model`` serves, which is what the search's trial measured.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from autoprec import Policy, Rule, load_inference_model, load_policy
+from autoprec import Policy, Rule, load_policy, load_served_model
 from autoprec._util.structures import tensors
 from autoprec.exports import ExportError, ExportWarning, export_policy
 from autoprec.policy import Quantization
@@ -74,14 +74,14 @@ def test_model_format_program_and_rebuilt_serve_what_the_trial_served(tmp_path):
     saved = torch.load(files["fp32.pt"])
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
 
-    served = outputs(load_inference_model(model, MIXED), batch)
+    served = outputs(load_served_model(model, MIXED), batch)
     loader = module_from(files["load_model.py"])
     assert torch.equal(outputs(loader.exported(), batch), served)
     assert torch.equal(outputs(loader.rebuilt(), batch), served)  # the task built by name
     # The program's batch size is free: three samples go through it as through the model.
     three = task.batch((batch.args[0][:3], batch.targets[:3]))
     assert torch.equal(
-        outputs(loader.exported(), three), outputs(load_inference_model(model, MIXED), three)
+        outputs(loader.exported(), three), outputs(load_served_model(model, MIXED), three)
     )
     text = files["load_model.py"].read_text()
     assert "Inputs: positional float32 [batch, 64]." in text
@@ -90,7 +90,7 @@ def test_model_format_program_and_rebuilt_serve_what_the_trial_served(tmp_path):
     assert state["fc1.weight"].dtype == torch.float16 and state["head.weight"].dtype == (
         torch.float32
     )
-    other = load_inference_model(load_task("digits-mlp").model(), MIXED)
+    other = load_served_model(load_task("digits-mlp").model(), MIXED)
     other.load_state_dict(state, assign=True)
     assert torch.equal(outputs(other, batch), served)
 
@@ -101,7 +101,7 @@ def test_model_format_takes_a_transformers_model_by_keyword(tmp_path):
     policy = Policy(rules=(Rule("fp32", patterns=("lm_head", "transformer.wte")),), default="bf16")
     files, notes = export_quietly(policy, "model", tmp_path, model=model, example=batch)
     assert "program.pt2" in files and notes == []
-    served = outputs(load_inference_model(model, policy), batch)
+    served = outputs(load_served_model(model, policy), batch)
     loader = module_from(files["load_model.py"])
     # The program takes the model's inputs without labels: serving computes no loss.
     assert torch.equal(outputs(loader.exported(), batch, drop_labels=True), served)
@@ -119,9 +119,9 @@ def test_torch_dynamic_int8_gets_no_program_and_says_how_to(tmp_path):
     assert "# NOTE: no program.pt2: torch's dynamic int8" in files["load_model.py"].read_text()
     loader = module_from(files["load_model.py"])
     assert not hasattr(loader, "exported")  # only what the export wrote
-    served = outputs(load_inference_model(model, policy, int8="dynamic"), batch)
+    served = outputs(load_served_model(model, policy, int8="dynamic"), batch)
     assert torch.equal(outputs(loader.rebuilt(load_task("digits-mlp").model()), batch), served)
-    other = load_inference_model(load_task("digits-mlp").model(), policy, int8="dynamic")
+    other = load_served_model(load_task("digits-mlp").model(), policy, int8="dynamic")
     other.load_state_dict(torch.load(files["served.pt"]), assign=True)
     assert torch.equal(outputs(other, batch), served)
 
@@ -133,7 +133,7 @@ def test_torchao_int8_exports_as_a_program(tmp_path):
         policy, "model", tmp_path, model=model, example=batch, int8="torchao-dynamic"
     )
     assert "program.pt2" in files and notes == []
-    served = outputs(load_inference_model(model, policy, int8="torchao-dynamic"), batch)
+    served = outputs(load_served_model(model, policy, int8="torchao-dynamic"), batch)
     assert torch.equal(outputs(module_from(files["load_model.py"]).exported(), batch), served)
 
 
@@ -169,7 +169,7 @@ def test_a_model_without_a_program_gets_no_exported(tmp_path):
     other = Branching()
     served = loader.rebuilt(other)
     x = torch.randn(5, 4)
-    assert torch.equal(served(x), load_inference_model(model, policy)(x))
+    assert torch.equal(served(x), load_served_model(model, policy)(x))
 
 
 def test_model_format_needs_a_model(tmp_path):
@@ -191,14 +191,14 @@ def test_torchao_config_quantizes_the_int8_layers_as_the_trial_did(tmp_path):
     quantized = config.quantize(fresh)
     assert type(quantized.fc1.weight) is not torch.nn.Parameter  # torchao's int8 tensor
     assert type(quantized.head.weight) is torch.nn.Parameter  # kept fp32 by the rule
-    served = outputs(load_inference_model(model, policy, int8="torchao-weight-only"), batch)
+    served = outputs(load_served_model(model, policy, int8="torchao-weight-only"), batch)
     assert torch.equal(outputs(quantized, batch), served)
 
 
 @pytest.mark.parametrize("method", ["torchao-weight-only", "torchao-dynamic"])
 def test_the_policy_s_own_method_is_what_every_format_serves(tmp_path, method):
     """The method a serving policy records, without an ``int8`` argument anywhere: the
-    torchao config, the model export and load_inference_model all take it."""
+    torchao config, the model export and load_served_model all take it."""
     _, model, batch = task_and_batch("digits-mlp")
     policy = Policy(
         rules=(Rule("fp32", patterns=("head",)),),
@@ -211,9 +211,9 @@ def test_the_policy_s_own_method_is_what_every_format_serves(tmp_path, method):
     config = module_from(files["torchao_config.py"])
     fresh = load_task("digits-mlp").model().eval()
     fresh.load_state_dict(model.state_dict())
-    served = outputs(load_inference_model(model, policy), batch)
+    served = outputs(load_served_model(model, policy), batch)
     assert torch.equal(outputs(config.quantize(fresh), batch), served)
-    assert torch.equal(served, outputs(load_inference_model(model, policy, int8=method), batch))
+    assert torch.equal(served, outputs(load_served_model(model, policy, int8=method), batch))
     files, _ = export_quietly(policy, "model", tmp_path / "model", model=model, example=batch)
     assert f"int8={method!r}" in files["load_model.py"].read_text()
     assert load_policy(files["policy.yaml"]).int8_method == method

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import autoprec
-from autoprec import load_inference_model, load_policy
+from autoprec import load_policy, load_served_model
 from autoprec.cli import main
 from autoprec.exports.hf import ATTRIBUTE
 from autoprec.serving.logits_path import served_logits
@@ -113,14 +113,14 @@ def test_a_serving_search_and_its_exports(task, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     study = f"{task}-serve"
     _search(
-        "--task", task, "--mode", "inference", "--scenario", "edge", "--int8",
+        "--task", task, "--mode", "serving", "--scenario", "edge", "--int8",
         "torchao-weight-only", "--trials", "5", "--steps", "20", "--study", study,
     )  # fmt: skip
     assert not _crashed(study)
     if task == "tiny-llama":  # int8 reaches the Linear layers inside the blocks
         model = load_task(task).model()
         served = [
-            autoprec.Policy.from_dict(t["policy"]).resolve_inference(model) for t in _trials(study)
+            autoprec.Policy.from_dict(t["policy"]).resolve_served(model) for t in _trials(study)
         ]
         assert any(
             dtype == "int8" and ".layers." in layer
@@ -130,10 +130,10 @@ def test_a_serving_search_and_its_exports(task, tmp_path, monkeypatch, capsys):
     folder = Path("runs") / study
     best = load_policy(folder / "best_policy.yaml")
     summary = json.loads((folder / "summary.json").read_text())
-    int8 = summary["inference"]["int8"]
+    int8 = summary["serving"]["int8"]
     fp32 = load_task(task).model().eval()
     fp32.load_state_dict(torch.load(folder / FP32_CHECKPOINT))
-    converted = load_inference_model(fp32, best, int8=int8)
+    converted = load_served_model(fp32, best, int8=int8)
     batch = load_task(task).first_val_batch()
     inputs = {k: v for k, v in batch.kwargs.items() if k != "labels"}
     with torch.no_grad():
@@ -148,7 +148,7 @@ def test_a_serving_search_and_its_exports(task, tmp_path, monkeypatch, capsys):
         loader = _module_from(files["load_model.py"])
         assert torch.equal(served_logits(loader.rebuilt(), (), inputs), expected)
 
-    resolved = best.resolve_inference(fp32)
+    resolved = best.resolve_served(fp32)
     if any(dtype == "int8" for dtype in resolved.values()):
         files = _export(study, "torchao", capsys)
         config = _module_from(files["torchao_config.py"])

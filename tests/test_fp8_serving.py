@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec import Policy, Rule, load_inference_model, load_policy
+from autoprec import Policy, Rule, load_policy, load_served_model
 from autoprec.cli import main
 from autoprec.devices import get_backend
 from autoprec.errors import DeviceError, PolicyError, SpaceError
@@ -105,7 +105,7 @@ def test_the_method_goes_into_the_policy_and_back_from_its_file(tmp_path):
     assert "fp8: torchao-fp8-weight-only" in path.read_text()
     x = torch.randn(4, 32)
     assert torch.equal(
-        outputs(load_inference_model(model, loaded, "cpu"), x),
+        outputs(load_served_model(model, loaded, "cpu"), x),
         outputs(convert_policy(model, policy, "cpu"), x),
     )
     # The served state dict loads back (weights_only) into a converted model.
@@ -130,8 +130,8 @@ def test_what_fp8_serving_cannot_take_is_refused_in_one_line():
         fp8_policy().apply(model, emulate="fp8")
     # The default fp8 goes to the layers it can take; the norm stays fp32.
     default = Policy(default="fp8", serving=True, quantization=Quantization(fp8=WEIGHT_ONLY))
-    assert default.resolve_inference(model)["block.norm"] == "fp32"
-    assert default.resolve_inference(model)["block.fc"] == "fp8"
+    assert default.resolve_served(model)["block.norm"] == "fp32"
+    assert default.resolve_served(model)["block.fc"] == "fp8"
     # torch._scaled_mm (the dynamic methods) needs dimensions that are multiples of 16.
     assert fp8_layer_refusal(model.block.fc, WEIGHT_ONLY) is None
     assert "multiples of 16" in fp8_layer_refusal(model.block.fc, "torchao-fp8-dynamic")
@@ -191,7 +191,7 @@ def test_a_space_offers_fp8_to_the_layers_it_fits_and_only_where_it_runs():
     assert block.fp8_leaves == ("block.fc",) and block.fp8_kept  # the norm stays fp32
     anchor = fitted.policy(fitted.anchors()["uniform-fp8"])
     assert anchor.fp8_method == WEIGHT_ONLY
-    resolved = anchor.resolve_inference(model)
+    resolved = anchor.resolve_served(model)
     assert resolved == {"fc1": "fp8", "block.fc": "fp8", "block.norm": "fp32", "head": "fp8"}
     # Without an fp8 method settled for it, a space listing fp8 is refused in one line.
     listed = SearchSpace.from_dict(
@@ -206,7 +206,7 @@ def test_a_cpu_serving_search_without_emulate_refuses_fp8_in_one_line(
     tmp_path, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
-    args = ["search", "--task", "digits-mlp", "--mode", "inference", "--no-progress"]
+    args = ["search", "--task", "digits-mlp", "--mode", "serving", "--no-progress"]
     assert main([*args, "--fp8", WEIGHT_ONLY, "--trials", "2", "--steps", "30"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "--emulate fp8" in lines[0] and WEIGHT_ONLY in lines[0], lines
@@ -217,7 +217,7 @@ def test_fp8_serving_on_ascend_is_refused_in_one_line(tmp_path):
     done = subprocess.run(
         [
             *(sys.executable, "-m", "autoprec.cli", "search", "--task", "digits-mlp"),
-            *("--device", "npu", "--mode", "inference", "--fp8", WEIGHT_ONLY, "--no-progress"),
+            *("--device", "npu", "--mode", "serving", "--fp8", WEIGHT_ONLY, "--no-progress"),
         ],
         cwd=tmp_path,
         capture_output=True,
@@ -239,7 +239,7 @@ def emulated_search(tmp_path_factory):
         monkeypatch.chdir(folder)
         code = main(
             [
-                *("search", "--task", "digits-mlp", "--mode", "inference", "--emulate", "fp8"),
+                *("search", "--task", "digits-mlp", "--mode", "serving", "--emulate", "fp8"),
                 *("--int8", "off", "--trials", "4", "--steps", "30", "--no-progress"),
             ]
         )

@@ -131,9 +131,9 @@ def test_int8_is_for_serving_only():
     assert Policy.from_yaml(policy.to_yaml()) == policy  # a valid policy, for serving
     with pytest.raises(PolicyError, match=r"rules\[0\]: int8 is for serving only"):
         policy.apply(model, "cpu")
-    assert policy.resolve_inference(model)["fc1"] == "int8"
+    assert policy.resolve_served(model)["fc1"] == "int8"
     # int8 from the default goes where it can (Linear); the LayerNorm stays fp32.
-    resolved = Policy.uniform("int8").resolve_inference(model)
+    resolved = Policy.uniform("int8").resolve_served(model)
     assert resolved["fc1"] == resolved["head"] == "int8" and resolved["norm"] == "fp32"
 
 

@@ -31,7 +31,7 @@ def _best_postfix(stderr: str) -> str:
 @pytest.mark.slow  # the README test's quick runs check the same bar
 def test_the_serving_bar_shows_the_latency_of_the_best(in_tmp, capsys):
     config = autoprec.SearchConfig(
-        trials=2, steps=12, device="cpu", mode="inference", scenario="edge", confirm_top=0
+        trials=2, steps=12, device="cpu", mode="serving", scenario="edge", confirm_top=0
     )
     autoprec.search("digits-mlp", config=config, callbacks=Progress(enabled=True))
     shown = _best_postfix(capsys.readouterr().err)

@@ -84,11 +84,11 @@ HANDLED: dict[str, Handling] = {
     "autoprec profile --task digits-overflow": Handling(),
     "autoprec profile --task fp8-outliers --emulate fp8": Handling(trains_fp8=True),
     "autoprec search --task late-overflow --train-steps 2000": SEARCH,
-    "autoprec search --mode inference --scenario edge": SEARCH,
-    "autoprec search --mode inference --scenario server --batch-sizes 1,64": SEARCH,
-    "autoprec search --mode inference --scenario critical --checkpoint my_weights.pt": SEARCH,
+    "autoprec search --mode serving --scenario edge": SEARCH,
+    "autoprec search --mode serving --scenario server --batch-sizes 1,64": SEARCH,
+    "autoprec search --mode serving --scenario critical --checkpoint my_weights.pt": SEARCH,
     "autoprec export --study digits-mlp-edge": Handling(),
-    "autoprec search --mode inference --emulate fp8 --int8 off --study digits-mlp-fp8": SEARCH,
+    "autoprec search --mode serving --emulate fp8 --int8 off --study digits-mlp-fp8": SEARCH,
     "autoprec search --task my_task.py:make_task --study my-task-npu --trials 200 --steps 300 "
     "--workers 8 --devices npu:0-7": Handling(budget=("--trials", "--steps"), npus=8, draws=True),
     "autoprec search --task my_task.py:make_task --study resnet-npu --trials 400 --steps 300 "
@@ -101,7 +101,7 @@ HANDLED: dict[str, Handling] = {
     "autoprec search --print-config > search.yaml": Handling(writes=True),
     "autoprec search --config search.yaml --trials 4 --steps 50": SEARCH,
 }
-FAST = ("autoprec search", "autoprec search --mode inference --scenario edge")
+FAST = ("autoprec search", "autoprec search --mode serving --scenario edge")
 
 
 # -- what the README says -------------------------------------------------------------
@@ -340,7 +340,7 @@ def run_step(step: Step, folder: Path, machine: Machine, pty_: bool) -> None:
     assert code == 0, f"`{step.text}` ({where}) exited {code}:\n{output[-4000:]}"
     assert "Traceback" not in output, output[-4000:]
     if handling.draws:  # the bar, with the best so far by the mode's own time
-        label = "latency" if "--mode inference" in step.text else "step"
+        label = "latency" if "--mode serving" in step.text else "step"
         assert f": {label} " in output and " ms, " in output, f"no bar:\n{output[-2000:]}"
 
 

@@ -28,7 +28,7 @@ def studies(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(folder)
         assert main(["search", *COMMON, "--study", "train", "--confirm-top", "0"]) == 0
-        assert main(["search", *COMMON, "--study", "serve", "--mode", "inference"]) == 0
+        assert main(["search", *COMMON, "--study", "serve", "--mode", "serving"]) == 0
     return folder
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from autoprec import Policy, load_inference_model
+from autoprec import Policy, load_served_model
 from autoprec.serving.mlflow_model import save_mlflow_model
 from autoprec.tasks import load_task
 from tests.planted import plant
@@ -28,7 +28,7 @@ def dynamic_int8():
     model = task.model().eval()
     batch = task.batch(next(iter(task.val_data())))
     policy = Policy.uniform("int8")
-    return model, batch, policy, load_inference_model(model, policy, "cpu", "dynamic")
+    return model, batch, policy, load_served_model(model, policy, "cpu", "dynamic")
 
 
 def test_dynamic_int8_is_rebuilt_at_load_not_unpickled(tmp_path, dynamic_int8):
@@ -80,15 +80,15 @@ def test_a_search_given_a_task_object_warns_that_its_model_is_pickled(in_tmp, ca
         steps=20,
         study="t",
         device="cpu",
-        mode="inference",
+        mode="serving",
         scenario="edge",
     )
     best = Policy.from_dict(result.summary["best"]["policy"])
-    assert "int8" in best.resolve_inference(make_tiny_task().model()).values(), (
+    assert "int8" in best.resolve_served(make_tiny_task().model()).values(), (
         "edge (memory first) chose int8 on the tiny task: torch's dynamic int8, which only "
         "pickle can hold without a task name"
     )
-    logged = result.summary["inference"]["mlflow_model"]
+    logged = result.summary["serving"]["mlflow_model"]
     assert logged["format"] == "pickle" and logged["unpickles"] is True
     warned = [r.getMessage() for r in caplog.records if "pickle" in r.getMessage()]
     assert len(warned) == 1 and "no one else can write" in warned[0]

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 import autoprec
-from autoprec import load_inference_model
+from autoprec import load_served_model
 from autoprec.policy import load_policy
 from autoprec.serving.conversion import convert, default_int8_method
 from autoprec.tasks import load_task
@@ -41,7 +41,7 @@ def served(tmp_path_factory):
     (folder / "task.py").write_text(TASK_FILE)
     done = _cli(
         folder,
-        *("search", "--task", "task.py:factory", "--mode", "inference", "--scenario", "edge"),
+        *("search", "--task", "task.py:factory", "--mode", "serving", "--scenario", "edge"),
         *("--trials", "3", "--steps", "20", "--study", STUDY, "--no-progress"),
     )
     return folder, done
@@ -115,7 +115,7 @@ def int8_study(tmp_path_factory):
         result = autoprec.search(
             "digits-mlp",
             str(folder / "space.yaml"),
-            mode="inference",
+            mode="serving",
             scenario="edge",
             int8="torchao-dynamic",
             accuracy_tolerance=1.0,
@@ -130,18 +130,18 @@ def int8_study(tmp_path_factory):
 def test_the_best_policy_alone_serves_what_the_trial_measured(int8_study):
     folder, result = int8_study
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["inference"]["int8"] == "torchao-dynamic" != default_int8_method("cpu")
+    assert summary["serving"]["int8"] == "torchao-dynamic" != default_int8_method("cpu")
     best_file = folder / "best_policy.yaml"
     assert yaml.safe_load(best_file.read_text())["quantization"] == {"int8": "torchao-dynamic"}
     policy = load_policy(best_file)
     task = load_task("digits-mlp")
     fp32 = task.model()
     fp32.load_state_dict(torch.load(folder / "fp32.pt", weights_only=True))
-    assert set(policy.resolve_inference(fp32).values()) == {"int8", "fp32"}
+    assert set(policy.resolve_served(fp32).values()) == {"int8", "fp32"}
     # The trial's model: the fp32 weights converted with the study's method.
-    measured = convert(fp32, policy.resolve_inference(fp32), "cpu", summary["inference"]["int8"])
-    served = load_inference_model(fp32, policy)  # the policy file alone
-    default = convert(fp32, policy.resolve_inference(fp32), "cpu", default_int8_method("cpu"))
+    measured = convert(fp32, policy.resolve_served(fp32), "cpu", summary["serving"]["int8"])
+    served = load_served_model(fp32, policy)  # the policy file alone
+    default = convert(fp32, policy.resolve_served(fp32), "cpu", default_int8_method("cpu"))
     batch = task.first_val_batch()
     with torch.inference_mode():
         expected, got, other = (batch.run(m) for m in (measured, served, default))
@@ -160,7 +160,7 @@ def test_the_best_policy_alone_serves_what_the_trial_measured(int8_study):
 def test_the_mlflow_model_records_the_method_of_the_policy(int8_study):
     folder, _ = int8_study
     summary = json.loads((folder / "summary.json").read_text())
-    logged = summary["inference"]["mlflow_model"]
+    logged = summary["serving"]["mlflow_model"]
     assert logged["logged"], logged
     metadata = yaml.safe_load((folder / "mlflow_model" / "MLmodel").read_text())["metadata"]
     assert metadata["int8"] == "torchao-dynamic"

@@ -102,13 +102,13 @@ def test_print_config_then_config_round_trips_as_typed(tmp_path):
 
     # flags override the file, and what they made round-trips too
     changed = _autoprec(
-        "search", "--config", "search.yaml", "--mode", "inference", "--scenario", "edge",
+        "search", "--config", "search.yaml", "--mode", "serving", "--scenario", "edge",
         "--emulate", "fp8", "--batch-sizes", "1,8", "--no-early-stopping", "--trials", "5",
         "--print-config", cwd=tmp_path,
     )  # fmt: skip
     assert changed.returncode == 0, changed.stderr
     sections = yaml.safe_load(changed.stdout)
-    assert sections["what"]["trials"] == 5 and sections["what"]["mode"] == "inference"
+    assert sections["what"]["trials"] == 5 and sections["what"]["mode"] == "serving"
     assert sections["serving"]["scenario"] == "edge"
     assert sections["serving"]["batch_sizes"] == "1,8"
     assert sections["where"]["emulate"] == ["fp8"]

@@ -79,7 +79,7 @@ def test_serving_anchors_keep_the_output_layer_in_fp32_whatever_its_group_is_cal
     space = load_space("default").fit(model, inference=True)
     anchors = space.anchors()
     assert {"uniform-fp16", "uniform-bf16", "uniform-int8", "fp16-body-fp32-head"} <= set(anchors)
-    resolved = space.policy(anchors["fp16-body-fp32-head"]).resolve_inference(model)
+    resolved = space.policy(anchors["fp16-body-fp32-head"]).resolve_served(model)
     assert resolved[last_layer] == "fp32"
     assert {d for name, d in resolved.items() if space.assignment(model)[name] != space.head} == {
         "fp16"

@@ -26,7 +26,7 @@ from tests.cpu_fp8 import MISSING
 TASK = f"{Path(__file__).with_name('contract_tasks.py')}:scheduled"
 BASE = ["search", "--no-progress", "--task", TASK, "--device", "cpu", "--sampler", "random"]
 TRAINING = [*BASE, "--trials", "2", "--steps", "6", "--study", "base"]
-SERVING = [*BASE, "--trials", "2", "--steps", "6", "--study", "serve", "--mode", "inference"]
+SERVING = [*BASE, "--trials", "2", "--steps", "6", "--study", "serve", "--mode", "serving"]
 SPACE = "name: default\ndtypes: [fp32, bf16]\ngroups: auto\n"  # another space of that name
 
 
@@ -76,7 +76,7 @@ CHANGES = [
     ("forecast", TRAINING, ("--forecast", "warn"), "'infeasible'", "'warn'"),
     ("train_steps", TRAINING, ("--train-steps", "100"), "60", "100"),  # default: 10x steps
     ("nproc_per_trial", TRAINING, ("--nproc-per-trial", "2"), "1", "2"),
-    ("mode", TRAINING, ("--mode", "inference"), "'training'", "'inference'"),
+    ("mode", TRAINING, ("--mode", "serving"), "'training'", "'serving'"),
     ("scenario", SERVING, ("--scenario", "edge"), "'server'", "'edge'"),
     ("batch_sizes", SERVING, ("--batch-sizes", "1,8"), "[8]", "[8, 1]"),
     ("int8", SERVING, ("--int8", "off"), "'", "None"),

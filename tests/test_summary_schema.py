@@ -14,7 +14,7 @@ import pytest
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
 from autoprec.report import front_table, gains_line, render_report
-from autoprec.serving.measure import InferenceResult
+from autoprec.serving.measure import ServingResult
 from autoprec.study._records import TrialRecord
 from autoprec.study._summary_file import read_header, read_summary
 from autoprec.study.summary import best_record, by_batch_size, write_outputs
@@ -30,6 +30,17 @@ def _copy(tmp_path: Path, name: str) -> Path:
     return Path(shutil.copy(DATA / name, folder / "summary.json"))
 
 
+def _current_names(old: dict) -> dict:
+    """An old summary as it reads now: ``inference``, the serving mode's earlier name, is
+    ``serving``, in the mode and as the key of the mode's own part (same order)."""
+    if old["mode"] != "inference":
+        return old
+    return {
+        ("serving" if key == "inference" else key): ("serving" if key == "mode" else value)
+        for key, value in old.items()
+    }
+
+
 @pytest.mark.parametrize("name", WRITTEN_BEFORE_THE_VERSION)
 def test_an_old_summary_loads_and_round_trips(tmp_path, name):
     old = json.loads((DATA / name).read_text())
@@ -37,7 +48,8 @@ def test_an_old_summary_loads_and_round_trips(tmp_path, name):
     assert summary.schema_version == 0  # as written, before the version was recorded
     again = finite(summary.to_json())
     assert again.pop("schema_version") == SCHEMA_VERSION
-    assert again == old  # the same shape, key for key, value for value
+    # The same shape, key for key, value for value, the serving mode under its one name.
+    assert again == _current_names(old)
     # Written by the new code and read back: the same summary.
     write_outputs(summary, Policy.from_dict(summary.best.policy or {}), tmp_path / "new")
     written = json.loads((tmp_path / "new" / "summary.json").read_text())
@@ -51,7 +63,7 @@ def test_an_old_summary_loads_and_round_trips(tmp_path, name):
 def test_fields_read_what_the_keys_held(tmp_path, name):
     old = json.loads((DATA / name).read_text())
     summary = read_summary(_copy(tmp_path, name), "old")
-    assert summary.mode == old["mode"] and summary.study == old["study"]
+    assert summary.mode == _current_names(old)["mode"] and summary.study == old["study"]
     assert summary.best.key == str(old["best"]["number"])
     assert summary.best.speedup_vs_fp32 == old["best"]["speedup_vs_fp32"]
     assert [layer.name for layer in summary.best.layers] == [
@@ -68,9 +80,9 @@ def test_fields_read_what_the_keys_held(tmp_path, name):
             "confirmed_step_time_ms", row["metrics"][summary.time_metric]
         )
     header = read_header(_copy(tmp_path / "header", name), "old")
-    assert header.serving == (old["mode"] == "inference")
+    assert header.serving == (old["mode"] in ("inference", "serving"))
     assert header.settings.int8 == old["settings"].get("int8")
-    if old["mode"] == "inference":
+    if old["mode"] in ("inference", "serving"):
         assert summary.serving is not None
         assert summary.batch_size == old["inference"]["batch_sizes"][0]
         by_size = {r.batch_size: r.best for r in summary.serving.by_batch_size}
@@ -111,7 +123,7 @@ def test_non_finite_metrics_come_back_as_floats(tmp_path):
 
 def _served(number, own_ms: dict[int, float], memory_mb: float) -> TrialRecord:
     """A feasible serving measurement with its own latencies at each batch size."""
-    result = InferenceResult(
+    result = ServingResult(
         "complete",
         accuracy=0.9,
         accuracy_drop=0.0,

@@ -1,7 +1,7 @@
 """A third mode of search is one new module: a `Trials` class (here a trivial one that
-scores a policy by how much of the model it sends below fp32, and trains nothing),
-registered by name in `autoprec.trials.MODES`. The search loop, the session, the records
-and the tracker run it unchanged, and what it leaves behind is written."""
+scores a policy by how much of the model it sends below fp32, and trains nothing) and a
+`Mode` naming it, registered in `autoprec.trials.MODES`. The search loop, the session,
+the records and the tracker run it unchanged, and what it leaves behind is written."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import mlflow
 import autoprec
 import autoprec.trials
 from autoprec.policy import Policy
+from autoprec.trials import Mode
 from autoprec.trials.base import Choice, Feasibility, Measured, TrialState
 
 
@@ -44,7 +45,6 @@ class CountingTrials:
     objectives: ClassVar[tuple[str, str, str]] = ("accuracy", "peak_memory_mb", "counted_time_ms")
     result_type: ClassVar[type] = CountedResult
     baseline_verb: ClassVar[str] = "count"
-    preferences: ClassVar[tuple[str, ...]] = ("speed", "memory", "balanced")
 
     def __init__(self, task, model, backend) -> None:
         self.task, self.model, self.backend = task, model, backend
@@ -109,8 +109,15 @@ class CountingTrials:
         return None
 
 
+class Counting(Mode):
+    """The counting mode: its name and its trials; everything else the base's defaults."""
+
+    name = "counting"
+    trials = f"{__name__}:CountingTrials"
+
+
 def test_a_third_mode_is_one_module(in_tmp, tiny_task, monkeypatch):
-    monkeypatch.setitem(autoprec.trials.MODES, "counting", (f"{__name__}:CountingTrials", None))
+    monkeypatch.setitem(autoprec.trials.MODES, "counting", Counting())
     result = autoprec.search(
         tiny_task, mode="counting", trials=3, device="cpu", sampler="random", confirm_top=2
     )

@@ -133,7 +133,7 @@ def studies(tmp_path_factory):
     trained = _cli(root, *SEARCH, "--task", "digits-mlp", "--study", "trained")
     assert trained.returncode == 0, trained.stderr[-3000:]
     served = _cli(
-        root, *SEARCH, "--task", "digits-mlp", "--study", "served", "--mode", "inference",
+        root, *SEARCH, "--task", "digits-mlp", "--study", "served", "--mode", "serving",
         "--scenario", "batch", "--batch-sizes", "1,16", "--confirm-top", "0",
     )  # fmt: skip
     assert served.returncode == 0, served.stderr[-3000:]

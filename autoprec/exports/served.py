@@ -15,7 +15,7 @@ writes both ways to it:
   ones as torch or torchao hold them); it loads into a converted model with
   ``load_state_dict(..., assign=True)``.
 - ``fp32.pt`` (the fp32 state dict, untouched) and ``policy.yaml``: what
-  ``autoprec.load_inference_model`` converts again, for any batch shape, and what a later
+  ``autoprec.load_served_model`` converts again, for any batch shape, and what a later
   search starts from.
 - ``load_model.py``: both, as code (``exported()``, where a program was written, and
   ``rebuilt()``); every value in it quoted, the weights loaded with ``weights_only=True``.
@@ -186,7 +186,7 @@ def _deviation(
 def _int8_method(policy: Policy, model: nn.Module, kind: str, int8: str | None) -> str | None:
     from autoprec.serving.conversion import default_int8_method
 
-    if "int8" not in policy.resolve_inference(model).values():
+    if "int8" not in policy.resolve_served(model).values():
         return None
     return int8 or policy.int8_method or default_int8_method(kind)
 
@@ -275,7 +275,7 @@ def snippet(
         f"    weights = torch.load(HERE / {WEIGHTS_FILE!r}, map_location='cpu', weights_only=True)",
         "    model.load_state_dict(weights)",
         f"    policy = autoprec.load_policy(HERE / {POLICY_FILE!r})",
-        "    return autoprec.load_inference_model(",
+        "    return autoprec.load_served_model(",
         f"        model, policy, device={device!r}, int8={int8!r}",
         "    )",
         "",

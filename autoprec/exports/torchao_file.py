@@ -54,12 +54,12 @@ def export_torchao(
 ) -> list[Path]:
     """Write ``torchao_config.py`` (``config()`` and ``quantize(model)``) and
     ``policy.yaml``. ``int8`` is the method the search measured (default: the one the
-    policy records, else ``device``'s default, as `autoprec.load_inference_model` takes
+    policy records, else ``device``'s default, as `autoprec.load_served_model` takes
     it), and the fp8 layers' the one the policy records; raises ExportError for a policy
     with no int8 or fp8 Linear layer."""
     require(model, "a model (the fp32 module, for its layer names)", "torchao")
     assert model is not None
-    resolved = policy.resolve_inference(model)
+    resolved = policy.resolve_served(model)
     int8_layers = [name for name, dtype in resolved.items() if dtype == "int8"]
     linear = [name for name in int8_layers if isinstance(model.get_submodule(name), nn.Linear)]
     fp8_layers = [name for name, dtype in resolved.items() if dtype == FP8]

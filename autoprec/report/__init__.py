@@ -10,7 +10,7 @@ from typing import Any
 
 from autoprec.report.gains import gains_line, speed_words
 from autoprec.report.modes import DTYPE_COLOURS, SERVING_DTYPE_COLOURS
-from autoprec.report.page import View, render_comparison, render_page, setting_text
+from autoprec.report.page import render_comparison, render_page, setting_text
 from autoprec.report.plots import ANCHOR_ORDER, front_figure, plot_dtype_map, plot_front
 from autoprec.report.serving import (
     SERVING_ANCHORS,
@@ -28,13 +28,13 @@ from autoprec.report.serving import (
 from autoprec.report.text import front_table, text_table
 from autoprec.report.training import training_view
 from autoprec.study.summary_schema import Summary, as_summary
+from autoprec.trials import mode_named
 
 __all__ = [
     "ANCHOR_ORDER",
     "DTYPE_COLOURS",
     "SERVING_ANCHORS",
     "SERVING_DTYPE_COLOURS",
-    "VIEWS",
     "batch_latencies",
     "batch_size_notes",
     "batch_size_table",
@@ -60,8 +60,6 @@ __all__ = [
     "training_view",
 ]
 
-# One view per mode: a new mode is one new module and one entry here.
-VIEWS: dict[str, View] = {"training": training_view, "inference": serving_view}
 
 plot_batch_latency = plot_latency_by_batch  # its name before the report was split
 
@@ -73,7 +71,7 @@ def render_report(
     the view of the study's mode. No folder below ``within`` (the runs folder, where the
     CLI writes) is followed where it is a link (see `autoprec._util.files`)."""
     typed = as_summary(summary)
-    return render_page(typed, out_dir, VIEWS[typed.mode], within)
+    return render_page(typed, out_dir, mode_named(typed.mode).report_view(), within)
 
 
 def serving_batch_size(summary: Summary | dict[str, Any]) -> int | None:

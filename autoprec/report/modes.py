@@ -1,12 +1,13 @@
 """What the report says differently per mode: the names of its time and memory, the
-colours of its dtypes. One entry per mode, looked up by the summary's mode, so that a
-new mode is one new entry and no view asks which mode it is in."""
+colours of its dtypes. The mode object names its words (`autoprec.trials.Mode.text`),
+so that no view asks which mode it is in."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from autoprec.study.summary_schema import Summary
+from autoprec.trials import mode_named
 
 DTYPE_COLOURS = {"fp32": "#4c72b0", "bf16": "#55a868", "fp16": "#dd8452", "fp8": "#c44e52"}
 SERVING_DTYPE_COLOURS = {**DTYPE_COLOURS, "int8": "#8172b3"}
@@ -28,22 +29,21 @@ class ModeText:
         return self.time_words if size is None else f"{self.time_words} at batch {size}"
 
 
-MODE_TEXT = {
-    "training": ModeText(
-        time_words="step time",
-        time_column="step ms",
-        memory_counted="parameters, gradients, optimizer state and saved activations",
-        colours=DTYPE_COLOURS,
-    ),
-    "inference": ModeText(
-        time_words="latency",
-        time_column="latency ms",
-        memory_counted="weights plus the peak of live activations",
-        colours=SERVING_DTYPE_COLOURS,
-        style=".int8{color:#8172b3}\n",
-    ),
-}
+TRAINING_TEXT = ModeText(
+    time_words="step time",
+    time_column="step ms",
+    memory_counted="parameters, gradients, optimizer state and saved activations",
+    colours=DTYPE_COLOURS,
+)
+SERVING_TEXT = ModeText(
+    time_words="latency",
+    time_column="latency ms",
+    memory_counted="weights plus the peak of live activations",
+    colours=SERVING_DTYPE_COLOURS,
+    style=".int8{color:#8172b3}\n",
+)
 
 
 def mode_text(summary: Summary) -> ModeText:
-    return MODE_TEXT[summary.mode]
+    """The words of the study's mode (`autoprec.trials.Mode.text`)."""
+    return mode_named(summary.mode).report_text()  # type: ignore[no-any-return]

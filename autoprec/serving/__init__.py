@@ -8,7 +8,7 @@ from typing import Any
 # Imported on first use (PEP 562), so that autoprec.serving.scenarios, which the CLI's
 # help reads, is importable without torch.
 _WHERE = {
-    "INFERENCE_DTYPES": "autoprec.devices",
+    "SERVING_DTYPES": "autoprec.dtypes",
     **dict.fromkeys(
         (
             "INT8_METHODS",
@@ -22,13 +22,14 @@ _WHERE = {
         ),
         "autoprec.serving.conversion",
     ),
-    "load_inference_model": "autoprec.serving.load",
+    "load_served_model": "autoprec.serving.load",
+    "load_inference_model": "autoprec.serving.load",  # its earlier name
     **dict.fromkeys(
         (
-            "InferenceResult",
+            "ServingResult",
             "Reference",
             "latency_ms",
-            "measure_inference",
+            "measure_serving",
             "peak_memory_bytes",
             "timing_batch",
         ),
@@ -37,17 +38,17 @@ _WHERE = {
 }
 
 __all__ = [
-    "INFERENCE_DTYPES",
     "INT8_METHODS",
-    "InferenceResult",
+    "SERVING_DTYPES",
     "Reference",
+    "ServingResult",
     "convert",
     "default_int8_method",
     "int8_available",
     "int8_unavailable_reason",
     "latency_ms",
-    "load_inference_model",
-    "measure_inference",
+    "load_served_model",
+    "measure_serving",
     "peak_memory_bytes",
     "tied_leaves",
     "timing_batch",

@@ -125,7 +125,7 @@ def convert_policy(
     layers by the fp8 method the policy records, else the device's."""
     return convert(
         model,
-        policy.resolve_inference(model),
+        policy.resolve_served(model),
         device,
         int8 or policy.int8_method,
         policy.fp8_method,

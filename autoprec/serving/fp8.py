@@ -18,7 +18,7 @@ Device truth, as for fp8 training (`autoprec.devices`): CUDA needs compute capab
 8.9 or later (H100, H200, L40, B200); Ascend 910 parts have no fp8 and are refused in one
 line; on the CPU a serving *search* offers fp8 only with ``--emulate fp8`` (its latencies
 are not an fp8 device's, and the summary's settings say emulated). Converting a policy that
-already names fp8 weight-only layers (`autoprec.load_inference_model`, the exports, the
+already names fp8 weight-only layers (`autoprec.load_served_model`, the exports, the
 MLflow model) runs on the CPU as torchao runs it: the weights really are fp8 there.
 
 Never run on a GPU here: the dynamic methods were only seen refused on the CPU.

@@ -11,7 +11,7 @@ from autoprec.policy import Policy
 from autoprec.serving.conversion import convert_policy
 
 
-def load_inference_model(
+def load_served_model(
     model: nn.Module,
     policy: Policy,
     device: str | torch.device | Backend | None = None,
@@ -30,3 +30,7 @@ def load_inference_model(
     backend = get_backend(device)
     backend.set_switches(policy.tf32, policy.hf32)
     return convert_policy(model, policy, backend, int8)
+
+
+# Its name before the serving mode had one name; still importable.
+load_inference_model = load_served_model

@@ -38,7 +38,7 @@ WARMUP_CALLS = 3
 
 
 @dataclass
-class InferenceResult(Measured):
+class ServingResult(Measured):
     """What one measurement of a converted model found.
 
     - ``accuracy``: the task's metric over the validation data, weighted by batch size;
@@ -99,7 +99,7 @@ class InferenceResult(Measured):
 
     TIME_METRIC = "latency_p50_ms"  # the median latency at the scenario's batch
     TIME_LABEL = "latency"
-    MODE = "inference"
+    MODE = "serving"
 
     def extra_metrics(self) -> dict[str, float]:
         """The median latency at every batch size measured."""
@@ -143,7 +143,7 @@ class Reference:
         return cls(tuple(logits), accuracy, samples)
 
 
-def measure_inference(
+def measure_serving(
     task: Task,
     model: nn.Module,
     reference: Reference,
@@ -151,7 +151,7 @@ def measure_inference(
     batch_size: int,
     timed_calls: int = TIMED_CALLS,
     warmup_calls: int = WARMUP_CALLS,
-) -> InferenceResult:
+) -> ServingResult:
     """Score a converted ``model`` (see `convert`) against ``reference`` and time it at
     ``batch_size``; never raises for a problem of the model's precision (bad input to
     autoprec still raises AutoprecError)."""
@@ -172,9 +172,9 @@ def measure_inference(
     except AutoprecError:
         raise
     except torch.OutOfMemoryError as error:
-        result = InferenceResult(TrialState.FAILED, f"out of memory: {first_line(error)}")
+        result = ServingResult(TrialState.FAILED, f"out of memory: {first_line(error)}")
     except Exception as error:  # any failure of a trial is its result
-        result = InferenceResult(
+        result = ServingResult(
             TrialState.FAILED, f"{type(error).__name__}: {first_line(error, 500)}"
         )
     finally:
@@ -184,9 +184,7 @@ def measure_inference(
     return result
 
 
-def _measure(
-    task: Task, model: nn.Module, reference: Reference, backend: Backend
-) -> InferenceResult:
+def _measure(task: Task, model: nn.Module, reference: Reference, backend: Backend) -> ServingResult:
     """Accuracy and agreement with fp32 over the validation data."""
     accuracy, logits, samples, masks = _validate(task, model, backend)
     if len(logits) != len(reference.logits) or samples != reference.samples:
@@ -199,13 +197,13 @@ def _measure(
             batch = task.batch(list(task.val_data())[index]).to(backend.device)
             layer = first_nonfinite_layer(model, partial(batch.run, model))
             where = f"; first non-finite output: {layer}" if layer else ""
-            return InferenceResult(
+            return ServingResult(
                 TrialState.FAILED, f"non-finite outputs on validation batch {index}{where}"
             )
     if not math.isfinite(accuracy):
-        return InferenceResult(TrialState.FAILED, f"the task's metric returned {accuracy}")
+        return ServingResult(TrialState.FAILED, f"the task's metric returned {accuracy}")
     agree, scored, deviations = _agreement(task, logits, masks, reference.logits)
-    return InferenceResult(
+    return ServingResult(
         TrialState.COMPLETE,
         accuracy=accuracy,
         accuracy_drop=reference.accuracy - accuracy,
@@ -346,7 +344,7 @@ def _flat(value: Any) -> list[torch.Tensor]:
 
 
 def _time(
-    result: InferenceResult,
+    result: ServingResult,
     model: nn.Module,
     batch: Batch,
     backend: Backend,

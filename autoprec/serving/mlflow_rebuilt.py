@@ -62,7 +62,7 @@ class RebuiltModel:
 def _load_pyfunc(data_path: str) -> RebuiltModel:
     """MLflow's entry point: the served model rebuilt from the data folder, nothing
     unpickled."""
-    from autoprec import load_inference_model, load_policy
+    from autoprec import load_policy, load_served_model
     from autoprec.tasks import load_task
 
     folder = Path(data_path)
@@ -70,5 +70,5 @@ def _load_pyfunc(data_path: str) -> RebuiltModel:
     model = load_task(settings["task"]).model()
     model.load_state_dict(torch.load(folder / WEIGHTS_FILE, map_location="cpu", weights_only=True))
     policy = load_policy(folder / POLICY_FILE)
-    converted = load_inference_model(model, policy, "cpu", settings["int8"])
+    converted = load_served_model(model, policy, "cpu", settings["int8"])
     return RebuiltModel(ServedModel(converted, settings["inputs"], settings["stacked"]).eval())

@@ -48,6 +48,7 @@ from autoprec.settings import study_options
 from autoprec.study._identity import STUDY_ID_ATTR, new_study_id
 from autoprec.study.config import HEARTBEAT_INTERVAL_S
 from autoprec.tracking import unwritable
+from autoprec.trials import canonical
 
 RECORD_ATTR = "autoprec"  # user attribute: the trial's policy and result, once measured
 CLAIM_ATTR = "autoprec.claim"  # user attribute: the key of the policy the trial measures
@@ -516,10 +517,18 @@ def _recorded_settings(
     (``legacy``); a setting none of them knows is taken as given, and recorded now."""
     fingerprint = attrs.get(FINGERPRINT_ATTR)
     if isinstance(fingerprint, dict):
-        return fingerprint, False
+        return _current_names(fingerprint), False
     known = {**LEGACY_DEFAULTS, **legacy}
     known.update({k: attrs[k] for k in settings if attrs.get(k) is not None})
-    return {k: known.get(k, settings[k]) for k in settings}, True
+    return _current_names({k: known.get(k, settings[k]) for k in settings}), True
+
+
+def _current_names(recorded: dict[str, Any]) -> dict[str, Any]:
+    """The recorded settings with the mode under its name now (a study made with
+    ``--mode inference`` is a serving study)."""
+    if "mode" not in recorded:
+        return recorded
+    return {**recorded, "mode": canonical(recorded["mode"])}
 
 
 def open_study(

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from autoprec._util.files import read_text
-from autoprec.devices import DTYPES, INFERENCE_DTYPES
 from autoprec.errors import AutoprecError
 from autoprec.errors import SummaryError as _Shape
 from autoprec.study.summary_schema import SCHEMA_VERSION, Header, Summary
+from autoprec.trials import MODES, canonical
 
 MAX_SUMMARY_BYTES = 256 * 1024 * 1024  # a 10 000-trial study's summary is about 100 MB
 STATES = ("complete", "pruned", "failed", "running", "interrupted")
@@ -63,8 +63,8 @@ def _check_header(data: Any) -> None:
             f"schema_version: {version}, newer than this autoprec reads ({SCHEMA_VERSION}); "
             "upgrade autoprec"
         )
-    if data.get("mode") not in ("training", "inference"):
-        raise _Shape(f"mode: expected training or inference, got {data.get('mode')!r}")
+    if canonical(data.get("mode")) not in MODES:
+        raise _Shape(f"mode: expected {' or '.join(MODES)}, got {data.get('mode')!r}")
     _expect(data.get("settings"), dict, "settings")
     for key in ("task_spec", "checkpoint", "int8", "device", "device_name", "tracking_uri"):
         _expect(data["settings"].get(key), (str, type(None)), f"settings.{key}")
@@ -75,7 +75,7 @@ def check_summary(data: Any) -> None:
     on: the top-level fields, every row (baseline, trials, best) and the settings."""
     _check_header(data)
     _expect(data.get("study"), str, "study")
-    dtypes = INFERENCE_DTYPES if data["mode"] == "inference" else tuple(DTYPES)
+    dtypes = MODES[canonical(data["mode"])].dtypes
     _expect(data.get("accuracy_tolerance"), _NUMBER, "accuracy_tolerance")
     _expect(data.get("prefer"), str, "prefer")
     _expect(data.get("peak_memory_is_estimate", False), bool, "peak_memory_is_estimate")
@@ -102,8 +102,8 @@ def check_summary(data: Any) -> None:
         for key in ("name", "type", "dtype"):
             _expect(layer.get(key), str, f"best.layers[{i}].{key}")
         _expect(layer.get("params"), int, f"best.layers[{i}].params")
-    if data.get("mode") == "inference":
-        _check_inference(data.get("inference"))
+    if canonical(data.get("mode")) == "serving":
+        _check_serving(data.get("serving", data.get("inference")))
     if data.get("confirmation") is not None:  # --confirm-steps
         _check_confirmation(data["confirmation"])
 
@@ -164,18 +164,18 @@ def _check_row(
     return found
 
 
-def _check_inference(block: Any) -> None:
-    _expect(block, dict, "inference")
+def _check_serving(block: Any) -> None:
+    _expect(block, dict, "serving")
     _expect(block.get("batch_sizes"), list, "inference.batch_sizes")
     for i, size in enumerate(block["batch_sizes"]):
-        _check_batch_size(size, f"inference.batch_sizes[{i}]")
+        _check_batch_size(size, f"serving.batch_sizes[{i}]")
     for key in ("scenario", "int8"):
-        _expect(block.get(key), (str, type(None)), f"inference.{key}")
+        _expect(block.get(key), (str, type(None)), f"serving.{key}")
     for key in ("min_top1_agreement", "max_rel_deviation"):
-        _expect(block.get(key), (*_NUMBER, type(None)), f"inference.{key}")
+        _expect(block.get(key), (*_NUMBER, type(None)), f"serving.{key}")
     _expect(block.get("by_batch_size", []), list, "inference.by_batch_size")
     for i, row in enumerate(block.get("by_batch_size", [])):
-        where = f"inference.by_batch_size[{i}]"
+        where = f"serving.by_batch_size[{i}]"
         _expect(row, dict, where)
         _check_batch_size(row.get("batch_size"), f"{where}.batch_size")
         _expect(row.get("best"), (str, int), f"{where}.best")

@@ -34,12 +34,12 @@ from autoprec.settings import (
     options,
 )
 from autoprec.tracking import check_tracking_uri
-from autoprec.trials import MODES, trials_class
+from autoprec.trials import MODES, canonical, mode_named
 from autoprec.trials.schedule import MAX_TRAIN_STEPS, TRIAL_SCHEDULES
 from autoprec.trials.serving import ServingConfig
 
 DEFAULT_RUNS_DIR = Path(Where().runs_dir)
-# ServingConfig's fields, also taken flat (``SearchConfig(mode="inference", scenario=...)``,
+# ServingConfig's fields, also taken flat (``SearchConfig(mode="serving", scenario=...)``,
 # ``--scenario``) and nested into ``serving``.
 SERVING_KEYWORDS = tuple(o.name for o in options(SERVING))
 # Matched whole (fullmatch): a pattern ending in "$" would pass a name ending in "\n".
@@ -58,10 +58,10 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
     summary.json and best_policy.yaml go; ``mode`` left None is inference when ``serving``
     is given, else training; ``serving`` holds the serving settings
     (`autoprec.trials.serving.ServingConfig`: scenario, batch sizes, checkpoint, int8, fp8),
-    whose fields may also be given flat with ``mode="inference"`` (``scenario="edge"``);
+    whose fields may also be given flat with ``mode="serving"`` (``scenario="edge"``);
     ``prefer`` may then also be ``latency`` or ``throughput``. The settings of the compiled
     trials and of the section "longer than a trial" are the training mode's: refused with
-    ``mode="inference"``.
+    ``mode="serving"``.
 
     A study keeps the settings that change what its trials measure (its fingerprint,
     `autoprec.settings.study_settings`): continuing it with others is refused.
@@ -150,26 +150,25 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
         serving = self.serving
         if isinstance(serving, dict):
             serving = ServingConfig(**serving)
-        mode = self.mode
+        mode = canonical(self.mode)
         if mode is None:  # a ServingConfig says the mode; flat keywords need --mode
-            mode = _owner("serving") if serving is not None else "training"
+            mode = _owner("serving") if serving is not None else mode_named(None).name
         if flat:
             serving = replace(serving or ServingConfig(), **flat)
-        if mode in MODES and MODES[mode][1] == "serving" and serving is None:
+        if mode in MODES and MODES[mode].settings == "serving" and serving is None:
             serving = ServingConfig()
         object.__setattr__(self, "serving", serving)
         object.__setattr__(self, "mode", mode)
 
     def _check_mode(self) -> None:
-        if self.mode not in MODES:
-            raise AutoprecError(f"--mode: expected {' or '.join(MODES)}, got {self.mode!r}")
-        allowed = trials_class(self.mode).preferences
+        mode = mode_named(self.mode)
+        allowed = mode.preferences
         if self.prefer is not None and self.prefer not in (*allowed, "speed"):
             raise AutoprecError(
                 f"--prefer: expected one of {', '.join(allowed)} for {self.mode}, "
                 f"got {self.prefer!r}"
             )
-        if self.serving is not None and MODES[self.mode][1] != "serving":
+        if self.serving is not None and mode.settings != "serving":
             given = self.serving.given() or ["--mode"]
             raise AutoprecError(f"{given[0]}: only with --mode {_owner('serving')}")
 
@@ -238,7 +237,7 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
         """The config of the declared settings' values (`autoprec.settings.options`, as
         the command line and a config file give them; the task and the space left out).
         The serving settings away from their defaults are given flat: they need
-        ``mode="inference"``, as ``--scenario`` needs ``--mode inference``."""
+        ``mode="serving"``, as ``--scenario`` needs ``--mode serving``."""
         given = {o.name: values[o.name] for o in options(SERVING) if values[o.name] != o.default}
         kept = {f.name for f in fields(cls)} - {"serving"}
         return cls(**{name: values[name] for name in kept}, **given)
@@ -291,7 +290,7 @@ def _check_forecast(train_steps: Any, mode: Any, steps: int) -> None:
 
 def _owner(field: str) -> str:
     """The mode whose own settings are SearchConfig's ``field``."""
-    return next(mode for mode, (_, owned) in MODES.items() if owned == field)
+    return next(mode.name for mode in MODES.values() if mode.settings == field)
 
 
 # The flat serving keywords are taken by __init__ only: reading them is a mistake.

@@ -16,6 +16,7 @@ from typing import Any
 
 from autoprec.numerics.state_health import GroupStateHealth, GroupStateLoss
 from autoprec.study.confirmation import Confirmation
+from autoprec.trials import canonical
 
 SCHEMA_VERSION = 1  # 0: summaries written before the version was recorded
 
@@ -23,7 +24,7 @@ Key = int | str  # a trial's number, or "baseline"
 BASELINE = "baseline"
 
 # The time each mode chooses by (the metric its trials are compared on).
-TIME_METRIC = {"training": "step_time_ms", "inference": "latency_p50_ms"}
+TIME_METRIC = {"training": "step_time_ms", "serving": "latency_p50_ms"}
 CONFIRMED_TIME = "confirmed_step_time_ms"  # the side-by-side re-timing, in either mode
 
 
@@ -409,11 +410,11 @@ class Header:
     @property
     def serving(self) -> bool:
         """Whether the study's policy is a serving one (converted weights, no training)."""
-        return self.mode == "inference"
+        return self.mode == "serving"
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Header:
-        return cls(data["mode"], Settings(dict(data.get("settings") or {})))
+        return cls(canonical(data["mode"]), Settings(dict(data.get("settings") or {})))
 
 
 @dataclass
@@ -484,10 +485,11 @@ class Summary:
     def from_json(cls, data: dict[str, Any]) -> Summary:
         """A summary as any version wrote it (checked first: see summary_file)."""
         profile = data.get("profile")
-        serving = data.get("inference")
+        # The serving mode's part, under the mode's earlier name in older summaries.
+        serving = data.get("serving", data.get("inference"))
         return cls(
             study=data["study"],
-            mode=data["mode"],
+            mode=canonical(data["mode"]),
             baseline=Entry.from_json(data["baseline"]),
             trials=[Entry.from_json(t) for t in data["trials"]],
             best=Best.from_json(data.get("best") or data["baseline"]),
@@ -534,7 +536,7 @@ class Summary:
             "trial_time_s": self.trial_time_s,
         }
         if self.serving is not None:
-            data["inference"] = self.serving.to_json()
+            data["serving"] = self.serving.to_json()
         data.update(
             settings=self.settings.values,
             mlflow_parent_run_id=self.mlflow_parent_run_id,

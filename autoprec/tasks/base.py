@@ -133,7 +133,7 @@ class Task:
     - ``clip_grad_norm``: clip the gradients' total norm to this (after unscaling).
     - ``accumulate``: batches per optimizer step (gradient accumulation).
     - ``checkpoint``: a file of trained fp32 weights (a state dict), which a serving search
-      (``--mode inference``) converts instead of training the model itself.
+      (``--mode serving``) converts instead of training the model itself.
     - ``compile``: train every trial under ``torch.compile`` (as ``--compile`` asks;
       `autoprec.trials.compiled`), for a model that is trained compiled.
     """

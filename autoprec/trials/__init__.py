@@ -1,19 +1,25 @@
-"""The modes of search, one module each: what a trial is and everything else that differs
-between modes, behind the `Trials` protocol (`autoprec.trials.base`).
+"""The modes of search: one `Mode` object each, registered once in `MODES`, and everything
+that differs between modes behind it.
 
-- `training`: trials train the task under each policy (the default);
-- `serving`: trials convert a trained fp32 model's weights and serve it
-  (``--mode inference``).
+- ``training``: trials train the task under each policy (the default);
+- ``serving``: trials convert a trained fp32 model's weights and serve it (``--mode
+  serving``; ``inference``, its earlier name, is still accepted).
 
-A mode is found by its name in `MODES` and made with its class's ``of(config, task,
-model, backend, budget)``. A new mode is one new module with a `Trials` class, and its
-line here. The modules load on first use, so that reading the names costs nothing.
+A mode is a `Mode` (`autoprec.trials.mode`): its name, its `Trials` class and what the
+generic code asks of it (its settings section, its preferences and dtypes, its export
+formats, its report view and words, its summary's own part). The generic code (space,
+policy, CLI, settings, summary, report, exports, the confirmation) asks the mode object
+and never names a mode. A new mode is one `Mode` subclass with its `Trials`, and
+`register` (or a line in `MODES`). The registry imports nothing heavy: ``autoprec search
+--help`` reads the modes' names without torch.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from autoprec.errors import AutoprecError
+from autoprec.trials.mode import Mode, ServingMode, TrainingMode
 
 if TYPE_CHECKING:
     from torch import nn
@@ -23,18 +29,41 @@ if TYPE_CHECKING:
     from autoprec.trials.base import Trials
     from autoprec.trials.training import Budget
 
-# --mode name -> "module:class" of its Trials, and the SearchConfig field (None: none)
-# holding its own settings.
-MODES: dict[str, tuple[str, str | None]] = {
-    "training": ("autoprec.trials.training:TrainingTrials", None),
-    "inference": ("autoprec.trials.serving:ServingTrials", "serving"),
-}
+__all__ = ["DEFAULT_MODE", "MODES", "Mode", "mode_named", "register", "trials_of"]
+
+# Every mode by its name: the one registry.
+MODES: dict[str, Mode] = {}
+DEFAULT_MODE = "training"
 
 
-def trials_class(mode: str) -> type[Any]:
-    """The `Trials` class of a mode named in `MODES`."""
-    module, _, name = MODES[mode][0].partition(":")
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+def register(mode: Mode) -> Mode:
+    """Add ``mode`` to `MODES` under its name (a mode of that name is replaced)."""
+    MODES[mode.name] = mode
+    return mode
+
+
+register(TrainingMode())
+register(ServingMode())
+
+
+def mode_named(name: str | None) -> Mode:
+    """The mode of that name, or of a name it was known by (``inference``: serving);
+    None is the default mode. Any other name is an AutoprecError listing the modes."""
+    if name is None:
+        return MODES[DEFAULT_MODE]
+    found = MODES.get(name) or next((m for m in MODES.values() if name in m.aliases), None)
+    if found is None:
+        raise AutoprecError(f"--mode: expected {' or '.join(MODES)}, got {name!r}")
+    return found
+
+
+def canonical(name: Any) -> Any:
+    """A mode's name as it is now, where ``name`` is one it was known by; anything else
+    unchanged (an unknown name is for the caller to refuse in its own words)."""
+    for mode in MODES.values():
+        if name in mode.aliases:
+            return mode.name
+    return name
 
 
 def trials_of(
@@ -42,4 +71,4 @@ def trials_of(
 ) -> Trials:
     """The mode's trials, made from a search's settings (checked against the task and
     the device where the mode has settings of its own)."""
-    return trials_class(mode).of(config, task, model, backend, budget)  # type: ignore[no-any-return]
+    return mode_named(mode).trials_class().of(config, task, model, backend, budget)  # type: ignore[no-any-return]

@@ -198,7 +198,6 @@ class Trials(Protocol):
     objectives: ClassVar[tuple[str, str, str]]  # the study's metric names, as Optuna's
     result_type: ClassVar[type[Result]]
     baseline_verb: ClassVar[str]  # "the fp32 baseline did not <verb>"
-    preferences: ClassVar[tuple[str, ...]]  # what --prefer may say in this mode
 
     @property
     def settings(self) -> dict[str, Any]:

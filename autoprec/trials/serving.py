@@ -1,4 +1,4 @@
-"""Serving trials (``--mode inference``): convert a trained fp32 model's weights under a
+"""Serving trials (``--mode serving``): convert a trained fp32 model's weights under a
 policy and serve it; `ServingTrials` is the mode as the search sees it.
 
 A trial is pure, as the training trial is: no Optuna, no MLflow. The fp32 model is
@@ -45,16 +45,16 @@ from autoprec.serving.fp8 import (
 from autoprec.serving.measure import (
     TIMED_CALLS,
     WARMUP_CALLS,
-    InferenceResult,
     Reference,
+    ServingResult,
     check_batch_sizes,
     latencies_s,
     latency_ms,
-    measure_inference,
+    measure_serving,
     timing_batch,
 )
 from autoprec.serving.quantizers import INT8_METHODS
-from autoprec.serving.scenarios import AS_SELECTION, SERVING_PREFERENCES, Scenario, scenario
+from autoprec.serving.scenarios import AS_SELECTION, Scenario, scenario
 from autoprec.settings import SERVING, ServingSettings, options
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch, refuse_nan_outputs
@@ -168,7 +168,7 @@ class Serving:
         """What the study is identified by, besides the training settings."""
         digest = None if self.checkpoint is None else _digest(self.checkpoint)
         settings = {
-            "mode": "inference",
+            "mode": "serving",
             "scenario": self.scenario.name,
             "batch_sizes": list(self.batch_sizes),
             "int8": self.int8,
@@ -317,7 +317,7 @@ def fp32_model(
     return model
 
 
-def run_inference_trial(
+def run_serving_trial(
     task: Task,
     policy: Policy,
     model: nn.Module,
@@ -327,18 +327,18 @@ def run_inference_trial(
     int8: str | None = None,
     timed_calls: int = TIMED_CALLS,
     warmup_calls: int = WARMUP_CALLS,
-) -> InferenceResult:
+) -> ServingResult:
     """Convert ``model`` (fp32, trained) under ``policy``, score it against ``reference``
     and time it at each of ``batch_sizes`` (the first is the scenario's); never raises for
     a problem of the policy."""
     started = time.perf_counter()
     previous = backend.set_switches(policy.tf32, policy.hf32)
     try:
-        layer_dtypes = policy.resolve_inference(model)
+        layer_dtypes = policy.resolve_served(model)
         converted = convert(
             model, layer_dtypes, backend, int8 or policy.int8_method, policy.fp8_method
         )
-        result = measure_inference(
+        result = measure_serving(
             task, converted, reference, backend, batch_sizes[0], timed_calls, warmup_calls
         )
         if result.state == TrialState.COMPLETE:
@@ -351,9 +351,9 @@ def run_inference_trial(
         if "fp8" in layer_dtypes.values() and "fp8" in backend.emulated():
             result.emulated = ["fp8"]
     except AutoprecError as error:  # a policy this model cannot be served in
-        result = InferenceResult(TrialState.FAILED, first_line(error, 500))
+        result = ServingResult(TrialState.FAILED, first_line(error, 500))
     except Exception as error:  # any failure of a trial is its result
-        result = InferenceResult(
+        result = ServingResult(
             TrialState.FAILED, f"{type(error).__name__}: {first_line(error, 500)}"
         )
     finally:
@@ -390,18 +390,17 @@ class _Served:
 
 class ServingTrials:
     """The serving mode: each trial converts the trained fp32 model under a policy and
-    serves it (`run_inference_trial`), scored on agreement with fp32, latency at the
+    serves it (`run_serving_trial`), scored on agreement with fp32, latency at the
     scenario's batch size and memory."""
 
-    mode: ClassVar[str] = "inference"
+    mode: ClassVar[str] = "serving"
     objectives: ClassVar[tuple[str, str, str]] = (
         "accuracy",
         "peak_memory_mb",
         "latency_p50_ms",  # at the scenario's batch
     )
-    result_type: ClassVar[type[Result]] = InferenceResult
+    result_type: ClassVar[type[Result]] = ServingResult
     baseline_verb: ClassVar[str] = "serve"
-    preferences: ClassVar[tuple[str, ...]] = SERVING_PREFERENCES
 
     def __init__(
         self,
@@ -500,15 +499,15 @@ class ServingTrials:
         """A serving trial is short and trains nothing: none is stopped early."""
         return self
 
-    def measure(self, policy: Policy) -> InferenceResult:
+    def measure(self, policy: Policy) -> ServingResult:
         model, reference = self._loaded()
         serving = self.serving
-        return run_inference_trial(
+        return run_serving_trial(
             self.task, policy, model, self.backend, reference, serving.batch_sizes, serving.int8
         )
 
-    def failed(self, reason: str) -> InferenceResult:
-        return InferenceResult(TrialState.FAILED, reason)
+    def failed(self, reason: str) -> ServingResult:
+        return ServingResult(TrialState.FAILED, reason)
 
     def retime(self, policies: list[Policy]) -> list[float]:
         """Latency at the scenario's batch size, the policies' models timed in turn."""
@@ -579,7 +578,7 @@ def save_served_model(
     cpu = get_backend("cpu")
     int8 = trials.serving.int8
     fp32, _ = trials._loaded()
-    dtypes = set(policy.resolve_inference(fp32).values())
+    dtypes = set(policy.resolve_served(fp32).values())
     if "int8" in dtypes:
         reason = int8_unavailable_reason("cpu", int8)
         if reason is not None:

@@ -40,7 +40,6 @@ from autoprec.numerics.telemetry import GradientMonitor
 from autoprec.policy import Policy, share_of_parameters
 from autoprec.precision.emulation import emulated_dtypes
 from autoprec.precision.hooks import Precision
-from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch
 from autoprec.trials.base import (
@@ -1013,7 +1012,6 @@ class TrainingTrials:
     objectives: ClassVar[tuple[str, str, str]] = ("accuracy", "peak_memory_mb", "step_time_ms")
     result_type: ClassVar[type[Result]] = TrialResult
     baseline_verb: ClassVar[str] = "train"
-    preferences: ClassVar[tuple[str, ...]] = TRAINING_PREFERENCES
     # (task, device, dtype) warmed up in this process: once is enough.
     _warm: ClassVar[set[tuple[str, str, str]]] = set()
 

@@ -1,7 +1,7 @@
 """Issue 13's serving benchmark: does the searched policy serve at least as fast as the
 fastest uniform precision that meets the scenario, at batch 1 and at batch 64?
 
-Run by hand: ``python benchmarks/bench_inference.py [--tasks digits-mlp,tiny-bert,wide-mlp]
+Run by hand: ``python benchmarks/bench_serving.py [--tasks digits-mlp,tiny-bert,wide-mlp]
 [--trials 12] [--steps 100] [--threads N]``.
 
 For each task, in a fresh folder: a serving search at batch 1 (scenario ``server``,
@@ -59,7 +59,7 @@ def serving_search(task: str, batch: int, scenario: str, args: argparse.Namespac
     result = autoprec.search(
         task_of(task),
         study=f"{task}-b{batch}",
-        mode="inference",
+        mode="serving",
         scenario=scenario,
         batch_size=batch,
         trials=args.trials,

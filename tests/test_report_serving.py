@@ -36,7 +36,7 @@ def served(tmp_path_factory):
         patch.chdir(folder)
         result = autoprec.search(
             "digits-mlp",
-            mode="inference",
+            mode="serving",
             scenario="batch",
             batch_sizes="1,64",
             trials=6,
@@ -150,7 +150,7 @@ def test_missing_anchors_are_named_with_the_reason(served, tmp_path):
     _, summary = served
     summary = copy.deepcopy(summary)
     summary["trials"] = [t for t in summary["trials"] if t.get("anchor") != "uniform-int8"]
-    summary["inference"]["int8"] = None
+    summary["serving"]["int8"] = None
     if summary["best"]["anchor"] == "uniform-int8":
         summary["best"] = {**summary["best"], **summary["baseline"], "speedup_vs_fp32": 1.0}
         summary["best"]["memory_saving_vs_fp32"] = 0.0

@@ -2,7 +2,7 @@
 
 For a machine with a GPU (or an Ascend NPU) and torchvision:
 
-    python benchmarks/gpu_inference_resnet50.py [--device cuda] [--trials 16] [--steps 30]
+    python benchmarks/gpu_serving_resnet50.py [--device cuda] [--trials 16] [--steps 30]
         [--batch-sizes 1,128] [--image 128] [--rounds 10] [--out DIR]
 
 The issue expects, on an H200: fp32 or TF32 fastest at batch 1 (kernel launches dominate;
@@ -22,7 +22,7 @@ fastest named. The report (report.html and its PNGs) goes to ``--out``.
 The same code path runs on the CPU with the package's ResNet-50-style network in place of
 torchvision's (no torchvision needed), as a dry run:
 
-    python benchmarks/gpu_inference_resnet50.py --device cpu --model digits-resnet \\
+    python benchmarks/gpu_serving_resnet50.py --device cpu --model digits-resnet \\
         --trials 6 --steps 10 --batch-sizes 1,16 --rounds 3
 
 Not run on a GPU yet: none was lent to the session that wrote it; the CPU dry run above
@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--train-batch", type=int, default=64)
     parser.add_argument("--image", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=10, help="side-by-side rounds")
-    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_inference_resnet50"))
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_serving_resnet50"))
     args = parser.parse_args()
 
     backend = get_backend(args.device)
@@ -167,7 +167,7 @@ def main() -> None:
         summary = autoprec.search(
             task,
             study="resnet50-serving",
-            mode="inference",
+            mode="serving",
             scenario="server",
             batch_size=sizes[0],
             batch_sizes=args.batch_sizes,

@@ -14,12 +14,12 @@ from autoprec.errors import AutoprecError, DeviceError, PolicyError
 from autoprec.policy import int8_capable, parameterised_leaves
 from autoprec.serving import (
     INT8_METHODS,
-    InferenceResult,
     Reference,
+    ServingResult,
     convert,
     int8_available,
     int8_unavailable_reason,
-    measure_inference,
+    measure_serving,
     peak_memory_bytes,
     tied_leaves,
     timing_batch,
@@ -257,7 +257,7 @@ def test_an_all_fp32_conversion_agrees_exactly(mlp):
     task, model = mlp
     reference = Reference.of(task, model, CPU)
     assert reference.accuracy > 0.8  # trained: accuracy means something
-    result = measure_inference(task, convert(model, {}), reference, CPU, 8, **QUICK)
+    result = measure_serving(task, convert(model, {}), reference, CPU, 8, **QUICK)
     assert result.state == "complete", result.reason
     assert result.top1_agreement == 1.0
     assert result.max_rel_deviation == 0.0 and result.mean_rel_deviation == 0.0
@@ -268,7 +268,7 @@ def test_an_all_fp32_conversion_agrees_exactly(mlp):
 def test_low_precision_is_measured_against_fp32(mlp):
     task, model = mlp
     reference = Reference.of(task, model, CPU)
-    result = measure_inference(
+    result = measure_serving(
         task, convert(model, dict.fromkeys(_leaves(model), "bf16")), reference, CPU, 8, **QUICK
     )
     assert result.state == "complete", result.reason
@@ -278,7 +278,7 @@ def test_low_precision_is_measured_against_fp32(mlp):
     assert result.weight_mb == pytest.approx(weight_bytes(model) / 2 / 2**20)
     metrics = result.metrics()
     assert "top1_agreement" in metrics and "latency_p50_ms" in metrics
-    assert InferenceResult.from_dict(result.to_dict()) == result
+    assert ServingResult.from_dict(result.to_dict()) == result
 
 
 @pytest.mark.parametrize("batch_size", [1, 7, 300])
@@ -288,7 +288,7 @@ def test_latency_and_throughput_at_an_exact_batch_size(mlp, batch_size):
     assert batch.size == batch_size  # 300 joins two validation batches
     assert batch.args[0].untyped_storage().nbytes() == batch_size * 64 * 4
     reference = Reference.of(task, model, CPU)
-    result = measure_inference(task, convert(model, {}), reference, CPU, batch_size, **QUICK)
+    result = measure_serving(task, convert(model, {}), reference, CPU, batch_size, **QUICK)
     assert result.state == "complete", result.reason
     assert result.batch_size == batch_size
     assert 0 < result.latency_p50_ms <= result.latency_p90_ms
@@ -351,7 +351,7 @@ def test_a_non_finite_output_fails_the_measurement_with_the_layer():
     model = task.model().eval()
     reference = Reference.of(task, model, CPU)
     converted = convert(model, dict.fromkeys(_leaves(model), "fp16"))
-    result = measure_inference(task, converted, reference, CPU, 4, **QUICK)
+    result = measure_serving(task, converted, reference, CPU, 4, **QUICK)
     assert result.state == "failed"
     assert "non-finite outputs" in result.reason and "features" in result.reason
     assert result.batch_size == 4
@@ -361,10 +361,10 @@ def test_bad_measurement_input_raises(mlp):
     task, model = mlp
     reference = Reference.of(task, model, CPU)
     with pytest.raises(AutoprecError, match="batch_size"):
-        measure_inference(task, model, reference, CPU, 0)
+        measure_serving(task, model, reference, CPU, 0)
     other = Reference(reference.logits[:1], reference.accuracy, 10)
     with pytest.raises(AutoprecError, match="the reference holds 1 batches"):
-        measure_inference(task, convert(model, {}), other, CPU, 1, **QUICK)
+        measure_serving(task, convert(model, {}), other, CPU, 1, **QUICK)
 
 
 def test_side_by_side_times_each_model(mlp):
@@ -378,7 +378,7 @@ def test_agreement_on_a_transformers_model(bert):
     task, model = bert
     reference = Reference.of(task, model, CPU)
     converted = convert(model, dict.fromkeys(_leaves(model), "fp16"))
-    result = measure_inference(task, converted, reference, CPU, 2, **QUICK)
+    result = measure_serving(task, converted, reference, CPU, 2, **QUICK)
     assert result.state == "complete", result.reason
     assert result.top1_agreement > 0.95
     assert result.max_rel_deviation < 0.05

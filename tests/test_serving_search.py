@@ -1,4 +1,4 @@
-"""The serving search, end to end on the command line: `autoprec search --mode inference`
+"""The serving search, end to end on the command line: `autoprec search --mode serving`
 trains (or loads) the fp32 model once, converts it per policy, measures it, and hands back
 the chosen policy, an MLflow model of it, and with `autoprec export` a model to serve.
 
@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec import Policy, SearchConfig, load_inference_model, load_policy, search
+from autoprec import Policy, SearchConfig, load_policy, load_served_model, search
 from autoprec.cli import main
 from autoprec.errors import AutoprecError
 from autoprec.tasks import load_task
@@ -72,7 +72,7 @@ def edge(tmp_path_factory):
     """An edge search (batch 1, memory first, int8 included) that ran 6 trials, then was
     continued to 8; and the fp32 checkpoint's digest and time after the first run."""
     folder = tmp_path_factory.mktemp("edge")
-    args = ("--mode", "inference", "--scenario", "edge")
+    args = ("--mode", "serving", "--scenario", "edge")
     with pytest.MonkeyPatch.context() as monkeypatch:
         runs = _search(folder, monkeypatch, *args, "--trials", "6")
         first = _fingerprint(runs / f"{TASK}-edge" / "fp32.pt")
@@ -82,9 +82,9 @@ def edge(tmp_path_factory):
 
 def test_the_edge_search_finishes_and_chooses_a_feasible_policy(edge):
     _, runs, summary, _ = edge
-    assert summary["mode"] == "inference"
-    assert summary["inference"]["scenario"] == "edge"
-    assert summary["inference"]["batch_sizes"] == [1]
+    assert summary["mode"] == "serving"
+    assert summary["serving"]["scenario"] == "edge"
+    assert summary["serving"]["batch_sizes"] == [1]
     assert summary["prefer"] == "memory"
     assert len(summary["trials"]) == 8
     best = summary["best"]
@@ -112,17 +112,17 @@ def test_the_exported_model_reproduces_the_trials_accuracy(edge, monkeypatch, ca
     assert _accuracy(task, loader.rebuilt()) == pytest.approx(expected, abs=1e-9)
     if "program.pt2" in written:
         assert _accuracy(task, loader.exported()) == pytest.approx(expected, abs=1e-9)
-    # load_inference_model, on the kept fp32 weights, computes what the trial computed.
+    # load_served_model, on the kept fp32 weights, computes what the trial computed.
     model = task.model()
     model.load_state_dict(torch.load(runs / f"{TASK}-edge" / "fp32.pt"))
     policy = load_policy(runs / f"{TASK}-edge" / "best_policy.yaml")
-    served = load_inference_model(model, policy, int8=summary["inference"]["int8"])
+    served = load_served_model(model, policy, int8=summary["serving"]["int8"])
     assert _accuracy(task, served) == pytest.approx(expected, abs=1e-9)
 
 
 def test_the_chosen_model_is_an_mlflow_model(edge):
     folder, _, summary, _ = edge
-    logged = summary["inference"]["mlflow_model"]
+    logged = summary["serving"]["mlflow_model"]
     assert logged["logged"], logged
     mlflow.set_tracking_uri(f"sqlite:///{folder}/runs/mlflow.db")  # MLflow caches by URI
     # Loading it unpickles nothing (pt2, or dynamic int8 rebuilt), and the parent says so.
@@ -138,7 +138,7 @@ def test_the_chosen_model_is_an_mlflow_model(edge):
     fp32 = task.model()
     fp32.load_state_dict(torch.load(folder / "runs" / f"{TASK}-edge" / "fp32.pt"))
     policy = load_policy(folder / "runs" / f"{TASK}-edge" / "best_policy.yaml")
-    served = load_inference_model(fp32, policy, "cpu", summary["inference"]["int8"])
+    served = load_served_model(fp32, policy, "cpu", summary["serving"]["int8"])
     with torch.inference_mode():
         expected = served(batch.args[0][:5]).numpy()
     assert predicted.shape == expected.shape == (5, 10)
@@ -159,7 +159,7 @@ def test_a_given_checkpoint_is_served_and_not_copied(tmp_path, monkeypatch, edge
     out = _search(
         tmp_path,
         monkeypatch,
-        *("--mode", "inference", "--scenario", "edge", "--trials", "3"),
+        *("--mode", "serving", "--scenario", "edge", "--trials", "3"),
         *("--checkpoint", str(mine), "--study", "mine"),
     )
     assert not (out / "mine" / "fp32.pt").exists()
@@ -177,12 +177,12 @@ def test_the_server_search_measures_each_batch_size(tmp_path, monkeypatch):
     runs = _search(
         tmp_path,
         monkeypatch,
-        *("--mode", "inference", "--scenario", "server", "--trials", "6"),
+        *("--mode", "serving", "--scenario", "server", "--trials", "6"),
         *("--batch-sizes", "1,64"),
     )
     summary = _summary(runs, f"{TASK}-server")
-    assert summary["inference"]["batch_sizes"] == [8, 1, 64]
-    rows = {row["batch_size"]: row for row in summary["inference"]["by_batch_size"]}
+    assert summary["serving"]["batch_sizes"] == [8, 1, 64]
+    rows = {row["batch_size"]: row for row in summary["serving"]["by_batch_size"]}
     assert set(rows) == {8, 1, 64}
     for row in rows.values():
         assert row["latency_ms"] > 0 and row["fp32_latency_ms"] > 0
@@ -202,10 +202,10 @@ def test_the_server_search_measures_each_batch_size(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_critical_search_never_disagrees_with_fp32(tmp_path, monkeypatch):
     runs = _search(
-        tmp_path, monkeypatch, "--mode", "inference", "--scenario", "critical", "--trials", "8"
+        tmp_path, monkeypatch, "--mode", "serving", "--scenario", "critical", "--trials", "8"
     )
     summary = _summary(runs, f"{TASK}-critical")
-    assert summary["inference"]["min_top1_agreement"] == 1.0
+    assert summary["serving"]["min_top1_agreement"] == 1.0
     feasible = [e for e in [summary["baseline"], *summary["trials"]] if e["feasible"]]
     assert summary["best"]["feasible"]
     for entry in [*feasible, summary["best"]]:
@@ -232,16 +232,16 @@ def _bad(folder, monkeypatch, capsys, *args):
 def test_a_checkpoint_that_does_not_fit_is_one_line(edge, monkeypatch, capsys):
     folder, _, _, _ = edge
     torch.save(nn.Linear(3, 3).state_dict(), folder / "wrong.pt")
-    err = _bad(folder, monkeypatch, capsys, "--mode", "inference", "--checkpoint", "wrong.pt")
+    err = _bad(folder, monkeypatch, capsys, "--mode", "serving", "--checkpoint", "wrong.pt")
     assert "checkpoint wrong.pt" in err
 
 
 def test_a_checkpoint_that_is_not_one_is_one_line(edge, monkeypatch, capsys):
     folder, _, _, _ = edge
     (folder / "notes.pt").write_text("not a checkpoint")
-    err = _bad(folder, monkeypatch, capsys, "--mode", "inference", "--checkpoint", "notes.pt")
+    err = _bad(folder, monkeypatch, capsys, "--mode", "serving", "--checkpoint", "notes.pt")
     assert "checkpoint notes.pt: not a torch checkpoint" in err
-    err = _bad(folder, monkeypatch, capsys, "--mode", "inference", "--checkpoint", "gone.pt")
+    err = _bad(folder, monkeypatch, capsys, "--mode", "serving", "--checkpoint", "gone.pt")
     assert "checkpoint gone.pt: no such file" in err
 
 
@@ -250,20 +250,20 @@ def test_an_unknown_scenario_is_one_line(edge, monkeypatch, capsys):
     monkeypatch.chdir(folder)
     before = _snapshot(folder)
     with pytest.raises(SystemExit) as stopped:
-        main(["search", "--mode", "inference", "--scenario", "medical"])
+        main(["search", "--mode", "serving", "--scenario", "medical"])
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "invalid choice: 'medical'" in err
     with pytest.raises(AutoprecError, match="scenario 'medical'"):
-        search(TASK, config=SearchConfig(mode="inference", scenario="medical"))
+        search(TASK, config=SearchConfig(mode="serving", scenario="medical"))
     assert _snapshot(folder) == before
 
 
 def test_batch_sizes_that_are_not_are_one_line(edge, monkeypatch, capsys):
     folder, _, _, _ = edge
-    err = _bad(folder, monkeypatch, capsys, "--mode", "inference", "--batch-sizes", "1,x")
+    err = _bad(folder, monkeypatch, capsys, "--mode", "serving", "--batch-sizes", "1,x")
     assert "--batch-sizes" in err
-    err = _bad(folder, monkeypatch, capsys, "--mode", "inference", "--batch-size", "0")
+    err = _bad(folder, monkeypatch, capsys, "--mode", "serving", "--batch-size", "0")
     assert "--batch-size" in err
 
 
@@ -275,7 +275,7 @@ def test_int8_on_a_device_without_int8_kernels_is_one_line(edge):
     done = subprocess.run(
         [
             *(sys.executable, "-m", "autoprec.cli", "search", "--task", TASK),
-            *("--device", "npu", "--mode", "inference", "--int8", "dynamic", "--no-progress"),
+            *("--device", "npu", "--mode", "serving", "--int8", "dynamic", "--no-progress"),
         ],
         cwd=folder,
         capture_output=True,
@@ -309,7 +309,7 @@ def test_export_without_a_task_name_asks_for_one(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     os.makedirs("runs/s")
     (tmp_path / "runs/s/summary.json").write_text(
-        json.dumps({"mode": "inference", "settings": {"task_spec": None}})
+        json.dumps({"mode": "serving", "settings": {"task_spec": None}})
     )
     Policy.uniform("fp16").save(tmp_path / "runs/s/best_policy.yaml")
     assert main(["export", "--study", "s"]) == 2
@@ -327,7 +327,7 @@ def test_a_transformers_model_goes_to_mlflow_with_its_inputs_stacked(tmp_path):
     model = task.model().eval()
     batch = task.batch(next(iter(task.val_data())))
     policy = Policy.uniform("bf16")
-    served = load_inference_model(model, policy, "cpu")
+    served = load_served_model(model, policy, "cpu")
     fmt = save_mlflow_model(served, batch, policy, tmp_path / "model", None)
     assert fmt == "pt2"  # loading needs torch alone
     loaded = mlflow.pyfunc.load_model(str(tmp_path / "model"))

@@ -1,0 +1,112 @@
+"""A mode of search as the generic code sees it: the `Mode` base class, whose defaults are
+the plain case, and the two modes autoprec ships.
+
+A mode owns everything that differs between modes: its `Trials` class, its own settings
+section, its preferences and dtypes, whether its trials train, the export formats it
+allows, its report view and words, and its summary's own part. The generic code asks the
+mode object (found by `autoprec.trials.mode_named`) and never names a mode.
+
+A new mode subclasses `Mode` and sets what differs; only ``name`` and ``trials`` are
+required. Heavy parts (the `Trials` class, the report view) are named as
+``"module:attribute"`` and loaded on first use, so that this module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, ClassVar
+
+from autoprec.selection import TRAINING_PREFERENCES
+from autoprec.serving.scenarios import SERVING_PREFERENCES
+
+
+def load(reference: str) -> Any:
+    """The attribute a ``"module:attribute"`` reference names, its module imported."""
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class Mode:
+    """One mode of search. Subclass it and set ``name`` and ``trials``; the rest has the
+    defaults of a mode whose trials measure policies without training or serving anything
+    of their own (no settings section, speed/memory/balanced preferences, the autocast
+    dtypes, YAML export, the training report)."""
+
+    name: ClassVar[str]  # the --mode that selects it, and summary.json's "mode"
+    trials: ClassVar[str]  # "module:Class" of its `Trials` (`autoprec.trials.base`)
+    aliases: ClassVar[tuple[str, ...]] = ()  # names it was known by, still accepted
+    help: ClassVar[str] = ""  # what its trials do, for --mode's help
+    # The settings section (and SearchConfig field) holding its own settings; None: none.
+    settings: ClassVar[str | None] = None
+    # Whether its trials train: the options of training (loss scaling, optimizer states,
+    # compiled trials, longer runs and their confirmation, the range forecast) apply.
+    trains: ClassVar[bool] = False
+    preferences: ClassVar[tuple[str, ...]] = TRAINING_PREFERENCES
+    # The dtypes its policies' layers may take (the summary reader checks them).
+    dtypes: ClassVar[tuple[str, ...]] = ("fp32", "fp16", "bf16")
+    # ``autoprec export --format``s its studies allow, the first the default.
+    export_formats: ClassVar[tuple[str, ...]] = ("yaml",)
+    # Its report: the view (`autoprec.report.View`) and the words (`ModeText`).
+    view: ClassVar[str] = "autoprec.report.training:training_view"
+    text: ClassVar[str] = "autoprec.report.modes:TRAINING_TEXT"
+
+    def trials_class(self) -> type[Any]:
+        """Its `Trials` class, imported on first use."""
+        return load(self.trials)  # type: ignore[no-any-return]
+
+    def report_view(self) -> Any:
+        return load(self.view)
+
+    def report_text(self) -> Any:
+        return load(self.text)
+
+    def __repr__(self) -> str:
+        return f"<mode {self.name}>"
+
+
+class TrainingMode(Mode):
+    """Trials train the task under each policy (the default mode)."""
+
+    name = "training"
+    trials = "autoprec.trials.training:TrainingTrials"
+    help = "trials train the model under each policy"
+    trains = True
+    export_formats = (
+        "yaml",
+        "torch-npu",
+        "cann",
+        "transformers",
+        "fp8",
+        "torchao-optimizer",
+        "bitsandbytes",
+        "trainer",
+    )
+
+
+class ServingMode(Mode):
+    """Trials convert a trained fp32 model's weights under each policy and serve it."""
+
+    name = "serving"
+    aliases = ("inference",)
+    trials = "autoprec.trials.serving:ServingTrials"
+    help = (
+        "trials convert a trained fp32 model's weights per layer (fp32/fp16/bf16/int8/fp8) "
+        "and serve it"
+    )
+    settings = "serving"
+    preferences = SERVING_PREFERENCES
+    dtypes = ("fp32", "fp16", "bf16", "int8", "fp8")
+    export_formats = (
+        "model",
+        "yaml",
+        "torch-npu",
+        "cann",
+        "transformers",
+        "fp8",
+        "torchao",
+        "torchao-optimizer",
+        "bitsandbytes",
+        "trainer",
+    )
+    view = "autoprec.report.serving:serving_view"
+    text = "autoprec.report.modes:SERVING_TEXT"
