@@ -18,6 +18,7 @@ import yaml
 
 from autoprec.cli import _build_parser, main
 from autoprec.settings import SECTIONS, options, study_keys, to_yaml
+from autoprec.study import SearchConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -206,3 +207,17 @@ def test_the_fingerprint_comes_from_the_declaration_and_is_unchanged(tmp_path, m
     assert list(recorded) == list(FINGERPRINT_BEFORE) and recorded == FINGERPRINT_BEFORE
     # every key is a declared setting's (launched trials' "backend" only where there are)
     assert set(recorded) == set(study_keys("training")) - {"backend"}
+
+
+def test_the_serving_mode_answers_to_its_earlier_name(tmp_path):
+    """``--mode inference`` (the serving mode's name before it had one) is the serving
+    mode: on the command line, in a config file and from Python."""
+    typed = _autoprec("search", "--mode", "inference", "--print-config", cwd=tmp_path)
+    assert typed.returncode == 0, typed.stderr
+    assert yaml.safe_load(typed.stdout)["what"]["mode"] == "serving"
+    (tmp_path / "old.yaml").write_text("what:\n  mode: inference\n")
+    read = _autoprec("search", "--config", "old.yaml", "--print-config", cwd=tmp_path)
+    assert read.returncode == 0, read.stderr
+    assert yaml.safe_load(read.stdout)["what"]["mode"] == "serving"
+    assert SearchConfig(mode="inference", scenario="edge").mode == "serving"
+    assert "{training,serving}" in _autoprec("search", "--help", cwd=tmp_path).stdout

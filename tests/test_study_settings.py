@@ -199,3 +199,14 @@ def test_a_refused_resume_leaves_the_parent_run_as_it_was(studies, monkeypatch, 
     for _ in range(10):
         assert client.get_run(parent.info.run_id).info.status == "FINISHED"
         time.sleep(0.2)
+
+
+def test_a_study_made_under_the_serving_modes_earlier_name_continues(tmp_path):
+    """A serving study recorded its mode as ``inference`` before the mode had one name:
+    it continues under ``serving``, and a training search is still refused."""
+    recorded = {**SETTINGS, "mode": "inference"}
+    storage = _study_with(tmp_path, {FINGERPRINT_ATTR: recorded})
+    sampler = optuna.samplers.RandomSampler()
+    assert open_study("s", storage, sampler, {**SETTINGS, "mode": "serving"}) is not None
+    with pytest.raises(StoreError, match="was run with mode='serving', not 'training'"):
+        open_study("s", storage, sampler, {**SETTINGS, "mode": "training"})
