@@ -207,3 +207,18 @@ def test_every_sub_package_ships_in_the_wheel() -> None:
 if __name__ == "__main__":
     for cycle in find_cycles(import_graph()):
         print(" -> ".join(cycle))
+
+
+def test_no_module_imports_through_the_public_facade() -> None:
+    """Inside the package, names come from the module that defines them: ``from autoprec
+    import Policy`` (the facade's lazy table) hides the real dependency from this graph."""
+    through = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            facade = isinstance(node, ast.ImportFrom) and node.module == "autoprec"
+            if facade or "autoprec" in names:
+                through.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert through == []

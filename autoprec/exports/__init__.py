@@ -34,7 +34,6 @@ from typing import Any
 
 from torch import nn
 
-from autoprec import Policy
 from autoprec.devices import NPU_NO_FP8, device_kind
 from autoprec.exports import (
     cann,
@@ -60,6 +59,7 @@ from autoprec.exports.served import export_model
 from autoprec.exports.torchao_file import export_torchao
 from autoprec.exports.trainer import export_trainer, trainer_optim
 from autoprec.exports.yaml_file import export_yaml
+from autoprec.policy import Policy
 
 FORMATS = (
     "yaml",

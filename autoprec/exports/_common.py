@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import Policy
 from autoprec._util.files import write_atomic
 from autoprec.dtypes import LOW_PRECISION
 from autoprec.errors import ExportError, ExportWarning
 from autoprec.optim.state import TrainingState
+from autoprec.policy import Policy
 
 COMMENT_WIDTH = 92
 

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import Policy
 from autoprec._util.files import atomic_file
 from autoprec.errors import WriteError
 from autoprec.exports._common import (
@@ -39,6 +38,7 @@ from autoprec.exports._common import (
     write,
 )
 from autoprec.exports._owned import export_folder, record_written
+from autoprec.policy import Policy
 from autoprec.serving.logits_path import serving_defaults
 
 MODEL_FILE = "model.onnx"

@@ -34,7 +34,6 @@ from pathlib import Path
 
 from torch import nn
 
-from autoprec import Policy
 from autoprec.exports._common import (
     ExportError,
     comment,
@@ -48,6 +47,7 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
+from autoprec.policy import Policy
 from autoprec.precision.fp8 import FP8_DIM_MULTIPLE
 
 TORCHTITAN_FILE = "float8_torchtitan.toml"

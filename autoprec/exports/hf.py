@@ -21,7 +21,6 @@ from pathlib import Path
 
 from torch import nn
 
-from autoprec import Policy
 from autoprec.exports._common import (
     ExportError,
     comment,
@@ -34,6 +33,7 @@ from autoprec.exports._common import (
     write,
 )
 from autoprec.exports._owned import export_folder, record_written
+from autoprec.policy import Policy
 
 LIST_FILE = "keep_in_fp32_modules.json"
 SNIPPET_FILE = "load_transformers.py"

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from torch import nn
 
-from autoprec import Policy
 from autoprec.exports._common import (
     comment,
     names,
@@ -25,6 +24,7 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
+from autoprec.policy import Policy
 
 SETTINGS_FILE = "npu_settings.py"
 FILES = (SETTINGS_FILE, POLICY_FILE)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from torch import nn
 
-from autoprec import Policy
 from autoprec.exports._common import (
     ADAMW_ARGUMENTS,
     ADAMW_SIGNATURE,
@@ -32,6 +31,7 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder
 from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
+from autoprec.policy import Policy
 
 CONFIG_FILE = "torchao_optimizer.py"
 FILES = (CONFIG_FILE, POLICY_FILE)

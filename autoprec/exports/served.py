@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import Policy
 from autoprec._util.files import atomic_file
 from autoprec._util.structures import map_tensors, tensors, to_device
 from autoprec.devices import get_backend
@@ -53,6 +52,7 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
+from autoprec.policy import Policy
 from autoprec.serving.conversion import has_torch_dynamic_int8
 from autoprec.serving.logits_path import LogitsPath
 

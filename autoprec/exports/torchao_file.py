@@ -25,7 +25,6 @@ from pathlib import Path
 
 from torch import nn
 
-from autoprec import Policy
 from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.exports._common import (
     ExportError,
@@ -38,6 +37,7 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder
 from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
+from autoprec.policy import Policy
 from autoprec.serving.fp8 import default_fp8_method
 from autoprec.serving.quantizers import INT8_METHODS, QUANTIZERS, Quantizer, default_int8_method
 

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from torch import nn
 
-from autoprec import Policy
 from autoprec.exports._common import (
     comment,
     docstring,
@@ -38,6 +37,7 @@ from autoprec.exports._common import (
 from autoprec.exports._owned import export_folder
 from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
 from autoprec.optim.state import TrainingState
+from autoprec.policy import Policy
 
 SNIPPET_FILE = "trainer_optimizer.py"
 FILES = (SNIPPET_FILE, POLICY_FILE)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from autoprec import Policy
 from autoprec.exports._common import warn, write
 from autoprec.exports._owned import export_folder, record_written
+from autoprec.policy import Policy
 
 POLICY_FILE = "policy.yaml"
 

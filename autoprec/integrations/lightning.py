@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import Policy, Precision
 from autoprec._util.structures import cast_floats
+from autoprec.policy import Policy
+from autoprec.precision.hooks import Precision
 
 try:
     import lightning.pytorch as pl

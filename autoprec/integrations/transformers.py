@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import Policy, Precision
+from autoprec.policy import Policy
+from autoprec.precision.hooks import Precision
 
 try:
     import transformers

@@ -62,7 +62,8 @@ class RebuiltModel:
 def _load_pyfunc(data_path: str) -> RebuiltModel:
     """MLflow's entry point: the served model rebuilt from the data folder, nothing
     unpickled."""
-    from autoprec import load_policy, load_served_model
+    from autoprec.policy import load_policy
+    from autoprec.serving.load import load_served_model
     from autoprec.tasks import load_task
 
     folder = Path(data_path)

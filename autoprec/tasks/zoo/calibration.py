@@ -188,10 +188,10 @@ def search_verdicts(
     entry: ZooEntry, steps: int, table: dict[str, Any], workdir: Path, trials: int = SEARCH_TRIALS
 ) -> list[TrialVerdict]:
     """Run ``autoprec.search`` on one zoo task and read its trials' verdicts."""
-    import autoprec
+    from autoprec.study import search
 
     study = f"{entry.name}-{steps}"
-    autoprec.search(
+    search(
         entry.task(),
         trials=trials,
         steps=steps,

@@ -194,12 +194,12 @@ def search_at_real_length(
 ) -> RealLengthVerdict:
     """``autoprec.search`` on one zoo task with --train-steps and --confirm-steps at the
     real length (``REAL_STEPS_MULTIPLE`` times ``steps``), and its answer read back."""
-    import autoprec
+    from autoprec.study import search
 
     real = REAL_STEPS_MULTIPLE * steps
     study = f"{entry.name}-{steps}-real"
     started = time.perf_counter()
-    autoprec.search(
+    search(
         entry.task(),
         trials=trials,
         steps=steps,
