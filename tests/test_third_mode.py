@@ -1,7 +1,8 @@
 """A third mode of search is one new module: a `Trials` class (here a trivial one that
 scores a policy by how much of the model it sends below fp32, and trains nothing) and a
 `Mode` naming it, registered in `autoprec.trials.MODES`. The search loop, the session,
-the records and the tracker run it unchanged, and what it leaves behind is written."""
+the records and the tracker run it unchanged, and what it leaves behind is written. Where
+it names what a rank runs (`Mode.rank_trial`), its trials are launched as ranks too."""
 
 from __future__ import annotations
 
@@ -10,12 +11,19 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import mlflow
+import pytest
 
 import autoprec
 import autoprec.trials
+from autoprec.devices import get_backend
+from autoprec.distributed.launch import LaunchPlan, settle_parallel
+from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
 from autoprec.trials import Mode
 from autoprec.trials.base import Choice, Feasibility, Measured, TrialState
+from autoprec.trials.launched import LaunchedTrials
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -135,3 +143,51 @@ def test_a_third_mode_is_one_module(in_tmp, tiny_task, monkeypatch):
     client = mlflow.MlflowClient(f"sqlite:///{in_tmp / 'runs' / 'mlflow.db'}")
     run = client.get_run(best["mlflow_run_id"])
     assert run.data.metrics["counted_time_ms"] == fastest
+
+
+def count_on_ranks(spec: dict[str, Any]) -> tuple[CountedResult, dict[str, Any]]:
+    """The counting mode's rank trial: every rank counts itself; the time is how many did."""
+    import torch
+    import torch.distributed as dist
+
+    ranks = torch.ones(1)
+    dist.all_reduce(ranks)
+    counted = CountedResult(TrialState.COMPLETE, accuracy=0.5, counted_time_ms=float(ranks))
+    return counted, {"nproc": dist.get_world_size(), "policy": spec["policy"]["default"]}
+
+
+class LaunchedCounting(Counting):
+    """The counting mode, launchable: it names what each rank runs."""
+
+    rank_trial = f"{__name__}:count_on_ranks"
+
+
+def test_a_third_mode_is_launched_as_ranks_where_it_names_its_rank_trial(
+    tmp_path, tiny_task, monkeypatch
+):
+    monkeypatch.setitem(autoprec.trials.MODES, "counting", Counting())
+    with pytest.raises(AutoprecError, match=r"--nproc-per-trial 2: only with --mode training$"):
+        settle_parallel(2, None, "counting", None, None)
+    monkeypatch.setitem(autoprec.trials.MODES, "counting", LaunchedCounting())
+    assert settle_parallel(2, None, "counting", None, None) == "ddp"
+    plan = LaunchPlan(
+        nproc=2,
+        parallel="ddp",
+        backend="gloo",
+        group=["cpu", "cpu"],
+        task_spec="unused",
+        folder=tmp_path / "launches",
+        limit_s=300.0,
+        env={"PYTHONPATH": str(REPO)},  # the ranks import this module
+        rank_trial=LaunchedCounting.rank_trial,
+    )
+    inner = CountingTrials(tiny_task, tiny_task.model(), get_backend("cpu"))
+    trials = LaunchedTrials(inner, plan)
+    result = trials.measure(Policy.uniform("bf16"))
+    assert isinstance(result, CountedResult), result
+    assert result.state == TrialState.COMPLETE and result.counted_time_ms == 2.0, result.reason
+    assert not plan.folder.exists() or not any(plan.folder.iterdir())  # a launch that ran
+    # Everything but the measurement is the wrapped trials'.
+    assert (trials.mode, trials.result_type) == ("counting", CountedResult)
+    assert trials.choice(None).study == "tiny-counted"
+    assert trials.settings == {"mode": "counting", "backend": "gloo"}

@@ -1,10 +1,12 @@
 """Trials that span several devices: each trial one launch of torch's own launcher.
 
-``autoprec search --nproc-per-trial N`` runs every training trial (the fp32 baseline too)
-as ``python -m torch.distributed.run --nproc-per-node N --standalone -m
+``autoprec search --nproc-per-trial N`` runs every trial (the fp32 baseline too) of a mode
+that names how a rank measures a policy (`Mode.rank_trial`: the training mode's) as
+``python -m torch.distributed.run --nproc-per-node N --standalone -m
 autoprec.distributed.rank SPEC RESULT``: torchrun's elastic agent starts the N ranks,
 and rank 0 writes the trial's result. To the search a launch is one trial: one
-``measure()`` call, under the worker's heartbeat, lease and time limit. Several trials
+``measure()`` call of `autoprec.trials.launched.LaunchedTrials` (this module's
+`launched_trial`), under the worker's heartbeat, lease and time limit. Several trials
 run at once where there are devices for them: ``--devices cuda:0-7 --nproc-per-trial 4``
 is two workers, each launching on its own 4 devices (``CUDA_VISIBLE_DEVICES`` or
 ``ASCEND_RT_VISIBLE_DEVICES`` set to them; rank ``i`` uses its device ``i``).
@@ -26,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import math
 import os
 import re
 import shutil
@@ -42,12 +43,14 @@ from typing import TYPE_CHECKING, Any
 from autoprec._util.files import open_log, write_atomic
 from autoprec.devices import parse_devices, visible_devices_env
 from autoprec.errors import AutoprecError, first_line
-from autoprec.trials.base import TRIAL_TIMEOUT_FACTOR, TRIAL_TIMEOUT_MIN_S, TrialState
-from autoprec.trials.training import TrainingTrials, TrialResult
+from autoprec.trials import MODES, mode_named
+from autoprec.trials.base import R, TrialState
+from autoprec.trials.training import TrialResult
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy
     from autoprec.space import SearchSpace
+    from autoprec.trials.base import Result
 
 PARALLEL_MODES = ("ddp", "fsdp2")
 FSDP2_REDUCE_DTYPES = ("fp32", "bf16")  # searched under FSDP2 (DDP's: `ddp_reduce_dtypes`)
@@ -106,7 +109,8 @@ def settle_parallel(
 ) -> str | None:
     """The parallel mode of a search's launched trials (``ddp`` unless given; None for
     trials on one device), after checking ``--nproc-per-trial`` against the other
-    settings. Raises AutoprecError with one line naming the option."""
+    settings (``mode``: the search's, by a name `mode_named` knows, launchable). Raises
+    AutoprecError with one line naming the option."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise AutoprecError(f"--nproc-per-trial: expected a positive integer, got {nproc!r}")
     if parallel is not None and parallel not in PARALLEL_MODES:
@@ -118,8 +122,9 @@ def settle_parallel(
                 "(a trial on one device has nothing to spread)"
             )
         return None
-    if mode not in (None, "training"):
-        raise AutoprecError(f"--nproc-per-trial {nproc}: only with --mode training")
+    if not mode_named(mode).launchable:
+        launchable = " or ".join(m.name for m in MODES.values() if m.launchable)
+        raise AutoprecError(f"--nproc-per-trial {nproc}: only with --mode {launchable}")
     listed = parse_devices(devices)
     if listed and listed[0] != "cpu":
         if len(listed) < nproc:
@@ -454,7 +459,8 @@ def _descendants(root: int) -> list[int]:
 class LaunchPlan:
     """How a search launches each trial: ``nproc`` ranks in ``parallel`` mode over
     ``backend``, on ``group`` (as this process sees its devices), ``threads`` CPU
-    threads per rank, and the task as ``task_spec`` names it (each rank loads it)."""
+    threads per rank, the task as ``task_spec`` names it (each rank loads it), and what
+    each rank runs to measure a policy (``rank_trial``, the mode's) over ``budget``."""
 
     nproc: int
     parallel: str
@@ -470,13 +476,16 @@ class LaunchPlan:
     reduce_dtype: str = "fp32"
     module: str = RANK_MODULE
     env: dict[str, str] = field(default_factory=dict)
+    budget: dict[str, Any] = field(default_factory=dict)  # the search's `Budget`, as fields
+    rank_trial: str | None = None  # `Mode.rank_trial`; None: the rank program's default
 
-    def spec(self, policy: Policy, budget: Any) -> dict[str, Any]:
+    def spec(self, policy: Policy) -> dict[str, Any]:
         """The rank program's spec: what `autoprec.distributed.rank` reads."""
         return {
             "task": self.task_spec,
+            **({"rank_trial": self.rank_trial} if self.rank_trial else {}),
             "policy": policy.to_dict(),
-            "budget": asdict(budget),
+            "budget": self.budget,
             "parallel": self.parallel,
             "backend": self.backend,
             "devices": local_group(self.group),
@@ -490,10 +499,39 @@ class LaunchPlan:
     def environment(self) -> dict[str, str]:
         return group_env(self.group, self.threads, {**os.environ, **self.env})
 
+    def fit(self, space: SearchSpace) -> SearchSpace:
+        """``space`` (refused where its optimizer states cannot train under FSDP2 here),
+        with the dtype gradients are communicated in searched too, unless the space names
+        its own: under FSDP2 its ``reduce_dtype`` (``fsdp.reduce_dtype``: fp32 or bf16),
+        under DDP its compression hook (``ddp.reduce_dtype``: fp32 or fp16, and bf16
+        where torch allows its hook)."""
+        from autoprec.distributed.ddp import ddp_reduce_dtypes
+        from autoprec.distributed.fsdp import fsdp2_state_refusal
+        from autoprec.space import DDP_REDUCE_PARAM, FSDP_REDUCE_PARAM
 
-def plan_for(config: Any, task_spec: str | None, devices: list[str], folder: Path) -> LaunchPlan:
+        if self.parallel == "fsdp2" and space.optimizer_states is not None:
+            kind = self.group[0].split(":")[0]
+            refusal = fsdp2_state_refusal(space.optimizer_states.kinds(), kind)
+            if refusal is not None:  # before any store is opened
+                raise AutoprecError(f"{space.source}: {refusal}")
+        if space.reduce_dtypes:
+            return space
+        if self.parallel == "fsdp2":
+            return replace(space, reduce_dtypes=FSDP2_REDUCE_DTYPES, reduce_param=FSDP_REDUCE_PARAM)
+        return replace(space, reduce_dtypes=ddp_reduce_dtypes(), reduce_param=DDP_REDUCE_PARAM)
+
+
+def plan_for(
+    config: Any,
+    task_spec: str | None,
+    devices: list[str],
+    folder: Path,
+    budget: Any,
+    rank_trial: str,
+) -> LaunchPlan:
     """The launch plan of a search's settings on ``devices`` (the first group of
-    ``config.nproc_per_trial``; a worker is given only its own group)."""
+    ``config.nproc_per_trial``; a worker is given only its own group), its ranks running
+    ``rank_trial`` over ``budget`` (a dataclass: its fields go to the ranks)."""
     nproc = config.nproc_per_trial
     if task_spec is None:
         raise AutoprecError(
@@ -517,121 +555,46 @@ def plan_for(config: Any, task_spec: str | None, devices: list[str], folder: Pat
         default_limit=config.trial_timeout_s is None,
         threads=max(1, torch.get_num_threads() // nproc),
         emulate=tuple(config.emulate),
+        budget=asdict(budget),
+        rank_trial=rank_trial,
     )
 
 
-class LaunchedTrials(TrainingTrials):
-    """The training mode with every trial launched across ``plan.nproc`` devices: what
-    is measured comes from the ranks; the rest (fitting the space, the profile, the
-    choice) is the training mode's, in this process."""
-
-    def __init__(self, inner: TrainingTrials, plan: LaunchPlan) -> None:
-        tolerance, prefer, study = inner.asked
-        super().__init__(
-            task=inner.task,
-            model=inner.model,
-            backend=inner.backend,
-            budget=inner.budget,
-            accuracy_tolerance=tolerance,
-            prefer=prefer,
-            study=study,
-            forecast_warns=inner.forecast_warns,
-            schedule=inner.schedule,
-        )
-        self.plan = plan
-
-    def fit(self, space: SearchSpace, profile: Any) -> SearchSpace:
-        """The training mode's space (refused where its optimizer states cannot train
-        under FSDP2 here), with the dtype gradients are communicated in searched too,
-        unless the space names its own: under FSDP2 its ``reduce_dtype``
-        (``fsdp.reduce_dtype``: fp32 or bf16), under DDP its compression hook
-        (``ddp.reduce_dtype``: fp32 or fp16, and bf16 where torch allows its hook)."""
-        from autoprec.distributed.ddp import ddp_reduce_dtypes
-        from autoprec.distributed.fsdp import fsdp2_state_refusal
-        from autoprec.space import DDP_REDUCE_PARAM, FSDP_REDUCE_PARAM
-
-        fitted = super().fit(space, profile)
-        if self.plan.parallel == "fsdp2" and fitted.optimizer_states is not None:
-            kind = self.plan.group[0].split(":")[0]
-            refusal = fsdp2_state_refusal(fitted.optimizer_states.kinds(), kind)
-            if refusal is not None:  # before any store is opened
-                raise AutoprecError(f"{fitted.source}: {refusal}")
-        if fitted.reduce_dtypes:
-            return fitted
-        if self.plan.parallel == "fsdp2":
-            return replace(
-                fitted, reduce_dtypes=FSDP2_REDUCE_DTYPES, reduce_param=FSDP_REDUCE_PARAM
-            )
-        return replace(fitted, reduce_dtypes=ddp_reduce_dtypes(), reduce_param=DDP_REDUCE_PARAM)
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        """The training mode's, and the ranks' collective backend (the search records
-        how many ranks, and in which parallel mode)."""
-        return {**super().settings, "backend": self.plan.backend}
-
-    def warm_up(self, space: SearchSpace, limit_s: float) -> None:
-        """Nothing: every launch is a fresh set of processes, which no warm-up here helps."""
-
-    def judged_against(self, baseline: Any, early_stopping: bool) -> LaunchedTrials:
-        """These trials, stopped early against the baseline on the ranks
-        (``early_stopping``), with the search's default time limit once the baseline
-        sets it (25x its trial, at least 300 s) where no ``--trial-timeout`` was given."""
-        plan = self.plan
-        if plan.default_limit:
-            limit_s = max(TRIAL_TIMEOUT_MIN_S, TRIAL_TIMEOUT_FACTOR * baseline.run_time_s)
-            plan = replace(plan, limit_s=limit_s, default_limit=False)
-        if early_stopping and isinstance(baseline, TrialResult):
-            plan = replace(plan, baseline=baseline.to_dict())
-        return self if plan is self.plan else LaunchedTrials(self, plan)
-
-    def measure(self, policy: Policy) -> TrialResult:
-        """One launch of the policy's trial (`launch_set_up`: again where it failed
-        setting up); a launch that failed is a failed trial, and one whose rank was
-        refused its input (an AutoprecError) raises it here."""
-        plan = self.plan
-        outcome, retries = launch_set_up(plan.spec(policy, self.budget), plan)
-        folder = outcome.result_path.parent
-        if outcome.result_path.is_file():  # a rank that raised wrote why, as a failed result
-            result = read_result(outcome.result_path)
-            if _refused(outcome.result_path):  # as a trial on one device raises it
-                raise AutoprecError(f"{result.reason} (log: {outcome.log_path})")
-            if outcome.exit_code != 0 and outcome.finished(plan.nproc):
-                # Every rank ended its process group: what failed came after the trial.
-                _note(result, "exit_code_after_done", outcome.exit_code)
-            elif outcome.exit_code != 0 and result.state == TrialState.FAILED:
-                # The agent names the rank that died first; the written reason is what
-                # the rank that wrote it saw then (often: its peer gone).
-                agent = failure_of(_read(outcome.log_path))
-                result.reason = f"{agent}; {result.reason}"[:600] + f" (log: {outcome.log_path})"
-            elif outcome.exit_code != 0:  # a rank died after rank 0 wrote the result
-                result = TrialResult(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
-        else:
-            result = TrialResult(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
-        if result.state != TrialState.FAILED and outcome.exit_code == 0:
-            shutil.rmtree(folder, ignore_errors=True)  # a failed launch keeps its log
-        if retries:  # said beside the ranks' record, and in a failed trial's reason
-            _note(result, "setup_retries", retries)
-            if result.state == TrialState.FAILED:
-                result.reason = (
-                    f"after {retries} launch(es) that failed setting up: {result.reason}"
-                )
-        result.run_time_s = outcome.elapsed_s
-        return result
-
-    def retime(self, policies: list[Policy]) -> list[float]:
-        """Each policy launched again, one after another (a launch holds the devices: no
-        two run side by side); a launch that gives no time counts as infinitely slow."""
-        times = []
-        for policy in policies:
-            result = self.measure(policy)
-            times.append(result.step_time_ms if result.step_time_ms is not None else math.inf)
-        return times
+def launched_trial(plan: LaunchPlan, policy: Policy, result_type: type[R]) -> R:
+    """One launch of the policy's trial (`launch_set_up`: again where it failed setting
+    up), its result read as ``result_type`` (the mode's); a launch that failed is a failed
+    trial, and one whose rank was refused its input (an AutoprecError) raises it here."""
+    outcome, retries = launch_set_up(plan.spec(policy), plan)
+    folder = outcome.result_path.parent
+    if outcome.result_path.is_file():  # a rank that raised wrote why, as a failed result
+        result = read_result(outcome.result_path, result_type)
+        if _refused(outcome.result_path):  # as a trial on one device raises it
+            raise AutoprecError(f"{result.reason} (log: {outcome.log_path})")
+        if outcome.exit_code != 0 and outcome.finished(plan.nproc):
+            # Every rank ended its process group: what failed came after the trial.
+            _note(result, "exit_code_after_done", outcome.exit_code)
+        elif outcome.exit_code != 0 and result.state == TrialState.FAILED:
+            # The agent names the rank that died first; the written reason is what
+            # the rank that wrote it saw then (often: its peer gone).
+            agent = failure_of(_read(outcome.log_path))
+            result.reason = f"{agent}; {result.reason}"[:600] + f" (log: {outcome.log_path})"
+        elif outcome.exit_code != 0:  # a rank died after rank 0 wrote the result
+            result = result_type(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
+    else:
+        result = result_type(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
+    if result.state != TrialState.FAILED and outcome.exit_code == 0:
+        shutil.rmtree(folder, ignore_errors=True)  # a failed launch keeps its log
+    if retries:  # said beside the ranks' record, and in a failed trial's reason
+        _note(result, "setup_retries", retries)
+        if result.state == TrialState.FAILED:
+            result.reason = f"after {retries} launch(es) that failed setting up: {result.reason}"
+    result.run_time_s = outcome.elapsed_s
+    return result
 
 
-def _note(result: TrialResult, key: str, value: Any) -> None:
+def _note(result: Result, key: str, value: Any) -> None:
     """``value`` under ``key`` in the ranks' record of ``result`` (none: a failed launch)."""
-    record = (result.telemetry or {}).get("distributed")
+    record = (getattr(result, "telemetry", None) or {}).get("distributed")
     if isinstance(record, dict):
         record[key] = value
 
@@ -659,26 +622,23 @@ def _refused(path: Path) -> bool:
         return False
 
 
-def trial_result_from_json(path: str | Path) -> TrialResult:
-    """The `TrialResult` rank 0 wrote to ``path`` (the launcher's side of the interface)."""
+def result_from_json(path: str | Path, result_type: type[R]) -> R:
+    """The result rank 0 wrote to ``path`` (the launcher's side of the interface), as
+    ``result_type``: the mode's result."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or "state" not in data:
         raise AutoprecError(f"{path}: not a trial result written by autoprec.distributed.rank")
-    return TrialResult.from_dict(data)
+    return result_type.from_dict(data)
 
 
-def read_result(path: Path) -> TrialResult:
+def trial_result_from_json(path: str | Path) -> TrialResult:
+    """The training trial's `TrialResult` rank 0 wrote to ``path``."""
+    return result_from_json(path, TrialResult)
+
+
+def read_result(path: Path, result_type: type[R]) -> R:
     """The trial's result as its ranks wrote it (a damaged file: a failed trial)."""
     try:
-        return trial_result_from_json(path)
+        return result_from_json(path, result_type)
     except (AutoprecError, ValueError, TypeError) as error:
-        return TrialResult(TrialState.FAILED, f"unreadable result: {first_line(error, 300)}")
-
-
-def launched(
-    trials: Any, config: Any, task_spec: str | None, devices: list[str], folder: Path
-) -> Any:
-    """The search's trials, launched across devices where ``--nproc-per-trial`` says so."""
-    if getattr(config, "nproc_per_trial", 1) <= 1:
-        return trials
-    return LaunchedTrials(trials, plan_for(config, task_spec, devices, folder))
+        return result_type(TrialState.FAILED, f"unreadable result: {first_line(error, 300)}")

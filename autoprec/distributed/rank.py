@@ -8,6 +8,10 @@ The interface between the launcher (`autoprec.distributed.launch`) and the ranks
 - **SPEC_JSON_PATH** holds one JSON object:
 
   - ``task``: the task spec string, as `autoprec.tasks.loading.load_task` takes it;
+  - ``rank_trial`` (optional): what the rank runs to measure the policy, the mode's
+    `Mode.rank_trial` (``"module:function"``, called with the spec once the process group
+    is up, giving the result and the ranks' record); default `run_rank`, the training
+    trial's, which the keys below describe;
   - ``policy``: the policy's dict form (`Policy.to_dict`);
   - ``budget``: the fields of `autoprec.trials.training.Budget` (``steps``,
     ``warmup_steps``, ``seed``);
@@ -87,7 +91,8 @@ from autoprec.distributed.telemetry import reduce_telemetry
 from autoprec.errors import AutoprecError, PolicyError, first_line
 from autoprec.policy import Policy
 from autoprec.tasks.loading import load_task
-from autoprec.trials.base import TrialState
+from autoprec.trials.base import Result, TrialState
+from autoprec.trials.mode import load
 from autoprec.trials.training import Budget, EarlyStopping, TrialResult, _train_and_evaluate
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -188,7 +193,7 @@ def combine(
     return result
 
 
-def _write(path: Path, result: TrialResult, record: dict[str, Any]) -> None:
+def _write(path: Path, result: Result, record: dict[str, Any]) -> None:
     data = {**result.to_dict(), **record}
     write_atomic(path, json.dumps(data, default=str, allow_nan=True))
 
@@ -210,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         _init_process_group(spec)
         dist.barrier()  # every rank has joined: the launch is set up
         write_atomic(result_path.parent / f"{READY_PREFIX}{rank}", "")
-        result, record = run_rank(spec)
+        measure = load(spec["rank_trial"]) if spec.get("rank_trial") else run_rank
+        result, record = measure(spec)
     except BaseException as error:  # a crashed rank: say why, where no rank has yet
         reason = f"rank {rank}: {type(error).__name__}: {first_line(error, 400)}"[:500]
         if not result_path.exists():

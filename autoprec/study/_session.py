@@ -27,7 +27,7 @@ from torch import nn
 
 from autoprec.devices import Backend, get_backend, parse_devices
 from autoprec.distributed.data import check_shardable
-from autoprec.distributed.launch import check_cores, launched, trial_devices
+from autoprec.distributed.launch import check_cores, trial_devices
 from autoprec.errors import AutoprecError, StoreError, first_line, redact
 from autoprec.numerics.fp8_risk import fp8_group_order
 from autoprec.numerics.state_health import GroupStateLoss
@@ -71,6 +71,7 @@ from autoprec.tasks import Task, check_task, check_task_data, load_task
 from autoprec.tracking import FLUSH_WAIT_S, Tracker, absolute_sqlite_uri
 from autoprec.trials import trials_of
 from autoprec.trials.base import TRIAL_TIMEOUT_FACTOR, TRIAL_TIMEOUT_MIN_S, Trials, TrialState
+from autoprec.trials.launched import launched
 from autoprec.trials.schedule import for_trials
 from autoprec.trials.training import Budget
 
@@ -193,7 +194,7 @@ def prepare(
     # launches under it, may search more of the space (FSDP2's reduction), so they fit it.
     study = check_study_name(trials.choice(space).study)
     launches = Path(config.runs_dir) / study / "launches"
-    trials = launched(trials, config, task_spec, devices, launches.resolve())
+    trials = launched(trials, config, task_spec, devices, launches.resolve(), budget)
     fitted = trials.fit(space, None)  # to a profile later
     choice = trials.choice(fitted)
     feasibility = replace(

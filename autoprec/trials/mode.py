@@ -63,6 +63,18 @@ class Mode:
     def __repr__(self) -> str:
         return f"<mode {self.name}>"
 
+    # -- launched trials --
+    # What each rank of a trial launched across devices (``--nproc-per-trial``) runs to
+    # measure a policy: "module:function" taking the launch's spec, the process group up,
+    # and giving the result and the ranks' record (`autoprec.distributed.rank`'s
+    # interface); None: the mode's trials run on one device only.
+    rank_trial: ClassVar[str | None] = None
+
+    @property
+    def launchable(self) -> bool:
+        """Whether its trials may be launched as several ranks (`rank_trial`)."""
+        return self.rank_trial is not None
+
 
 class TrainingMode(Mode):
     """Trials train the task under each policy (the default mode)."""
@@ -81,6 +93,8 @@ class TrainingMode(Mode):
         "bitsandbytes",
         "trainer",
     )
+    # -- launched trials --
+    rank_trial = "autoprec.distributed.rank:run_rank"
 
 
 class ServingMode(Mode):
