@@ -63,6 +63,15 @@ class Mode:
     def __repr__(self) -> str:
         return f"<mode {self.name}>"
 
+    # -- the space --
+    # Its search spaces' rules (`autoprec.space.SpaceRules`): which layers are searched
+    # and in which dtypes, the parameters beside them, the anchors, what policies record.
+    space_rules: ClassVar[str] = "autoprec.trials.training_space:RULES"
+
+    def load_space_rules(self) -> Any:
+        """Its space rules, imported on first use."""
+        return load(self.space_rules)
+
 
 class TrainingMode(Mode):
     """Trials train the task under each policy (the default mode)."""
@@ -110,3 +119,6 @@ class ServingMode(Mode):
     )
     view = "autoprec.report.serving:serving_view"
     text = "autoprec.report.modes:SERVING_TEXT"
+
+    # -- the space --
+    space_rules = "autoprec.trials.serving_space:RULES"
