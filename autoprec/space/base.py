@@ -22,8 +22,10 @@ from autoprec.space.rules import space_rules
 from autoprec.trials import DEFAULT_MODE
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
+    from autoprec.devices import Backend
     from autoprec.profile.sensitivity import Profile
     from autoprec.trials.mode import Mode
 
@@ -41,6 +43,10 @@ class Suggester(Protocol):
 
 @dataclass(frozen=True)
 class SearchSpace:
+    """A space as read (groups by hand, or ``auto`` until fitted), or fitted to a model, a
+    device and a mode (`fit`): the groups and the dtypes each may take, and the rest of
+    what a search chooses."""
+
     name: str
     groups: tuple[Group, ...]
     accuracy_tolerance: float = 0.01
@@ -101,7 +107,7 @@ class SearchSpace:
         self,
         model: nn.Module,
         profile: Profile | None = None,
-        device: Any = None,
+        device: str | torch.device | Backend | None = None,
         mode: Mode | str | None = None,
         int8_method: str | None = None,
         fp8_method: str | None = None,
@@ -128,7 +134,9 @@ class SearchSpace:
         """The space without the dtypes a device cannot run."""
         return fitting.restrict_space(self, supported)
 
-    def assignment(self, model: nn.Module, device: Any = None) -> dict[str, str]:
+    def assignment(
+        self, model: nn.Module, device: str | torch.device | Backend | None = None
+    ) -> dict[str, str]:
         """Each searched leaf (a leaf with parameters whose dtype a policy can change on
         the device kind) mapped to the group that takes it, first match wins; leaves that
         no group takes are left out (they stay fp32)."""

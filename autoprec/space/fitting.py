@@ -4,7 +4,7 @@ each takes, and what they may run in there (the mode's `SpaceRules` decide the r
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autoprec.devices import device_kind
 from autoprec.errors import SpaceError
@@ -14,8 +14,10 @@ from autoprec.space.groups import Group
 from autoprec.space.rules import mode_of, space_rules
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
+    from autoprec.devices import Backend
     from autoprec.profile.sensitivity import Profile
     from autoprec.space.base import SearchSpace
     from autoprec.trials.mode import Mode
@@ -25,7 +27,7 @@ def fit_space(
     space: SearchSpace,
     model: nn.Module,
     profile: Profile | None = None,
-    device: Any = None,
+    device: str | torch.device | Backend | None = None,
     mode: Mode | str | None = None,
     int8_method: str | None = None,
     fp8_method: str | None = None,
@@ -79,7 +81,9 @@ def _kept_groups(space: SearchSpace, model: nn.Module, kind: str) -> list[Group]
     return kept
 
 
-def leaf_groups(space: SearchSpace, model: nn.Module, device: Any = None) -> dict[str, str]:
+def leaf_groups(
+    space: SearchSpace, model: nn.Module, device: str | torch.device | Backend | None = None
+) -> dict[str, str]:
     """`SearchSpace.assignment`: each searched leaf mapped to the group that takes it."""
     assigned = {}
     followers = {leaf for leaf, _ in space.ties}
