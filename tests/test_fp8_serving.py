@@ -185,7 +185,7 @@ def test_a_space_offers_fp8_to_the_layers_it_fits_and_only_where_it_runs():
         "<test>",
     )
     emulated = get_backend("cpu", emulate="fp8")
-    fitted = space.fit(model, None, emulated, inference=True, fp8_method=WEIGHT_ONLY)
+    fitted = space.fit(model, None, emulated, mode="serving", fp8_method=WEIGHT_ONLY)
     assert all("fp8" in g.dtypes for g in fitted.groups)
     block = next(g for g in fitted.groups if g.name == "block")
     assert block.fp8_leaves == ("block.fc",) and block.fp8_kept  # the norm stays fp32
@@ -198,8 +198,8 @@ def test_a_space_offers_fp8_to_the_layers_it_fits_and_only_where_it_runs():
         {"dtypes": ["fp32", "fp8"], "groups": [{"name": "all", "patterns": ["*"]}]}, "<test>"
     )
     with pytest.raises(SpaceError, match="--emulate fp8"):
-        listed.fit(model, None, get_backend("cpu"), inference=True)
-    assert "fp8" not in space.fit(model, None, emulated, inference=True).groups[0].dtypes
+        listed.fit(model, None, get_backend("cpu"), mode="serving")
+    assert "fp8" not in space.fit(model, None, emulated, mode="serving").groups[0].dtypes
 
 
 def test_a_cpu_serving_search_without_emulate_refuses_fp8_in_one_line(

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import autoprec.trials
 from autoprec.errors import SpaceError
 from autoprec.profile.sensitivity import ModuleRisk, Profile
 from autoprec.space import builtin_spaces, load_space, searched_leaves
@@ -33,6 +34,30 @@ def test_default_space_searches_what_the_device_lets_a_policy_change(tiny_task):
     assert [g.name for g in cuda.groups] == ["linears.fc1", "linears.head"]
     cpu = load_space("default").fit(tiny_task.model())
     assert [g.name for g in cpu.groups] == ["norms.norm", "linears.fc1", "linears.head"]
+
+
+def test_a_fitted_space_keeps_the_fingerprint_studies_recorded_it_with(tiny_task):
+    """The fingerprint still hashes "inference", true where the mode's rules convert the
+    weights: a study started before the modes owned their space rules continues."""
+    space = load_space("default")
+    training = space.fit(tiny_task.model(), device="cpu")
+    assert training.mode == "training" and training.fingerprint() == "c409579de671"
+    for name in ("serving", "inference"):  # its earlier name fits the same space
+        serving = space.fit(tiny_task.model(), device="cpu", mode=name)
+        assert serving.mode == "serving" and serving.fingerprint() == "251599d28304"
+
+
+def test_a_mode_without_space_rules_of_its_own_fits_its_spaces_as_training(tiny_task, monkeypatch):
+    class Plain(autoprec.trials.Mode):
+        name = "plain"
+        trials = "tests.test_third_mode:CountingTrials"
+
+    monkeypatch.setitem(autoprec.trials.MODES, "plain", Plain())
+    space = load_space("default")
+    plain = space.fit(tiny_task.model(), device="cpu", mode="plain")
+    training = space.fit(tiny_task.model(), device="cpu")
+    assert plain.mode == "plain" and plain.fingerprint() == training.fingerprint()
+    assert plain.anchors() == training.anchors()
 
 
 def test_suggest_searches_loss_scaling_only_with_fp16(tiny_task):
@@ -76,7 +101,7 @@ def test_serving_anchors_keep_the_output_layer_in_fp32_whatever_its_group_is_cal
     if task_name.startswith("tiny-"):
         pytest.importorskip("transformers")
     model = load_task(task_name).model()
-    space = load_space("default").fit(model, inference=True)
+    space = load_space("default").fit(model, mode="serving")
     anchors = space.anchors()
     assert {"uniform-fp16", "uniform-bf16", "uniform-int8", "fp16-body-fp32-head"} <= set(anchors)
     resolved = space.policy(anchors["fp16-body-fp32-head"]).resolve_served(model)
@@ -230,11 +255,11 @@ def test_risky_modules_leave_some_leaf_to_the_other_groups():
     pytest.importorskip("transformers")
     model = load_task("tiny-bert").model()
     profile = _fake_profile(model, ["classifier", "bert"])
-    fitted = load_space("default").fit(model, profile, inference=True)
+    fitted = load_space("default").fit(model, profile, mode="serving")
     names = [g.name for g in fitted.groups]
     assert names[0] == "risk.classifier" and "risk.bert" not in names
     assigned = fitted.assignment(model, "cpu")
-    assert set(assigned) == {name for name, _ in searched_leaves(model, inference=True)}
+    assert set(assigned) == {name for name, _ in searched_leaves(model, mode="serving")}
     assert set(assigned.values()) == set(names)
 
 

@@ -53,7 +53,7 @@ from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import AutoprecError, SpaceError
 from autoprec.optim.state import STATE_BYTES_PER_ELEMENT
 from autoprec.selection import PREFER_METRICS, TRAINING_PREFERENCES, preference_score
-from autoprec.space import Group, SearchSpace, dtype_beside
+from autoprec.space import Group, SearchSpace, dtype_beside, space_rules
 
 if TYPE_CHECKING:
     from autoprec.numerics.state_health import GroupStateLoss
@@ -101,7 +101,7 @@ class _Strategy:
         self.device = device
         self._keys: dict[str, str | None] = {}
         self.groups: tuple[Group, ...] = space.groups
-        states = None if space.inference else space.optimizer_states
+        states = space_rules(space.mode).searched_states(space)
         self.state_groups: tuple[StateChoice, ...] = () if states is None else states.groups
         scaling = space.uniform_params("fp16")
         self._fp16_scaling = {k: v for k, v in scaling.items() if k.startswith("loss_scale.")}
@@ -173,8 +173,9 @@ class _Strategy:
         if seen not in self._keys:
             try:
                 policy = self.space.policy(params)
+                rules = space_rules(self.space.mode)
                 self._keys[seen] = policy.identity(
-                    self.model, self.device, inference=self.space.inference
+                    self.model, self.device, inference=rules.converts_weights
                 )
             except (KeyError, AutoprecError):
                 self._keys[seen] = None

@@ -75,6 +75,15 @@ class Mode:
         """Whether its trials may be launched as several ranks (`rank_trial`)."""
         return self.rank_trial is not None
 
+    # -- the space --
+    # Its search spaces' rules (`autoprec.space.SpaceRules`): which layers are searched
+    # and in which dtypes, the parameters beside them, the anchors, what policies record.
+    space_rules: ClassVar[str] = "autoprec.trials.training_space:RULES"
+
+    def load_space_rules(self) -> Any:
+        """Its space rules, imported on first use."""
+        return load(self.space_rules)
+
 
 class TrainingMode(Mode):
     """Trials train the task under each policy (the default mode)."""
@@ -124,3 +133,6 @@ class ServingMode(Mode):
     )
     view = "autoprec.report.serving:serving_view"
     text = "autoprec.report.modes:SERVING_TEXT"
+
+    # -- the space --
+    space_rules = "autoprec.trials.serving_space:RULES"

@@ -453,7 +453,7 @@ class ServingTrials:
             self.model,
             profile,
             self.backend,
-            inference=True,
+            mode=self.mode,
             int8_method=self.serving.int8,
             fp8_method=self.serving.fp8,
         )

@@ -1072,7 +1072,7 @@ class TrainingTrials:
         self.backend.check_training_emulation()
         watch_task(self.task, self.model, self.backend)
         supported = {d for d in (*DTYPES, "fp8") if self.backend.supports(d)}
-        return space.fit(self.model, profile, self.backend, inference=False).restrict(supported)
+        return space.fit(self.model, profile, self.backend, mode=self.mode).restrict(supported)
 
     def choice(self, space: SearchSpace) -> Choice:
         """The space's tolerance unless one was given; speed first; the task's name."""

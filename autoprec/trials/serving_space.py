@@ -1,0 +1,172 @@
+"""The serving mode's space rules (`autoprec.space.SpaceRules`): policies convert the
+layers' weights, so a space searches every layer with parameters, a leaf that shares a
+parameter with an earlier one takes that leaf's group's dtype (one tensor has one dtype),
+groups may take int8 and fp8 where their layers can be served so (by the methods settled
+for the search, which the policies record), TF32 or HF32 is searched for the fp32 layers
+on CUDA and Ascend, and no loss is scaled nor optimizer state searched."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from autoprec.devices import fp8_unavailable_reason
+from autoprec.dtypes import FP8, LOW_PRECISION
+from autoprec.errors import SpaceError
+from autoprec.policy import int8_capable, tied_leaves
+from autoprec.precision.plan import parameterised_leaves
+from autoprec.serving.fp8 import fp8_layer_refusal
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from autoprec.optim.space import StateSpace
+    from autoprec.policy import Policy
+    from autoprec.space import Group, SearchSpace, SpaceRules
+
+# The switch searched for the fp32 layers' matmuls, by device kind.
+_SWITCHES = {"cuda": "tf32", "npu": "hf32"}
+
+
+class ServingSpaceRules:
+    converts_weights = True
+    scales_loss = False  # serving scales no loss
+
+    def searched_leaves(self, model: nn.Module, kind: str) -> list[tuple[str, nn.Module]]:
+        """Every leaf with parameters: its weights are converted."""
+        return parameterised_leaves(model)
+
+    def refuse(
+        self, space: SearchSpace, model: nn.Module, device: Any, fp8_method: str | None
+    ) -> None:
+        """fp8 is offered only where an fp8 serving method was settled for the search."""
+        if not space.offers_fp8:
+            return
+        reason = fp8_unavailable_reason(device, model)
+        if reason is None and fp8_method is None:
+            reason = "fp8 serving is off (--fp8 off), or no fp8 serving method runs here"
+        if reason is not None:
+            raise SpaceError(f"{space.source}: dtypes: {reason}")
+
+    def tie_followers(self, model: nn.Module) -> dict[str, str]:
+        """Each leaf that shares a parameter with an earlier leaf, mapped to the first one."""
+        return {name: group[0] for group in tied_leaves(model) for name in group[1:]}
+
+    def fitted(
+        self,
+        space: SearchSpace,
+        groups: list[Group],
+        assignment: dict[str, str],
+        model: nn.Module,
+        kind: str,
+        int8_method: str | None,
+        fp8_method: str | None,
+    ) -> SearchSpace:
+        """int8 and fp8 offered where the groups' layers take them, the methods recorded,
+        and the fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend) searched."""
+        kept = _with_int8_where_it_fits(groups, assignment, model)
+        kept = _with_fp8_where_it_fits(kept, assignment, model, fp8_method)
+        return replace(
+            space,
+            groups=tuple(kept),
+            switch=_SWITCHES.get(kind),
+            int8_method=int8_method,
+            fp8_method=fp8_method,
+        )
+
+    def searched_states(self, space: SearchSpace) -> StateSpace | None:
+        return None
+
+    def fp8_made_with(self, space: SearchSpace, params: Mapping[str, Any]) -> str | None:
+        """The fp8 serving method the space's layers were fitted for."""
+        return space.fp8_method
+
+    def fp8_fingerprint(self, space: SearchSpace) -> dict[str, Any]:
+        return {"fp8_method": space.fp8_method}
+
+    def uniform_fp8(self, space: SearchSpace) -> dict[str, Any]:
+        """As int8: what fp8 cannot take stays fp32."""
+        return {f"dtype.{g.name}": FP8 if FP8 in g.dtypes else "fp32" for g in space.groups}
+
+    def anchors(self, space: SearchSpace) -> dict[str, dict[str, Any]]:
+        """fp16, bf16, int8 and fp8 where the layers take them, and the classic fp16 body
+        with an fp32 head (the group of the model's last layer, whatever its name)."""
+        anchors = {}
+        for dtype in LOW_PRECISION:
+            if all(dtype in g.dtypes for g in space.groups):
+                anchors[f"uniform-{dtype}"] = space.uniform_params(dtype)
+        if any("int8" in g.dtypes for g in space.groups):
+            anchors["uniform-int8"] = space.uniform_params("int8")
+        if any(FP8 in g.dtypes for g in space.groups):
+            anchors["uniform-fp8"] = space.uniform_params(FP8)
+        body = [g for g in space.groups if g.name != space.head]
+        if space.head is not None and all("fp16" in g.dtypes for g in body):
+            head = {f"dtype.{space.head}": "fp32"}
+            anchors["fp16-body-fp32-head"] = {**space.uniform_params("fp16"), **head}
+        return anchors
+
+    def recorded(
+        self, space: SearchSpace, policy: Policy, dtypes: Mapping[str, str]
+    ) -> dict[str, str]:
+        """The switch, where one is searched (no loss scaling)."""
+        if space.switch is None:
+            return {}
+        return {f"switch.{space.switch}": str(getattr(policy, space.switch))}
+
+
+def _with_int8_where_it_fits(
+    groups: list[Group], assignment: dict[str, str], model: nn.Module
+) -> list[Group]:
+    """int8 offered to the groups with a layer that can be int8 (Linear, Conv1D); in a
+    group where only some can (a decoder block with its norms), int8 takes those and
+    the others stay fp32."""
+    modules = dict(model.named_modules())
+    capable: dict[str, list[str]] = {g.name: [] for g in groups}
+    others: dict[str, int] = {g.name: 0 for g in groups}
+    for leaf, group_name in assignment.items():
+        if int8_capable(modules[leaf]):
+            capable[group_name].append(leaf)
+        else:
+            others[group_name] += 1
+    fitted = []
+    for group in groups:
+        dtypes = tuple(d for d in group.dtypes if d != "int8")
+        leaves = tuple(capable[group.name]) if others[group.name] else ()
+        if capable[group.name]:
+            dtypes = (*dtypes, "int8")
+        fitted.append(replace(group, dtypes=dtypes, int8_leaves=leaves))
+    return fitted
+
+
+def _with_fp8_where_it_fits(
+    groups: list[Group], assignment: dict[str, str], model: nn.Module, method: str | None
+) -> list[Group]:
+    """fp8 offered (by ``method``; None: not at all) to the groups with a Linear layer the
+    method takes (`autoprec.serving.fp8.fp8_layer_refusal`); in a group where only some
+    can, fp8 takes those and the others stay fp32, as int8 does."""
+    modules = dict(model.named_modules())
+    capable: dict[str, list[str]] = {g.name: [] for g in groups}
+    others: dict[str, int] = {g.name: 0 for g in groups}
+    for leaf, group_name in assignment.items():
+        if method is not None and fp8_layer_refusal(modules[leaf], method) is None:
+            capable[group_name].append(leaf)
+        else:
+            others[group_name] += 1
+    fitted = []
+    for group in groups:
+        dtypes = tuple(d for d in group.dtypes if d != FP8)
+        if capable[group.name]:
+            dtypes = (*dtypes, FP8)
+        fitted.append(
+            replace(
+                group,
+                dtypes=dtypes,
+                fp8_leaves=tuple(capable[group.name]),
+                fp8_kept=bool(capable[group.name] and others[group.name]),
+            )
+        )
+    return fitted
+
+
+RULES: SpaceRules = ServingSpaceRules()
