@@ -24,7 +24,7 @@ from autoprec.devices import get_backend
 from autoprec.numerics.forecast import forecast
 from autoprec.numerics.telemetry import GradientMonitor
 from autoprec.tasks import load_task
-from autoprec.trials.training import TELEMETRY_EVERY, _train_step
+from autoprec.trials.training import TELEMETRY_EVERY, train_step
 
 BLOCK = 10  # steps per block and arm
 
@@ -45,11 +45,11 @@ def bench(name: str, steps: int, rounds: int) -> dict[str, float]:
         for index, step_batches in enumerate(batches):
             started = time.perf_counter()
             if monitor is None:
-                _train_step(task, model, optimizer, prec, step_batches)
+                train_step(task, model, optimizer, prec, step_batches)
             else:
                 scale = prec.loss_scale
                 with monitor.activations(len(times_ms[arm]) * TELEMETRY_EVERY + index):
-                    _train_step(task, model, optimizer, prec, step_batches)
+                    train_step(task, model, optimizer, prec, step_batches)
                 monitor.observe_gradients(scale)
                 monitor.stats  # noqa: B018 - the host transfer a trial makes
             times_ms[arm].append(1000 * (time.perf_counter() - started))

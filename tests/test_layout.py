@@ -222,3 +222,18 @@ def test_no_module_imports_through_the_public_facade() -> None:
             if facade or "autoprec" in names:
                 through.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert through == []
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A name starting with ``_`` is its module's own: another module that needs it needs
+    a public name (a private module of the package itself, ``_util``, is imported whole)."""
+    private = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autoprec"):
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        private.append(
+                            f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {alias.name}"
+                        )
+    assert private == []

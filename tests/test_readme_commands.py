@@ -117,7 +117,7 @@ class Step:
     name: str = ""
 
 
-def _blocks(text: str) -> list[tuple[str, str, str]]:
+def repeated_blocks(text: str) -> list[tuple[str, str, str]]:
     """(language, body, the line before the block) of every fenced code block."""
     found = re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)
     return [(m[1], m[2], text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()) for m in found]
@@ -165,7 +165,7 @@ def readme_steps() -> list[Step]:
 
 def _page_steps(text: str) -> list[Step]:
     steps = []
-    for language, body, before in _blocks(text):
+    for language, body, before in repeated_blocks(text):
         if language == "bash":
             steps += [Step("command", c) for c in _commands(body)]
         elif language == "python" and (name := re.match(r"# (\w+\.py)\n", body)):

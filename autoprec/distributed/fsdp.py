@@ -43,7 +43,7 @@ from autoprec.dtypes import TORCH_DTYPES, below_fp32
 from autoprec.errors import PolicyError
 from autoprec.policy import REDUCE_DTYPES
 from autoprec.precision.plan import own_parameters
-from autoprec.profile.autogroups import _blocks
+from autoprec.profile.autogroups import repeated_blocks
 
 if TYPE_CHECKING:
     from autoprec.devices import Backend
@@ -67,7 +67,7 @@ def shard_units(model: nn.Module, leaf_dtypes: dict[str, str]) -> list[ShardUnit
     if "fp8" in leaf_dtypes.values():
         raise PolicyError("fp8 layers under FSDP2 are not supported yet (use DDP)")
     modules = dict(model.named_modules())
-    blocks = list(_blocks(model))
+    blocks = list(repeated_blocks(model))
 
     def owner(leaf: str) -> str:
         return next((b for b in blocks if leaf == b or leaf.startswith(f"{b}.")), "")

@@ -93,7 +93,7 @@ from autoprec.policy import Policy
 from autoprec.tasks.loading import load_task
 from autoprec.trials.base import Result, TrialState
 from autoprec.trials.mode import load
-from autoprec.trials.training import Budget, EarlyStopping, TrialResult, _train_and_evaluate
+from autoprec.trials.training import Budget, EarlyStopping, TrialResult, train_and_evaluate
 
 DEFAULT_TIMEOUT_S = 1800.0
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -123,7 +123,7 @@ def run_rank(spec: dict[str, Any]) -> tuple[TrialResult, dict[str, Any]]:
     ranks = RankTraining(spec["parallel"], backend.device, reduce_dtype)
     started = time.perf_counter()
     with backend.selected():
-        result = _train_and_evaluate(task, policy, backend, budget, stopping, ranks=ranks)
+        result = train_and_evaluate(task, policy, backend, budget, stopping, ranks=ranks)
     ranks.stop_watching()
     result.run_time_s = time.perf_counter() - started
     mine = {

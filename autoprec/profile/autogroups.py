@@ -160,7 +160,7 @@ def _rows(model: nn.Module, leaves: Sequence[tuple[str, nn.Module]]) -> list[_Ro
     """Every leaf placed in its row, in first-match-wins order: roles of blocks, then
     families inside blocks, then families outside them, then the head."""
     modules = dict(model.named_modules())
-    blocks = _blocks(model)
+    blocks = repeated_blocks(model)
     level = _position_level(model)
     head = _head(leaves, blocks, modules, level)
     rows: dict[tuple[str, str, str | None], _Row] = {}
@@ -216,7 +216,7 @@ def _merge_roles(rows: list[_Row], order: dict[str, int]) -> list[_Row]:
     return [*blocks, *kept]
 
 
-def _blocks(model: nn.Module) -> dict[str, str]:
+def repeated_blocks(model: nn.Module) -> dict[str, str]:
     """Each repeated block (the outermost ones) mapped to its readable label, e.g.
     ``transformer.h.3`` -> ``h.3``."""
     blocks: dict[str, str] = {}

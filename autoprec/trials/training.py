@@ -358,7 +358,7 @@ def run_trial(
     (bad input to autoprec still raises AutoprecError)."""
     started = time.perf_counter()
     try:
-        result = _train_and_evaluate(task, policy, backend, budget, early_stopping, compiled)
+        result = train_and_evaluate(task, policy, backend, budget, early_stopping, compiled)
     except AutoprecError:
         raise
     except torch.OutOfMemoryError as error:
@@ -386,7 +386,7 @@ def train_fp32(task: Task, backend: Backend, budget: Budget) -> tuple[torch.nn.M
         try:
             batches = iter(task.train_data(budget.seed))
             for step in range(budget.steps):
-                run.step(step, _draw(task, batches, step, budget.steps, backend))
+                run.step(step, draw_batch(task, batches, step, budget.steps, backend))
             result = run.finish()
         finally:
             run.prec.remove()
@@ -399,7 +399,7 @@ def train_fp32(task: Task, backend: Backend, budget: Budget) -> tuple[torch.nn.M
     return run.model.cpu(), result
 
 
-def _train_and_evaluate(
+def train_and_evaluate(
     task: Task,
     policy: Policy,
     backend: Backend,
@@ -431,7 +431,7 @@ def _train_and_evaluate_here(
         )
         batches = iter(data)
         for step in range(budget.steps):
-            reason = run.step(step, _draw(task, batches, step, budget.steps, backend))
+            reason = run.step(step, draw_batch(task, batches, step, budget.steps, backend))
             if reason is not None:
                 run.result.state, run.result.reason = TrialState.PRUNED, reason
                 break
@@ -519,7 +519,7 @@ class _Run:
             started_s = backend.now_s() if timed else 0.0
             # Observed steps run eager: telemetry's hooks would break a compiled graph.
             with self.compilation.step() as compiling:
-                loss_value, stepped = _train_step(
+                loss_value, stepped = train_step(
                     self.task,
                     self.compilation.forward_model(eager=observed),
                     self.optimizer,
@@ -633,7 +633,7 @@ class _Run:
         if finite:
             result.final_loss = statistics.fmean(finite[-FINAL_LOSS_WINDOW:])
         if result.state == TrialState.COMPLETE:
-            result.accuracy = _evaluate(self.task, self.trained, prec, self.backend)
+            result.accuracy = evaluate(self.task, self.trained, prec, self.backend)
             if not math.isfinite(result.accuracy):
                 result.state = TrialState.FAILED
                 result.reason = f"the task's metric returned {result.accuracy}"
@@ -760,12 +760,12 @@ class _Run:
         step = start
         try:
             for step in range(start, end):
-                drawn = _draw(self.task, batches, step, end, self.backend)
+                drawn = draw_batch(self.task, batches, step, end, self.backend)
                 observed = step % budget.telemetry_every == 0
                 scale_used = prec.loss_scale
                 self.learning_rates.append(_learning_rate(self.optimizer))
                 with self.monitor.activations(step) if observed else contextlib.nullcontext():
-                    loss_value, stepped = _train_step(
+                    loss_value, stepped = train_step(
                         self.task, self.trained, self.optimizer, prec, drawn, self.scheduler
                     )
                 if observed and stepped:
@@ -857,7 +857,7 @@ def _forward(model: torch.nn.Module, prec: Precision, batch: Batch) -> None:
         batch.run(model)
 
 
-def _draw(
+def draw_batch(
     task: Task, batches: Iterator[Any], step: int, steps: int, backend: Backend
 ) -> list[Batch]:
     """The ``task.accumulate`` batches of one optimizer step, on the device."""
@@ -874,7 +874,7 @@ def _draw(
     return drawn
 
 
-def _train_step(
+def train_step(
     task: Task,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -928,7 +928,7 @@ def time_policies_side_by_side(
     data = iter(task.train_data(budget.seed))
     steps = budget.untimed_steps + block
     with backend.selected():
-        batches = [_draw(task, data, step, steps, backend) for step in range(steps)]
+        batches = [draw_batch(task, data, step, steps, backend) for step in range(steps)]
     for candidate in candidates:
         candidate.batches = batches
     try:
@@ -968,7 +968,7 @@ class _Timed:
                 started_s = backend.now_s()
                 with self.compilation.step() as compiling:
                     model = self.compilation.forward_model()
-                    _train_step(self.task, model, self.optimizer, self.prec, step_batches)
+                    train_step(self.task, model, self.optimizer, self.prec, step_batches)
                 if not compiling.compiled:  # compile time is no step's
                     times_s.append(backend.now_s() - started_s)
         finally:
@@ -987,7 +987,7 @@ def _make_optimizer(task: Task, policy: Policy, model: nn.Module) -> torch.optim
     return policy.optimizer(model, task.make_optimizer)
 
 
-def _evaluate(task: Task, model: torch.nn.Module, prec: Any, backend: Backend) -> float:
+def evaluate(task: Task, model: torch.nn.Module, prec: Any, backend: Backend) -> float:
     """The task's metric over the validation data, weighted by batch size."""
     model.eval()
     total = 0.0

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from autoprec.tasks.base import Task
-from autoprec.tasks.zoo import _data
+from autoprec.tasks.zoo import datasets
 from autoprec.tasks.zoo._entry import Kind, ZooEntry
 
 
@@ -59,7 +59,7 @@ def cat_boundary() -> Task:
     Measured (2000 steps, CPU): metric fp32 0.967, fp16 0.967, bf16 0.967; mixed
     bf16+boundary-fp16: crash, fp16+boundary-bf16: crash.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task("zoo-cat-boundary", ConcatModel, train_data, val_data, F.cross_entropy)
 
 
@@ -97,7 +97,7 @@ def einsum_boundary() -> Task:
     Measured (2000 steps, CPU): metric fp32 0.953, fp16 0.953, bf16 0.955; mixed
     bf16+boundary-fp16: trains, fp16+boundary-bf16: trains.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task("zoo-einsum-boundary", TwoBranchModel, train_data, val_data, F.cross_entropy)
 
 
@@ -136,7 +136,7 @@ def stack_boundary() -> Task:
     Measured (2000 steps, CPU): metric fp32 0.975, fp16 0.975, bf16 0.975; mixed
     bf16+boundary-fp16: crash, fp16+boundary-bf16: crash.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task("zoo-stack-boundary", StackModel, train_data, val_data, F.cross_entropy)
 
 
@@ -162,11 +162,11 @@ class ResidualAttentionModel(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(_data.SEQ_VOCAB, 16)
+        self.embed = nn.Embedding(datasets.SEQ_VOCAB, 16)
         self.queries = nn.Linear(16, 16)
         self.attend = Attention(16)
         self.norm = nn.LayerNorm(16)
-        self.head = nn.Linear(16, _data.SEQ_CLASSES)
+        self.head = nn.Linear(16, datasets.SEQ_CLASSES)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -181,7 +181,7 @@ def matmul_residual_boundary() -> Task:
     Measured (2000 steps, CPU): metric fp32 1.000, fp16 1.000, bf16 1.000; mixed
     bf16+boundary-fp16: trains, fp16+boundary-bf16: trains.
     """
-    train_data, val_data = _data.sequences()
+    train_data, val_data = datasets.sequences()
     return Task(
         "zoo-matmul-residual-boundary",
         ResidualAttentionModel,

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from autoprec.tasks.base import Task
-from autoprec.tasks.zoo import _data
+from autoprec.tasks.zoo import datasets
 from autoprec.tasks.zoo._entry import Kind, ZooEntry
 
 
@@ -124,7 +124,7 @@ class GainedMLP(nn.Module):
 
 
 def _gained(name: str, shape: str, start: int = 0, unit: float | None = None) -> Task:
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     unit = GAIN_UNITS[shape] if unit is None else unit
     return Task(name, lambda: GainedMLP(shape, unit, start), train_data, val_data, F.cross_entropy)
 
@@ -260,7 +260,7 @@ def activation_underflow() -> Task:
     metric collapsed); bf16 holds (metric 0.972), the group in fp32 holds (0.975), fp32
     0.967.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task(
         "zoo-activation-underflow",
         ShrinkingInputMLP,
@@ -342,7 +342,7 @@ def gradient_underflow() -> Task:
 
     Measured (2000 steps, CPU): metric fp32 0.877, fp16 0.877, bf16 0.877.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task(
         "zoo-gradient-underflow",
         FreezingMLP,
@@ -407,7 +407,7 @@ def kernel_underflow() -> Task:
     loss scale below 1); bf16 holds (metric 0.961), the group in fp32 holds (0.961),
     fp32 0.961.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task("zoo-kernel-underflow", KernelClassifier, train_data, val_data, F.cross_entropy)
 
 
@@ -444,11 +444,11 @@ class DistanceAttention(_StepCounted):
 class DistanceAttentionModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(_data.SEQ_VOCAB, 16)
+        self.embed = nn.Embedding(datasets.SEQ_VOCAB, 16)
         self.attend = DistanceAttention(16)
         self.fc = nn.Linear(16, 32)
         self.act = nn.ReLU()
-        self.head = nn.Linear(32, _data.SEQ_CLASSES)
+        self.head = nn.Linear(32, datasets.SEQ_CLASSES)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.act(self.fc(self.attend(self.embed(tokens)))))
@@ -463,7 +463,7 @@ def attention_underflow() -> Task:
     loss scale below 1); bf16 holds (metric 1.000), the group in fp32 holds (1.000),
     fp32 1.000.
     """
-    train_data, val_data = _data.sequences()
+    train_data, val_data = datasets.sequences()
     return Task(
         "zoo-attention-underflow",
         DistanceAttentionModel,
@@ -503,7 +503,7 @@ def scale_collapse() -> Task:
     loss scale below 1); bf16 holds (metric 0.969), the group in fp32 holds (0.964),
     fp32 0.958.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task(
         "zoo-scale-collapse",
         AmplifiedGradientMLP,
@@ -559,9 +559,9 @@ class TemperedAttention(nn.Module):
 class TemperedAttentionModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(_data.SEQ_VOCAB, 16)
+        self.embed = nn.Embedding(datasets.SEQ_VOCAB, 16)
         self.attn = TemperedAttention(16)
-        self.head = nn.Linear(16, _data.SEQ_CLASSES)
+        self.head = nn.Linear(16, datasets.SEQ_CLASSES)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.attn(self.embed(tokens)).mean(1))
@@ -576,7 +576,7 @@ def attention_logit_growth() -> Task:
     non-finite loss); bf16 fails at 1100 (metric 0.898), the group in fp32 fails at 1300
     (0.889), fp32 0.998.
     """
-    train_data, val_data = _data.sequences()
+    train_data, val_data = datasets.sequences()
     return Task(
         "zoo-attention-logit-growth",
         TemperedAttentionModel,
@@ -625,7 +625,7 @@ def residual_growth() -> Task:
     non-finite loss); bf16 holds (metric 0.978), the group in fp32 holds (0.978), fp32
     0.978.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task(
         "zoo-residual-growth",
         ResidualStream,
@@ -668,7 +668,7 @@ def norm_drift() -> Task:
     non-finite loss); bf16 holds (metric 0.975), the group in fp32 holds (0.930), fp32
     0.981.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task(
         "zoo-norm-drift",
         DriftingMLP,

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from autoprec.tasks.base import Task
-from autoprec.tasks.zoo import _data
+from autoprec.tasks.zoo import datasets
 
 HORIZON = 2000  # the real run the schedules are written for (10x the trial)
 
@@ -39,7 +39,7 @@ def sgd_mlp() -> Task:
 
     Measured (2000 steps, CPU): metric fp32 0.975, fp16 0.975, bf16 0.975.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task(
         "zoo-sgd-mlp",
         lambda: _mlp(64, 64, 10),
@@ -55,7 +55,7 @@ def adam_mlp() -> Task:
 
     Measured (2000 steps, CPU): metric fp32 0.981, fp16 0.975, bf16 0.969.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task(
         "zoo-adam-mlp",
         lambda: _mlp(64, 64, 10),
@@ -84,7 +84,7 @@ def adamw_cosine() -> Task:
 
     Measured (2000 steps, CPU): metric fp32 0.969, fp16 0.969, bf16 0.967.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task(
         "zoo-adamw-cosine",
         lambda: _mlp(64, 64, 10),
@@ -102,7 +102,7 @@ def wide_mlp() -> Task:
 
     Measured (2000 steps, CPU): metric fp32 0.986, fp16 0.983, bf16 0.983.
     """
-    train_data, val_data = _data.digits()
+    train_data, val_data = datasets.digits()
     return Task("zoo-wide-mlp", lambda: _mlp(64, 512, 10), train_data, val_data, F.cross_entropy)
 
 
@@ -117,8 +117,8 @@ def tanh_regression() -> Task:
 
     Measured (2000 steps, CPU): metric fp32 0.971, fp16 0.971, bf16 0.970.
     """
-    x, y = _data.regression()
-    train_data, val_data = _data.split(x, y, 512, _data.BATCH)
+    x, y = datasets.regression()
+    train_data, val_data = datasets.split(x, y, 512, datasets.BATCH)
     return Task(
         "zoo-tanh-regression",
         lambda: _mlp(8, 64, 1, nn.Tanh),
@@ -152,7 +152,7 @@ def bn_cnn() -> Task:
 
     Measured (2000 steps, CPU): metric fp32 0.992, fp16 0.992, bf16 0.992.
     """
-    train_data, val_data = _data.digit_images()
+    train_data, val_data = datasets.digit_images()
     return Task("zoo-bn-cnn", BatchNormCNN, train_data, val_data, F.cross_entropy)
 
 
@@ -177,11 +177,11 @@ class PreNormTransformer(nn.Module):
 
     def __init__(self, width: int = 32, heads: int = 2, blocks: int = 2) -> None:
         super().__init__()
-        self.embed = nn.Embedding(_data.SEQ_VOCAB, width)
-        self.position = nn.Embedding(_data.SEQ_LENGTH, width)
+        self.embed = nn.Embedding(datasets.SEQ_VOCAB, width)
+        self.position = nn.Embedding(datasets.SEQ_LENGTH, width)
         self.blocks = nn.Sequential(*(PreNormBlock(width, heads) for _ in range(blocks)))
         self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, _data.SEQ_CLASSES)
+        self.head = nn.Linear(width, datasets.SEQ_CLASSES)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -192,7 +192,7 @@ class PreNormTransformer(nn.Module):
 def prenorm_transformer() -> Task:
     """A 2-block pre-norm transformer counting tokens in a sequence, Adam (lr 1e-3).
     Measured (2000 steps, seed 0, CPU): no failure; accuracy 0.998 in fp32, fp16 and bf16."""
-    train_data, val_data = _data.sequences()
+    train_data, val_data = datasets.sequences()
     return Task(
         "zoo-prenorm-transformer", PreNormTransformer, train_data, val_data, F.cross_entropy
     )
@@ -203,9 +203,9 @@ class Recurrent(nn.Module):
 
     def __init__(self, cell: type[nn.LSTM] | type[nn.GRU]) -> None:
         super().__init__()
-        self.embed = nn.Embedding(_data.SEQ_VOCAB, 16)
+        self.embed = nn.Embedding(datasets.SEQ_VOCAB, 16)
         self.rnn = cell(16, 32, batch_first=True)
-        self.head = nn.Linear(32, _data.SEQ_CLASSES)
+        self.head = nn.Linear(32, datasets.SEQ_CLASSES)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         out = self.rnn(self.embed(tokens))[0]
@@ -220,7 +220,7 @@ def lstm() -> Task:
     this CPU, oneDNN having no LSTM kernel for fp32 inputs and fp16 weights; the watch
     finds that the LSTM runs only on inputs already cast, and the plan casts them.)
     """
-    train_data, val_data = _data.sequences()
+    train_data, val_data = datasets.sequences()
     return Task(
         "zoo-lstm",
         lambda: Recurrent(nn.LSTM),
@@ -236,7 +236,7 @@ def gru() -> Task:
 
     Measured (2000 steps, CPU): metric fp32 0.982, fp16 0.984, bf16 0.984.
     """
-    train_data, val_data = _data.sequences()
+    train_data, val_data = datasets.sequences()
     return Task(
         "zoo-gru",
         lambda: Recurrent(nn.GRU),
@@ -252,10 +252,10 @@ class BagOfEmbeddings(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bag = nn.EmbeddingBag(_data.SEQ_VOCAB, 32, mode="mean")
+        self.bag = nn.EmbeddingBag(datasets.SEQ_VOCAB, 32, mode="mean")
         self.fc = nn.Linear(32, 32)
         self.act = nn.ReLU()
-        self.head = nn.Linear(32, _data.SEQ_CLASSES)
+        self.head = nn.Linear(32, datasets.SEQ_CLASSES)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.act(self.fc(self.bag(tokens))))
@@ -266,7 +266,7 @@ def embedding_bag() -> Task:
 
     Measured (2000 steps, CPU): metric fp32 1.000, fp16 1.000, bf16 1.000.
     """
-    train_data, val_data = _data.sequences()
+    train_data, val_data = datasets.sequences()
     return Task(
         "zoo-embedding-bag",
         BagOfEmbeddings,

@@ -35,7 +35,7 @@ from autoprec.errors import first_line
 from autoprec.numerics.observe import watch_task
 from autoprec.policy import Policy
 from autoprec.tasks.base import Task
-from autoprec.trials.training import _draw, _evaluate, _train_step
+from autoprec.trials.training import draw_batch, evaluate, train_step
 
 TRIAL_STEPS = 200  # the default trial the zoo's windows are measured in
 TRUTH_STEPS = 10 * TRIAL_STEPS  # the horizon: 10x the trial
@@ -219,21 +219,21 @@ def long_run(
             watch = _Watch(model)
             if observed:
                 with watch:
-                    loss, stepped = _train_step(
+                    loss, stepped = train_step(
                         task,
                         model,
                         optimizer,
                         prec,
-                        _draw(task, batches, step, steps, backend),
+                        draw_batch(task, batches, step, steps, backend),
                         scheduler,
                     )
             else:
-                loss, stepped = _train_step(
+                loss, stepped = train_step(
                     task,
                     model,
                     optimizer,
                     prec,
-                    _draw(task, batches, step, steps, backend),
+                    draw_batch(task, batches, step, steps, backend),
                     scheduler,
                 )
             truth.steps_run = step + 1
@@ -299,7 +299,7 @@ def _note_watch(
 
 
 def _metric(task: Task, model: nn.Module, prec: Any, backend: Any) -> float | None:
-    value = _evaluate(task, model, prec, backend)
+    value = evaluate(task, model, prec, backend)
     model.train()
     return value if math.isfinite(value) else None
 
