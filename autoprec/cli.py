@@ -461,7 +461,7 @@ def _export(args: argparse.Namespace) -> int:
 
     _check_study_exists(args.runs_dir, args.study)
     header = read_header(Path(args.runs_dir) / args.study / "summary.json", args.study)
-    settings, serving = header.settings, header.serving
+    settings, serving = header.settings, header.mode == "serving"
     fmt = args.format or ("model" if serving else "yaml")
     if fmt in SERVING_FORMATS and not serving:
         raise AutoprecError(

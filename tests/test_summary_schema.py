@@ -17,7 +17,8 @@ from autoprec.report import front_table, gains_line, render_report
 from autoprec.serving.measure import ServingResult
 from autoprec.study._records import TrialRecord
 from autoprec.study._summary_file import read_header, read_summary
-from autoprec.study.summary import best_record, by_batch_size, write_outputs
+from autoprec.study.serving_summary import Serving, by_batch_size
+from autoprec.study.summary import best_record, write_outputs
 from autoprec.study.summary_schema import SCHEMA_VERSION, Summary, finite
 
 DATA = Path(__file__).parent / "data"
@@ -80,17 +81,17 @@ def test_fields_read_what_the_keys_held(tmp_path, name):
             "confirmed_step_time_ms", row["metrics"][summary.time_metric]
         )
     header = read_header(_copy(tmp_path / "header", name), "old")
-    assert header.serving == (old["mode"] in ("inference", "serving"))
+    assert header.mode == _current_names(old)["mode"]
     assert header.settings.int8 == old["settings"].get("int8")
     if old["mode"] in ("inference", "serving"):
-        assert summary.serving is not None
+        assert isinstance(summary.part, Serving)
         assert summary.batch_size == old["inference"]["batch_sizes"][0]
-        by_size = {r.batch_size: r.best for r in summary.serving.by_batch_size}
+        by_size = {r.batch_size: r.best for r in summary.part.by_batch_size}
         assert by_size == {r["batch_size"]: r["best"] for r in old["inference"]["by_batch_size"]}
-        assert summary.serving.mlflow_model is not None
-        assert summary.serving.mlflow_model.logged == old["inference"]["mlflow_model"]["logged"]
+        assert summary.part.mlflow_model is not None
+        assert summary.part.mlflow_model.logged == old["inference"]["mlflow_model"]["logged"]
     else:
-        assert summary.serving is None and summary.batch_size is None
+        assert summary.part is None and summary.batch_size is None
 
 
 @pytest.mark.parametrize("name", WRITTEN_BEFORE_THE_VERSION)

@@ -1,8 +1,10 @@
 """A third mode of search is one new module: a `Trials` class (here a trivial one that
 scores a policy by how much of the model it sends below fp32, and trains nothing) and a
 `Mode` naming it, registered in `autoprec.trials.MODES`. The search loop, the session,
-the records and the tracker run it unchanged, and what it leaves behind is written. Where
-it names what a rank runs (`Mode.rank_trial`), its trials are launched as ranks too."""
+the records and the tracker run it unchanged, and what it leaves behind is written; its
+studies are reported (in the base mode's view, its time named as its results name it),
+exported and compared as the CLI does it. Where it names what a rank runs
+(`Mode.rank_trial`), its trials are launched as ranks too."""
 
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ import pytest
 
 import autoprec
 import autoprec.trials
+from autoprec.cli import main
 from autoprec.devices import get_backend
 from autoprec.distributed.launch import LaunchPlan, settle_parallel
 from autoprec.errors import AutoprecError
-from autoprec.policy import Policy
+from autoprec.policy import Policy, load_policy
+from autoprec.report import front_table
+from autoprec.study._summary_file import read_summary
 from autoprec.trials import Mode
 from autoprec.trials.base import Choice, Feasibility, Measured, TrialState
 from autoprec.trials.launched import LaunchedTrials
@@ -54,12 +59,12 @@ class CountingTrials:
     result_type: ClassVar[type] = CountedResult
     baseline_verb: ClassVar[str] = "count"
 
-    def __init__(self, task, model, backend) -> None:
-        self.task, self.model, self.backend = task, model, backend
+    def __init__(self, task, model, backend, study: str | None = None) -> None:
+        self.task, self.model, self.backend, self.study = task, model, backend, study
 
     @classmethod
     def of(cls, config, task, model, backend, budget) -> CountingTrials:
-        return cls(task, model, backend)
+        return cls(task, model, backend, config.study)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -69,7 +74,7 @@ class CountingTrials:
         return space.fit(self.model, profile, self.backend)
 
     def choice(self, space) -> Choice:
-        return Choice(Feasibility(0.0), "speed", f"{self.task.name}-counted")
+        return Choice(Feasibility(0.0), "speed", self.study or f"{self.task.name}-counted")
 
     def load(self, out_dir: Path, may_train: bool, on_training) -> None:
         pass
@@ -124,8 +129,13 @@ class Counting(Mode):
     trials = f"{__name__}:CountingTrials"
 
 
-def test_a_third_mode_is_one_module(in_tmp, tiny_task, monkeypatch):
+@pytest.fixture
+def counting(monkeypatch):
+    """The counting mode registered, as its module would register it."""
     monkeypatch.setitem(autoprec.trials.MODES, "counting", Counting())
+
+
+def test_a_third_mode_is_one_module(in_tmp, tiny_task, counting):
     result = autoprec.search(
         tiny_task, mode="counting", trials=3, device="cpu", sampler="random", confirm_top=2
     )
@@ -191,3 +201,48 @@ def test_a_third_mode_is_launched_as_ranks_where_it_names_its_rank_trial(
     assert (trials.mode, trials.result_type) == ("counting", CountedResult)
     assert trials.choice(None).study == "tiny-counted"
     assert trials.settings == {"mode": "counting", "backend": "gloo"}
+
+
+def test_a_third_modes_studies_are_reported_exported_and_compared(
+    in_tmp, tiny_task, counting, capsys
+):
+    for seed, study in ((0, None), (1, "tiny-counted-again")):
+        autoprec.search(
+            tiny_task,
+            mode="counting",
+            trials=2,
+            seed=seed,
+            study=study,
+            device="cpu",
+            sampler="random",
+            confirm_top=0,
+        )
+    runs = in_tmp / "runs"
+    capsys.readouterr()
+
+    assert main(["report", "--study", "tiny-counted", "--runs-dir", str(runs)]) == 0
+    written = [Path(line) for line in capsys.readouterr().out.split()]
+    assert [p.name for p in written[:2]] == ["report.html", "front_counted_time.png"]
+    page = written[0].read_text()
+    assert "autoprec report: tiny-counted" in page
+    summary = read_summary(runs / "tiny-counted" / "summary.json", "tiny-counted")
+    assert summary.time_metric == "counted_time_ms"
+    # The time is the counting results' own, named as they name it ("count").
+    assert "<th>count ms</th>" in page and "their count times are those re-timings" in page
+    for entry in summary.entries:
+        assert f"<td>{entry.metrics['counted_time_ms']:.3f}</td>" in page
+    assert front_table(summary).splitlines()[0].split()[3:5] == ["count", "ms"]
+
+    exported = ["export", "--study", "tiny-counted", "--format", "yaml"]
+    assert main([*exported, "--runs-dir", str(runs)]) == 0
+    policy_file = next(p for p in map(Path, capsys.readouterr().out.split()) if p.suffix == ".yaml")
+    best = load_policy(runs / "tiny-counted" / "best_policy.yaml")
+    assert load_policy(policy_file).to_dict() == best.to_dict() == summary.best.policy
+
+    studies = ["--study", "tiny-counted", "--study", "tiny-counted-again"]
+    assert main(["compare", *studies, "--runs-dir", str(runs)]) == 0
+    compared = Path(capsys.readouterr().out.strip()).read_text()
+    assert "autoprec comparison: tiny-counted, tiny-counted-again" in compared
+    assert "<th>count time ms</th>" in compared
+    for study in ("tiny-counted", "tiny-counted-again"):
+        assert f"<td>{study}</td>" in compared

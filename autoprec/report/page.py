@@ -248,7 +248,7 @@ def render_comparison(
             rows.append(
                 [
                     html.escape(summary.study)
-                    + ("" if size is None else f" (serving, batch {size})"),
+                    + ("" if size is None else f" ({summary.mode}, batch {size})"),
                     html.escape(summary.settings.device_name),
                     html.escape(entry.label),
                     "&#9733; chosen" if chosen else "",

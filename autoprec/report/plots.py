@@ -1,5 +1,5 @@
-"""The report's PNG plots: accuracy against time or memory with the Pareto front, the
-dtype of each layer group by policy, and a serving study's latency by batch size."""
+"""The report's PNG plots: accuracy against time or memory with the Pareto front, and the
+dtype of each layer group by policy (a mode's own plots are its view's)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from autoprec._util.files import write_atomic
-from autoprec.report.modes import SERVING_DTYPE_COLOURS, mode_text
-from autoprec.study.summary_schema import BatchBest, Entry, Summary, as_summary
+from autoprec.report.modes import mode_text
+from autoprec.study.summary_schema import Entry, Summary, as_summary
 
 ANCHOR_ORDER = (
     "uniform-fp16",
@@ -19,7 +19,6 @@ ANCHOR_ORDER = (
     "uniform-int8",
     "fp16-body-fp32-head",
 )
-TIMED = ("step_time_ms", "latency_p50_ms")
 
 
 def anchor_rank(entry: Entry) -> int:
@@ -33,8 +32,9 @@ def plot_front(
     path: Path,
     point_names: dict[str, str] | None = None,
 ) -> Path:
-    """Accuracy against step time (``step_time_ms``), latency (``latency_p50_ms``, at the
-    serving study's batch size) or peak memory; the Pareto front highlighted."""
+    """Accuracy against the study's time (its `Summary.time_metric`: ``step_time_ms``,
+    ``latency_p50_ms`` at the serving study's batch size, ...) or another metric (peak
+    memory: ``peak_memory_mb``); the Pareto front highlighted."""
     return saved(front_figure(summary, x_metric, point_names), path)
 
 
@@ -51,9 +51,10 @@ def front_figure(
     from matplotlib import pyplot as plt
 
     summary = as_summary(summary)
+    timed = x_metric == summary.time_metric
 
     def measured_x(entry: Entry) -> float | None:
-        return summary.time_ms(entry) if x_metric in TIMED else entry.metrics.get(x_metric)
+        return summary.time_ms(entry) if timed else entry.metrics.get(x_metric)
 
     placed = {
         e.key: (x, e.accuracy)
@@ -97,7 +98,7 @@ def front_figure(
     ax.margins(x=0.08, y=0.12)
     unit = (
         f"{mode_text(summary).time_at(summary)} (ms)"
-        if x_metric in TIMED
+        if timed
         else "peak memory (MB)" + (", CPU estimate" if summary.peak_memory_is_estimate else "")
     )
     ax.set_xlabel(unit)
@@ -260,67 +261,4 @@ def plot_dtype_map(summary: Summary | dict[str, Any], path: Path, top: int = 8) 
         fontsize=8,
     )
     ax.set_title("dtype by layer group (* chosen)", fontsize=9)
-    return saved(fig, path)
-
-
-def _series_style(name: str) -> dict[str, Any]:
-    if name.startswith("chosen"):
-        return {"color": "#222222", "linestyle": "--"}
-    return {"color": SERVING_DTYPE_COLOURS.get(name, "#937860")}
-
-
-def plot_batch_latency(
-    summary: Summary,
-    series: list[tuple[str, dict[int, float]]],
-    point_names: dict[str, str],
-    path: Path,
-) -> Path:
-    """Latency per forward against batch size for each named series (fp32, each uniform
-    anchor, the chosen policy), with the best at each batch size starred and named:
-    where the choice flips."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter, NullLocator
-
-    assert summary.serving is not None
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    for name, latencies in series:
-        points = sorted(latencies.items())
-        if points:
-            xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, marker="o", label=name, **_series_style(name))
-    flips: list[BatchBest] = summary.serving.by_batch_size
-    ax.scatter(
-        [r.batch_size for r in flips],
-        [r.latency_ms for r in flips],
-        marker="*",
-        s=260,
-        facecolors="none",
-        edgecolors="black",
-        label="best at this batch size",
-        zorder=3,
-    )
-    for row in flips:
-        ax.annotate(
-            point_names.get(str(row.best), f"trial {row.best}"),
-            (row.batch_size, row.latency_ms),
-            fontsize=7,
-            xytext=(6, -10),
-            textcoords="offset points",
-        )
-    sizes = sorted({r.batch_size for r in flips} | set(summary.serving.batch_sizes))
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("latency per forward, p50 (ms)")
-    ax.set_title(f"{summary.study}: latency by batch size")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
     return saved(fig, path)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.report.gains import speed_words
+from autoprec.report.modes import SERVING_DTYPE_COLOURS
 from autoprec.report.page import (
     cell,
     html_table,
@@ -21,18 +22,13 @@ from autoprec.report.page import (
     trials_section,
     verdict_cells,
 )
-from autoprec.report.plots import plot_batch_latency, plot_dtype_map, plot_front
+from autoprec.report.plots import plot_dtype_map, plot_front, saved
 from autoprec.report.text import fmt, text_table
 from autoprec.selection import TIME_TIE
 from autoprec.serving.scenarios import SCENARIOS
 from autoprec.space import policy_label
-from autoprec.study.summary_schema import (
-    CONFIRMED_TIME,
-    Entry,
-    Serving,
-    Summary,
-    as_summary,
-)
+from autoprec.study.serving_summary import Serving
+from autoprec.study.summary_schema import CONFIRMED_TIME, Entry, Summary, as_summary
 
 # The rows of the practitioner's benchmark besides fp32 (the baseline): the uniform anchors
 # and the classic recipe, in that order, as a serving study names them.
@@ -62,7 +58,9 @@ TableRows = tuple[list[str], list[list[str]], list[str]]  # header, rows, each r
 
 
 def _serving(summary: Summary) -> Serving:
-    return summary.serving or Serving(scenario=None, batch_sizes=[])
+    """The serving study's own part of its summary (an empty one where it has none)."""
+    part = summary.part
+    return part if isinstance(part, Serving) else Serving(scenario=None, batch_sizes=[])
 
 
 def benchmark_rows(summary: Summary | dict[str, Any]) -> list[tuple[str, Entry]]:
@@ -300,7 +298,70 @@ def plot_latency_by_batch(summary: Summary | dict[str, Any], path: Path) -> Path
     summary = as_summary(summary)
     latencies = batch_latencies(summary)
     series = [(name, latencies.get(e.key, {})) for name, e in benchmark_rows(summary)]
-    return plot_batch_latency(summary, series, point_names(summary), path)
+    return _plot_batch_latency(summary, series, point_names(summary), path)
+
+
+def _series_style(name: str) -> dict[str, Any]:
+    if name.startswith("chosen"):
+        return {"color": "#222222", "linestyle": "--"}
+    return {"color": SERVING_DTYPE_COLOURS.get(name, "#937860")}
+
+
+def _plot_batch_latency(
+    summary: Summary,
+    series: list[tuple[str, dict[int, float]]],
+    point_names: dict[str, str],
+    path: Path,
+) -> Path:
+    """Latency per forward against batch size for each named series (fp32, each uniform
+    anchor, the chosen policy), with the best at each batch size starred and named:
+    where the choice flips."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter, NullLocator
+
+    info = _serving(summary)
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for name, latencies in series:
+        points = sorted(latencies.items())
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", label=name, **_series_style(name))
+    flips = info.by_batch_size
+    ax.scatter(
+        [r.batch_size for r in flips],
+        [r.latency_ms for r in flips],
+        marker="*",
+        s=260,
+        facecolors="none",
+        edgecolors="black",
+        label="best at this batch size",
+        zorder=3,
+    )
+    for row in flips:
+        ax.annotate(
+            point_names.get(str(row.best), f"trial {row.best}"),
+            (row.batch_size, row.latency_ms),
+            fontsize=7,
+            xytext=(6, -10),
+            textcoords="offset points",
+        )
+    sizes = sorted({r.batch_size for r in flips} | set(info.batch_sizes))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("latency per forward, p50 (ms)")
+    ax.set_title(f"{summary.study}: latency by batch size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return saved(fig, path)
 
 
 def serving_view(summary: Summary, out_dir: Path) -> tuple[list[Path], str]:

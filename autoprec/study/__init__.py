@@ -39,9 +39,10 @@ from autoprec.study._workers import run_workers
 from autoprec.study.config import SearchConfig
 from autoprec.study.confirm import confirm_choice
 from autoprec.study.summary import completed, numeric, summarize, write_outputs
-from autoprec.study.summary_schema import ProfileRow, ServedModel, Serving, Summary
+from autoprec.study.summary_schema import ProfileRow, Summary
 from autoprec.tasks import DEFAULT_TASK, Task
 from autoprec.tracking import FLUSH_WAIT_S, INTERRUPTED_FLUSH_S, Tracker
+from autoprec.trials import mode_named
 from autoprec.trials.schedule import schedule_warning
 
 __all__ = ["Callbacks", "SearchConfig", "SearchInterrupted", "SearchResult", "search"]
@@ -144,7 +145,8 @@ def _finish(
     trials = session.trials  # the mode: its part of the summary, and what it leaves behind
     assert session.baseline is not None
     mark_s = time.perf_counter()
-    part = trials.summary_part(prepared.feasibility)
+    fields = trials.summary_part(prepared.feasibility)
+    part = mode_named(trials.mode).summary_part_class()
     summary = summarize(
         session.study,
         session.space,
@@ -153,7 +155,7 @@ def _finish(
         prepared.prefer,
         confirmed,
         _run_ids(tracker),
-        None if part is None else Serving(**part),
+        None if fields is None or part is None else part(**fields),
     )
     if not interrupted:  # --confirm-steps: the choice trained as long (may change it)
         long_s = time.perf_counter()
@@ -163,7 +165,6 @@ def _finish(
     best_policy = Policy.from_dict(summary.best.policy or {})
     layers = trials.layer_table(best_policy, prepared.model)
     left = trials.leave_behind(best_policy, prepared.out_dir, prepared.task_spec, tracker)
-    served = None if left is None else ServedModel(**left)
     summary = completed(
         summary,
         settings=_settings(session),
@@ -175,7 +176,7 @@ def _finish(
         if session.profile is None
         else [ProfileRow(m.rank, m.name, m.risk, m.reason) for m in session.profile.modules[:5]],
         layers=layers,
-        served_model=served,
+        left=left,
     )
     phases_s["tracking_flush"] = time.perf_counter() - mark_s
     summary.wall_time_s = time.perf_counter() - started_s

@@ -22,7 +22,7 @@ from autoprec.trials import MODES, canonical
 
 MAX_SUMMARY_BYTES = 256 * 1024 * 1024  # a 10 000-trial study's summary is about 100 MB
 STATES = ("complete", "pruned", "failed", "running", "interrupted")
-_NUMBER = (int, float)
+NUMBER = (int, float)
 NON_FINITE = ("nan", "inf", "-inf")  # strict JSON's spelling of them (summary_schema.finite)
 
 
@@ -55,7 +55,7 @@ def _load(path: Path, study: str, check: Callable[[Any], None]) -> dict[str, Any
 
 def _check_header(data: Any) -> None:
     """The top level, the mode and the settings: what every reader of a summary reads."""
-    _expect(data, dict, "the top level")
+    expect(data, dict, "the top level")
     version = data.get("schema_version", 0)
     _check_count(version, "schema_version")
     if version > SCHEMA_VERSION:
@@ -65,95 +65,98 @@ def _check_header(data: Any) -> None:
         )
     if canonical(data.get("mode")) not in MODES:
         raise _Shape(f"mode: expected {' or '.join(MODES)}, got {data.get('mode')!r}")
-    _expect(data.get("settings"), dict, "settings")
+    expect(data.get("settings"), dict, "settings")
     for key in ("task_spec", "checkpoint", "int8", "device", "device_name", "tracking_uri"):
-        _expect(data["settings"].get(key), (str, type(None)), f"settings.{key}")
+        expect(data["settings"].get(key), (str, type(None)), f"settings.{key}")
 
 
 def check_summary(data: Any) -> None:
     """Raise with the first field of a summary that the report or an export would trip
     on: the top-level fields, every row (baseline, trials, best) and the settings."""
     _check_header(data)
-    _expect(data.get("study"), str, "study")
-    dtypes = MODES[canonical(data["mode"])].dtypes
-    _expect(data.get("accuracy_tolerance"), _NUMBER, "accuracy_tolerance")
-    _expect(data.get("prefer"), str, "prefer")
-    _expect(data.get("peak_memory_is_estimate", False), bool, "peak_memory_is_estimate")
-    _expect(data.get("advice", []), list, "advice")
+    expect(data.get("study"), str, "study")
+    mode = MODES[canonical(data["mode"])]
+    dtypes, time_metric = mode.dtypes, mode.time_metric()
+    expect(data.get("accuracy_tolerance"), NUMBER, "accuracy_tolerance")
+    expect(data.get("prefer"), str, "prefer")
+    expect(data.get("peak_memory_is_estimate", False), bool, "peak_memory_is_estimate")
+    expect(data.get("advice", []), list, "advice")
     for i, line in enumerate(data.get("advice", [])):
-        _expect(line, str, f"advice[{i}]")
-    _expect(data.get("trials"), list, "trials")
-    groups = _check_row(data.get("baseline"), "baseline", dtypes, None)
+        expect(line, str, f"advice[{i}]")
+    expect(data.get("trials"), list, "trials")
+    groups = _check_row(data.get("baseline"), "baseline", dtypes, time_metric, None)
     numbers = {"baseline"}
     for i, row in enumerate(data["trials"]):
-        _check_row(row, f"trials[{i}]", dtypes, groups)
+        _check_row(row, f"trials[{i}]", dtypes, time_metric, groups)
         numbers.add(row["number"])
-    _check_row(data.get("best"), "best", dtypes, groups)
+    _check_row(data.get("best"), "best", dtypes, time_metric, groups)
     if data["best"]["number"] not in numbers:
         raise _Shape(f"best.number: {data['best']['number']!r} is no trial of the summary")
-    _expect(data["best"].get("policy"), dict, "best.policy")
+    expect(data["best"].get("policy"), dict, "best.policy")
     if data["best"]["number"] != "baseline":
         for key in ("speedup_vs_fp32", "memory_saving_vs_fp32"):
             if not _finite(data["best"].get(key)) or data["best"]["speedup_vs_fp32"] <= 0:
                 raise _Shape(f"best.{key}: expected a finite number")
-    _expect(data["best"].get("layers", []), list, "best.layers")
+    expect(data["best"].get("layers", []), list, "best.layers")
     for i, layer in enumerate(data["best"].get("layers", [])):
-        _expect(layer, dict, f"best.layers[{i}]")
+        expect(layer, dict, f"best.layers[{i}]")
         for key in ("name", "type", "dtype"):
-            _expect(layer.get(key), str, f"best.layers[{i}].{key}")
-        _expect(layer.get("params"), int, f"best.layers[{i}].params")
-    if canonical(data.get("mode")) == "serving":
-        _check_serving(data.get("serving", data.get("inference")))
+            expect(layer.get(key), str, f"best.layers[{i}].{key}")
+        expect(layer.get("params"), int, f"best.layers[{i}].params")
+    part = mode.summary_part_class()
+    if part is not None:  # the mode's own part (serving: the scenario, the best by batch)
+        part.check(part.block_of(data))
     if data.get("confirmation") is not None:  # --confirm-steps
         _check_confirmation(data["confirmation"])
 
 
 def _check_confirmation(block: Any) -> None:
-    _expect(block, dict, "confirmation")
+    expect(block, dict, "confirmation")
     _check_count(block.get("steps"), "confirmation.steps")
-    _expect(block.get("checks", []), list, "confirmation.checks")
+    expect(block.get("checks", []), list, "confirmation.checks")
     for i, check in enumerate(block.get("checks", [])):
         where = f"confirmation.checks[{i}]"
-        _expect(check, dict, where)
-        _expect(check.get("key"), (str, int), f"{where}.key")
-        _expect(check.get("label"), str, f"{where}.label")
-        _expect(check.get("held"), bool, f"{where}.held")
-        _expect(check.get("state"), str, f"{where}.state")
+        expect(check, dict, where)
+        expect(check.get("key"), (str, int), f"{where}.key")
+        expect(check.get("label"), str, f"{where}.label")
+        expect(check.get("held"), bool, f"{where}.held")
+        expect(check.get("state"), str, f"{where}.state")
 
 
 def _check_row(
-    row: Any, where: str, dtypes: tuple[str, ...], groups: list[str] | None
+    row: Any, where: str, dtypes: tuple[str, ...], time_metric: str, groups: list[str] | None
 ) -> list[str]:
-    """A result row's fields; returns its dtype groups, which every other row must have."""
-    _expect(row, dict, where)
-    _expect(row.get("number"), (str, int), f"{where}.number")
+    """A result row's fields (a complete one has its mode's ``time_metric``); returns its
+    dtype groups, which every other row must have."""
+    expect(row, dict, where)
+    expect(row.get("number"), (str, int), f"{where}.number")
     if row.get("state") not in STATES:
         raise _Shape(
             f"{where}.state: expected one of {', '.join(STATES)}, got {row.get('state')!r}"
         )
-    _expect(row.get("metrics"), dict, f"{where}.metrics")
+    expect(row.get("metrics"), dict, f"{where}.metrics")
     for name, value in row["metrics"].items():
         if value in NON_FINITE:  # what the writer makes of a NaN or infinite metric
             continue
-        if value is not None and (isinstance(value, bool) or not isinstance(value, _NUMBER)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, NUMBER)):
             raise _Shape(f"{where}.metrics.{name}: expected a number, got {value!r}")
     if row["state"] == "complete":
         for name in ("accuracy", "peak_memory_mb"):
             if not _finite(row["metrics"].get(name)):
                 raise _Shape(f"{where}.metrics.{name}: a complete trial needs a finite number")
-        if not {"step_time_ms", "latency_p50_ms"} & set(row["metrics"]):
-            raise _Shape(f"{where}.metrics: a complete trial needs its step time or latency")
+        if time_metric not in row["metrics"]:
+            raise _Shape(f"{where}.metrics: a complete trial needs its time, {time_metric}")
     by_batch = row.get("latency_by_batch_ms", {})
-    _expect(by_batch, dict, f"{where}.latency_by_batch_ms")
+    expect(by_batch, dict, f"{where}.latency_by_batch_ms")
     for size, latency in by_batch.items():
         if not str(size).isdigit() or not _finite(latency):
             raise _Shape(f"{where}.latency_by_batch_ms: expected batch sizes and latencies")
     for key in ("feasible", "pareto"):
-        _expect(row.get(key), bool, f"{where}.{key}")
+        expect(row.get(key), bool, f"{where}.{key}")
     for key in ("anchor", "reason"):
-        _expect(row.get(key), (str, type(None)), f"{where}.{key}")
-    _expect(row.get("policy", {}), (dict, type(None)), f"{where}.policy")
-    _expect(row.get("params"), dict, f"{where}.params")
+        expect(row.get(key), (str, type(None)), f"{where}.{key}")
+    expect(row.get("policy", {}), (dict, type(None)), f"{where}.policy")
+    expect(row.get("params"), dict, f"{where}.params")
     found = [k.removeprefix("dtype.") for k in row["params"] if str(k).startswith("dtype.")]
     for group in found:
         dtype = row["params"][f"dtype.{group}"]
@@ -164,37 +167,17 @@ def _check_row(
     return found
 
 
-def _check_serving(block: Any) -> None:
-    _expect(block, dict, "serving")
-    _expect(block.get("batch_sizes"), list, "inference.batch_sizes")
-    for i, size in enumerate(block["batch_sizes"]):
-        _check_batch_size(size, f"serving.batch_sizes[{i}]")
-    for key in ("scenario", "int8"):
-        _expect(block.get(key), (str, type(None)), f"serving.{key}")
-    for key in ("min_top1_agreement", "max_rel_deviation"):
-        _expect(block.get(key), (*_NUMBER, type(None)), f"serving.{key}")
-    _expect(block.get("by_batch_size", []), list, "inference.by_batch_size")
-    for i, row in enumerate(block.get("by_batch_size", [])):
-        where = f"serving.by_batch_size[{i}]"
-        _expect(row, dict, where)
-        _check_batch_size(row.get("batch_size"), f"{where}.batch_size")
-        _expect(row.get("best"), (str, int), f"{where}.best")
-        _expect(row.get("latency_ms"), _NUMBER, f"{where}.latency_ms")
-        for key in ("fp32_latency_ms", "speedup_vs_fp32"):
-            _expect(row.get(key), (*_NUMBER, type(None)), f"{where}.{key}")
-
-
 def _check_count(value: Any, where: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise _Shape(f"{where}: expected a whole number, got {value!r}")
 
 
-def _check_batch_size(size: Any, where: str) -> None:
+def check_batch_size(size: Any, where: str) -> None:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise _Shape(f"{where}: expected a positive integer, got {size!r}")
 
 
-def _expect(value: Any, kinds: type | tuple[type, ...], where: str) -> None:
+def expect(value: Any, kinds: type | tuple[type, ...], where: str) -> None:
     kinds = kinds if isinstance(kinds, tuple) else (kinds,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         names = " or ".join(_NAMES.get(k, k.__name__) for k in kinds)
@@ -219,4 +202,4 @@ def _short(value: Any) -> str:
 
 
 def _finite(value: Any) -> bool:
-    return isinstance(value, _NUMBER) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, NUMBER) and not isinstance(value, bool) and math.isfinite(value)

@@ -8,12 +8,13 @@ space (the study's default name, the space's tolerance) is settled by the sessio
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Re-exported: the search's names for them (SAMPLERS' guided: profile-ranked seeding and
 # bisection, `autoprec.profile.guided`, then TPE; a trial silent for 3 heartbeat intervals fails).
@@ -23,7 +24,6 @@ from autoprec._util.names import SAMPLERS
 from autoprec.devices import check_emulate
 from autoprec.errors import AutoprecError, StoreError, redact
 from autoprec.settings import (
-    SERVING,
     Budget,
     Choice,
     Compiled,
@@ -34,14 +34,13 @@ from autoprec.settings import (
     options,
 )
 from autoprec.tracking import check_tracking_uri
-from autoprec.trials import MODES, canonical, mode_named
+from autoprec.trials import MODES, Mode, canonical, mode_named
 from autoprec.trials.schedule import MAX_TRAIN_STEPS, TRIAL_SCHEDULES
-from autoprec.trials.serving import ServingConfig
+
+if TYPE_CHECKING:
+    from autoprec.trials.serving import ServingConfig
 
 DEFAULT_RUNS_DIR = Path(Where().runs_dir)
-# ServingConfig's fields, also taken flat (``SearchConfig(mode="serving", scenario=...)``,
-# ``--scenario``) and nested into ``serving``.
-SERVING_KEYWORDS = tuple(o.name for o in options(SERVING))
 # Matched whole (fullmatch): a pattern ending in "$" would pass a name ending in "\n".
 STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
@@ -55,20 +54,24 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
     type, default and help, as ``autoprec search --help`` prints them.
 
     Beyond what the command line gives: ``device`` may be a Backend; ``runs_dir`` is where
-    summary.json and best_policy.yaml go; ``mode`` left None is inference when ``serving``
-    is given, else training; ``serving`` holds the serving settings
+    summary.json and best_policy.yaml go. A mode with settings of its own
+    (`autoprec.trials.Mode.settings`) has them in the field of that name, as its settings
+    object (`Mode.config`): ``serving`` holds the serving mode's
     (`autoprec.trials.serving.ServingConfig`: scenario, batch sizes, checkpoint, int8, fp8),
     whose fields may also be given flat with ``mode="serving"`` (``scenario="edge"``);
-    ``prefer`` may then also be ``latency`` or ``throughput``. The settings of the compiled
-    trials and of the section "longer than a trial" are the training mode's: refused with
+    ``mode`` left None is the mode whose settings object is given, else the default
+    (training). ``prefer`` takes the mode's preferences (serving's: also ``latency`` or
+    ``throughput``). The settings of the compiled trials and of the section "longer than a
+    trial" are for modes whose trials train (`Mode.trains`): refused with
     ``mode="serving"``.
 
     A study keeps the settings that change what its trials measure (its fingerprint,
     `autoprec.settings.study_settings`): continuing it with others is refused.
     """
 
-    serving: ServingConfig | None = None
-    # The serving settings given flat, nested into ``serving`` (not kept as fields).
+    serving: ServingConfig | None = None  # the serving mode's own settings
+    # The modes' own settings given flat (``scenario="edge"``, ``--scenario``): nested into
+    # the field of their mode's section, not kept as fields (FLAT_KEYWORDS).
     scenario: InitVar[str | None] = None
     batch_size: InitVar[int | None] = None
     batch_sizes: InitVar[str | Sequence[int] | None] = None
@@ -76,25 +79,10 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
     int8: InitVar[str | None] = None
     fp8: InitVar[str | None] = None
 
-    def __post_init__(
-        self,
-        scenario: str | None,
-        batch_size: int | None,
-        batch_sizes: str | Sequence[int] | None,
-        checkpoint: str | Path | None,
-        int8: str | None,
-        fp8: str | None,
-    ) -> None:
+    def __post_init__(self, *flat: Any) -> None:
         object.__setattr__(self, "runs_dir", Path(self.runs_dir))
-        flat = {
-            "scenario": scenario,
-            "batch_size": batch_size,
-            "batch_sizes": batch_sizes,
-            "checkpoint": checkpoint,
-            "int8": int8,
-            "fp8": fp8,
-        }
-        self._nest_serving({k: v for k, v in flat.items() if v is not None})
+        given = zip(FLAT_KEYWORDS, flat, strict=True)
+        self._nest_own({name: value for name, value in given if value is not None})
         object.__setattr__(self, "emulate", tuple(sorted(check_emulate(self.emulate))))
         _check_positive(self.trials, "--trials", "a positive integer")
         if _not_int(self.steps) or self.steps < 3:
@@ -118,12 +106,14 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
             raise AutoprecError(
                 f"--heartbeat: expected whole seconds >= 1, got {self.heartbeat_s!r}"
             )
-        self._check_mode()
+        mode = self._check_mode()
         if not isinstance(self.compile, bool):
             raise AutoprecError(f"--compile: expected True or False, got {self.compile!r}")
-        if self.compile and self.mode != "training":
-            raise AutoprecError("--compile: only with --mode training (serving is not compiled)")
-        self._check_long_runs()
+        if self.compile and not mode.trains:
+            raise AutoprecError(
+                f"--compile: only with --mode {_training_modes()} ({mode.name} is not compiled)"
+            )
+        self._check_long_runs(mode)
         _check_forecast(self.train_steps, self.forecast, self.steps)
         from autoprec.distributed.launch import settle_parallel
 
@@ -143,24 +133,30 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
         check_storage_url(self.storage)
         check_tracking_uri(self.tracking_uri)
 
-    def _nest_serving(self, flat: dict[str, Any]) -> None:
-        """``serving`` made from the flat serving keywords (on top of a ``serving`` given
-        too; a dict of its fields, as a worker gets it, becomes one), and the mode it
-        implies."""
-        serving = self.serving
-        if isinstance(serving, dict):
-            serving = ServingConfig(**serving)
+    def _nest_own(self, flat: dict[str, Any]) -> None:
+        """Each mode's own settings object made of its flat keywords, on top of the one
+        given (a dict of its fields, as a worker gets it, becomes one); and the mode: left
+        None, the one whose settings object was given (flat keywords need ``mode``), else
+        the default, its settings object made where none was given."""
         mode = canonical(self.mode)
-        if mode is None:  # a ServingConfig says the mode; flat keywords need --mode
-            mode = _owner("serving") if serving is not None else mode_named(None).name
-        if flat:
-            serving = replace(serving or ServingConfig(), **flat)
-        if mode in MODES and MODES[mode].settings == "serving" and serving is None:
-            serving = ServingConfig()
-        object.__setattr__(self, "serving", serving)
+        for key, owner in _own_settings().items():
+            own = getattr(self, key)
+            if isinstance(own, dict):
+                own = owner.config_class()(**own)
+            if mode is None and own is not None:
+                mode = owner.name
+            given = {name: flat[name] for name in _flat_keywords(key) if name in flat}
+            if given:
+                own = replace(own or owner.config_class()(), **given)
+            object.__setattr__(self, key, own)
+        if mode is None:
+            mode = mode_named(None).name
+        chosen = MODES.get(mode)  # an unknown mode is refused by _check_mode
+        if chosen and chosen.settings is not None and getattr(self, chosen.settings) is None:
+            object.__setattr__(self, chosen.settings, chosen.config_class()())
         object.__setattr__(self, "mode", mode)
 
-    def _check_mode(self) -> None:
+    def _check_mode(self) -> Mode:
         mode = mode_named(self.mode)
         allowed = mode.preferences
         if self.prefer is not None and self.prefer not in (*allowed, "speed"):
@@ -168,11 +164,18 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
                 f"--prefer: expected one of {', '.join(allowed)} for {self.mode}, "
                 f"got {self.prefer!r}"
             )
-        if self.serving is not None and mode.settings != "serving":
-            given = self.serving.given() or ["--mode"]
-            raise AutoprecError(f"{given[0]}: only with --mode {_owner('serving')}")
+        for key, owner in _own_settings().items():
+            own = getattr(self, key)
+            if own is not None and key != mode.settings:  # named by its first option set
+                flags = [
+                    o.flag
+                    for o in options()
+                    if o.section == key and getattr(own, o.name) != o.default
+                ]
+                raise AutoprecError(f"{(flags or ['--mode'])[0]}: only with --mode {owner.name}")
+        return mode
 
-    def _check_long_runs(self) -> None:
+    def _check_long_runs(self, mode: Mode) -> None:
         confirm = self.confirm_steps
         if confirm is not None and (_not_int(confirm) or confirm < self.steps):
             raise AutoprecError(
@@ -186,8 +189,10 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
             "--forecast": self.forecast != "infeasible",
         }
         for option, given in training_only.items():
-            if given and self.mode != "training":
-                raise AutoprecError(f"{option}: only with --mode training (trials that train)")
+            if given and not mode.trains:
+                raise AutoprecError(
+                    f"{option}: only with --mode {_training_modes()} (trials that train)"
+                )
         if self.trial_schedule not in TRIAL_SCHEDULES:
             raise AutoprecError(
                 f"--trial-schedule: expected {' or '.join(TRIAL_SCHEDULES)}, "
@@ -226,36 +231,45 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
         return values
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings as keywords that make this config again (``serving`` as a dict of
-        its fields), for a worker process."""
+        """The settings as keywords that make this config again (a mode's own settings
+        object as a dict of its fields), for a worker process."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values["serving"] = None if self.serving is None else self.serving.to_dict()
+        for key in _own_settings():
+            own = values[key]
+            values[key] = None if own is None else own.to_dict()
         return values
 
     @classmethod
     def from_options(cls, values: Mapping[str, Any]) -> SearchConfig:
         """The config of the declared settings' values (`autoprec.settings.options`, as
         the command line and a config file give them; the task and the space left out).
-        The serving settings away from their defaults are given flat: they need
-        ``mode="serving"``, as ``--scenario`` needs ``--mode serving``."""
-        given = {o.name: values[o.name] for o in options(SERVING) if values[o.name] != o.default}
-        kept = {f.name for f in fields(cls)} - {"serving"}
+        A mode's own settings away from their defaults are given flat: they need that
+        mode, as ``--scenario`` needs ``--mode serving``."""
+        given = {
+            o.name: values[o.name]
+            for o in options()
+            if o.name in FLAT_KEYWORDS and values[o.name] != o.default
+        }
+        kept = {f.name for f in fields(cls)} - set(_own_settings())
         return cls(**{name: values[name] for name in kept}, **given)
 
     def option_values(self) -> dict[str, Any]:
         """The settings as they are in effect, one plain value per declared setting (the
-        mode settled, the serving section's defaults where it has none): what
-        ``--print-config`` writes, and `from_options` makes this config again of."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "serving"}
-        serving = self.serving or ServingConfig()
-        values.update({name: getattr(serving, name) for name in SERVING_KEYWORDS})
+        mode settled, a mode's own section at its defaults where it has no settings
+        object): what ``--print-config`` writes, and `from_options` makes this config
+        again of."""
+        owners = _own_settings()
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in owners}
+        for key, owner in owners.items():
+            own = getattr(self, key) or owner.config_class()()
+            values.update({name: getattr(own, name) for name in _flat_keywords(key)})
         return values
 
     @classmethod
     def of(cls, config: SearchConfig | None, settings: dict[str, Any]) -> SearchConfig:
         """``config`` (or the defaults) with ``settings`` given as keywords on top."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(settings) - known - set(SERVING_KEYWORDS))
+        unknown = sorted(set(settings) - known - set(FLAT_KEYWORDS))
         if unknown:
             raise TypeError(f"search() got an unexpected keyword argument {unknown[0]!r}")
         base = config or cls()
@@ -288,13 +302,28 @@ def _check_forecast(train_steps: Any, mode: Any, steps: int) -> None:
         raise AutoprecError(f"--forecast: expected infeasible or warn, got {mode!r}")
 
 
-def _owner(field: str) -> str:
-    """The mode whose own settings are SearchConfig's ``field``."""
-    return next(mode.name for mode in MODES.values() if mode.settings == field)
+def _own_settings() -> dict[str, Mode]:
+    """The modes with settings of their own, by the key of their section (SearchConfig's
+    field holding their settings object)."""
+    return {mode.settings: mode for mode in MODES.values() if mode.settings is not None}
 
 
-# The flat serving keywords are taken by __init__ only: reading them is a mistake.
-for _name in SERVING_KEYWORDS:
+def _flat_keywords(key: str) -> list[str]:
+    """The settings of the section ``key``, as they are also given flat."""
+    return [o.name for o in options() if o.section == key]
+
+
+def _training_modes() -> str:
+    """The modes whose trials train, as ``--mode`` names them: ``training``."""
+    return " or ".join(mode.name for mode in MODES.values() if mode.trains)
+
+
+# The keywords SearchConfig takes that are no field of it: the flat ones, in the order
+# __post_init__ gets them.
+_FIELDS = {f.name for f in fields(SearchConfig)}
+FLAT_KEYWORDS = tuple(p for p in inspect.signature(SearchConfig).parameters if p not in _FIELDS)
+# The flat keywords are taken by __init__ only: reading them is a mistake.
+for _name in FLAT_KEYWORDS:
     delattr(SearchConfig, _name)
 
 

@@ -16,7 +16,7 @@ steps reuses the study's own baseline.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from autoprec.numerics.first_events import FirstEvent, FirstEvents
 from autoprec.selection import select_best
@@ -161,9 +161,8 @@ class _Confirmer:
         if FP32 in self.stored:
             return TrialResult.from_dict(self.stored[FP32]), True
         if self.steps == session.prepared.budget.steps and self.task is session.prepared.task:
-            baseline = session.baseline.result
-            assert isinstance(baseline, TrialResult)
-            return baseline, True
+            # Confirmed only where trials train (--confirm-steps): a training result.
+            return cast("TrialResult", session.baseline.result), True
         session.callbacks.confirmation_start("fp32", self.steps)
         result = self._train(FP32, session.baseline.policy, None)
         return result, False

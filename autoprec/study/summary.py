@@ -20,21 +20,19 @@ from autoprec._util.files import write_atomic
 from autoprec.errors import AutoprecError
 from autoprec.numerics.state_health import GroupStateHealth, GroupStateLoss
 from autoprec.policy import Policy
-from autoprec.selection import TIME_TIE, Candidate, pareto_front, select_best
+from autoprec.selection import Candidate, pareto_front, select_best
 from autoprec.space import SearchSpace
 from autoprec.study._records import Feasibility, Result, TrialRecord, record_of
 from autoprec.study._studies import CLAIM_ATTR, RECORD_ATTR, STEPPED_BACK_ATTR, finished
 from autoprec.study.summary_schema import (
     CONFIRMED_TIME,
-    BatchBest,
     Best,
     Entry,
     Layer,
     ProfileRow,
-    ServedModel,
-    Serving,
     Settings,
     Summary,
+    SummaryPart,
     finite,
 )
 from autoprec.trials.base import measured
@@ -89,9 +87,8 @@ def best_record(
 
 @dataclass(frozen=True)
 class _Read:
-    """What the summary reads of a trial's result beyond its metrics. `_read`, with
-    `_latency_by_batch`, reads it through the trials' result protocol
-    (`autoprec.trials.base.Result`)."""
+    """What the summary reads of a trial's result beyond its metrics. `_read` reads it
+    through the trials' result protocol (`autoprec.trials.base.Result`)."""
 
     mode: str
     metric_names: tuple[str, ...]
@@ -110,7 +107,7 @@ def _read(result: Result) -> _Read:
         mode=result.MODE,
         metric_names=tuple(result.METRICS),
         switches=fields.get("switches", {}),
-        latency_by_batch_ms=_latency_by_batch(result),
+        latency_by_batch_ms=latency_by_batch(result),
         telemetry=result.telemetry_brief(),
         advice=result.advice(),
         execution=fields.get("execution") or {},
@@ -127,15 +124,16 @@ def summarize(
     prefer: str,
     confirmed: dict[str, float] | None = None,
     run_ids: dict[str, str] | None = None,
-    serving: Serving | None = None,
+    part: SummaryPart | None = None,
 ) -> Summary:
     """The summary: the baseline, every trial, the Pareto front, and the chosen best.
 
     Where step times were confirmed side by side, the front and the choice use them;
-    ``run_ids`` are the MLflow child runs by key (trial number or "baseline"). A serving
-    study's part gets the best at each batch size (`by_batch_size`). What the search
-    knows only once the choice is made (settings, the layer table, the saved model) is
-    `completed`'s; the search's own wall time is set as the file is written.
+    ``run_ids`` are the MLflow child runs by key (trial number or "baseline"). The mode's
+    own ``part`` (`autoprec.trials.Mode.summary_part`) takes what the trials measured
+    (serving: the best at each batch size). What the search knows only once the choice is
+    made (settings, the layer table, what the mode leaves behind) is `completed`'s; the
+    search's own wall time is set as the file is written.
     """
     confirmed = confirmed or {}
     run_ids = run_ids or {}
@@ -187,8 +185,6 @@ def summarize(
         / measured(baseline.result.peak_memory_mb, "peak memory"),
     )
     read = _read(baseline.result)
-    if serving is not None:
-        serving.by_batch_size = by_batch_size(records, baseline, serving.batch_sizes, confirmed)
     return Summary(
         study=study.study_name,
         mode=read.mode,
@@ -207,7 +203,7 @@ def summarize(
         # What fp16 would do to the fp32 baseline's own gradients and activations.
         advice=read.advice,
         trial_time_s=baseline.result.run_time_s + sum(r.result.run_time_s for r in records),
-        serving=serving,
+        part=None if part is None else part.summarized(records, baseline, confirmed),
     )
 
 
@@ -220,18 +216,17 @@ def completed(
     interrupted: bool,
     profile: list[ProfileRow] | None,
     layers: list[dict[str, Any]],
-    served_model: ServedModel | None = None,
+    left: dict[str, Any] | None = None,
 ) -> Summary:
     """The summary with what the search adds once the choice is made: the settings, the
     MLflow parent run, the Optuna study's identity, the profile's riskiest layers, the
-    chosen policy's layer table and, for serving, the model saved (or why not)."""
+    chosen policy's layer table and, in the mode's own part, what the mode's trials left
+    behind (``left``: serving's saved model, or why not)."""
     best = replace(summary.best, layers=[Layer.from_json(row) for row in layers])
-    serving = summary.serving
-    if serving is not None:
-        serving = replace(serving, mlflow_model=served_model)
+    part = summary.part
     return replace(
         summary,
-        serving=serving,
+        part=None if part is None else part.completed(left),
         best=best,
         settings=Settings(settings),
         mlflow_parent_run_id=parent_run_id,
@@ -262,50 +257,9 @@ def cut_off(
     return cut
 
 
-def by_batch_size(
-    records: list[TrialRecord],
-    baseline: TrialRecord,
-    batch_sizes: list[int],
-    confirmed: dict[str, float] | None = None,
-) -> list[BatchBest]:
-    """For each batch size a serving study measured, the feasible policy with the lowest
-    latency there (within TIME_TIE a tie, to less memory): where the best choice flips.
-
-    At the scenario's batch size (the first), where the fastest were re-timed side by
-    side, the pool and the latencies are the re-timed ones, as for the choice itself: the
-    trials' first latencies are noisy, timed one after another on a changing machine."""
-    rows = []
-    for index, size in enumerate(batch_sizes):
-        retimed = confirmed if index == 0 and confirmed else None
-        latency = {
-            str(r.number): ms
-            for r in [baseline, *records]
-            if r.feasible and (ms := _latency_at(r, size, retimed)) is not None
-        }
-        pool = [r for r in [baseline, *records] if str(r.number) in latency]
-        if not pool:
-            continue
-        fastest = min(latency[str(r.number)] for r in pool)
-        tied = [r for r in pool if latency[str(r.number)] <= fastest * (1 + TIME_TIE)]
-        best = min(tied, key=lambda r: (r.result.peak_memory_mb, latency[str(r.number)]))
-        base = _latency_at(baseline, size, retimed)
-        best_ms = latency[str(best.number)]
-        rows.append(
-            BatchBest(size, best.number, best_ms, base, None if not base else base / best_ms)
-        )
-    return rows
-
-
-def _latency_at(record: TrialRecord, size: int, retimed: dict[str, float] | None) -> float | None:
-    """The record's latency at ``size``: the side-by-side re-timing where ``retimed`` is
-    given (None for a record not re-timed), else its own."""
-    if retimed is not None:
-        return retimed.get(str(record.number))
-    return (_latency_by_batch(record.result) or {}).get(size)
-
-
-def _latency_by_batch(result: Result) -> dict[int, float] | None:
-    """A serving result's median latency at each batch size measured; None for training."""
+def latency_by_batch(result: Result) -> dict[int, float] | None:
+    """A result's median latency at each batch size measured, where it measured several
+    (a serving result's); None for training."""
     latencies = result.entry_fields().get("latency_by_batch_ms")
     return None if latencies is None else {int(k): v for k, v in latencies.items()}
 

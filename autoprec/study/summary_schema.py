@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from autoprec.numerics.state_health import GroupStateHealth, GroupStateLoss
 from autoprec.study.confirmation import Confirmation
-from autoprec.trials import canonical
+from autoprec.trials import canonical, mode_named
+
+if TYPE_CHECKING:
+    from autoprec.study._records import TrialRecord
 
 SCHEMA_VERSION = 1  # 0: summaries written before the version was recorded
 
 Key = int | str  # a trial's number, or "baseline"
 BASELINE = "baseline"
 
-# The time each mode chooses by (the metric its trials are compared on).
-TIME_METRIC = {"training": "step_time_ms", "serving": "latency_p50_ms"}
 CONFIRMED_TIME = "confirmed_step_time_ms"  # the side-by-side re-timing, in either mode
 
 
@@ -239,110 +240,49 @@ class Best(Entry):
         }
 
 
-@dataclass
-class BatchBest:
-    """At one batch size a serving study measured: the fastest feasible policy there."""
+class SummaryPart:
+    """A mode's own part of the summary (`autoprec.trials.Mode.summary_part`; serving's is
+    `autoprec.study.serving_summary.Serving`): written under its key (``KEYS[0]``; older
+    summaries may hold it under one of the others), checked as read from a file, and
+    completed by what the trials measured and what the search left behind. The defaults
+    are those of a part that adds nothing once made."""
 
-    batch_size: int
-    best: Key
-    latency_ms: float
-    fp32_latency_ms: float | None
-    speedup_vs_fp32: float | None
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> BatchBest:
-        return cls(
-            data["batch_size"],
-            data["best"],
-            data["latency_ms"],
-            data.get("fp32_latency_ms"),
-            data.get("speedup_vs_fp32"),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "batch_size": self.batch_size,
-            "best": self.best,
-            "latency_ms": self.latency_ms,
-            "fp32_latency_ms": self.fp32_latency_ms,
-            "speedup_vs_fp32": self.speedup_vs_fp32,
-        }
-
-
-@dataclass
-class ServedModel:
-    """The chosen model saved as an MLflow model, or why it was not."""
-
-    logged: bool
-    reason: str | None = None
-    format: str | None = None
-    unpickles: bool | None = None
-    path: str | None = None
-    uri: str | None = None
+    KEYS: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ServedModel:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+    def block_of(cls, data: dict[str, Any]) -> Any:
+        """The part as a summary.json mapping holds it: under the first of its keys found
+        (None: under none)."""
+        return next((data[key] for key in cls.KEYS if key in data), None)
+
+    @classmethod
+    def check(cls, block: Any) -> None:
+        """Raise `autoprec.errors.SummaryError` naming the first field of ``block`` (the
+        part as summary.json holds it) that a reader would trip on."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Self:
+        raise NotImplementedError
 
     def to_json(self) -> dict[str, Any]:
-        if not self.logged:
-            return {"logged": False, "reason": self.reason}
-        return {
-            "logged": True,
-            "format": self.format,
-            "unpickles": self.unpickles,
-            "path": self.path,
-            "uri": self.uri,
-        }
-
-
-@dataclass
-class Serving:
-    """What a serving study adds: the scenario and its bounds, the fp32 weights the trials
-    converted, the best at each batch size measured and the saved model."""
-
-    scenario: str | None
-    batch_sizes: list[int]
-    int8: str | None = None
-    fp32_checkpoint: str | None = None
-    min_top1_agreement: float | None = None
-    max_rel_deviation: float | None = None
-    by_batch_size: list[BatchBest] = field(default_factory=list)
-    mlflow_model: ServedModel | None = None
+        raise NotImplementedError
 
     @property
     def batch_size(self) -> int | None:
-        """The batch size the study chose by: the scenario's, the first measured."""
-        return self.batch_sizes[0] if self.batch_sizes else None
+        """The batch size the study chose by, where its mode serves batches of a size."""
+        return None
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Serving:
-        model = data.get("mlflow_model")
-        return cls(
-            data.get("scenario"),
-            list(data.get("batch_sizes") or []),
-            data.get("int8"),
-            data.get("fp32_checkpoint"),
-            data.get("min_top1_agreement"),
-            data.get("max_rel_deviation"),
-            [BatchBest.from_json(r) for r in data.get("by_batch_size") or []],
-            None if model is None else ServedModel.from_json(model),
-        )
+    def summarized(
+        self, records: list[TrialRecord], baseline: TrialRecord, confirmed: dict[str, float]
+    ) -> Self:
+        """The part with what the trials measured (``confirmed``: the side-by-side
+        re-timings by key)."""
+        return self
 
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "scenario": self.scenario,
-            "batch_sizes": self.batch_sizes,
-            "int8": self.int8,
-            "fp32_checkpoint": self.fp32_checkpoint,
-            "min_top1_agreement": self.min_top1_agreement,
-            "max_rel_deviation": self.max_rel_deviation,
-            "by_batch_size": [r.to_json() for r in self.by_batch_size],
-        }
-        if self.mlflow_model is not None:
-            data["mlflow_model"] = self.mlflow_model.to_json()
-        return data
+    def completed(self, left: dict[str, Any] | None) -> Self:
+        """The part with what the search left behind besides the summary and the best
+        policy (`autoprec.trials.base.Trials.leave_behind`'s fields; None: nothing)."""
+        return self
 
 
 @dataclass
@@ -407,11 +347,6 @@ class Header:
     mode: str
     settings: Settings
 
-    @property
-    def serving(self) -> bool:
-        """Whether the study's policy is a serving one (converted weights, no training)."""
-        return self.mode == "serving"
-
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Header:
         return cls(canonical(data["mode"]), Settings(dict(data.get("settings") or {})))
@@ -436,7 +371,7 @@ class Summary:
     duplicates_skipped: int = 0
     advice: list[str] = field(default_factory=list)
     trial_time_s: float = 0.0
-    serving: Serving | None = None
+    part: SummaryPart | None = None  # the mode's own (`autoprec.trials.Mode.summary_part`)
     settings: Settings = field(default_factory=Settings)
     mlflow_parent_run_id: str | None = None
     optuna_study: dict[str, Any] | None = None  # see autoprec.study._identity
@@ -458,14 +393,16 @@ class Summary:
 
     @property
     def time_metric(self) -> str:
-        """The metric the study's time is: the training step's, or the latency served."""
-        return TIME_METRIC.get(self.mode, "step_time_ms")
+        """The metric the study's time is, its mode's: the training step's, the latency
+        served, ..."""
+        return mode_named(self.mode).time_metric()
 
     @property
     def batch_size(self) -> int | None:
-        """The batch size a serving study chose by; None for training."""
-        served = None if self.serving is None else self.serving.batch_size
-        found = served or self.baseline.metrics.get("batch_size")
+        """The batch size the study chose by, where its mode serves batches of a size (its
+        part says, or its baseline measured at one); None for training."""
+        chosen = None if self.part is None else self.part.batch_size
+        found = chosen or self.baseline.metrics.get("batch_size")
         return None if found is None else int(found)
 
     def time_ms(self, entry: Entry) -> float | None:
@@ -485,11 +422,10 @@ class Summary:
     def from_json(cls, data: dict[str, Any]) -> Summary:
         """A summary as any version wrote it (checked first: see summary_file)."""
         profile = data.get("profile")
-        # The serving mode's part, under the mode's earlier name in older summaries.
-        serving = data.get("serving", data.get("inference"))
+        mode = canonical(data["mode"])
         return cls(
             study=data["study"],
-            mode=canonical(data["mode"]),
+            mode=mode,
             baseline=Entry.from_json(data["baseline"]),
             trials=[Entry.from_json(t) for t in data["trials"]],
             best=Best.from_json(data.get("best") or data["baseline"]),
@@ -502,7 +438,7 @@ class Summary:
             duplicates_skipped=data.get("duplicates_skipped", 0),
             advice=list(data.get("advice") or []),
             trial_time_s=data.get("trial_time_s", 0.0),
-            serving=None if serving is None else Serving.from_json(serving),
+            part=_part_of(mode, data),
             settings=Settings(dict(data.get("settings") or {})),
             mlflow_parent_run_id=data.get("mlflow_parent_run_id"),
             optuna_study=data.get("optuna_study"),
@@ -535,8 +471,8 @@ class Summary:
             "advice": self.advice,
             "trial_time_s": self.trial_time_s,
         }
-        if self.serving is not None:
-            data["serving"] = self.serving.to_json()
+        if self.part is not None:
+            data[self.part.KEYS[0]] = self.part.to_json()
         data.update(
             settings=self.settings.values,
             mlflow_parent_run_id=self.mlflow_parent_run_id,
@@ -549,6 +485,16 @@ class Summary:
         if self.confirmation is not None:
             data["confirmation"] = self.confirmation.to_json()
         return data
+
+
+def _part_of(mode: str, data: dict[str, Any]) -> SummaryPart | None:
+    """The mode's own part of a summary.json mapping, under the first of its keys found;
+    None where the mode has none, or the summary holds none."""
+    part = mode_named(mode).summary_part_class()
+    if part is None:
+        return None
+    block = part.block_of(data)
+    return None if block is None else part.from_json(block)  # type: ignore[no-any-return]
 
 
 def as_summary(summary: Summary | dict[str, Any]) -> Summary:

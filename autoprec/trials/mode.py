@@ -84,6 +84,33 @@ class Mode:
         """Its space rules, imported on first use."""
         return load(self.space_rules)
 
+    # -- the study's settings, its summary and its report --
+    # "module:Class" of its own settings: SearchConfig's field ``settings`` holds one, made
+    # of that section's settings (also given flat), with ``to_dict``; None: none.
+    config: ClassVar[str | None] = None
+    # "module:Class" of its own part of summary.json (an
+    # `autoprec.study.summary_schema.SummaryPart`, which names its key); None: none.
+    summary_part: ClassVar[str | None] = None
+
+    def config_class(self) -> type[Any]:
+        """The class of its own settings (`config`), imported on first use."""
+        if self.config is None:
+            raise TypeError(f"{self!r}: no class of its own settings (Mode.config)")
+        return load(self.config)  # type: ignore[no-any-return]
+
+    def summary_part_class(self) -> type[Any] | None:
+        """The class of its summary's own part (`summary_part`); None: none."""
+        return None if self.summary_part is None else load(self.summary_part)  # type: ignore[no-any-return]
+
+    def time_metric(self) -> str:
+        """The metric its trials' time is, and its studies are compared on (its result's
+        ``TIME_METRIC``: ``step_time_ms``, ``latency_p50_ms``)."""
+        return self.trials_class().result_type.TIME_METRIC  # type: ignore[no-any-return]
+
+    def time_label(self) -> str:
+        """What a person calls its time (its result's ``TIME_LABEL``: ``step``)."""
+        return self.trials_class().result_type.TIME_LABEL  # type: ignore[no-any-return]
+
 
 class TrainingMode(Mode):
     """Trials train the task under each policy (the default mode)."""
@@ -136,3 +163,6 @@ class ServingMode(Mode):
 
     # -- the space --
     space_rules = "autoprec.trials.serving_space:RULES"
+    # -- the study's settings, its summary and its report --
+    config = "autoprec.trials.serving:ServingConfig"
+    summary_part = "autoprec.study.serving_summary:Serving"
