@@ -63,6 +63,7 @@ from autoprec.precision.plan import (
 from autoprec.precision.scaling import LossScale
 from autoprec.serving.fp8 import FP8_SERVING_METHODS, fp8_layer_refusal, is_fp8_serving_method
 from autoprec.serving.quantizers import INT8_METHODS
+from autoprec.trials import Mode, mode_named
 
 # The name the training trial has imported the share by (one function: `autoprec.precision.plan`).
 share_of_parameters = low_precision_share
@@ -221,11 +222,12 @@ class Policy:
     """Ordered (patterns/types -> dtype) rules, a default dtype, loss scaling and switches.
 
     ``tf32`` (CUDA) and ``hf32`` (Ascend) are None to leave the device's setting as is.
-    ``serving``: the policy converts weights for serving, where nothing is trained and no
-    loss is scaled, so its YAML has no ``loss_scale``; a YAML without one reads back so
-    (which changes only how it is written again). ``quantization``: for serving, the
-    method its int8 layers are quantized with (`Quantization`), so that converting by the
-    policy alone serves what the search measured. ``reduce_dtype``: on several devices,
+    ``writes_loss_scale``: whether its YAML has a ``loss_scale`` section where no loss is
+    scaled (False for a policy whose trials train nothing: a serving policy); a YAML
+    without one reads back so (which changes only how it is written again).
+    ``quantization``: for serving, the method its int8 layers are quantized with
+    (`Quantization`), so that converting by the policy alone serves what the search
+    measured. ``reduce_dtype``: on several devices,
     the dtype gradients are communicated in (None: fp32): FSDP2's ``reduce_dtype``
     (`autoprec.apply_fsdp2`), or DDP's fp16 or bf16 compression hook
     (`autoprec.register_comm_hook`); searched where a search's trials run on several.
@@ -240,7 +242,7 @@ class Policy:
     tf32: bool | None = None
     hf32: bool | None = None
     name: str | None = None
-    serving: bool = field(default=False, compare=False)
+    writes_loss_scale: bool = field(default=True, compare=False)
     quantization: Quantization = field(default_factory=Quantization)
     reduce_dtype: str | None = None
     optimizer_states: OptimizerStates = field(default_factory=OptimizerStates)
@@ -276,7 +278,12 @@ class Policy:
     @property
     def names_fp8(self) -> bool:
         """Whether the policy names fp8 (by its default or a rule)."""
-        return FP8 in (self.default, *(rule.dtype for rule in self.rules))
+        return FP8 in self.named_dtypes
+
+    @property
+    def named_dtypes(self) -> tuple[str, ...]:
+        """The dtypes its default and its rules name, in that order (repeats kept)."""
+        return (self.default, *(rule.dtype for rule in self.rules))
 
     # -- construction and serialisation -------------------------------------------------
 
@@ -294,7 +301,7 @@ class Policy:
             data["name"] = self.name
         data["default"] = self.default
         data["rules"] = [rule.to_dict() for rule in self.rules]
-        if not self.serving or self.loss_scale.enabled:  # a scale set is never dropped
+        if self.writes_loss_scale or self.loss_scale.enabled:  # a scale set is never dropped
             data["loss_scale"] = self.loss_scale.to_dict()
         switches = {k: v for k, v in (("tf32", self.tf32), ("hf32", self.hf32)) if v is not None}
         if switches:
@@ -342,7 +349,7 @@ class Policy:
         except PolicyError as error:
             raise PolicyError(f"{source}: {error}") from None
         tf32, hf32 = switches.get("tf32"), switches.get("hf32")
-        serving = "loss_scale" not in data
+        writes_loss_scale = "loss_scale" in data
         return cls(
             rules,
             default,
@@ -350,7 +357,7 @@ class Policy:
             tf32,
             hf32,
             name,
-            serving,
+            writes_loss_scale,
             quantization,
             reduce_dtype,
             optimizer_states,
@@ -478,7 +485,7 @@ class Policy:
         which training cannot apply."""
         if self.fp8_method is not None and self.names_fp8:
             return True  # its fp8 layers are served by a float8 serving method
-        return INT8 in (self.default, *(rule.dtype for rule in self.rules))
+        return INT8 in self.named_dtypes
 
     def _refuse_int8(self) -> None:
         for where, dtype in (
@@ -541,30 +548,30 @@ class Policy:
         self,
         model: nn.Module | None = None,
         device: str | torch.device | Backend | None = None,
-        inference: bool = False,
+        mode: str | Mode | None = None,
     ) -> str:
-        """What a trial of this policy measures, as a short hash: the dtype each layer
-        runs in (given a model, each leaf with parameters on the device kind, as
-        ``resolve`` says, or for serving as ``resolve_served`` says; without one, each
-        rule's dtype and the default), the loss scaling where any of them is fp16 in
-        training, and the switches. Policies alike in this are measured once, whichever
+        """What a trial of this policy measures in ``mode`` (a `Mode` or its name; None:
+        the default, training), as a short hash: the dtype each layer runs in (given a model, each
+        leaf with parameters on the device kind, as the mode resolves it,
+        `Mode.resolve_policy`; without one, each rule's dtype and the default), where the
+        mode's trials train the loss scaling where any of them is fp16 and the optimizer
+        states, and the switches. Policies alike in this are measured once, whichever
         rules say it."""
-        if model is not None and inference:
-            dtypes = self.resolve_served(model)
-        elif model is not None:
-            dtypes = self.resolve(model, device)
+        found = _mode(mode)
+        if model is not None:
+            dtypes = found.resolve_policy(self, model, device)
         else:
             dtypes = {f"rules[{i}]": rule.dtype for i, rule in enumerate(self.rules)}
             dtypes["default"] = self.default
-        scaling = self.loss_scale.to_dict() if "fp16" in dtypes.values() else {"mode": "none"}
-        if inference:
-            scaling = {"mode": "none"}  # serving scales no loss
+        # Trials that train nothing scale no loss.
+        scaled = found.trains and "fp16" in dtypes.values()
+        scaling = self.loss_scale.to_dict() if scaled else {"mode": "none"}
         measured: list[Any] = [dtypes, scaling, self.tf32, self.hf32]
         if FP8 in dtypes.values():  # only then: other policies keep their identities
             measured.append(self.fp8_recipe)
         if self.reduce_dtype is not None:  # likewise
             measured.append({"reduce_dtype": self.reduce_dtype})
-        if not inference and not self.optimizer_states.all_fp32(model):  # likewise
+        if found.trains and not self.optimizer_states.all_fp32(model):  # likewise
             states = (
                 self.optimizer_states.by_module(model)
                 if model is not None
@@ -647,18 +654,17 @@ class Policy:
         self,
         model: nn.Module,
         device: str | torch.device | Backend | None = None,
-        inference: bool = False,
+        mode: str | Mode | None = None,
         example: Any = None,
     ) -> list[dict[str, Any]]:
         """Each leaf module with parameters: name, type, parameter count and the dtype it
-        runs in (``inference``: the dtype its weights are served in; ``example``: as
-        ``resolve`` observes it on that batch)."""
+        runs in as ``mode`` (a `Mode` or its name; None: training) resolves it
+        (`Mode.resolve_policy`; the serving mode: the dtype its weights are served in;
+        ``example``: as ``resolve`` observes it on that batch); where the mode's trials
+        train and the policy's optimizer states are not all fp32, each one's state."""
         modules = dict(model.named_modules())
-        resolved = (
-            self.resolve_served(model)
-            if inference
-            else self.resolve(model, device, example=example)
-        )
+        found = _mode(mode)
+        resolved = found.resolve_policy(self, model, device, example)
         rows = [
             {
                 "name": name or "(model)",
@@ -668,7 +674,7 @@ class Policy:
             }
             for name, dtype in resolved.items()
         ]
-        if not inference and not self.optimizer_states.is_default:
+        if found.trains and not self.optimizer_states.is_default:
             states = self.optimizer_states.by_module(model)
             for row, name in zip(rows, resolved, strict=True):
                 row["state"] = states.get(name, TrainingState()).describe()
@@ -699,16 +705,13 @@ class Policy:
         self,
         model: nn.Module,
         device: str | torch.device | Backend | None = None,
-        inference: bool = False,
+        mode: str | Mode | None = None,
         example: Any = None,
     ) -> float:
-        """Share of the model's parameters that run in fp16 or bf16 (or, served, int8);
-        ``example``: as ``resolve`` observes it on that batch."""
-        resolved = (
-            self.resolve_served(model)
-            if inference
-            else self.resolve(model, device, example=example)
-        )
+        """Share of the model's parameters that run in fp16 or bf16 (or, served, int8) as
+        ``mode`` (None: training) resolves them; ``example``: as ``resolve`` observes it on
+        that batch."""
+        resolved = _mode(mode).resolve_policy(self, model, device, example)
         return low_precision_share(model, resolved)
 
     def apply(
@@ -765,6 +768,11 @@ def _refuse_failing(model: nn.Module, plan: Plan, backend: Backend) -> None:
                 f"{name} ({type(modules[name]).__name__}): cannot run in {dtype} on "
                 f"{backend.kind}: {reason}"
             )
+
+
+def _mode(mode: str | Mode | None) -> Mode:
+    """The mode a policy is resolved for: a `Mode`, or one by its name (None: training)."""
+    return mode if isinstance(mode, Mode) else mode_named(mode)
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -605,7 +605,7 @@ class SearchSpace:
             loss_scale=loss_scale,
             tf32=switches["tf32"],
             hf32=switches["hf32"],
-            serving=self.inference,
+            writes_loss_scale=not self.inference,
             quantization=Quantization(int8=int8, fp8=fp8),
             reduce_dtype=params.get(
                 self.reduce_param, self.reduce_dtypes[0] if self.reduce_dtypes else None

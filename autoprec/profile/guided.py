@@ -173,9 +173,7 @@ class _Strategy:
         if seen not in self._keys:
             try:
                 policy = self.space.policy(params)
-                self._keys[seen] = policy.identity(
-                    self.model, self.device, inference=self.space.inference
-                )
+                self._keys[seen] = policy.identity(self.model, self.device, mode=self.space.mode)
             except (KeyError, AutoprecError):
                 self._keys[seen] = None
         return self._keys[seen]

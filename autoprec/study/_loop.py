@@ -76,7 +76,7 @@ class TrialContext:
 
     def identity(self, policy: Policy) -> str:
         """What a trial of the policy measures on this model and device."""
-        return policy.identity(self.model, self.backend, inference=self.space.inference)
+        return policy.identity(self.model, self.backend, mode=self.space.mode)
 
     def progress(self, study: optuna.Study, total: int) -> Progress:
         """Where the study stands now (each trial's record read once)."""
