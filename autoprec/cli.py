@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from autoprec.errors import AutoprecError, redact
-from autoprec.trials import MODES, canonical
+from autoprec.trials import MODES, Mode, canonical, mode_named
 
 if TYPE_CHECKING:
+    from autoprec.policy import Policy
     from autoprec.settings import Option
     from autoprec.study.summary_schema import Summary
 
@@ -94,7 +95,8 @@ def _add_export(commands: Any) -> None:
         "--format",
         choices=FORMATS,
         default=None,
-        help="default: model for a serving study, yaml for a training study",
+        help="default: "
+        + ", ".join(f"{m.export_formats[0]} for a {m.name} study" for m in MODES.values()),
     )
     e.add_argument("--out", default=None, help="folder (default: runs/<study>/export-<format>)")
     e.add_argument(
@@ -355,27 +357,35 @@ def _resolve(args: argparse.Namespace) -> int:
     task = load_task(args.task)
     model = check_task(task)
     kind = get_backend(args.device).kind if args.device == "auto" else device_kind(args.device)
-    serving = args.mode == "serving" or (args.mode is None and policy.serving_only)
+    mode = _mode_for(policy) if args.mode is None else mode_named(args.mode)
     # On this machine's own device kind, what runs is watched on one batch of the task.
-    watched = not serving and kind == get_backend("auto").kind
+    watched = mode.watches_batch and kind == get_backend("auto").kind
     example = task.first_val_batch() if watched else None
     try:
-        table = policy.layer_table(model, kind, inference=serving, example=example)
-        share = policy.low_precision_share(model, kind, inference=serving, example=example)
-        where = "served" if serving else f"on {kind}"
-        where += " (watched on one batch)" if watched else ""
-        if not serving:
-            plan = policy.plan(model, kind)
-            where += f": outer region {plan.outer_dtype}; own regions: {len(plan.regions)}"
+        table = policy.layer_table(model, kind, mode, example)
+        share = policy.low_precision_share(model, kind, mode, example)
+        where = mode.resolved_where(policy, model, kind, watched)
     except PolicyError as error:
         raise PolicyError(f"{args.policy}: {error}") from None
     rows = [["module", "type", "params", "dtype"]]
     rows += [[r["name"], r["type"], str(r["params"]), r["dtype"]] for r in table]
     print(text_table(rows))
     print(f"{where}; low-precision share of parameters: {share:.0%}")
-    if not serving:  # serving converts weights and trains nothing: no loss to scale
+    if mode.trains:  # trials that train nothing scale no loss
         print(f"loss scale: {policy.loss_scale.to_dict()}")
     return 0
+
+
+def _mode_for(policy: Policy) -> Mode:
+    """The mode ``autoprec resolve`` reads a policy in when --mode names none: the default,
+    unless training cannot apply the policy (int8 layers, or fp8 ones by a serving
+    method); then the first mode that trains nothing and takes every dtype it names."""
+    default = mode_named(None)
+    if not policy.serving_only:
+        return default
+    named = set(policy.named_dtypes)
+    takes = (m for m in MODES.values() if not m.trains and named <= set(m.dtypes))
+    return next(takes, default)
 
 
 def without_password(uri: str | None) -> str | None:
@@ -461,12 +471,12 @@ def _export(args: argparse.Namespace) -> int:
 
     _check_study_exists(args.runs_dir, args.study)
     header = read_header(Path(args.runs_dir) / args.study / "summary.json", args.study)
-    settings, serving = header.settings, header.mode == "serving"
-    fmt = args.format or ("model" if serving else "yaml")
-    if fmt in SERVING_FORMATS and not serving:
+    settings, mode = header.settings, mode_named(header.mode)
+    fmt = args.format or mode.export_formats[0]
+    if fmt not in mode.export_formats:
         raise AutoprecError(
-            f"--format {fmt}: for serving studies (--mode serving); {args.study!r} is a "
-            "training study, whose policy is applied with autoprec.Precision"
+            f"--format {fmt}: {_format_modes(fmt)}; {args.study!r} is a "
+            f"{mode.name} study, {mode.policy_use}"
         )
     folder = Path(args.runs_dir) / args.study
     policy = load_policy(folder / "best_policy.yaml")
@@ -481,11 +491,8 @@ def _export(args: argparse.Namespace) -> int:
         model = check_task(task)
         weights = args.checkpoint or settings.checkpoint or folder / FP32_CHECKPOINT
         if fmt in ("model", "cann") and not Path(weights).is_file():
-            why = (
-                f"{weights} does not exist"
-                if args.checkpoint or serving
-                else "a training search keeps no weights: its trials train only --steps steps"
-            )
+            missing = "{weights} does not exist" if args.checkpoint else mode.missing_weights
+            why = missing.format(weights=weights)
             raise AutoprecError(
                 f"--format {fmt}: no trained fp32 weights ({why}); pass --checkpoint PATH, "
                 "your trained model's state dict (torch.save(model.state_dict(), PATH))"
@@ -506,6 +513,14 @@ def _export(args: argparse.Namespace) -> int:
     for path in paths:
         print(path)
     return 0
+
+
+def _format_modes(fmt: str) -> str:
+    """Which modes' studies export ``fmt``: ``for serving studies (--mode serving)``."""
+    allowing = [m.name for m in MODES.values() if fmt in m.export_formats]
+    if not allowing:
+        return "no study exports it"
+    return f"for {' or '.join(allowing)} studies (--mode {allowing[0]})"
 
 
 def _compare(args: argparse.Namespace) -> int:

@@ -3,7 +3,12 @@
 A policy is plain data: ordered rules, a default dtype, loss-scale settings and the
 TF32/HF32 switches. It reads and writes YAML with strict validation, ``resolve``
 says which dtype every leaf module runs in, and ``apply`` installs that on a model
-and returns the `Precision` object a training loop calls.
+and returns the `Precision` object a training loop calls. What a policy does on a model
+lives by concept beside the data, and its methods here are thin delegates to it:
+`autoprec.precision.landing` (``plan``, ``apply``: where it lands and what installs it),
+`autoprec.precision.resolution` (``resolve``, ``resolve_served``, and ``identity``,
+``layer_table``, ``low_precision_share`` as a mode resolves it), and
+`autoprec.optim.optimizer` (``optimizer``).
 
 Rules match leaf modules by glob patterns on ``named_modules()`` names (a pattern
 that matches a module matches every module below it, so ``encoder`` covers
@@ -23,12 +28,9 @@ inputs, and in fp32 a region wherever the surroundings are not fp32.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
@@ -36,33 +38,35 @@ from torch import nn
 
 from autoprec._util.files import load_yaml, parse_yaml, write_atomic
 from autoprec._util.safe_names import check_name
-from autoprec.devices import (
-    Backend,
-    autocast_behaviour,
-    device_kind,
-    failing_dtypes,
-    get_backend,
-)
-from autoprec.dtypes import BF16, FP8, INT8, POLICY_DTYPES
+from autoprec.dtypes import FP8, INT8, POLICY_DTYPES
 from autoprec.errors import PolicyError
-from autoprec.numerics.observe import casts_inputs, learn, observed_dtypes, probe, synthesized_run
 from autoprec.optim.state import OptimizerStates, TrainingState
-from autoprec.precision._placement import Placement, announce, place, within
-from autoprec.precision.fp8 import DEFAULT_FP8_RECIPE, autocast_refusal, check_recipe, fp8_refusal
-from autoprec.precision.hooks import Precision
-from autoprec.precision.plan import (
-    Plan,
-    RegionSpec,
-    boundaries,
-    is_called,
-    low_precision_share,
-    own_parameters,
-    parameterised_leaves,
-    selects,
-)
+from autoprec.precision import landing, resolution
+from autoprec.precision.fp8 import DEFAULT_FP8_RECIPE, check_recipe
+from autoprec.precision.plan import low_precision_share, parameterised_leaves, selects
+from autoprec.precision.resolution import int8_capable
 from autoprec.precision.scaling import LossScale
-from autoprec.serving.fp8 import FP8_SERVING_METHODS, fp8_layer_refusal, is_fp8_serving_method
+from autoprec.serving.fp8 import FP8_SERVING_METHODS, is_fp8_serving_method
 from autoprec.serving.quantizers import INT8_METHODS
+
+if TYPE_CHECKING:
+    from autoprec.devices import Backend
+    from autoprec.precision.hooks import Precision
+    from autoprec.precision.plan import Plan
+    from autoprec.trials import Mode
+
+__all__ = [
+    "REDUCE_DTYPES",
+    "LossScale",
+    "Policy",
+    "Quantization",
+    "Rule",
+    "int8_capable",
+    "load_policy",
+    "parameterised_leaves",
+    "share_of_parameters",
+    "tied_leaves",
+]
 
 # The name the training trial has imported the share by (one function: `autoprec.precision.plan`).
 share_of_parameters = low_precision_share
@@ -78,9 +82,6 @@ _POLICY_FIELDS = (
 )
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")  # what gradients may be communicated in
 _QUANTIZATION_FIELDS = ("int8", "fp8")
-# Where the default is fp8, the layers fp8 cannot take (norms, embeddings, Linear layers
-# of odd sizes) run in bf16, as torchao's users run the rest of the model.
-FP8_DEFAULT_REST = BF16
 _RULE_FIELDS = ("name", "patterns", "types", "dtype")
 
 
@@ -91,13 +92,6 @@ def _check_dtype(value: Any, where: str) -> str:
             "(expected fp32, fp16, bf16, fp8 for training, or int8 for serving)"
         )
     return value
-
-
-def int8_capable(module: nn.Module) -> bool:
-    """Whether a layer can be served in int8: an ``nn.Linear`` or transformers' Conv1D.
-    Subclasses are not: they may be read by their parent rather than called
-    (MultiheadAttention's ``out_proj``), or change what the forward does."""
-    return type(module) is nn.Linear or type(module).__name__ == "Conv1D"
 
 
 def _string_list(value: Any, where: str) -> tuple[str, ...]:
@@ -221,11 +215,12 @@ class Policy:
     """Ordered (patterns/types -> dtype) rules, a default dtype, loss scaling and switches.
 
     ``tf32`` (CUDA) and ``hf32`` (Ascend) are None to leave the device's setting as is.
-    ``serving``: the policy converts weights for serving, where nothing is trained and no
-    loss is scaled, so its YAML has no ``loss_scale``; a YAML without one reads back so
-    (which changes only how it is written again). ``quantization``: for serving, the
-    method its int8 layers are quantized with (`Quantization`), so that converting by the
-    policy alone serves what the search measured. ``reduce_dtype``: on several devices,
+    ``writes_loss_scale``: whether its YAML has a ``loss_scale`` section where no loss is
+    scaled (False for a policy whose trials train nothing: a serving policy); a YAML
+    without one reads back so (which changes only how it is written again).
+    ``quantization``: for serving, the method its int8 layers are quantized with
+    (`Quantization`), so that converting by the policy alone serves what the search
+    measured. ``reduce_dtype``: on several devices,
     the dtype gradients are communicated in (None: fp32): FSDP2's ``reduce_dtype``
     (`autoprec.apply_fsdp2`), or DDP's fp16 or bf16 compression hook
     (`autoprec.register_comm_hook`); searched where a search's trials run on several.
@@ -240,7 +235,7 @@ class Policy:
     tf32: bool | None = None
     hf32: bool | None = None
     name: str | None = None
-    serving: bool = field(default=False, compare=False)
+    writes_loss_scale: bool = field(default=True, compare=False)
     quantization: Quantization = field(default_factory=Quantization)
     reduce_dtype: str | None = None
     optimizer_states: OptimizerStates = field(default_factory=OptimizerStates)
@@ -276,7 +271,20 @@ class Policy:
     @property
     def names_fp8(self) -> bool:
         """Whether the policy names fp8 (by its default or a rule)."""
-        return FP8 in (self.default, *(rule.dtype for rule in self.rules))
+        return FP8 in self.named_dtypes
+
+    @property
+    def named_dtypes(self) -> tuple[str, ...]:
+        """The dtypes its default and its rules name, in that order (repeats kept)."""
+        return (self.default, *(rule.dtype for rule in self.rules))
+
+    @property
+    def serving_only(self) -> bool:
+        """Whether the policy names int8 (by its default or a rule): a serving policy,
+        which training cannot apply."""
+        if self.fp8_method is not None and self.names_fp8:
+            return True  # its fp8 layers are served by a float8 serving method
+        return INT8 in self.named_dtypes
 
     # -- construction and serialisation -------------------------------------------------
 
@@ -294,7 +302,7 @@ class Policy:
             data["name"] = self.name
         data["default"] = self.default
         data["rules"] = [rule.to_dict() for rule in self.rules]
-        if not self.serving or self.loss_scale.enabled:  # a scale set is never dropped
+        if self.writes_loss_scale or self.loss_scale.enabled:  # a scale set is never dropped
             data["loss_scale"] = self.loss_scale.to_dict()
         switches = {k: v for k, v in (("tf32", self.tf32), ("hf32", self.hf32)) if v is not None}
         if switches:
@@ -342,7 +350,7 @@ class Policy:
         except PolicyError as error:
             raise PolicyError(f"{source}: {error}") from None
         tf32, hf32 = switches.get("tf32"), switches.get("hf32")
-        serving = "loss_scale" not in data
+        writes_loss_scale = "loss_scale" in data
         return cls(
             rules,
             default,
@@ -350,7 +358,7 @@ class Policy:
             tf32,
             hf32,
             name,
-            serving,
+            writes_loss_scale,
             quantization,
             reduce_dtype,
             optimizer_states,
@@ -367,7 +375,7 @@ class Policy:
         """The policy as YAML at ``path``, replaced whole (never half written)."""
         return write_atomic(path, self.to_yaml())
 
-    # -- landing on a model --------------------------------------------------------------
+    # -- on a model: thin delegates to `autoprec.precision.landing` and `.resolution` ----
 
     def plan(
         self,
@@ -380,201 +388,25 @@ class Policy:
         module with parameters. On a model that holds the searched one (a LightningModule's
         ``self.net``), the policy lands on the submodule where every rule matches, or on the
         one ``module`` names (`autoprec.precision._placement`); the layers around it stay fp32."""
-        placement = self._placement(model, module)
-        inner = self._plan(placement.module, device_kind(device, model))
-        if placement.on_root:
-            return inner
-        return within(inner, placement.name, [name for name, _ in parameterised_leaves(model)])
+        return landing.plan(self, model, device, module)
 
-    def _placement(self, model: nn.Module, module: str | None) -> Placement:
-        """Where on ``model`` the policy lands: a submodule that its parent calls (the
-        region in the outer dtype goes on its forward) on which every rule matches."""
-
-        def fits(candidate: nn.Module) -> bool:
-            if candidate is not model and not is_called(candidate):
-                return False
-            leaves = parameterised_leaves(candidate)
-            return all(any(rule.matches(n, m) for n, m in leaves) for rule in self.rules)
-
-        placement = place(model, fits, module)
-        if not placement.on_root and not is_called(placement.module):
-            raise PolicyError(
-                f"module={placement.name!r}: a {type(placement.module).__name__} is not called "
-                "by its parent; name the model the policy was found on"
-            )
-        return placement
-
-    def _plan(self, model: nn.Module, kind: str) -> Plan:
-        self._refuse_int8()
-        chosen: dict[str, str] = {}
-        fp8: list[str] = []  # converted by torchao; they run in the region around them
-        follows_input: set[str] = set()
-        weight: Counter[str] = Counter()
-        for name, module, ruled in self._matched(model):
-            dtype = ruled or self.default
-            if dtype == FP8:
-                refusal = fp8_refusal(module)
-                if refusal is None:
-                    fp8.append(name)
-                    continue
-                if ruled == FP8:
-                    raise PolicyError(f"{name} ({type(module).__name__}): cannot be fp8: {refusal}")
-                dtype = FP8_DEFAULT_REST
-            behaviour = autocast_behaviour(kind, module)
-            if behaviour == "fp32":
-                continue  # no region: autocast keeps it in fp32 anyway
-            chosen[name] = dtype
-            if casts_inputs(kind, module, dtype, uniform=not self.rules):
-                follows_input.add(name)  # the rule the profile follows too
-            weight[dtype] += own_parameters(module)
-
-        found = boundaries(model, chosen)
-        if found.uniform is not None:
-            outer = found.uniform
-        elif found.dtypes:
-            # The outer region takes the dtype holding most parameters: fewest boundaries.
-            outer = max(sorted(weight), key=lambda d: (weight[d], d == "fp32"))
-        else:
-            outer = FP8_DEFAULT_REST if self.default == FP8 else self.default
-        # Each same-dtype subtree in another dtype than the outer region gets a region.
-        regions = {
-            s.name: RegionSpec(s.name, s.dtype, outer)
-            for s in found.subtrees
-            if s.dtype is not None and s.dtype != outer
-        }
-        # A module that runs in its input's dtype gets its input cast, wherever it is: its
-        # surroundings are the outer region's at a subtree's border, else its subtree's.
-        for name in follows_input:
-            subtree = found.subtree_of(name)
-            if found.uniform is None and subtree is None:
-                continue  # below a container its parent never calls: nothing runs it
-            outside = outer if subtree is None or subtree.name == name else chosen[name]
-            regions[name] = RegionSpec(name, chosen[name], outside, cast_inputs=True)
-        regions = {name: regions[name] for name, _ in model.named_modules() if name in regions}
-        for name in fp8:
-            subtree = found.subtree_of(name)
-            around = subtree.dtype if subtree is not None and subtree.dtype else outer
-            refusal = autocast_refusal(kind, self.fp8_recipe, around)
-            if refusal is not None:
-                raise PolicyError(
-                    f"quantization.fp8: {self.fp8_recipe} cannot run {name} inside a {around} "
-                    f"region on {kind}: {refusal}"
-                )
-        chosen.update(dict.fromkeys(fp8, FP8))
-        leaf_dtypes = {name: chosen.get(name, "fp32") for name, _ in parameterised_leaves(model)}
-        return Plan(
-            kind,
-            outer,
-            tuple(regions.values()),
-            leaf_dtypes,
-            self.tf32,
-            self.hf32,
-            self.fp8_recipe if fp8 else None,
-        )
-
-    @property
-    def serving_only(self) -> bool:
-        """Whether the policy names int8 (by its default or a rule): a serving policy,
-        which training cannot apply."""
-        if self.fp8_method is not None and self.names_fp8:
-            return True  # its fp8 layers are served by a float8 serving method
-        return INT8 in (self.default, *(rule.dtype for rule in self.rules))
-
-    def _refuse_int8(self) -> None:
-        for where, dtype in (
-            *((f"rules[{i}]", rule.dtype) for i, rule in enumerate(self.rules)),
-            ("default", self.default),
-        ):
-            if dtype == "int8":
-                raise PolicyError(
-                    f"{where}: int8 is for serving only (autoprec.load_served_model); "
-                    "training runs fp32, fp16 or bf16"
-                )
-        if self.fp8_method is not None and self.names_fp8:
-            raise PolicyError(
-                f"quantization.fp8: {self.fp8_method} is a serving method "
-                "(autoprec.load_served_model); training takes a torchao float8 recipe"
-            )
-
-    def _check_used(self, used: list[bool], model: nn.Module) -> None:
-        for i, rule in enumerate(self.rules):
-            if not used[i]:
-                raise PolicyError(
-                    f"rules[{i}] ({rule.describe()}): matches no module with parameters "
-                    f"in {type(model).__name__}"
-                )
-
-    def resolve_served(self, model: nn.Module) -> dict[str, str]:
-        """Every leaf with parameters mapped to the dtype its weights are converted to for
-        serving: its first matching rule's, or the default (no autocast table: serving
-        converts the weights themselves). int8 from the default applies to the layers that
-        can be int8 (Linear, Conv1D), the others stay fp32; fp8 from the default likewise
-        to the Linear layers its method takes. An explicit int8 or fp8 rule on any other
-        layer is refused when the model is converted."""
-        resolved: dict[str, str] = {}
-        for name, module, dtype in self._matched(model):
-            if dtype is None:
-                dtype = self.default
-                if dtype == "int8" and not int8_capable(module):
-                    dtype = "fp32"
-                if dtype == FP8 and fp8_layer_refusal(module, self.fp8_method) is not None:
-                    dtype = "fp32"
-            resolved[name] = dtype
-        return resolved
-
-    def _matched(self, model: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
-        """Each leaf with parameters and the dtype of its first matching rule (None where
-        no rule matches); raises PolicyError for a rule that matches no such leaf."""
-        used = [False] * len(self.rules)
-        found = []
-        for name, module in parameterised_leaves(model):
-            dtype = None
-            for i, rule in enumerate(self.rules):
-                if rule.matches(name, module):
-                    used[i] = True
-                    dtype = dtype or rule.dtype
-            found.append((name, module, dtype))
-        self._check_used(used, model)
-        return found
-
-    def identity(
+    def apply(
         self,
-        model: nn.Module | None = None,
+        model: nn.Module,
         device: str | torch.device | Backend | None = None,
-        inference: bool = False,
-    ) -> str:
-        """What a trial of this policy measures, as a short hash: the dtype each layer
-        runs in (given a model, each leaf with parameters on the device kind, as
-        ``resolve`` says, or for serving as ``resolve_served`` says; without one, each
-        rule's dtype and the default), the loss scaling where any of them is fp16 in
-        training, and the switches. Policies alike in this are measured once, whichever
-        rules say it."""
-        if model is not None and inference:
-            dtypes = self.resolve_served(model)
-        elif model is not None:
-            dtypes = self.resolve(model, device)
-        else:
-            dtypes = {f"rules[{i}]": rule.dtype for i, rule in enumerate(self.rules)}
-            dtypes["default"] = self.default
-        scaling = self.loss_scale.to_dict() if "fp16" in dtypes.values() else {"mode": "none"}
-        if inference:
-            scaling = {"mode": "none"}  # serving scales no loss
-        measured: list[Any] = [dtypes, scaling, self.tf32, self.hf32]
-        if FP8 in dtypes.values():  # only then: other policies keep their identities
-            measured.append(self.fp8_recipe)
-        if self.reduce_dtype is not None:  # likewise
-            measured.append({"reduce_dtype": self.reduce_dtype})
-        if not inference and not self.optimizer_states.all_fp32(model):  # likewise
-            states = (
-                self.optimizer_states.by_module(model)
-                if model is not None
-                else self.optimizer_states
-            )
-            library = self.optimizer_states.library
-            extra = {"library": library} if library != "torchao" else {}  # old identities kept
-            measured.append({"optimizer": repr(states), **extra})
-        text = json.dumps(measured, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
+        module: str | None = None,
+        emulate: str | tuple[str, ...] = (),
+    ) -> Precision:
+        """Install the per-layer dtypes on ``model`` and return its Precision object.
+
+        ``device`` defaults to the device the model's parameters are on. On a model that
+        holds the searched one, the policy lands on the submodule where every rule matches
+        (``module="net"`` names it where several do), and one line on the ``autoprec``
+        logger says which. fp8 layers are swapped for torchao's ``Float8Linear`` (the same
+        Parameters; ``prec.remove()`` swaps them back); on the CPU only with
+        ``emulate="fp8"``, which runs fp8's numerics without its speed.
+        """
+        return landing.apply(self, model, device, module, emulate)
 
     def resolve(
         self,
@@ -603,76 +435,57 @@ class Policy:
         (or the device refuses the policy) such a leaf is reported in the policy's dtype.
         On another device kind it is the plan's word, from the tables and what was watched
         there so far. Leaves without parameters (ReLU, dropout, pooling) are not listed."""
-        here = get_backend(_device_of(model))
-        if isinstance(device, Backend) and device.kind == here.kind:
-            here = device  # with what it emulates
-        if device_kind(device, model) != here.kind:
-            return self.plan(model, device, module).leaf_dtypes  # nothing to watch there
-        run = None if example is None else _runner(example, here)
-        if run is not None:
-            learn(model, run, here)
-        probe(model, here)
-        guess = self.plan(model, here, module).leaf_dtypes
-        if example is None:
-            if self._follows_uncast_input(model, guess, here.kind):
-                run = synthesized_run(model)
-            if run is None:
-                return guess
-        try:
-            seen = observed_dtypes(model, self, run, here, module)
-        except PolicyError:
-            if example is not None:
-                raise
-            return guess  # a policy this device refuses (fp8 unemulated): nothing to watch
-        # An fp8 layer hands on its region's dtype; what it computes in is fp8.
-        return {
-            name: dtype if dtype == FP8 else seen.get(name, dtype) for name, dtype in guess.items()
-        }
+        return resolution.resolve(self, model, device, module, example)
 
-    def _follows_uncast_input(
-        self, model: nn.Module, leaf_dtypes: dict[str, str], kind: str
-    ) -> bool:
-        """Whether a leaf the plan puts below fp32 runs in the dtype its input arrives in,
-        uncast: under a uniform policy (plain autocast) a plan casts no such input, so what
-        the leaf runs in depends on the layer before it, which the plan cannot tell."""
-        if self.rules:
-            return False  # a policy with rules casts the inputs of each such leaf
-        modules = dict(model.named_modules())
-        return any(
-            dtype not in ("fp32", FP8) and autocast_behaviour(kind, modules[name]) == "input"
-            for name, dtype in leaf_dtypes.items()
-        )
+    def resolve_served(self, model: nn.Module) -> dict[str, str]:
+        """Every leaf with parameters mapped to the dtype its weights are converted to for
+        serving: its first matching rule's, or the default (no autocast table: serving
+        converts the weights themselves). int8 from the default applies to the layers that
+        can be int8 (Linear, Conv1D), the others stay fp32; fp8 from the default likewise
+        to the Linear layers its method takes. An explicit int8 or fp8 rule on any other
+        layer is refused when the model is converted."""
+        return resolution.resolve_served(self, model)
+
+    def identity(
+        self,
+        model: nn.Module | None = None,
+        device: str | torch.device | Backend | None = None,
+        mode: str | Mode | None = None,
+    ) -> str:
+        """What a trial of this policy measures in ``mode`` (a `Mode` or its name; None:
+        the default, training), as a short hash: the dtype each layer runs in (given a
+        model, each leaf with parameters on the device kind, as the mode resolves it,
+        `Mode.resolve_policy`; without one, each rule's dtype and the default), where the
+        mode's trials train the loss scaling where any of them is fp16 and the optimizer
+        states, and the switches. Policies alike in this are measured once, whichever
+        rules say it."""
+        return resolution.identity(self, model, device, mode)
 
     def layer_table(
         self,
         model: nn.Module,
         device: str | torch.device | Backend | None = None,
-        inference: bool = False,
+        mode: str | Mode | None = None,
         example: Any = None,
     ) -> list[dict[str, Any]]:
         """Each leaf module with parameters: name, type, parameter count and the dtype it
-        runs in (``inference``: the dtype its weights are served in; ``example``: as
-        ``resolve`` observes it on that batch)."""
-        modules = dict(model.named_modules())
-        resolved = (
-            self.resolve_served(model)
-            if inference
-            else self.resolve(model, device, example=example)
-        )
-        rows = [
-            {
-                "name": name or "(model)",
-                "type": type(modules[name]).__name__,
-                "params": own_parameters(modules[name]),
-                "dtype": dtype,
-            }
-            for name, dtype in resolved.items()
-        ]
-        if not inference and not self.optimizer_states.is_default:
-            states = self.optimizer_states.by_module(model)
-            for row, name in zip(rows, resolved, strict=True):
-                row["state"] = states.get(name, TrainingState()).describe()
-        return rows
+        runs in as ``mode`` (a `Mode` or its name; None: the default, training) resolves it
+        (`Mode.resolve_policy`; the serving mode: the dtype its weights are served in;
+        ``example``: as ``resolve`` observes it on that batch); where the mode's trials
+        train and the policy's optimizer states are not all fp32, each one's state."""
+        return resolution.layer_table(self, model, device, mode, example)
+
+    def low_precision_share(
+        self,
+        model: nn.Module,
+        device: str | torch.device | Backend | None = None,
+        mode: str | Mode | None = None,
+        example: Any = None,
+    ) -> float:
+        """Share of the model's parameters that run in fp16 or bf16 (or, served, int8) as
+        ``mode`` (None: training) resolves them; ``example``: as ``resolve`` observes it on
+        that batch."""
+        return resolution.share(self, model, device, mode, example)
 
     def resolve_states(self, model: nn.Module) -> dict[str, TrainingState]:
         """Every trainable parameter's name mapped to its training state (optimizer state
@@ -695,51 +508,6 @@ class Policy:
 
         return build_optimizer(self.optimizer_states, model, optimizer, **hyperparameters)
 
-    def low_precision_share(
-        self,
-        model: nn.Module,
-        device: str | torch.device | Backend | None = None,
-        inference: bool = False,
-        example: Any = None,
-    ) -> float:
-        """Share of the model's parameters that run in fp16 or bf16 (or, served, int8);
-        ``example``: as ``resolve`` observes it on that batch."""
-        resolved = (
-            self.resolve_served(model)
-            if inference
-            else self.resolve(model, device, example=example)
-        )
-        return low_precision_share(model, resolved)
-
-    def apply(
-        self,
-        model: nn.Module,
-        device: str | torch.device | Backend | None = None,
-        module: str | None = None,
-        emulate: str | tuple[str, ...] = (),
-    ) -> Precision:
-        """Install the per-layer dtypes on ``model`` and return its Precision object.
-
-        ``device`` defaults to the device the model's parameters are on. On a model that
-        holds the searched one, the policy lands on the submodule where every rule matches
-        (``module="net"`` names it where several do), and one line on the ``autoprec``
-        logger says which. fp8 layers are swapped for torchao's ``Float8Linear`` (the same
-        Parameters; ``prec.remove()`` swaps them back); on the CPU only with
-        ``emulate="fp8"``, which runs fp8's numerics without its speed.
-        """
-        backend = get_backend(_device_of(model) if device is None else device, emulate)
-        probe(model, backend)  # as ``resolve`` does, so that both follow one plan
-        placement = self._placement(model, module)
-        plan = self.plan(model, backend, placement.name)
-        if plan.fp8_recipe is not None and backend.fp8_training_refusal() is not None:
-            raise PolicyError(f"dtype fp8: {backend.fp8_training_refusal()}")
-        unsupported = sorted(d for d in set(plan.leaf_dtypes.values()) if not backend.supports(d))
-        if unsupported:
-            raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
-        _refuse_failing(model, plan, backend)
-        announce(placement, self.name, len(parameterised_leaves(placement.module)))
-        return Precision(model, plan, self.loss_scale, backend)
-
 
 def tied_leaves(model: nn.Module) -> list[tuple[str, ...]]:
     """Groups of leaves with parameters that share a parameter (a tied embedding and
@@ -752,32 +520,6 @@ def tied_leaves(model: nn.Module) -> list[tuple[str, ...]]:
             if name not in names:
                 names.append(name)
     return sorted({tuple(names) for names in owners.values() if len(names) > 1})
-
-
-def _refuse_failing(model: nn.Module, plan: Plan, backend: Backend) -> None:
-    """A leaf put in a dtype it was seen to fail in on this device kind (an LSTM in fp16
-    on the CPU: oneDNN has no such kernel) is refused before anything runs."""
-    modules = dict(model.named_modules())
-    for name, dtype in plan.leaf_dtypes.items():
-        reason = failing_dtypes(backend.kind, modules[name]).get(dtype)
-        if reason is not None:
-            raise PolicyError(
-                f"{name} ({type(modules[name]).__name__}): cannot run in {dtype} on "
-                f"{backend.kind}: {reason}"
-            )
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    first = next(model.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
-
-
-def _runner(example: Any, backend: Backend) -> Any:
-    """``model -> outputs`` for an example batch, on the backend's device."""
-    from autoprec.tasks.base import Batch
-
-    batch = example if isinstance(example, Batch) else Batch.of(example)
-    return batch.to(backend.device).run
 
 
 def load_policy(path: str | Path) -> Policy:

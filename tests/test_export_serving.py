@@ -203,7 +203,7 @@ def test_the_policy_s_own_method_is_what_every_format_serves(tmp_path, method):
     policy = Policy(
         rules=(Rule("fp32", patterns=("head",)),),
         default="int8",
-        serving=True,
+        writes_loss_scale=False,
         quantization=Quantization(int8=method),
     )
     files, notes = export_quietly(policy, "torchao", tmp_path / "torchao", model=model)

@@ -61,7 +61,7 @@ def mlp() -> nn.Module:
 def fp8_policy(method: str = WEIGHT_ONLY, layers=FP8_LAYERS) -> Policy:
     return Policy(
         rules=(Rule("fp8", patterns=layers),),
-        serving=True,
+        writes_loss_scale=False,
         quantization=Quantization(fp8=method),
         name="fp8-body",
     )
@@ -129,7 +129,9 @@ def test_what_fp8_serving_cannot_take_is_refused_in_one_line():
     with pytest.raises(PolicyError, match="is a serving method"):
         fp8_policy().apply(model, emulate="fp8")
     # The default fp8 goes to the layers it can take; the norm stays fp32.
-    default = Policy(default="fp8", serving=True, quantization=Quantization(fp8=WEIGHT_ONLY))
+    default = Policy(
+        default="fp8", writes_loss_scale=False, quantization=Quantization(fp8=WEIGHT_ONLY)
+    )
     assert default.resolve_served(model)["block.norm"] == "fp32"
     assert default.resolve_served(model)["block.fc"] == "fp8"
     # torch._scaled_mm (the dynamic methods) needs dimensions that are multiples of 16.
@@ -274,7 +276,7 @@ def test_the_mlflow_model_serves_the_fp8_layers(tmp_path, method):
     linear = tuple(n for n, m in model.named_modules() if type(m) is nn.Linear)
     policy = Policy(
         rules=(Rule("fp8", patterns=linear),),
-        serving=True,
+        writes_loss_scale=False,
         quantization=Quantization(fp8=method),
     )
     served = convert_policy(model, policy, "cpu")
@@ -301,7 +303,7 @@ def test_fp8_beside_torch_s_dynamic_int8_is_rebuilt_at_load(tmp_path):
     linear = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     policy = Policy(
         rules=(Rule("int8", patterns=(linear[0],)), Rule("fp8", patterns=tuple(linear[1:]))),
-        serving=True,
+        writes_loss_scale=False,
         quantization=Quantization(int8="dynamic", fp8=WEIGHT_ONLY),
     )
     served = convert_policy(model, policy, "cpu")

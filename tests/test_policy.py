@@ -89,7 +89,7 @@ def test_a_serving_policy_records_its_int8_method_and_reads_it_back(tmp_path):
     served = Policy(
         rules=(Rule("fp32", patterns=("head",)),),
         default="int8",
-        serving=True,
+        writes_loss_scale=False,
         quantization=Quantization(int8="torchao-dynamic"),
     )
     path = served.save(tmp_path / "served.yaml")

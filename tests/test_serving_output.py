@@ -79,7 +79,7 @@ def test_serving_policies_are_written_and_shown_without_loss_scale(served):
     assert "loss_scale" not in yaml.safe_load(Path(artifact).read_text())
     # Read back, the policy is the same serving policy, and is written the same way again.
     policy = load_policy(best_file)
-    assert policy.serving and not policy.loss_scale.enabled
+    assert not policy.writes_loss_scale and not policy.loss_scale.enabled
     assert policy.to_yaml() == best_file.read_text()
 
 
@@ -87,7 +87,7 @@ def test_a_training_policy_keeps_its_loss_scale(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("default: fp16\nloss_scale: {mode: dynamic}\n")
     policy = load_policy(path)
-    assert not policy.serving
+    assert policy.writes_loss_scale
     assert policy.to_dict()["loss_scale"]["mode"] == "dynamic"
     path.write_text("default: bf16\nloss_scale: {mode: none}\n")
     assert load_policy(path).to_dict()["loss_scale"] == {"mode": "none"}

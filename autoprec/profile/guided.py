@@ -173,10 +173,7 @@ class _Strategy:
         if seen not in self._keys:
             try:
                 policy = self.space.policy(params)
-                rules = space_rules(self.space.mode)
-                self._keys[seen] = policy.identity(
-                    self.model, self.device, inference=rules.converts_weights
-                )
+                self._keys[seen] = policy.identity(self.model, self.device, mode=self.space.mode)
             except (KeyError, AutoprecError):
                 self._keys[seen] = None
         return self._keys[seen]

@@ -60,7 +60,7 @@ def policy_of(space: SearchSpace, params: Mapping[str, Any]) -> Policy:
         loss_scale=loss_scale_of(space.loss_scale, params, "fp16" in dtypes),
         tf32=params.get("switch.tf32"),
         hf32=params.get("switch.hf32"),
-        serving=rules.converts_weights,
+        writes_loss_scale=rules.scales_loss,
         quantization=Quantization(
             int8=space.int8_method if "int8" in dtypes else None,
             fp8=rules.fp8_made_with(space, params) if FP8 in dtypes else None,

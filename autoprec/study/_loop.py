@@ -26,7 +26,7 @@ from optuna.trial import TrialState as OptunaState
 from autoprec.devices import Backend
 from autoprec.policy import Policy
 from autoprec.profile.guided import GuidedStrategy, Observation
-from autoprec.space import SearchSpace, policy_label, space_rules
+from autoprec.space import SearchSpace, policy_label
 from autoprec.study._events import Callbacks, Progress
 from autoprec.study._records import Feasibility, TrialRecord, record_of
 from autoprec.study._studies import (
@@ -76,8 +76,7 @@ class TrialContext:
 
     def identity(self, policy: Policy) -> str:
         """What a trial of the policy measures on this model and device."""
-        rules = space_rules(self.space.mode)
-        return policy.identity(self.model, self.backend, inference=rules.converts_weights)
+        return policy.identity(self.model, self.backend, mode=self.space.mode)
 
     def progress(self, study: optuna.Study, total: int) -> Progress:
         """Where the study stands now (each trial's record read once)."""

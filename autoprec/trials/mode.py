@@ -2,9 +2,10 @@
 the plain case, and the two modes autoprec ships.
 
 A mode owns everything that differs between modes: its `Trials` class, its own settings
-section, its preferences and dtypes, whether its trials train, the export formats it
-allows, its report view and words, and its summary's own part. The generic code asks the
-mode object (found by `autoprec.trials.mode_named`) and never names a mode.
+section, its preferences and dtypes, whether its trials train, how a policy resolves on a
+model under its trials, the export formats it allows, its report view and words, and its
+summary's own part. The generic code asks the mode object (found by
+`autoprec.trials.mode_named`) and never names a mode.
 
 A new mode subclasses `Mode` and sets what differs; only ``name`` and ``trials`` are
 required. Heavy parts (the `Trials` class, the report view) are named as
@@ -14,10 +15,15 @@ required. Heavy parts (the `Trials` class, the report view) are named as
 from __future__ import annotations
 
 import importlib
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.serving.scenarios import SERVING_PREFERENCES
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from autoprec.policy import Policy
 
 
 def load(reference: str) -> Any:
@@ -111,6 +117,30 @@ class Mode:
         """What a person calls its time (its result's ``TIME_LABEL``: ``step``)."""
         return self.trials_class().result_type.TIME_LABEL  # type: ignore[no-any-return]
 
+    # -- the policy --
+    # Whether ``autoprec resolve`` watches one batch of the task on this machine's device
+    # kind (what `resolve_policy` answers depends on what runs there).
+    watches_batch: ClassVar[bool] = True
+    # How its studies' policies are used, for ``autoprec export``'s refusal of a format.
+    policy_use: ClassVar[str] = "whose policy is applied with autoprec.Precision"
+    # Why ``autoprec export`` finds no trained fp32 weights ({weights}: where it looked).
+    missing_weights: ClassVar[str] = "{weights} does not exist"
+
+    def resolve_policy(
+        self, policy: Policy, model: nn.Module, device: Any = None, example: Any = None
+    ) -> dict[str, str]:
+        """Each leaf with parameters and the dtype it runs in under this mode's trials:
+        under autocast on ``device``'s kind, as `Policy.resolve` says (``example``: as a
+        forward of that batch shows it)."""
+        return policy.resolve(model, device, example=example)
+
+    def resolved_where(self, policy: Policy, model: nn.Module, kind: str, watched: bool) -> str:
+        """Where `resolve_policy`'s dtypes hold, for ``autoprec resolve``: the device kind,
+        and the regions the policy's plan puts there."""
+        plan = policy.plan(model, kind)
+        where = f"on {kind}" + (" (watched on one batch)" if watched else "")
+        return f"{where}: outer region {plan.outer_dtype}; own regions: {len(plan.regions)}"
+
 
 class TrainingMode(Mode):
     """Trials train the task under each policy (the default mode)."""
@@ -131,6 +161,9 @@ class TrainingMode(Mode):
     )
     # -- launched trials --
     rank_trial = "autoprec.distributed.rank:run_rank"
+
+    # -- the policy --
+    missing_weights = "a training search keeps no weights: its trials train only --steps steps"
 
 
 class ServingMode(Mode):
@@ -166,3 +199,16 @@ class ServingMode(Mode):
     # -- the study's settings, its summary and its report --
     config = "autoprec.trials.serving:ServingConfig"
     summary_part = "autoprec.study.serving_summary:Serving"
+    # -- the policy --
+    watches_batch = False
+    policy_use = "whose policy converts a trained model's weights (autoprec.load_served_model)"
+
+    def resolve_policy(
+        self, policy: Policy, model: nn.Module, device: Any = None, example: Any = None
+    ) -> dict[str, str]:
+        """Each leaf with parameters and the dtype its weights are served in, as
+        `Policy.resolve_served` says: serving converts the weights, on any device."""
+        return policy.resolve_served(model)
+
+    def resolved_where(self, policy: Policy, model: nn.Module, kind: str, watched: bool) -> str:
+        return "served"

@@ -519,7 +519,7 @@ class ServingTrials:
 
     def layer_table(self, policy: Policy, model: nn.Module) -> list[dict[str, Any]]:
         """The dtype each layer's weights are served in."""
-        return policy.layer_table(model, self.backend, inference=True, example=None)
+        return policy.layer_table(model, self.backend, mode=self.mode)
 
     def summary_settings(self) -> dict[str, Any]:
         checkpoint = self.serving.checkpoint

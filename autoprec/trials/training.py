@@ -1151,7 +1151,7 @@ class TrainingTrials:
     def layer_table(self, policy: Policy, model: nn.Module) -> list[dict[str, Any]]:
         """What each layer computes in, as a forward under autocast shows it."""
         example = self.task.first_val_batch()
-        return policy.layer_table(model, self.backend, inference=False, example=example)
+        return policy.layer_table(model, self.backend, mode=self.mode, example=example)
 
     def summary_settings(self) -> dict[str, Any]:
         return {"checkpoint": None}

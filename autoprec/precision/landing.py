@@ -1,0 +1,225 @@
+"""Where a policy lands on a model: the leaves its rules match, the submodule it goes on,
+the plan of regions it puts there for a device kind, and the `Precision` object that
+installs them. ``Policy.plan`` and ``Policy.apply`` are `plan` and `apply`.
+
+A policy is data (`autoprec.policy`); this module reads it and never changes it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from autoprec.devices import Backend, autocast_behaviour, device_kind, failing_dtypes, get_backend
+from autoprec.dtypes import BF16, FP8, INT8
+from autoprec.errors import PolicyError
+from autoprec.numerics.observe import casts_inputs, probe
+from autoprec.precision._placement import Placement, announce, place, within
+from autoprec.precision.fp8 import autocast_refusal, fp8_refusal
+from autoprec.precision.hooks import Precision
+from autoprec.precision.plan import (
+    Plan,
+    RegionSpec,
+    boundaries,
+    is_called,
+    own_parameters,
+    parameterised_leaves,
+)
+
+if TYPE_CHECKING:
+    from autoprec.policy import Policy
+
+# Where the default is fp8, the layers fp8 cannot take (norms, embeddings, Linear layers
+# of odd sizes) run in bf16, as torchao's users run the rest of the model.
+FP8_DEFAULT_REST = BF16
+
+
+def matched_leaves(policy: Policy, model: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
+    """Each leaf with parameters and the dtype of its first matching rule (None where no
+    rule matches); raises PolicyError for a rule that matches no such leaf."""
+    used = [False] * len(policy.rules)
+    found = []
+    for name, module in parameterised_leaves(model):
+        dtype = None
+        for i, rule in enumerate(policy.rules):
+            if rule.matches(name, module):
+                used[i] = True
+                dtype = dtype or rule.dtype
+        found.append((name, module, dtype))
+    for i, rule in enumerate(policy.rules):
+        if not used[i]:
+            raise PolicyError(
+                f"rules[{i}] ({rule.describe()}): matches no module with parameters "
+                f"in {type(model).__name__}"
+            )
+    return found
+
+
+def plan(
+    policy: Policy,
+    model: nn.Module,
+    device: str | torch.device | Backend | None = None,
+    module: str | None = None,
+) -> Plan:
+    """Where the regions go on this model, for the device kind of ``device`` (default:
+    where the model's parameters are); raises PolicyError for a rule that matches no
+    module with parameters. On a model that holds the searched one (a LightningModule's
+    ``self.net``), the policy lands on the submodule where every rule matches, or on the
+    one ``module`` names (`autoprec.precision._placement`); the layers around it stay fp32."""
+    placement = _placement(policy, model, module)
+    inner = _plan(policy, placement.module, device_kind(device, model))
+    if placement.on_root:
+        return inner
+    return within(inner, placement.name, [name for name, _ in parameterised_leaves(model)])
+
+
+def apply(
+    policy: Policy,
+    model: nn.Module,
+    device: str | torch.device | Backend | None = None,
+    module: str | None = None,
+    emulate: str | tuple[str, ...] = (),
+) -> Precision:
+    """Install the per-layer dtypes on ``model`` and return its Precision object
+    (``Policy.apply``, which says more)."""
+    backend = get_backend(device_of(model) if device is None else device, emulate)
+    probe(model, backend)  # as ``resolve`` does, so that both follow one plan
+    placement = _placement(policy, model, module)
+    planned = plan(policy, model, backend, placement.name)
+    if planned.fp8_recipe is not None and backend.fp8_training_refusal() is not None:
+        raise PolicyError(f"dtype fp8: {backend.fp8_training_refusal()}")
+    unsupported = sorted(d for d in set(planned.leaf_dtypes.values()) if not backend.supports(d))
+    if unsupported:
+        raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
+    _refuse_failing(model, planned, backend)
+    announce(placement, policy.name, len(parameterised_leaves(placement.module)))
+    return Precision(model, planned, policy.loss_scale, backend)
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where the model's parameters are (the CPU for a model without any)."""
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _placement(policy: Policy, model: nn.Module, module: str | None) -> Placement:
+    """Where on ``model`` the policy lands: a submodule that its parent calls (the region
+    in the outer dtype goes on its forward) on which every rule matches."""
+
+    def fits(candidate: nn.Module) -> bool:
+        if candidate is not model and not is_called(candidate):
+            return False
+        leaves = parameterised_leaves(candidate)
+        return all(any(rule.matches(n, m) for n, m in leaves) for rule in policy.rules)
+
+    placement = place(model, fits, module)
+    if not placement.on_root and not is_called(placement.module):
+        raise PolicyError(
+            f"module={placement.name!r}: a {type(placement.module).__name__} is not called "
+            "by its parent; name the model the policy was found on"
+        )
+    return placement
+
+
+def _plan(policy: Policy, model: nn.Module, kind: str) -> Plan:
+    _refuse_serving_dtypes(policy)
+    chosen: dict[str, str] = {}
+    fp8: list[str] = []  # converted by torchao; they run in the region around them
+    follows_input: set[str] = set()
+    weight: Counter[str] = Counter()
+    for name, module, ruled in matched_leaves(policy, model):
+        dtype = ruled or policy.default
+        if dtype == FP8:
+            refusal = fp8_refusal(module)
+            if refusal is None:
+                fp8.append(name)
+                continue
+            if ruled == FP8:
+                raise PolicyError(f"{name} ({type(module).__name__}): cannot be fp8: {refusal}")
+            dtype = FP8_DEFAULT_REST
+        behaviour = autocast_behaviour(kind, module)
+        if behaviour == "fp32":
+            continue  # no region: autocast keeps it in fp32 anyway
+        chosen[name] = dtype
+        if casts_inputs(kind, module, dtype, uniform=not policy.rules):
+            follows_input.add(name)  # the rule the profile follows too
+        weight[dtype] += own_parameters(module)
+
+    found = boundaries(model, chosen)
+    if found.uniform is not None:
+        outer = found.uniform
+    elif found.dtypes:
+        # The outer region takes the dtype holding most parameters: fewest boundaries.
+        outer = max(sorted(weight), key=lambda d: (weight[d], d == "fp32"))
+    else:
+        outer = FP8_DEFAULT_REST if policy.default == FP8 else policy.default
+    # Each same-dtype subtree in another dtype than the outer region gets a region.
+    regions = {
+        s.name: RegionSpec(s.name, s.dtype, outer)
+        for s in found.subtrees
+        if s.dtype is not None and s.dtype != outer
+    }
+    # A module that runs in its input's dtype gets its input cast, wherever it is: its
+    # surroundings are the outer region's at a subtree's border, else its subtree's.
+    for name in follows_input:
+        subtree = found.subtree_of(name)
+        if found.uniform is None and subtree is None:
+            continue  # below a container its parent never calls: nothing runs it
+        outside = outer if subtree is None or subtree.name == name else chosen[name]
+        regions[name] = RegionSpec(name, chosen[name], outside, cast_inputs=True)
+    regions = {name: regions[name] for name, _ in model.named_modules() if name in regions}
+    for name in fp8:
+        subtree = found.subtree_of(name)
+        around = subtree.dtype if subtree is not None and subtree.dtype else outer
+        refusal = autocast_refusal(kind, policy.fp8_recipe, around)
+        if refusal is not None:
+            raise PolicyError(
+                f"quantization.fp8: {policy.fp8_recipe} cannot run {name} inside a {around} "
+                f"region on {kind}: {refusal}"
+            )
+    chosen.update(dict.fromkeys(fp8, FP8))
+    leaf_dtypes = {name: chosen.get(name, "fp32") for name, _ in parameterised_leaves(model)}
+    return Plan(
+        kind,
+        outer,
+        tuple(regions.values()),
+        leaf_dtypes,
+        policy.tf32,
+        policy.hf32,
+        policy.fp8_recipe if fp8 else None,
+    )
+
+
+def _refuse_serving_dtypes(policy: Policy) -> None:
+    """int8 layers, and fp8 ones by a serving method, are converted for serving
+    (`autoprec.load_served_model`); no region runs them."""
+    for where, dtype in (
+        *((f"rules[{i}]", rule.dtype) for i, rule in enumerate(policy.rules)),
+        ("default", policy.default),
+    ):
+        if dtype == INT8:
+            raise PolicyError(
+                f"{where}: int8 is for serving only (autoprec.load_served_model); "
+                "training runs fp32, fp16 or bf16"
+            )
+    if policy.fp8_method is not None and policy.names_fp8:
+        raise PolicyError(
+            f"quantization.fp8: {policy.fp8_method} is a serving method "
+            "(autoprec.load_served_model); training takes a torchao float8 recipe"
+        )
+
+
+def _refuse_failing(model: nn.Module, planned: Plan, backend: Backend) -> None:
+    """A leaf put in a dtype it was seen to fail in on this device kind (an LSTM in fp16
+    on the CPU: oneDNN has no such kernel) is refused before anything runs."""
+    modules = dict(model.named_modules())
+    for name, dtype in planned.leaf_dtypes.items():
+        reason = failing_dtypes(backend.kind, modules[name]).get(dtype)
+        if reason is not None:
+            raise PolicyError(
+                f"{name} ({type(modules[name]).__name__}): cannot run in {dtype} on "
+                f"{backend.kind}: {reason}"
+            )
