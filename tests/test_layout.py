@@ -237,3 +237,65 @@ def test_no_module_imports_another_modules_private_names() -> None:
                             f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {alias.name}"
                         )
     assert private == []
+
+
+# What a branch on the mode looks like: a mode's name, a serving flag, a result type.
+MODE_NAMES = {"training", "serving", "inference"}
+MODE_FLAGS = {"inference", "serving", "is_inference", "is_serving"}
+RESULT_TYPES = {"TrialResult", "ServingResult"}
+
+
+def _asks_the_mode(test: ast.AST) -> bool:
+    for node in ast.walk(test):
+        if isinstance(node, ast.Constant) and node.value in MODE_NAMES:
+            return True
+        if isinstance(node, ast.Attribute) and node.attr in MODE_FLAGS:
+            return True
+        if isinstance(node, ast.Name) and node.id in MODE_FLAGS:
+            return True
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and any(isinstance(n, ast.Name) and n.id in RESULT_TYPES for n in ast.walk(node))
+        ):
+            return True
+    return False
+
+
+def mode_branches(root: Path = PACKAGE) -> list[str]:
+    """``file:line`` of every ``if``, ternary, ``while``, assert and comprehension
+    condition outside the modes' own modules (``autoprec/trials/``) that asks which mode
+    it is in: by a mode's name, a serving flag, or ``isinstance`` on a result type."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if "trials" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            tests: list[ast.AST] = []
+            if isinstance(node, ast.If | ast.IfExp | ast.While | ast.Assert):
+                tests = [node.test]
+            elif isinstance(node, ast.comprehension):
+                tests = list(node.ifs)
+            found += [
+                f"{path.relative_to(root.parent)}:{t.lineno}" for t in tests if _asks_the_mode(t)
+            ]
+    return found
+
+
+def test_the_scan_finds_branches_on_the_mode(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "a.py").write_text(
+        "x = 1 if mode == 'serving' else 2\n"
+        "if space.inference:\n    pass\n"
+        "assert isinstance(r, TrialResult)\n"
+        "y = [m for m in ms if m.trains]\n"
+    )
+    assert sorted(mode_branches(package)) == ["pkg/a.py:1", "pkg/a.py:2", "pkg/a.py:4"]
+
+
+def test_no_branch_on_the_mode_outside_the_modes() -> None:
+    """The generic code asks the mode object (`autoprec.trials.Mode`); only the modes'
+    own modules (`autoprec/trials/`) know which mode they are."""
+    assert mode_branches() == []
