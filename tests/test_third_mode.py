@@ -246,3 +246,14 @@ def test_a_third_modes_studies_are_reported_exported_and_compared(
     assert "<th>count time ms</th>" in compared
     for study in ("tiny-counted", "tiny-counted-again"):
         assert f"<td>{study}</td>" in compared
+
+
+def test_a_mode_writes_only_what_differs():
+    """The base gives a default for everything but a mode's name and its trials (the
+    issue's bound: at most 5 required members), and one registry holds every mode."""
+    required = [name for name in Mode.__annotations__ if not hasattr(Mode, name)]
+    assert required == ["name", "trials"]
+    counting = Counting()
+    assert (counting.settings, counting.trains, counting.export_formats) == (None, False, ("yaml",))
+    assert set(autoprec.trials.MODES) == {"training", "serving"}
+    assert autoprec.trials.mode_named("inference") is autoprec.trials.MODES["serving"]

@@ -36,67 +36,57 @@ class Mode:
     """One mode of search. Subclass it and set ``name`` and ``trials``; the rest has the
     defaults of a mode whose trials measure policies without training or serving anything
     of their own (no settings section, speed/memory/balanced preferences, the autocast
-    dtypes, YAML export, the training report)."""
+    dtypes, the training space's rules, YAML export, the training report)."""
 
+    # -- what it is --
     name: ClassVar[str]  # the --mode that selects it, and summary.json's "mode"
     trials: ClassVar[str]  # "module:Class" of its `Trials` (`autoprec.trials.base`)
     aliases: ClassVar[tuple[str, ...]] = ()  # names it was known by, still accepted
     help: ClassVar[str] = ""  # what its trials do, for --mode's help
+
+    # -- its settings --
     # The settings section (and SearchConfig field) holding its own settings; None: none.
     settings: ClassVar[str | None] = None
+    # "module:Class" of its own settings: SearchConfig's field ``settings`` holds one, made
+    # of that section's settings (also given flat), with ``to_dict``; None: none.
+    config: ClassVar[str | None] = None
     # Whether its trials train: the options of training (loss scaling, optimizer states,
     # compiled trials, longer runs and their confirmation, the range forecast) apply.
     trains: ClassVar[bool] = False
     preferences: ClassVar[tuple[str, ...]] = TRAINING_PREFERENCES
+
+    # -- what it searches --
     # The dtypes its policies' layers may take (the summary reader checks them).
     dtypes: ClassVar[tuple[str, ...]] = ("fp32", "fp16", "bf16")
-    # ``autoprec export --format``s its studies allow, the first the default.
-    export_formats: ClassVar[tuple[str, ...]] = ("yaml",)
-    # Its report: the view (`autoprec.report.View`) and the words (`ModeText`).
-    view: ClassVar[str] = "autoprec.report.training:training_view"
-    text: ClassVar[str] = "autoprec.report.modes:TRAINING_TEXT"
-
-    def trials_class(self) -> type[Any]:
-        """Its `Trials` class, imported on first use."""
-        return load(self.trials)  # type: ignore[no-any-return]
-
-    def report_view(self) -> Any:
-        return load(self.view)
-
-    def report_text(self) -> Any:
-        return load(self.text)
-
-    def __repr__(self) -> str:
-        return f"<mode {self.name}>"
-
-    # -- launched trials --
+    # Its search spaces' rules (`autoprec.space.SpaceRules`): which layers are searched
+    # and in which dtypes, the parameters beside them, the anchors, what policies record.
+    space_rules: ClassVar[str] = "autoprec.trials.training_space:RULES"
     # What each rank of a trial launched across devices (``--nproc-per-trial``) runs to
     # measure a policy: "module:function" taking the launch's spec, the process group up,
     # and giving the result and the ranks' record (`autoprec.distributed.rank`'s
     # interface); None: the mode's trials run on one device only.
     rank_trial: ClassVar[str | None] = None
 
-    @property
-    def launchable(self) -> bool:
-        """Whether its trials may be launched as several ranks (`rank_trial`)."""
-        return self.rank_trial is not None
-
-    # -- the space --
-    # Its search spaces' rules (`autoprec.space.SpaceRules`): which layers are searched
-    # and in which dtypes, the parameters beside them, the anchors, what policies record.
-    space_rules: ClassVar[str] = "autoprec.trials.training_space:RULES"
-
-    def load_space_rules(self) -> Any:
-        """Its space rules, imported on first use."""
-        return load(self.space_rules)
-
-    # -- the study's settings, its summary and its report --
-    # "module:Class" of its own settings: SearchConfig's field ``settings`` holds one, made
-    # of that section's settings (also given flat), with ``to_dict``; None: none.
-    config: ClassVar[str | None] = None
+    # -- what it leaves behind: the summary, the report, the exports --
     # "module:Class" of its own part of summary.json (an
     # `autoprec.study.summary_schema.SummaryPart`, which names its key); None: none.
     summary_part: ClassVar[str | None] = None
+    # Its report: the view (`autoprec.report.View`) and the words (`ModeText`).
+    view: ClassVar[str] = "autoprec.report.training:training_view"
+    text: ClassVar[str] = "autoprec.report.modes:TRAINING_TEXT"
+    # ``autoprec export --format``s its studies allow, the first the default.
+    export_formats: ClassVar[tuple[str, ...]] = ("yaml",)
+    # How its studies' policies are used, for ``autoprec export``'s refusal of a format.
+    policy_use: ClassVar[str] = "whose policy is applied with autoprec.Precision"
+    # Why ``autoprec export`` finds no trained fp32 weights ({weights}: where it looked).
+    missing_weights: ClassVar[str] = "{weights} does not exist"
+    # Whether ``autoprec resolve`` watches one batch of the task on this machine's device
+    # kind (what `resolve_policy` answers depends on what runs there).
+    watches_batch: ClassVar[bool] = True
+
+    def trials_class(self) -> type[Any]:
+        """Its `Trials` class, imported on first use."""
+        return load(self.trials)  # type: ignore[no-any-return]
 
     def config_class(self) -> type[Any]:
         """The class of its own settings (`config`), imported on first use."""
@@ -104,9 +94,14 @@ class Mode:
             raise TypeError(f"{self!r}: no class of its own settings (Mode.config)")
         return load(self.config)  # type: ignore[no-any-return]
 
-    def summary_part_class(self) -> type[Any] | None:
-        """The class of its summary's own part (`summary_part`); None: none."""
-        return None if self.summary_part is None else load(self.summary_part)  # type: ignore[no-any-return]
+    def load_space_rules(self) -> Any:
+        """Its space rules, imported on first use."""
+        return load(self.space_rules)
+
+    @property
+    def launchable(self) -> bool:
+        """Whether its trials may be launched as several ranks (`rank_trial`)."""
+        return self.rank_trial is not None
 
     def time_metric(self) -> str:
         """The metric its trials' time is, and its studies are compared on (its result's
@@ -117,14 +112,17 @@ class Mode:
         """What a person calls its time (its result's ``TIME_LABEL``: ``step``)."""
         return self.trials_class().result_type.TIME_LABEL  # type: ignore[no-any-return]
 
-    # -- the policy --
-    # Whether ``autoprec resolve`` watches one batch of the task on this machine's device
-    # kind (what `resolve_policy` answers depends on what runs there).
-    watches_batch: ClassVar[bool] = True
-    # How its studies' policies are used, for ``autoprec export``'s refusal of a format.
-    policy_use: ClassVar[str] = "whose policy is applied with autoprec.Precision"
-    # Why ``autoprec export`` finds no trained fp32 weights ({weights}: where it looked).
-    missing_weights: ClassVar[str] = "{weights} does not exist"
+    def summary_part_class(self) -> type[Any] | None:
+        """The class of its summary's own part (`summary_part`); None: none."""
+        return None if self.summary_part is None else load(self.summary_part)  # type: ignore[no-any-return]
+
+    def report_view(self) -> Any:
+        """Its report's view, imported on first use."""
+        return load(self.view)
+
+    def report_text(self) -> Any:
+        """Its report's words, imported on first use."""
+        return load(self.text)
 
     def resolve_policy(
         self, policy: Policy, model: nn.Module, device: Any = None, example: Any = None
@@ -140,6 +138,9 @@ class Mode:
         plan = policy.plan(model, kind)
         where = f"on {kind}" + (" (watched on one batch)" if watched else "")
         return f"{where}: outer region {plan.outer_dtype}; own regions: {len(plan.regions)}"
+
+    def __repr__(self) -> str:
+        return f"<mode {self.name}>"
 
 
 class TrainingMode(Mode):
@@ -159,10 +160,7 @@ class TrainingMode(Mode):
         "bitsandbytes",
         "trainer",
     )
-    # -- launched trials --
     rank_trial = "autoprec.distributed.rank:run_rank"
-
-    # -- the policy --
     missing_weights = "a training search keeps no weights: its trials train only --steps steps"
 
 
@@ -191,15 +189,11 @@ class ServingMode(Mode):
         "bitsandbytes",
         "trainer",
     )
+    config = "autoprec.trials.serving:ServingConfig"
+    space_rules = "autoprec.trials.serving_space:RULES"
+    summary_part = "autoprec.study.serving_summary:Serving"
     view = "autoprec.report.serving:serving_view"
     text = "autoprec.report.modes:SERVING_TEXT"
-
-    # -- the space --
-    space_rules = "autoprec.trials.serving_space:RULES"
-    # -- the study's settings, its summary and its report --
-    config = "autoprec.trials.serving:ServingConfig"
-    summary_part = "autoprec.study.serving_summary:Serving"
-    # -- the policy --
     watches_batch = False
     policy_use = "whose policy converts a trained model's weights (autoprec.load_served_model)"
 
