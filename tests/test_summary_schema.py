@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -153,3 +154,19 @@ def test_the_best_at_the_scenario_batch_size_is_the_re_timed_choice():
     # Nothing re-timed: each trial's own latencies, as before.
     unconfirmed = {r.batch_size: r.best for r in by_batch_size([trial], baseline, [8, 1])}
     assert unconfirmed == {8: "baseline", 1: 1}
+
+
+@pytest.mark.parametrize("name", WRITTEN_BEFORE_THE_VERSION)
+def test_an_old_summary_renders_as_it_did(tmp_path, name):
+    """The report, its front table, its final line and its files, as the code before the
+    mode object rendered them (tests/data/rendered, made at commit 02c1348): the same,
+    character for character, but the embedded plots' bytes (matplotlib's to decide)."""
+    summary = read_summary(_copy(tmp_path, name), "old")
+    files = render_report(summary, tmp_path / "report")
+    html = re.sub(
+        r"data:image/png;base64,[A-Za-z0-9+/=]+", "data:image/png;base64,...", files[0].read_text()
+    )
+    text = "\n".join([front_table(summary), gains_line(summary), *(p.name for p in files)]) + "\n"
+    stem = DATA / "rendered" / name.removesuffix(".json")
+    assert html == stem.with_suffix(".html").read_text()
+    assert text == stem.with_suffix(".txt").read_text()
