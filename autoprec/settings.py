@@ -32,9 +32,8 @@ from autoprec._util.names import (
     SAMPLERS,
 )
 from autoprec.errors import AutoprecError
-from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.serving.scenarios import SCENARIOS
-from autoprec.trials import DEFAULT_MODE, MODES
+from autoprec.trials import DEFAULT_MODE, MODES, Mode, mode_named
 from autoprec.trials.schedule import TRIAL_SCHEDULES
 
 
@@ -164,7 +163,8 @@ class Budget:
         None,
         "; ".join(f"{m.name}: {m.help}" for m in MODES.values())
         + f" (default: {DEFAULT_MODE}; from Python, serving when given a ServingConfig; "
-        "inference: serving's earlier name)",
+        + "; ".join(f"{a}: {m.name}'s earlier name" for m in MODES.values() for a in m.aliases)
+        + ")",
         choices=(*MODES, *(alias for m in MODES.values() for alias in m.aliases)),
         metavar="{" + ",".join(MODES) + "}",
         study="mode",
@@ -260,7 +260,7 @@ class Choice:
         None,
         "how the best feasible policy is chosen (default: speed in training, the scenario's "
         "in serving; latency and throughput are for serving)",
-        choices=(*TRAINING_PREFERENCES, "latency", "throughput"),
+        choices=tuple(dict.fromkeys(p for m in MODES.values() for p in ("speed", *m.preferences))),
     )
     sampler: str = option(
         "guided",
@@ -383,23 +383,31 @@ class Launch:
 @dataclass(frozen=True)
 class Section:
     """A section of the settings: its key in a config file, its title (the command's
-    option group), its classes, and the mode it belongs to (None: every mode's)."""
+    option group), its classes, and the modes it applies to: every mode's, one mode's own
+    (``own``: the mode whose `Mode.settings` is this key), or those whose trials train
+    (``training``: `Mode.trains`)."""
 
     key: str
     title: str
     classes: tuple[type, ...]
-    mode: str | None = None
+    own: bool = False
+    training: bool = False
+
+    def applies_to(self, mode: Mode) -> bool:
+        if self.own:
+            return mode.settings == self.key
+        return mode.trains or not self.training
 
 
-SERVING = Section("serving", "serving (--mode serving)", (ServingSettings,), mode="serving")
+SERVING = Section("serving", "serving (--mode serving)", (ServingSettings,), own=True)
 SECTIONS = (
     Section("what", "what is searched", (Target, Budget)),
     SERVING,
     Section("where", "where it runs and is recorded", (Where,)),
     Section("choice", "how the best policy is chosen", (Choice,)),
     Section("faults", "workers and faults", (Faults,)),
-    Section("compiled", "compiled trials", (Compiled,), mode="training"),
-    Section("longer", "longer than a trial", (LongerThanATrial,), mode="training"),
+    Section("compiled", "compiled trials", (Compiled,), training=True),
+    Section("longer", "longer than a trial", (LongerThanATrial,), training=True),
     Section("launch", "trials across several devices", (Launch,)),
 )
 
@@ -499,10 +507,10 @@ def _expected(found: Option) -> str:
 
 def study_keys(mode: str) -> list[str]:
     """The keys of a study's fingerprint in ``mode``: every setting that changes what a
-    trial measures, of the sections of every mode and of that mode's own."""
+    trial measures, of the sections that apply to it (`Section.applies_to`)."""
     keys: dict[str, None] = {}
     for section in SECTIONS:
-        if section.mode in (None, mode):
+        if section.applies_to(mode_named(mode)):
             keys.update((k, None) for o in options(section) for k in o.study + o.study_if_set)
     return list(keys)
 

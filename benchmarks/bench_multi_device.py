@@ -29,13 +29,14 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from autoprec import Policy
 from autoprec.distributed.launch import BACKENDS, LaunchPlan, launch, read_result
-from autoprec.trials.training import Budget
+from autoprec.trials.training import Budget, TrialResult
 
 CONFIGS = ((1, "ddp"), (2, "ddp"), (2, "fsdp2"))
 
@@ -61,11 +62,12 @@ def run_once(
         folder=folder,
         limit_s=900.0,
         threads=threads,
+        budget=asdict(budget),
     )
-    outcome = launch(plan.spec(policy, budget), nproc, folder, plan.limit_s, plan.environment())
+    outcome = launch(plan.spec(policy), nproc, folder, plan.limit_s, plan.environment())
     if not outcome.result_path.is_file():
         sys.exit(f"{nproc} ranks, {parallel}: {outcome.reason(plan.limit_s, nproc)}")
-    result = read_result(outcome.result_path)
+    result = read_result(outcome.result_path, TrialResult)
     if result.state != "complete":
         sys.exit(f"{nproc} ranks, {parallel}: {result.state} ({result.reason})")
     ranks = result.telemetry["distributed"]["ranks"]

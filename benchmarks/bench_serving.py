@@ -86,15 +86,15 @@ def side_by_side(task: Task, summary: dict[str, Any], rounds: int) -> dict[str, 
     timed in turn at the study's batch size."""
     backend = get_backend("cpu")
     model = task.model()
-    model.load_state_dict(torch.load(summary["inference"]["fp32_checkpoint"], weights_only=True))
-    int8 = summary["inference"]["int8"]
+    model.load_state_dict(torch.load(summary["serving"]["fp32_checkpoint"], weights_only=True))
+    int8 = summary["serving"]["int8"]
     anchors = feasible_anchors(summary)
     entries = [summary["best"], *(entry for _, entry in anchors), summary["baseline"]]
     models = [
         convert_policy(model, autoprec.Policy.from_dict(e["policy"]), backend, int8)
         for e in entries
     ]
-    batch = timing_batch(task, summary["inference"]["batch_sizes"][0], backend)
+    batch = timing_batch(task, summary["serving"]["batch_sizes"][0], backend)
     times_ms = time_models_side_by_side(models, batch, backend, rounds=rounds)
     chosen_ms, anchor_ms, copy_ms = times_ms[0], times_ms[1:-1], times_ms[-1]
     fastest = min(range(len(anchors)), key=lambda i: anchor_ms[i])

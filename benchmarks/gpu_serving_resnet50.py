@@ -83,10 +83,10 @@ def variants(summary: dict[str, Any], size: int, backend: Backend) -> dict[str, 
     for entry in summary["trials"]:
         if entry.get("anchor") in UNIFORM and entry["state"] == "complete" and entry["feasible"]:
             found[UNIFORM[entry["anchor"]]] = autoprec.Policy.from_dict(entry["policy"])
-    extra = [(f"chosen at {summary['inference']['batch_sizes'][0]}", summary["best"])]
+    extra = [(f"chosen at {summary['serving']['batch_sizes'][0]}", summary["best"])]
     extra += [
         (f"best at {size}", entries[str(row["best"])])
-        for row in summary["inference"]["by_batch_size"]
+        for row in summary["serving"]["by_batch_size"]
         if row["batch_size"] == size and str(row["best"]) in entries
     ]
     for label, entry in extra:
@@ -104,11 +104,11 @@ def side_by_side(
 ) -> dict[int, dict[str, float]]:
     """Median latency (ms) of each variant at each batch size, timed in turn."""
     model = task.model()
-    path = summary["inference"]["fp32_checkpoint"]
+    path = summary["serving"]["fp32_checkpoint"]
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    int8 = summary["inference"]["int8"]
+    int8 = summary["serving"]["int8"]
     found = {}
-    for size in summary["inference"]["batch_sizes"]:
+    for size in summary["serving"]["batch_sizes"]:
         policies = variants(summary, size, backend)
         models = [
             Switched(convert_policy(model, p, backend, int8), backend, p) for p in policies.values()

@@ -10,6 +10,7 @@ tests that compile use the tiniest model and budget and are marked slow.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections import OrderedDict
 from pathlib import Path
@@ -302,3 +303,16 @@ def test_a_compiled_search_records_breaks_compile_time_and_capability(in_tmp):
         assert child.data.params["compute_capability"] == "none"
         assert child.data.params["compiled"] == "true"
         assert child.data.metrics["graph_breaks"] >= 0 and child.data.metrics["compile_s"] > 0
+
+
+def test_a_compiled_task_launched_as_ranks_records_the_eager_trials_it_runs(tiny_task):
+    """Trials launched as several ranks run eager: a task asking for compiled trials
+    records ``compile: False`` there (its settings, its failed results), as it did when
+    launched trials were their own class."""
+    task = dataclasses.replace(tiny_task, compile=True)
+    budget = Budget(steps=3)
+    backend = get_backend("cpu")
+    one = TrainingTrials.of(SearchConfig(), task, task.model(), backend, budget)
+    ranks = TrainingTrials.of(SearchConfig(nproc_per_trial=2), task, task.model(), backend, budget)
+    assert one.settings["compile"] is True and ranks.settings["compile"] is False
+    assert ranks.failed("why").compiled is False

@@ -20,7 +20,7 @@ import autoprec
 from autoprec.devices import get_backend
 from autoprec.distributed.data import rank_train_data, shard, takes_rank
 from autoprec.distributed.fsdp import ShardUnit, shard_units
-from autoprec.distributed.launch import trial_result_from_json
+from autoprec.distributed.launch import result_from_json
 from autoprec.distributed.rank import combine
 from autoprec.distributed.telemetry import reduce_telemetry
 from autoprec.errors import TaskError
@@ -120,7 +120,7 @@ def test_the_slowest_rank_and_the_largest_memory_are_the_trial_s(tmp_path):
     assert combined.telemetry["distributed"]["nproc"] == 2
     path = tmp_path / "result.json"
     path.write_text(json.dumps({**combined.to_dict(), "nproc": 2}))
-    assert trial_result_from_json(path) == combined
+    assert result_from_json(path, TrialResult) == combined
 
 
 def test_ranks_that_disagree_on_the_loss_scale_fail_the_trial():
@@ -219,7 +219,7 @@ def test_two_ddp_ranks_train_as_one_rank_on_the_same_global_batch(tmp_path):
     spec = {"policy": policy.to_dict(), "parallel": "ddp", "baseline": one.to_dict()}
     done, data = _trial(tmp_path, task=f"{TASKS}:blocks", **spec)  # judged against itself
     assert done.returncode == 0, done.stderr[-3000:]
-    result = trial_result_from_json(tmp_path / "result.json")
+    result = result_from_json(tmp_path / "result.json", TrialResult)
     assert result.state == TrialState.COMPLETE
     assert result.losses == pytest.approx(one.losses, rel=1e-5)
     assert result.accuracy == pytest.approx(one.accuracy)
@@ -272,7 +272,7 @@ def test_a_crashed_rank_exits_non_zero_with_a_failed_result(tmp_path):
     done, data = _trial(tmp_path, task=f"{TASKS}:no_such_task", policy=policy, parallel="ddp")
     assert done.returncode != 0
     assert data["bad_input"] and data["error"] == "TaskError"
-    result = trial_result_from_json(tmp_path / "result.json")
+    result = result_from_json(tmp_path / "result.json", TrialResult)
     assert result.state == TrialState.FAILED and "no_such_task" in result.reason
 
 

@@ -1,4 +1,4 @@
-"""The inference core: converting a model per layer for serving, and measuring it against
+"""The serving core: converting a model per layer for serving, and measuring it against
 fp32 (agreement, latency, memory)."""
 
 from __future__ import annotations

@@ -170,3 +170,22 @@ def test_an_old_summary_renders_as_it_did(tmp_path, name):
     stem = DATA / "rendered" / name.removesuffix(".json")
     assert html == stem.with_suffix(".html").read_text()
     assert text == stem.with_suffix(".txt").read_text()
+
+
+def test_a_training_summary_with_fp8_layers_reads(tmp_path):
+    """fp8 is a training dtype (torchao's float8 layers): a training study that chose it
+    is reported like any other."""
+    path = _copy(tmp_path, WRITTEN_BEFORE_THE_VERSION[0])
+    data = json.loads(path.read_text())
+    key = next(k for k in data["trials"][0]["params"] if k.startswith("dtype."))
+    data["trials"][0]["params"][key] = "fp8"
+    path.write_text(json.dumps(data))
+    assert read_summary(path, "old").trials[0].params[key] == "fp8"
+
+
+@pytest.mark.parametrize("mode", [["training"], {"name": "serving"}, None, "counting"])
+def test_a_mode_that_is_no_modes_name_is_refused_in_one_line(tmp_path, mode):
+    path = _copy(tmp_path, WRITTEN_BEFORE_THE_VERSION[0])
+    path.write_text(json.dumps({**json.loads(path.read_text()), "mode": mode}))
+    with pytest.raises(AutoprecError, match=r"mode: expected training or serving, got "):
+        read_summary(path, "old")

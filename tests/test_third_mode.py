@@ -257,3 +257,6 @@ def test_a_mode_writes_only_what_differs():
     assert (counting.settings, counting.trains, counting.export_formats) == (None, False, ("yaml",))
     assert set(autoprec.trials.MODES) == {"training", "serving"}
     assert autoprec.trials.mode_named("inference") is autoprec.trials.MODES["serving"]
+    for mode in autoprec.trials.MODES.values():  # one name, as the trials and results say it
+        trials = mode.trials_class()
+        assert trials.mode == trials.result_type.MODE == mode.name

@@ -45,7 +45,6 @@ from autoprec.devices import parse_devices, visible_devices_env
 from autoprec.errors import AutoprecError, first_line
 from autoprec.trials import MODES, mode_named
 from autoprec.trials.base import R, TrialState
-from autoprec.trials.training import TrialResult
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy
@@ -629,11 +628,6 @@ def result_from_json(path: str | Path, result_type: type[R]) -> R:
     if not isinstance(data, dict) or "state" not in data:
         raise AutoprecError(f"{path}: not a trial result written by autoprec.distributed.rank")
     return result_type.from_dict(data)
-
-
-def trial_result_from_json(path: str | Path) -> TrialResult:
-    """The training trial's `TrialResult` rank 0 wrote to ``path``."""
-    return result_from_json(path, TrialResult)
 
 
 def read_result(path: Path, result_type: type[R]) -> R:

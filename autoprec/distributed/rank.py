@@ -39,7 +39,7 @@ The interface between the launcher (`autoprec.distributed.launch`) and the ranks
   compression hook, or None) and ``ranks``, one record per rank (its device, step time, peak
   memory, final loss scale, and whether its layers ran in the dtypes the policy resolves
   for them, with the mismatches). The same record is in the result's
-  ``telemetry["distributed"]``. `autoprec.distributed.launch.trial_result_from_json` reads
+  ``telemetry["distributed"]``. `autoprec.distributed.launch.read_result` reads
   the file back.
 - **Exit code**: 0 when the trial ran to a result on every rank, whatever that result
   (complete, pruned on a non-finite loss, failed by its metric). Non-zero when a rank

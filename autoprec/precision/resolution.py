@@ -27,7 +27,7 @@ from autoprec.optim.state import TrainingState
 from autoprec.precision.landing import device_of, matched_leaves, plan
 from autoprec.precision.plan import low_precision_share, own_parameters
 from autoprec.serving.fp8 import fp8_layer_refusal
-from autoprec.trials import Mode, mode_named
+from autoprec.trials import Mode, mode_of
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy
@@ -87,11 +87,6 @@ def resolve_served(policy: Policy, model: nn.Module) -> dict[str, str]:
                 dtype = "fp32"
         resolved[name] = dtype
     return resolved
-
-
-def mode_of(mode: str | Mode | None) -> Mode:
-    """The mode a policy is resolved in: a `Mode`, or one by its name (None: the default)."""
-    return mode if isinstance(mode, Mode) else mode_named(mode)
 
 
 def identity(

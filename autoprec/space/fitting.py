@@ -11,7 +11,8 @@ from autoprec.errors import SpaceError
 from autoprec.policy import Rule
 from autoprec.profile.autogroups import build_groups
 from autoprec.space.groups import Group
-from autoprec.space.rules import mode_of, space_rules
+from autoprec.space.rules import space_rules
+from autoprec.trials import mode_of
 
 if TYPE_CHECKING:
     import torch

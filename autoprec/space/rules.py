@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from autoprec.trials import mode_named
+from autoprec.trials import mode_of
 from autoprec.trials.mode import Mode
 
 if TYPE_CHECKING:
@@ -96,11 +96,6 @@ class SpaceRules(Protocol):
         """What the records say of a policy beside its groups' dtypes (``dtypes``, as
         ``dtype.<group>``): the same keys for every policy of the space."""
         ...
-
-
-def mode_of(mode: Mode | str | None) -> Mode:
-    """A `Mode` as it is, or the mode of that name (None: the default mode)."""
-    return mode if isinstance(mode, Mode) else mode_named(mode)
 
 
 def space_rules(mode: Mode | str | None = None) -> SpaceRules:

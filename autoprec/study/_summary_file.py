@@ -63,7 +63,8 @@ def _check_header(data: Any) -> None:
             f"schema_version: {version}, newer than this autoprec reads ({SCHEMA_VERSION}); "
             "upgrade autoprec"
         )
-    if canonical(data.get("mode")) not in MODES:
+    mode = data.get("mode")
+    if not isinstance(mode, str) or canonical(mode) not in MODES:
         raise _Shape(f"mode: expected {' or '.join(MODES)}, got {data.get('mode')!r}")
     expect(data.get("settings"), dict, "settings")
     for key in ("task_spec", "checkpoint", "int8", "device", "device_name", "tracking_uri"):

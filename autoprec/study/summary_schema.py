@@ -21,7 +21,9 @@ from autoprec.trials import canonical, mode_named
 if TYPE_CHECKING:
     from autoprec.study._records import TrialRecord
 
-SCHEMA_VERSION = 1  # 0: summaries written before the version was recorded
+# 0: summaries written before the version was recorded; 2: the serving mode under its one
+# name ("mode": "serving", its part under "serving"), which a reader of 1 refuses.
+SCHEMA_VERSION = 2
 
 Key = int | str  # a trial's number, or "baseline"
 BASELINE = "baseline"
@@ -248,6 +250,11 @@ class SummaryPart:
     are those of a part that adds nothing once made."""
 
     KEYS: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.KEYS:
+            raise TypeError(f"{cls.__name__}: a summary part names its key (KEYS)")
 
     @classmethod
     def block_of(cls, data: dict[str, Any]) -> Any:

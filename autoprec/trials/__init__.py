@@ -10,8 +10,9 @@ generic code asks of it (its settings section, its preferences and dtypes, its e
 formats, its report view and words, its summary's own part). The generic code (space,
 policy, CLI, settings, summary, report, exports, the confirmation) asks the mode object
 and never names a mode. A new mode is one `Mode` subclass with its `Trials`, and
-`register` (or a line in `MODES`). The registry imports nothing heavy: ``autoprec search
---help`` reads the modes' names without torch.
+`register` (or a line in `MODES`); one with settings of its own also declares their
+section in `autoprec.settings` and a `SearchConfig` field. The registry imports nothing
+heavy: ``autoprec search --help`` reads the modes' names without torch.
 """
 
 from __future__ import annotations
@@ -29,7 +30,16 @@ if TYPE_CHECKING:
     from autoprec.trials.base import Trials
     from autoprec.trials.training import Budget
 
-__all__ = ["DEFAULT_MODE", "MODES", "Mode", "mode_named", "register", "trials_of"]
+__all__ = [
+    "DEFAULT_MODE",
+    "MODES",
+    "Mode",
+    "canonical",
+    "mode_named",
+    "mode_of",
+    "register",
+    "trials_of",
+]
 
 # Every mode by its name: the one registry.
 MODES: dict[str, Mode] = {}
@@ -55,6 +65,11 @@ def mode_named(name: str | None) -> Mode:
     if found is None:
         raise AutoprecError(f"--mode: expected {' or '.join(MODES)}, got {name!r}")
     return found
+
+
+def mode_of(mode: Mode | str | None) -> Mode:
+    """A `Mode` as it is, or the mode of that name (None: the default mode)."""
+    return mode if isinstance(mode, Mode) else mode_named(mode)
 
 
 def canonical(name: Any) -> Any:

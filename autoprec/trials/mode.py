@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from autoprec._util.names import EXPORT_FORMATS
 from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.serving.scenarios import SERVING_PREFERENCES
 
@@ -24,6 +25,11 @@ if TYPE_CHECKING:
     from torch import nn
 
     from autoprec.policy import Policy
+
+
+# The export formats of converted weights (`autoprec.exports.SERVING_FORMATS`): what a
+# training study, which keeps no trained weights, does not export.
+CONVERTED_WEIGHTS_FORMATS = ("model", "torchao")
 
 
 def load(reference: str) -> Any:
@@ -150,16 +156,8 @@ class TrainingMode(Mode):
     trials = "autoprec.trials.training:TrainingTrials"
     help = "trials train the model under each policy"
     trains = True
-    export_formats = (
-        "yaml",
-        "torch-npu",
-        "cann",
-        "transformers",
-        "fp8",
-        "torchao-optimizer",
-        "bitsandbytes",
-        "trainer",
-    )
+    dtypes = ("fp32", "fp16", "bf16", "fp8")
+    export_formats = tuple(f for f in EXPORT_FORMATS if f not in CONVERTED_WEIGHTS_FORMATS)
     rank_trial = "autoprec.distributed.rank:run_rank"
     missing_weights = "a training search keeps no weights: its trials train only --steps steps"
 
@@ -177,18 +175,7 @@ class ServingMode(Mode):
     settings = "serving"
     preferences = SERVING_PREFERENCES
     dtypes = ("fp32", "fp16", "bf16", "int8", "fp8")
-    export_formats = (
-        "model",
-        "yaml",
-        "torch-npu",
-        "cann",
-        "transformers",
-        "fp8",
-        "torchao",
-        "torchao-optimizer",
-        "bitsandbytes",
-        "trainer",
-    )
+    export_formats = ("model", *(f for f in EXPORT_FORMATS if f != "model"))
     config = "autoprec.trials.serving:ServingConfig"
     space_rules = "autoprec.trials.serving_space:RULES"
     summary_part = "autoprec.study.serving_summary:Serving"

@@ -55,7 +55,7 @@ from autoprec.serving.measure import (
 )
 from autoprec.serving.quantizers import INT8_METHODS
 from autoprec.serving.scenarios import AS_SELECTION, Scenario, scenario
-from autoprec.settings import SERVING, ServingSettings, options
+from autoprec.settings import ServingSettings
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch, refuse_nan_outputs
 from autoprec.trials.base import (
@@ -116,10 +116,6 @@ class ServingConfig(ServingSettings):
                 f"--fp8: expected auto, off or one of {', '.join(FP8_SERVING_METHODS)}, "
                 f"got {self.fp8!r}"
             )
-
-    def given(self) -> list[str]:
-        """The options set away from their defaults, as the command line names them."""
-        return [o.flag for o in options(SERVING) if getattr(self, o.name) != o.default]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for a worker's settings, and the settings shown)."""

@@ -1051,7 +1051,9 @@ class TrainingTrials:
             accuracy_tolerance=config.accuracy_tolerance,
             prefer=config.prefer,
             study=config.study,
-            compiled=bool(getattr(config, "compile", False) or task.compile),
+            # Trials launched as several ranks run eager (`--compile` is refused with them).
+            compiled=bool(getattr(config, "compile", False) or task.compile)
+            and getattr(config, "nproc_per_trial", 1) == 1,
             forecast_warns=config.forecast == "warn",
             schedule=trial_schedule_settings(config, task),
         )
