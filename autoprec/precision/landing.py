@@ -64,11 +64,9 @@ def plan(
     device: str | torch.device | Backend | None = None,
     module: str | None = None,
 ) -> Plan:
-    """Where the regions go on this model, for the device kind of ``device`` (default:
-    where the model's parameters are); raises PolicyError for a rule that matches no
-    module with parameters. On a model that holds the searched one (a LightningModule's
-    ``self.net``), the policy lands on the submodule where every rule matches, or on the
-    one ``module`` names (`autoprec.precision._placement`); the layers around it stay fp32."""
+    """Where the regions go on this model, for the device kind of ``device``: on the
+    submodule the policy lands on (`autoprec.precision._placement`), the layers around
+    it fp32 (``Policy.plan``, which says more)."""
     placement = _placement(policy, model, module)
     inner = _plan(policy, placement.module, device_kind(device, model))
     if placement.on_root:
