@@ -30,5 +30,13 @@ def test_the_answer_holds_at_the_real_length(name, tmp_path) -> None:
             continue  # an accuracy drop past the tolerance: no range event to name
         assert rejected.right_layer, rejected
         assert rejected.right_mechanism, rejected
-    if name != "zoo-my-task":
-        assert [r for r in verdict.rejected if r.mechanism], "no candidate was rejected"
+    named = [r for r in verdict.rejected if r.mechanism]
+    if name == "zoo-attention-logit-growth":
+        # Every low candidate fails at 2000 steps, so whichever the search ranks first (the
+        # ranking follows the CPU's speeds) an fp16 one is rejected with a range event.
+        assert named, "no candidate was rejected with a range event"
+    elif name != "zoo-my-task" and not named:
+        # The search ranked a candidate that holds first (bf16, on a CPU without fp16
+        # arithmetic, where fp16 is slower): nothing to reject, and the truth's own long
+        # run of the answer holds.
+        assert verdict.truth_holds is True, verdict.answer
