@@ -169,6 +169,36 @@ def test_growth_that_starts_when_the_warm_up_ends_cannot_be_told_while_it_warms_
     assert done.outcome == Outcome.CLEAR
 
 
+def test_a_learning_rate_that_steps_up_after_the_trial_cannot_be_told() -> None:
+    """A constant warm-up (ResNet-110's: a tenth of the rate, then all of it) never rises
+    within the trial; the schedule the run follows says it will, and what grows at the
+    larger rate is not in the trial yet."""
+    series = RangeSeries()
+    for step in STEPS:
+        series.add_activation("layer", step, 5.0, "fp16")
+    flat = [1e-4] * TRIAL
+    ahead = forecast(series, HORIZON, TRIAL, learning_rates=flat, planned_peak=(400, 1e-3))
+    assert ahead.outcome == Outcome.CANNOT_TELL and ahead.at_risk() is None
+    assert "rises to 0.001 at step 400" in (ahead.cannot_tell() or "")
+    # A schedule whose peak the trial has trained at, or that only decays: told.
+    for peak in ((0, 1e-4), (500, 1.05e-4)):
+        told = forecast(series, HORIZON, TRIAL, learning_rates=flat, planned_peak=peak)
+        assert told.outcome == Outcome.CLEAR
+
+
+def test_a_crossing_just_past_the_run_cannot_be_told() -> None:
+    """A crossing forecast past the horizon but within 2x of it is within the forecast's
+    own error (a run failing at step 958 was forecast at ~1255 against a 1000-step
+    horizon): the trial is extended instead of called clear. Far past it: clear."""
+    near = _ahead([2.0 ** (12 + s / 120) for s in STEPS])  # crosses at ~680 steps of 2000
+    assert near.outcome == Outcome.AT_RISK
+    just_past = _ahead([2.0 ** (12 + s / 600) for s in STEPS])  # ~2400: past 2000
+    assert just_past.outcome == Outcome.CANNOT_TELL and just_past.at_risk() is None
+    assert "past the run's length but within 2x of it" in (just_past.cannot_tell() or "")
+    far = _ahead([2.0 ** (12 + s / 1500) for s in STEPS])  # ~6000: past 2x the run
+    assert far.outcome == Outcome.CLEAR
+
+
 def test_values_shrinking_toward_the_smallest_normal_are_forecast_to_underflow() -> None:
     shape = lambda s: 2.0 ** (-s / 20)  # noqa: E731
     ahead = _ahead(_noisy([shape(s) for s in STEPS], 0.03))
@@ -301,6 +331,22 @@ def test_cannot_tell_extends_the_trial_and_never_makes_it_infeasible() -> None:
     assert brief["cannot_tell"] == result.cannot_tell
     assert brief["forecast"]["outcome"] == "cannot tell"
     assert brief["forecast"]["path"].startswith("extended the trial to 400 steps")
+
+
+def test_a_trial_reads_its_schedule_ahead_and_trains_past_a_step_up() -> None:
+    """The task's schedule steps its rate up at step 100, after a 40-step trial: the trial
+    cannot tell from what it trained, so it trains on (80, then 160 steps) until it has
+    seen the larger rate, then tells."""
+    task = _warming_task(1)
+    task.scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: 0.1 if step < 100 else 1.0
+    )
+    result = run_trial(task, autoprec.Policy.uniform("fp16"), get_backend("cpu"), Budget(40))
+    assert result.state == TrialState.COMPLETE and result.at_risk is None
+    ahead = Forecast.from_dict(result.forecast)
+    assert ahead.extended_steps == 120, ahead.path
+    assert ahead.path is not None and ahead.path.startswith("extended the trial to 160 steps")
+    assert result.steps_run == 40  # the trial's own figures stay its own
 
 
 def test_with_train_steps_cannot_tell_is_left_to_the_confirmation_at_that_length() -> None:
