@@ -24,7 +24,7 @@ import torch
 
 from autoprec.tasks.zoo import ZOO, Kind
 from autoprec.tasks.zoo.forecast_rates import judge_task, rates, rates_table, verdicts_table
-from autoprec.tasks.zoo.truth import load_table
+from autoprec.tasks.zoo.truth import cpu_kind, load_table, table_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,9 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default="100,200", help="trial lengths")
     parser.add_argument("--out", type=Path, help="write the verdicts and rates as JSON")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--table", type=Path, default=table_path(), help="the truth table judged against"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    table = load_table()
+    table = load_table(args.table)
+    here = cpu_kind()
+    elsewhere = sorted(n for n, row in table["tasks"].items() if row.get("cpu") != here)
+    if elsewhere:
+        print(
+            f"warning: {len(elsewhere)} row(s) of {args.table} were measured on another kind "
+            f"of CPU than this one ({here}), where fp16 runs can fail at other steps: "
+            f"{', '.join(elsewhere)}",
+            file=sys.stderr,
+        )
     names = [n for n in (args.only.split(",") if args.only else ZOO) if n]
     names = [n for n in names if ZOO[n].kind != Kind.BOUNDARY or n in table["tasks"]]
     verdicts = []

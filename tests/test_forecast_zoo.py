@@ -10,7 +10,12 @@ from autoprec.tasks.zoo.forecast_rates import judge_task, rates, rates_table, ve
 from autoprec.tasks.zoo.truth import load_table
 
 HEALTHY = ("zoo-my-task", "zoo-sgd-mlp", "zoo-adamw-cosine")
-FRAGILE = ("zoo-exp-growth", "zoo-activation-underflow", "zoo-linear-growth")
+FRAGILE = (
+    "zoo-exp-growth",
+    "zoo-activation-underflow",
+    "zoo-linear-growth",
+    "zoo-lr-warmup-growth",
+)
 BOUNDARY = ("zoo-einsum-boundary", "zoo-stack-boundary")
 STEPS = (100, 200)  # the README's trial lengths: each one's horizon is 10x
 

@@ -16,8 +16,10 @@ from autoprec.tasks.zoo.truth import (
     ACCURACY_TOLERANCE,
     TRIAL_STEPS,
     TRUTH_STEPS,
+    cpu_kind,
     load_table,
     long_run,
+    measure_entry,
     table_path,
 )
 
@@ -86,6 +88,14 @@ def test_the_truth_table_covers_every_zoo_task(table):
         assert row["kind"] == ZOO[name].kind.value
         assert {"fp32", "fp16", "bf16"} <= set(row["runs"])
         assert row["runs"]["fp32"][0]["failure_step"] is None, f"{name}: fp32 failed"
+
+
+def test_every_truth_row_names_the_kind_of_cpu_that_measured_it(table):
+    """fp16 runs fail at other steps where the CPU computes fp16 through fp32 (no
+    avx512_fp16 or AMX): a row holds for the kind of CPU it names."""
+    assert all(row.get("cpu") for row in table["tasks"].values())
+    row = measure_entry(ZOO["zoo-sgd-mlp"], steps=3)
+    assert row["cpu"] == cpu_kind() and row["steps"] == 3
 
 
 @pytest.mark.parametrize("name", [e.name for e in entries(Kind.FRAGILE)])

@@ -389,6 +389,7 @@ def measure_entry(entry: Any, steps: int = TRUTH_STEPS) -> dict[str, Any]:
         "steps": steps,
         "runs": runs,
         "measured_s": round(time.perf_counter() - started, 1),
+        "cpu": cpu_kind(),
     }
 
 
@@ -402,6 +403,20 @@ def latest_failure(row: dict[str, Any], label: str) -> int | None:
     """The latest failure step over a policy's seeds; None when any seed held."""
     steps = [r["failure_step"] for r in row["runs"].get(label, [])]
     return None if not steps or None in steps else max(steps)
+
+
+def cpu_kind() -> str:
+    """The CPU's fp16 arithmetic, which moves the step at which an fp16 run fails (oneDNN
+    computes fp16 natively with avx512_fp16 and AMX, and through fp32 without them): a
+    truth table holds for the kind of CPU that measured it."""
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    flags = set(info.read_text().split()) if info.is_file() else set()
+    native = {"avx512_fp16", "amx_tile"} & flags
+    if native:
+        return f"x86-64 with {' and '.join(sorted(native))}"
+    return "without avx512_fp16 or AMX"
 
 
 def table_path() -> Any:
