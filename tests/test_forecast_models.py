@@ -349,6 +349,37 @@ def test_a_trial_reads_its_schedule_ahead_and_trains_past_a_step_up() -> None:
     assert result.steps_run == 40  # the trial's own figures stay its own
 
 
+class _OneOverflow(nn.Module):
+    """The identity, but its ``at``-th training forward overflows: one non-finite step,
+    after which the run goes on as before (the scaler skips that step)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls == self.at + 1:
+                return x * float("inf")
+        return x
+
+
+def test_an_extension_breaks_at_its_first_non_finite_loss() -> None:
+    """Loss scaling guards the gradients, not the forward: one non-finite loss in an
+    extended trial is the forward overflowing, and the trial is at risk, not clear."""
+    task = _warming_task(10_000)  # still warming up: extended to its horizon (400 steps)
+    task.model = lambda: nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2), _OneOverflow(150)
+    )
+    result = run_trial(task, autoprec.Policy.uniform("fp16"), get_backend("cpu"), Budget(40))
+    assert result.state == TrialState.COMPLETE and result.steps_run == 40
+    assert result.at_risk is not None
+    assert "the extended trial broke: non-finite loss (nan) at step 150" in result.at_risk
+    crossing = Forecast.from_dict(result.forecast).crossing()
+    assert crossing is not None and crossing[0] == 150  # seen, not forecast
+
+
 def test_with_train_steps_cannot_tell_is_left_to_the_confirmation_at_that_length() -> None:
     result = run_trial(
         _warming_task(10_000),

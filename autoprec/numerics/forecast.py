@@ -71,7 +71,7 @@ _TORCH_NAMES = {
 }
 
 FORECAST_MULTIPLE = 10  # --train-steps' default: this many times the trial's steps
-TRANSIENT_FRACTION = 0.2  # the first fifth of the trial's steps are start-up, not trend
+TRANSIENT_FRACTION = 0.2  # the first fifth of the steps trained are start-up, not trend
 MIN_POINTS = 6  # fewer points after the transient: no trend is claimed
 SIGNIFICANCE = 3.0  # a slope counts as drift when this many standard errors from 0
 NOISE_Z = 2.0  # projections carry this many robust sigmas of the series' own scatter
@@ -788,6 +788,7 @@ class Forecast:
     extended_steps: int = 0
     path: str | None = None
     broken: str | None = None  # the extended trial broke (a non-finite loss, a stuck scaler)
+    broken_step: int | None = None  # the step it broke at
 
     @property
     def first_crossing(self) -> Headroom | None:
@@ -828,9 +829,12 @@ class Forecast:
         return min(values, default=None)
 
     def crossing(self) -> tuple[int, str] | None:
-        """The first crossing within the run, of any side, with its reason."""
-        found: list[tuple[int, str]] = []
+        """The first crossing within the run, of any side, with its reason: where the
+        extended trial broke, the step it broke at (seen, not forecast)."""
         within = f"within --train-steps {self.train_steps}"
+        if self.broken is not None and self.broken_step is not None:
+            return self.broken_step, f"{self.broken}, {within}"
+        found: list[tuple[int, str]] = []
         for h in self.layers:
             largest, smallest = DTYPE_RANGES[h.dtype]
             if h.crossing_step is not None:
@@ -964,13 +968,14 @@ class Forecast:
             int(data.get("extended_steps") or 0),
             data.get("path"),
             data.get("broken"),
+            data.get("broken_step"),
         )
 
     def with_path(self, path: str) -> Forecast:
         return replace(self, path=path)
 
-    def with_broken(self, broken: str) -> Forecast:
-        return replace(self, broken=broken)
+    def with_broken(self, broken: str, step: int | None = None) -> Forecast:
+        return replace(self, broken=broken, broken_step=step)
 
 
 def json_floats(values: dict[str, Any]) -> dict[str, Any]:
@@ -1353,6 +1358,9 @@ def forecast(
     the loss does are a model converging, not underflowing."""
     rooms = []
     start = float(warmup_end(learning_rates) or 0)  # trends start when the warm-up ends
+    # The start-up transient is the first fifth of every step trained, the extension's
+    # too: an extended trial's trend is fitted to its later steps, where the run is going.
+    trained = trial_steps + extended_steps
     scaling = None
     if loss_scales:  # the floor: the dynamic scaler's, else the scale it holds (1: none)
         scaling = (loss_scales, scale_floor if scale_floor is not None else min(loss_scales))
@@ -1361,8 +1369,8 @@ def forecast(
         if dtype is None or dtype not in DTYPE_RANGES:
             continue
         amax = series.act_max[layer]
-        room = headroom(layer, dtype, steps, amax, train_steps, trial_steps, start)
-        room = _with_gradients(room, series, train_steps, trial_steps, losses, start, scaling)
+        room = headroom(layer, dtype, steps, amax, train_steps, trained, start)
+        room = _with_gradients(room, series, train_steps, trained, losses, start, scaling)
         room = _with_subnormals(room, series)
         rooms.append(_with_outcome(room))
     order = {room.layer: i for i, room in enumerate(rooms)}
@@ -1381,12 +1389,10 @@ def forecast(
     }
     scale = None
     if scale_floor is not None:
-        scale = scale_forecast(loss_scales, scale_floor, train_steps, trial_steps, start)
+        scale = scale_forecast(loss_scales, scale_floor, train_steps, trained, start)
     narrow = scale is not None or any(not all(_reference_sides(h.dtype)) for h in rooms)
     # A warm-up that has not ended leaves only ranges fp32's could never cross unjudged.
-    warmup = (
-        warmup_note(learning_rates, trial_steps + extended_steps, planned_peak) if narrow else None
-    )
+    warmup = warmup_note(learning_rates, trained, planned_peak) if narrow else None
     return Forecast(train_steps, trial_steps, tuple(rooms), kept, scale, warmup, extended_steps)
 
 

@@ -76,6 +76,11 @@ TELEMETRY_POINTS = 30  # shorter trials are observed more often, to this many po
 # the steps trained so far and forecasts again, until it can tell, the run breaks, or the
 # trial has trained to the forecast's horizon (then what it saw is the answer).
 EXTEND_MULTIPLE = 1
+# An extension breaks at its first non-finite loss: loss scaling guards the gradients, not
+# the forward, so a non-finite loss is the forward overflowing, what the forecast is about
+# (no long run of a healthy zoo task had one; a fragile task's first is its failure). The
+# trial itself allows NONFINITE_PATIENCE in a row (its first steps may still settle).
+EXTENSION_NONFINITE_PATIENCE = 1
 # A layer whose share of zero gradients exceeds the fp32 run's by this much is losing
 # its gradients to fp16's range.
 UNDERFLOW_EVIDENCE = 0.50
@@ -750,7 +755,7 @@ class _Run:
             how = f"{how}, {stopped}"
         if broke is not None:
             return ahead.with_path(f"{how}: it broke ({broke})").with_broken(
-                f"the extended trial broke: {broke}"
+                f"the extended trial broke: {broke}", step
             )
         if ahead.cannot_tell() is not None:
             how = (
@@ -785,7 +790,7 @@ class _Run:
                 self.extension_losses.append(loss_value)
                 stuck = stuck + 1 if (not stepped and prec.scaler.at_floor) else 0
                 in_a_row = 0 if math.isfinite(loss_value) else in_a_row + 1
-                if stepped is None or in_a_row >= NONFINITE_PATIENCE:
+                if stepped is None or in_a_row >= EXTENSION_NONFINITE_PATIENCE:
                     broke = f"non-finite loss ({loss_value}) at step {step}"
                     break
                 if stuck >= NONFINITE_PATIENCE:
