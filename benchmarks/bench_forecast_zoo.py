@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if elsewhere:
         print(
             f"warning: {len(elsewhere)} row(s) of {args.table} were measured on another kind "
-            f"of CPU than this one ({here}), where fp16 runs can fail at other steps: "
+            f"of CPU than this one ({here}), whose fp16 kernels differ: "
             f"{', '.join(elsewhere)}",
             file=sys.stderr,
         )
