@@ -91,8 +91,8 @@ def test_the_truth_table_covers_every_zoo_task(table):
 
 
 def test_every_truth_row_names_the_kind_of_cpu_that_measured_it(table):
-    """fp16 runs fail at other steps where the CPU computes fp16 through fp32 (no
-    avx512_fp16 or AMX): a row holds for the kind of CPU it names."""
+    """fp16's kernels differ with and without avx512_fp16 or AMX: each row says which
+    kind of CPU measured it."""
     assert all(row.get("cpu") for row in table["tasks"].values())
     row = measure_entry(ZOO["zoo-sgd-mlp"], steps=3)
     assert row["cpu"] == cpu_kind() and row["steps"] == 3
