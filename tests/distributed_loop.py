@@ -116,7 +116,9 @@ def main(out_dir: Path) -> None:
     }
     report["bare"] = bare_units(rank)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()  # every rank is done with its collectives
     dist.destroy_process_group()
+    (out_dir / f"done{rank}").write_text("")  # what an abort at exit comes after
 
 
 if __name__ == "__main__":

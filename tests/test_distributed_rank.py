@@ -279,7 +279,14 @@ def test_a_crashed_rank_exits_non_zero_with_a_failed_result(tmp_path):
 @pytest.mark.slow
 def test_a_user_loop_applies_the_policy_under_ddp_and_fsdp2(tmp_path):
     done = _torchrun(tmp_path, "tests/distributed_loop.py", str(tmp_path))
-    assert done.returncode == 0, done.stderr[-3000:]
+    if done.returncode != 0:
+        # gloo's threads can abort a process at exit after its group was destroyed
+        # ("terminate called without an active exception"), as autoprec's own launch
+        # tolerates (`autoprec.distributed.launch`): only after every rank finished.
+        finished = all((tmp_path / f"done{r}").exists() for r in (0, 1))
+        assert finished and "terminate called without an active exception" in done.stderr, (
+            done.stderr[-3000:]
+        )
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for report in reports:
         for mode in ("ddp", "fsdp2"):

@@ -129,7 +129,9 @@ class Task:
       ``(outputs, targets) -> float``; higher is better.
     - ``optimizer``: ``(params) -> torch.optim.Optimizer``; Adam with lr 1e-3 if None.
     - ``scheduler``: ``(optimizer) -> LR scheduler``, stepped after every optimizer step
-      that was taken (not skipped by the loss scaler); None for none.
+      that was taken (not skipped by the loss scaler); None for none. autoprec also makes
+      one on a throwaway optimizer to read the schedule ahead (the search's warm-up
+      warning, a trial's forecast), stepping only it: no optimizer step is taken.
     - ``clip_grad_norm``: clip the gradients' total norm to this (after unscaling).
     - ``accumulate``: batches per optimizer step (gradient accumulation).
     - ``checkpoint``: a file of trained fp32 weights (a state dict), which a serving search
