@@ -1326,7 +1326,7 @@ def warmup_note(
             )
     earlier = learning_rates[int((1 - TRANSIENT_FRACTION) * (len(learning_rates) - 1))]
     last = learning_rates[-1]
-    if earlier > 0 and last > WARMUP_RISE * earlier and last >= max(learning_rates):
+    if earlier > 0 and last > WARMUP_RISE * earlier and last >= trained:
         return (
             f"the learning rate is still warming up at the trial's end (step {trial_steps}, "
             f"{last:.3g}, from {earlier:.3g} a fifth earlier): what grows after its peak is "

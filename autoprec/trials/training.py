@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -503,7 +503,6 @@ class _Run:
         self.stuck: list[bool] = []
         self.nonfinite_in_a_row = 0
         self.learning_rates: list[float] = []  # each step's, for the forecast's warm-up check
-        self.planned: tuple[int, float] | tuple[()] | None = None  # the schedule's peak
         self.extension_scales: list[float] = []  # the loss scale past the trial's steps
         self.extension_losses: list[float] = []  # and the losses
 
@@ -710,19 +709,18 @@ class _Run:
             loss_scales=self.scales,
             scale_floor=scaler.settings.min_scale if dynamic else None,
             learning_rates=self.learning_rates,
-            planned_peak=self._planned_peak(),
+            planned_peak=self.planned_peak,
             losses=[*self.result.losses, *self.extension_losses],
             extended_steps=extended_steps,
         )
 
-    def _planned_peak(self) -> tuple[int, float] | None:
+    @cached_property
+    def planned_peak(self) -> tuple[int, float] | None:
         """The schedule's first step at its largest learning rate within the forecast's
         horizon, and that rate (stepped on a throwaway optimizer, once); None without a
         scheduler."""
-        if self.planned is None:
-            shape = learn_lr_shape(self.task, self.model, self.budget.forecast_steps)
-            self.planned = (shape.peak_step, shape.peak_lr) if shape is not None else ()
-        return self.planned or None
+        shape = learn_lr_shape(self.task, self.model, self.budget.forecast_steps)
+        return None if shape is None else (shape.peak_step, shape.peak_lr)
 
     def _extended(self, batches: Iterator[Any]) -> Forecast:
         """The forecast after training on past the trial's steps, observed as the trial
