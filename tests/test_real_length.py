@@ -14,7 +14,9 @@ from autoprec.tasks.zoo.real_length import search_at_real_length, verdict_rows
 from autoprec.tasks.zoo.truth import load_table
 
 # A healthy classifier, a growth that overflows fp16's head, and attention logits that
-# overflow fp16 and lose bf16's precision (every low candidate rejected at 2000 steps).
+# overflow fp16 (its training chaotic late: every low candidate ends more than the
+# tolerance below fp32 at 2000 steps, as fp32 itself does from weights moved one ulp, so
+# every one is rejected).
 TASKS = ("zoo-my-task", "zoo-power-growth", "zoo-attention-logit-growth")
 
 
@@ -32,8 +34,8 @@ def test_the_answer_holds_at_the_real_length(name, tmp_path) -> None:
         assert rejected.right_mechanism, rejected
     named = [r for r in verdict.rejected if r.mechanism]
     if name == "zoo-attention-logit-growth":
-        # Every low candidate fails at 2000 steps, so whichever the search ranks first (the
-        # ranking follows the CPU's speeds) an fp16 one is rejected with a range event.
+        # Every low candidate is rejected at 2000 steps, so whichever the search ranks first
+        # (the ranking follows the CPU's speeds) an fp16 one is rejected with a range event.
         assert named, "no candidate was rejected with a range event"
     elif name != "zoo-my-task" and not named:
         # The search ranked a candidate that holds first (bf16, on a CPU without fp16

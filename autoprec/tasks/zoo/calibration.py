@@ -339,20 +339,29 @@ def _metric(value: float | None) -> str:
 
 def truth_rows(table: dict[str, Any], names: list[str]) -> list[str]:
     """The truth table as markdown rows: failure steps (per seed) and the metric at 10x
-    the trial against fp32's, per policy."""
+    the trial against fp32's, per policy, and how many of fp32's runs from weights moved
+    one ulp collapsed against its own (any: the task is chaotic, its metric collapses are
+    not failures)."""
     lines = [
         "| task | kind | mechanism | fp16 failure (seeds) | first event | bf16 failure | "
-        "group-fp32 failure | fp32 | fp16 | bf16 | group-fp32 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "group-fp32 failure | fp32 | fp16 | bf16 | group-fp32 | fp32 moved one ulp: "
+        "collapsed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
         row = table["tasks"].get(name)
         if row is None:
             lines.append(
                 f"| {name} | {ZOO[name].kind.value} | {ZOO[name].mechanism} | "
-                "not measured | | | | | | | |"
+                "not measured | | | | | | | | |"
             )
             continue
+        nudged = row.get("fp32_nudged")
+        chaos = (
+            "not measured"
+            if nudged is None
+            else f"{sum(r['metric_collapse_step'] is not None for r in nudged)}/{len(nudged)}"
+        )
         runs = row["runs"]
 
         def first(label: str | None, runs: dict[str, Any] = runs) -> dict[str, Any]:
@@ -369,7 +378,7 @@ def truth_rows(table: dict[str, Any], names: list[str]) -> list[str]:
             f"{_metric(first('fp32').get('final_metric'))} | "
             f"{_metric(first('fp16').get('final_metric'))} | "
             f"{_metric(first('bf16').get('final_metric'))} | "
-            f"{_metric(first(keep).get('final_metric')) if keep else 'n/a'} |"
+            f"{_metric(first(keep).get('final_metric')) if keep else 'n/a'} | {chaos} |"
         )
     return lines
 
