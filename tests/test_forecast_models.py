@@ -195,8 +195,24 @@ def test_a_crossing_just_past_the_run_cannot_be_told() -> None:
     just_past = _ahead([2.0 ** (12 + s / 600) for s in STEPS])  # ~2400: past 2000
     assert just_past.outcome == Outcome.CANNOT_TELL and just_past.at_risk() is None
     assert "past the run's length but within 2x of it" in (just_past.cannot_tell() or "")
-    far = _ahead([2.0 ** (12 + s / 1500) for s in STEPS])  # ~6000: past 2x the run
+    far = _ahead([2.0 ** (12 + s / 4000) for s in STEPS])  # ~16000, 3.5 bits short at 2000
     assert far.outcome == Outcome.CLEAR
+
+
+def test_growth_that_levels_off_just_below_the_limit_cannot_be_told() -> None:
+    """Where a trend levels off is a projection too: trends that held fell short of where
+    their runs went by up to 2.2 bits on the zoo, so one that stays within 3 bits of
+    fp16's largest value at the horizon cannot tell (the trial is extended). The same
+    shape far below the limit is clear."""
+    shape = lambda level: lambda s: level * (1 - 0.6 * math.exp(-s / 30))  # noqa: E731
+    near = _ahead(_noisy([shape(2.0**14.4)(s) for s in STEPS], 0.03))
+    room = near.layers[0]
+    assert room.crossing_step is None and 0 < room.forecast_bits_at_n < 3
+    assert near.outcome == Outcome.CANNOT_TELL and near.at_risk() is None
+    assert "bits below 65504" in (near.cannot_tell() or "")
+    far = _ahead(_noisy([shape(2.0**10)(s) for s in STEPS], 0.03))
+    assert far.outcome == Outcome.CLEAR
+    assert far.layers[0].forecast_bits_at_n > 3
 
 
 def test_values_shrinking_toward_the_smallest_normal_are_forecast_to_underflow() -> None:

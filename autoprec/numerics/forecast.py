@@ -115,6 +115,12 @@ MAX_STEP = 10**9  # no projection looks further
 # 1000-step horizon. Such a trend cannot tell (and the trial is extended, where it runs
 # into the failure or the crossing moves out of the band).
 NEAR_HORIZON = 2.0
+# A growing trend that stays below the limit at the horizon by fewer bits than this cannot
+# tell: where it levels off is itself a projection. On the zoo (fp16, 200-step trials),
+# trends that held short of the limit fell short of the largest value their 2000-step run
+# reached by up to 2.2 bits (tiny-gpt2's MLP outputs, saturating); no healthy or boundary
+# trial's projection came within 7.1 bits of fp16's largest value (9.4 at 200 steps).
+LEVEL_MARGIN_BITS = 3.0
 # A learning rate still rising this much over the trial's last fifth: its warm-up has not
 # ended, and what grows after it cannot be seen yet.
 WARMUP_RISE = 1.1
@@ -1031,13 +1037,21 @@ def headroom(
     low_now = low_level - bottom
     low_at_n = min(low_now, down.log2_at(train_steps) - bottom)
     unclear = [t for t in (up, down) if t.kind == TrendKind.UNCERTAIN]
+    crossing = _within(up.first_step_reaching(top), train_steps)
+    why = _why(unclear[0]) if unclear else None
+    if why is None and crossing is None and up.grows and at_n < LEVEL_MARGIN_BITS:
+        why = (
+            f"its growth ({up.kind}) levels off {at_n:.1f} bits below {largest:g} by step "
+            f"{train_steps}: closer than the {LEVEL_MARGIN_BITS:g} bits by which a trend's "
+            "level was measured to fall short of where its run went"
+        )
     return Headroom(
         layer,
         dtype,
         observed,
         now,
         min(now, at_n),
-        _within(up.first_step_reaching(top), train_steps),
+        crossing,
         str(up.kind),
         slope=up.slope,
         intercept=up.intercept,
@@ -1056,7 +1070,7 @@ def headroom(
         low_level_log2=low_level,
         low_exponent=down.exponent,
         low_transient=down.transient,
-        why=_why(unclear[0]) if unclear else None,
+        why=why,
     )
 
 
