@@ -209,7 +209,7 @@ def test_growth_that_levels_off_just_below_the_limit_cannot_be_told() -> None:
     room = near.layers[0]
     assert room.crossing_step is None and 0 < room.forecast_bits_at_n < 3
     assert near.outcome == Outcome.CANNOT_TELL and near.at_risk() is None
-    assert "bits below 65504" in (near.cannot_tell() or "")
+    assert "bits of 65504 by step 2000: inside the 3-bit margin" in (near.cannot_tell() or "")
     far = _ahead(_noisy([shape(2.0**10)(s) for s in STEPS], 0.03))
     assert far.outcome == Outcome.CLEAR
     assert far.layers[0].forecast_bits_at_n > 3

@@ -1041,9 +1041,9 @@ def headroom(
     why = _why(unclear[0]) if unclear else None
     if why is None and crossing is None and up.grows and at_n < LEVEL_MARGIN_BITS:
         why = (
-            f"its growth ({up.kind}) levels off {at_n:.1f} bits below {largest:g} by step "
-            f"{train_steps}: closer than the {LEVEL_MARGIN_BITS:g} bits by which a trend's "
-            "level was measured to fall short of where its run went"
+            f"its growth ({up.kind}) comes within {at_n:.1f} bits of {largest:g} by step "
+            f"{train_steps}: inside the {LEVEL_MARGIN_BITS:g}-bit margin a projected level "
+            "needs"
         )
     return Headroom(
         layer,
