@@ -38,31 +38,17 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
 
 
-# Files whose tests take minutes, longest first (measured 2026-12-07 with --durations:
-# every README and docs command 6-8 minutes; the transformers searches, torchrun's ranks,
-# planted links, workers and outages 2-5 minutes each): handed out first, so that the other
-# workers share the short files meanwhile and none is left running a long one at the end.
-LONGEST_FIRST = (
-    "test_readme_commands.py",
-    "test_real_models.py",
-    *RANKS_GROUP,
-    "test_writes.py",
-    "test_workers.py",
-    "test_outages.py",
-)
+# Files whose tests take minutes (every README and docs command, 6-8 minutes): handed out
+# first, so that the other workers share the rest meanwhile and none waits at the end.
+LONGEST_FIRST = ("test_readme_commands.py",)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """A test file is one unit of work for xdist's ``--dist loadgroup`` (pyproject.toml's
     addopts), so that its module-scoped searches run once; the files of RANKS_GROUP are
-    one unit together, and those of LONGEST_FIRST come first, longest first."""
-
-    def rank(item: pytest.Item) -> int:
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the rest as found
+    one unit together, and those of LONGEST_FIRST come first."""
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: else as found
     for item in items:
         name = item.path.name
         item.add_marker(pytest.mark.xdist_group("ranks" if name in RANKS_GROUP else name))
