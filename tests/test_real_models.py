@@ -393,7 +393,7 @@ def test_tiny_transformers_tasks_search_and_the_policy_trains_in_a_plain_loop(tm
             "--trials",
             "4",
             "--steps",
-            "20",
+            "40",
             "--device",
             "cpu",
             "--prefer",
@@ -449,7 +449,7 @@ def test_tiny_gpt2_search_follows_blocks_and_roles(tmp_path):
     result = autoprec.search(
         "tiny-gpt2",
         trials=4,
-        steps=15,
+        steps=30,
         device="cpu",
         prefer="memory",
         study="gpt2",
