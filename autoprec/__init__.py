@@ -23,6 +23,7 @@ if _TYPE_CHECKING:
         DeviceError,
         ExportError,
         ExportWarning,
+        GuardError,
         LoopError,
         PolicyError,
         SearchInterrupted,
@@ -32,6 +33,7 @@ if _TYPE_CHECKING:
         TaskError,
         WriteError,
     )
+    from autoprec.guard import Guard
     from autoprec.numerics.telemetry import GradientMonitor
     from autoprec.policy import Policy, Rule, load_policy
     from autoprec.precision.hooks import Precision
@@ -47,6 +49,7 @@ _ERRORS = (
     "DeviceError",
     "ExportError",
     "ExportWarning",
+    "GuardError",
     "LoopError",
     "PolicyError",
     "SearchInterrupted",
@@ -60,6 +63,7 @@ _WHERE = {
     **dict.fromkeys(_ERRORS, "autoprec.errors"),
     "Callbacks": "autoprec.study",
     "GradientMonitor": "autoprec.numerics.telemetry",
+    "Guard": "autoprec.guard",
     "LossScale": "autoprec.precision.scaling",
     "Policy": "autoprec.policy",
     "Precision": "autoprec.precision.hooks",
@@ -86,6 +90,8 @@ __all__ = [
     "ExportError",
     "ExportWarning",
     "GradientMonitor",
+    "Guard",
+    "GuardError",
     "LoopError",
     "LossScale",
     "Policy",

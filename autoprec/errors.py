@@ -22,6 +22,7 @@ __all__ = [
     "DuplicateKey",
     "ExportError",
     "ExportWarning",
+    "GuardError",
     "LoopError",
     "PolicyError",
     "SearchInterrupted",
@@ -78,6 +79,11 @@ class WriteError(AutoprecError, OSError):
 class ExportError(AutoprecError):
     """A policy cannot be exported in the format asked for (a missing model or example
     input, an unknown format, a model the exporter cannot trace)."""
+
+
+class GuardError(AutoprecError):
+    """A guard setting is out of range, a promotion target cannot run on the device, or
+    a guarded run cannot go on (a layer that failed is in fp32 already)."""
 
 
 class ExportWarning(UserWarning):

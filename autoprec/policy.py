@@ -39,7 +39,8 @@ from torch import nn
 from autoprec._util.files import load_yaml, parse_yaml, write_atomic
 from autoprec._util.safe_names import check_name
 from autoprec.dtypes import FP8, INT8, POLICY_DTYPES
-from autoprec.errors import PolicyError
+from autoprec.errors import GuardError, PolicyError
+from autoprec.guard.settings import Guard
 from autoprec.optim.state import OptimizerStates, TrainingState
 from autoprec.precision import landing, resolution
 from autoprec.precision.fp8 import DEFAULT_FP8_RECIPE, check_recipe
@@ -79,6 +80,7 @@ _POLICY_FIELDS = (
     "quantization",
     "reduce_dtype",
     "optimizer",
+    "guard",
 )
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")  # what gradients may be communicated in
 _QUANTIZATION_FIELDS = ("int8", "fp8")
@@ -226,7 +228,9 @@ class Policy:
     (`autoprec.register_comm_hook`); searched where a search's trials run on several.
     ``optimizer_states``: the optimizer state's and the master weight's dtype per
     parameter group (`autoprec.optim.state`; the YAML's ``optimizer`` section, written
-    only where it is not all fp32), built by ``optimizer``.
+    only where it is not all fp32), built by ``optimizer``. ``guard``: the settings of
+    the guard ``apply`` runs by default (`autoprec.guard.Guard`; the YAML's ``guard``
+    section, from ``autoprec search --guard``), not part of the policy's identity.
     """
 
     rules: tuple[Rule, ...] = ()
@@ -239,6 +243,7 @@ class Policy:
     quantization: Quantization = field(default_factory=Quantization)
     reduce_dtype: str | None = None
     optimizer_states: OptimizerStates = field(default_factory=OptimizerStates)
+    guard: Guard | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _check_dtype(self.default, "default")
@@ -314,6 +319,8 @@ class Policy:
             data["reduce_dtype"] = self.reduce_dtype
         if not self.optimizer_states.is_default:
             data["optimizer"] = self.optimizer_states.to_dict()
+        if self.guard is not None:
+            data["guard"] = self.guard.to_dict()
         return data
 
     @classmethod
@@ -347,8 +354,9 @@ class Policy:
                     f"got {reduce_dtype!r}"
                 )
             optimizer_states = OptimizerStates.from_dict(data.get("optimizer"))
-        except PolicyError as error:
-            raise PolicyError(f"{source}: {error}") from None
+            guard = None if data.get("guard") in (None, False) else Guard.from_dict(data["guard"])
+        except (PolicyError, GuardError) as error:
+            raise type(error)(f"{source}: {error}") from None
         tf32, hf32 = switches.get("tf32"), switches.get("hf32")
         writes_loss_scale = "loss_scale" in data
         return cls(
@@ -362,6 +370,7 @@ class Policy:
             quantization,
             reduce_dtype,
             optimizer_states,
+            guard,
         )
 
     def to_yaml(self) -> str:
@@ -396,6 +405,7 @@ class Policy:
         device: str | torch.device | Backend | None = None,
         module: str | None = None,
         emulate: str | tuple[str, ...] = (),
+        guard: Guard | bool | None = None,
     ) -> Precision:
         """Install the per-layer dtypes on ``model`` and return its Precision object.
 
@@ -405,8 +415,12 @@ class Policy:
         logger says which. fp8 layers are swapped for torchao's ``Float8Linear`` (the same
         Parameters; ``prec.remove()`` swaps them back); on the CPU only with
         ``emulate="fp8"``, which runs fp8's numerics without its speed.
+
+        ``guard``: a `autoprec.guard.Guard` (or True for its defaults) watches the run and
+        widens a layer before it fails (`autoprec.guard.precision.GuardedPrecision`);
+        None takes the policy's own ``guard:`` section, False runs unguarded.
         """
-        return landing.apply(self, model, device, module, emulate)
+        return landing.apply(self, model, device, module, emulate, guard)
 
     def resolve(
         self,

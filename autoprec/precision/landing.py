@@ -15,7 +15,7 @@ from torch import nn
 
 from autoprec.devices import Backend, autocast_behaviour, device_kind, failing_dtypes, get_backend
 from autoprec.dtypes import BF16, FP8, INT8
-from autoprec.errors import PolicyError
+from autoprec.errors import GuardError, PolicyError
 from autoprec.numerics.observe import casts_inputs, probe
 from autoprec.precision._placement import Placement, announce, place, within
 from autoprec.precision.fp8 import autocast_refusal, fp8_refusal
@@ -30,6 +30,7 @@ from autoprec.precision.plan import (
 )
 
 if TYPE_CHECKING:
+    from autoprec.guard.settings import Guard
     from autoprec.policy import Policy
 
 # Where the default is fp8, the layers fp8 cannot take (norms, embeddings, Linear layers
@@ -80,9 +81,10 @@ def apply(
     device: str | torch.device | Backend | None = None,
     module: str | None = None,
     emulate: str | tuple[str, ...] = (),
+    guard: Guard | bool | None = None,
 ) -> Precision:
     """Install the per-layer dtypes on ``model`` and return its Precision object
-    (``Policy.apply``, which says more)."""
+    (``Policy.apply``, which says more); with a guard, its `GuardedPrecision`."""
     backend = get_backend(device_of(model) if device is None else device, emulate)
     probe(model, backend)  # as ``resolve`` does, so that both follow one plan
     placement = _placement(policy, model, module)
@@ -93,8 +95,36 @@ def apply(
     if unsupported:
         raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
     _refuse_failing(model, planned, backend)
+    settings = _guard_settings(policy, guard, backend)
     announce(placement, policy.name, len(parameterised_leaves(placement.module)))
-    return Precision(model, planned, policy.loss_scale, backend)
+    if settings is None:
+        return Precision(model, planned, policy.loss_scale, backend)
+    from autoprec.guard.precision import GuardedPrecision
+
+    return GuardedPrecision(model, planned, policy, backend, settings, placement.name)
+
+
+def _guard_settings(policy: Policy, guard: Guard | bool | None, backend: Backend) -> Guard | None:
+    """The guard's settings: ``guard`` as given (True: the defaults, False: none), else the
+    policy's own ``guard:`` section; a promotion target the device cannot run is refused."""
+    from autoprec.guard.settings import Guard
+
+    if guard is None:
+        settings = policy.guard
+    elif isinstance(guard, bool):
+        settings = Guard() if guard else None
+    elif isinstance(guard, Guard):
+        settings = guard
+    else:
+        raise GuardError(f"guard: expected a Guard, True or False, got {type(guard).__name__}")
+    if settings is not None:
+        for dtype in settings.promote:
+            if not backend.supports(dtype):
+                raise GuardError(
+                    f"guard.promote: {dtype} cannot run on device {backend.name}; "
+                    "promote to what it runs (promote=['fp32'])"
+                )
+    return settings
 
 
 def device_of(model: nn.Module) -> torch.device:

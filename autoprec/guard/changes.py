@@ -1,0 +1,178 @@
+"""What the guard changes, and why: pure decisions over plain data.
+
+`promotions` reads one check's forecast (`autoprec.numerics.forecast.forecast` over the
+range series the guard has watched so far, projected ``lookahead`` times the steps trained)
+and names the low-precision layers to promote: a layer whose projected crossing of its
+dtype's range falls within that horizon (the forecast's own verdict, at risk), or whose
+largest |output| is or is projected to be within ``margin_bits`` of its dtype's largest
+value. A series the forecast cannot tell is watched on, never promoted.
+
+A flagged module may hold no parameters of its own (``attn.scores``, a parent whose own
+arithmetic overflowed): the layers promoted are then the low-precision leaves below its
+nearest ancestor that has any, so that the region around it widens with them.
+
+`promoted_policy` turns the changes into the effective policy: one rule per change,
+newest first, ahead of the policy's own rules (the first matching rule wins). The
+policy stays plain data; a resumed run rebuilds it from the changes its checkpoint kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from autoprec.guard.settings import WIDTH, Guard
+from autoprec.numerics.forecast import DTYPE_RANGES, Forecast, Headroom, Outcome
+from autoprec.policy import Policy, Rule
+
+PROMOTE = "promote"
+ROLLBACK = "rollback"
+# The output dtypes whose range the guard watches: fp32's and bf16's overflow at 3.4e38.
+NARROW = ("fp16", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change the guard made: at ``step``, the leaves below ``layer`` went from
+    ``from_dtype`` to ``to_dtype`` because of ``reason``. A ``rollback`` went back to the
+    copy of step ``restored_step`` first, and ``replayed`` says whether the lost steps
+    were trained again on their own batches. ``headroom_bits``, ``trend`` and
+    ``crossing_step``: the layer's headroom now, its fitted trend and projected crossing
+    (None where the change came from a failure, not a trend)."""
+
+    step: int
+    action: str
+    layer: str
+    leaves: tuple[str, ...]
+    from_dtype: str
+    to_dtype: str
+    reason: str
+    headroom_bits: float | None = None
+    trend: str | None = None
+    crossing_step: int | None = None
+    restored_step: int | None = None
+    replayed: bool | None = None
+
+    def describe(self) -> str:
+        """One line: what changed at which step, and why."""
+        what = f"{self.layer or 'the model'} {self.from_dtype} -> {self.to_dtype}"
+        if self.action == ROLLBACK:
+            again = "replayed" if self.replayed else "not replayed: the loop gives no batches"
+            back = f"rolled back to step {self.restored_step} ({again}), "
+            return f"step {self.step}: {back}{what}: {self.reason}"
+        return f"step {self.step}: promoted {what}: {self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["leaves"] = list(self.leaves)
+        if self.headroom_bits is not None and not math.isfinite(self.headroom_bits):
+            data["headroom_bits"] = None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Change:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["leaves"] = tuple(values.get("leaves", ()))
+        return cls(**values)
+
+
+def horizon(step: int, settings: Guard) -> int:
+    """The step a check at ``step`` projects to: ``lookahead`` times the steps trained,
+    and at least two checks ahead."""
+    return max(math.ceil(settings.lookahead * (step + 1)), step + 2 * settings.check_every)
+
+
+def promotions(
+    ahead: Forecast, step: int, leaf_dtypes: dict[str, str], settings: Guard
+) -> list[Change]:
+    """The layers this check promotes, each once, the earliest crossing first."""
+    found: list[Change] = []
+    taken: set[str] = set()
+    for room in ahead.layers:
+        if room.dtype not in NARROW:
+            continue
+        why = _trigger(room, ahead.train_steps, settings)
+        if why is None:
+            continue
+        _, leaves = owning_leaves(room.layer, leaf_dtypes)
+        leaves = tuple(leaf for leaf in leaves if leaf not in taken)
+        narrowest = min((leaf_dtypes[leaf] for leaf in leaves), key=WIDTH.__getitem__, default=None)
+        target = None if narrowest is None else settings.target(narrowest)
+        if narrowest is None or target is None:
+            continue
+        leaves = tuple(leaf for leaf in leaves if WIDTH[leaf_dtypes[leaf]] < WIDTH[target])
+        taken.update(leaves)
+        crossing = room.first_crossing
+        found.append(
+            Change(
+                step,
+                PROMOTE,
+                room.layer,
+                leaves,
+                narrowest,
+                target,
+                why,
+                headroom_bits=room.headroom_now_bits,
+                trend=room.trend,
+                crossing_step=None if crossing is None else crossing[0],
+            )
+        )
+    return found
+
+
+def _trigger(room: Headroom, projected_to: int, settings: Guard) -> str | None:
+    """Why ``room`` must be promoted now (None: it may stay)."""
+    largest = DTYPE_RANGES[room.dtype][0]
+    crossing = room.first_crossing
+    if room.outcome == Outcome.AT_RISK and crossing is not None:
+        step, side = crossing
+        return (
+            f"{side} projected at step ~{step} ({room.trend}), within the guard's horizon "
+            f"(step {projected_to}); largest |output| {room.observed_amax:.4g}, "
+            f"{room.headroom_now_bits:.1f} bits below {largest:g}"
+        )
+    if room.forecast_bits_at_n < settings.margin_bits:
+        return (
+            f"largest |output| {room.observed_amax:.4g} is {room.headroom_now_bits:.1f} bits "
+            f"below {largest:g} now and {room.forecast_bits_at_n:.1f} projected at step "
+            f"{projected_to} ({room.trend}): inside the {settings.margin_bits:g}-bit margin"
+        )
+    return None
+
+
+def owning_leaves(layer: str, leaf_dtypes: dict[str, str]) -> tuple[str, tuple[str, ...]]:
+    """The module whose low-precision leaves carry ``layer``'s dtype, and those leaves:
+    ``layer`` itself where it has any at or below it, else its nearest ancestor that has
+    (``""``: the whole model)."""
+    name = layer
+    while True:
+        below = tuple(
+            leaf
+            for leaf, dtype in leaf_dtypes.items()
+            if WIDTH.get(dtype, WIDTH["fp32"]) < WIDTH["fp32"] and _at_or_below(leaf, name)
+        )
+        if below or not name:
+            return name, below
+        name = name.rpartition(".")[0]
+
+
+def _at_or_below(leaf: str, name: str) -> bool:
+    return not name or leaf == name or leaf.startswith(name + ".")
+
+
+def _escape(name: str) -> str:
+    """A module name as a glob pattern that matches it alone (fnmatch has no escape)."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def promoted_policy(policy: Policy, changes: list[Change], prefix: str = "") -> Policy:
+    """``policy`` with a rule per change ahead of its own, newest first. ``prefix``: the
+    submodule the policy landed on (its rules name leaves below it)."""
+    rules = []
+    for change in reversed(changes):
+        names = tuple(_escape(leaf.removeprefix(prefix)) for leaf in change.leaves)
+        if names:
+            rules.append(Rule(change.to_dtype, patterns=names, name=f"guard step {change.step}"))
+    return replace(policy, rules=(*rules, *policy.rules))
