@@ -1,0 +1,348 @@
+"""The guard in a plain loop: settings, promotion before failure, rollback and replay, the
+record of every change, and quiet on a healthy run. Real training steps throughout."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+from collections import OrderedDict
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from autoprec import Guard, GuardError, Policy, load_policy
+from autoprec.guard.changes import PROMOTE, ROLLBACK, owning_leaves, promoted_policy
+from autoprec.guard.precision import GuardedPrecision
+from autoprec.tasks.zoo import zoo_task
+from autoprec.trials.training import draw_batch, train_step
+
+STEPS = 2000  # the zoo's real length
+AUTOPREC = shutil.which("autoprec") or "autoprec"  # the command as a user types it
+
+
+def guarded_run(name: str, dtype: str = "fp16", steps: int = STEPS, **settings):
+    """The zoo task ``name`` trained ``steps`` under uniform ``dtype``, guarded, as the
+    README's loop runs it (batches drawn through ``prec.guarded``)."""
+    task = zoo_task(name)
+    torch.manual_seed(0)
+    model = task.model()
+    model.train()
+    prec = Policy.uniform(dtype).apply(model, guard=Guard(**settings))
+    optimizer = task.make_optimizer(model.parameters())
+    scheduler = task.make_scheduler(optimizer)
+    if scheduler is not None:
+        prec.track(scheduler)
+    source = iter(task.train_data(0))
+    cpu = torch.device("cpu")
+
+    def batches():
+        for step in range(steps):
+            yield draw_batch(task, source, step, steps, _Cpu(cpu))
+
+    losses = []
+    for drawn in prec.guarded(batches()):
+        loss, stepped = train_step(task, model, optimizer, prec, drawn, scheduler)
+        losses.append(loss if stepped else None)
+    return model, prec, optimizer, losses
+
+
+class _Cpu:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
+# -- settings ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"check_every": 0}, "guard.check_every: expected a whole number of steps"),
+        ({"margin_bits": -1}, "guard.margin_bits: expected a number of bits from 0 to 16"),
+        ({"snapshot_every": 75}, "guard.snapshot_every: 75 is not a multiple of check_every"),
+        ({"promote": ("int8",)}, "guard.promote: 'int8' is not a dtype a layer can be promoted"),
+        ({"promote": ("fp32", "bf16")}, "guard.promote: expected dtypes from narrow to wide"),
+        ({"promote": ()}, "guard.promote: expected at least one dtype"),
+        ({"lookahead": float("nan")}, "guard.lookahead: expected a multiple"),
+    ],
+)
+def test_a_setting_out_of_range_is_refused_in_one_line(settings, message):
+    with pytest.raises(GuardError) as caught:
+        Guard(**settings)
+    assert str(caught.value).startswith(message)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_guard_section_round_trips_and_is_not_the_policys_identity(tmp_path):
+    guarded = Policy(default="fp16", guard=Guard(check_every=25, snapshot_every=100))
+    path = guarded.save(tmp_path / "policy.yaml")
+    data = yaml.safe_load(path.read_text())
+    assert data["guard"] == {
+        "check_every": 25,
+        "margin_bits": 3.0,
+        "lookahead": 2.0,
+        "snapshot_every": 100,
+        "promote": ["bf16", "fp32"],
+        "max_rollbacks": 8,
+    }
+    loaded = load_policy(path)
+    assert loaded.guard == Guard(check_every=25, snapshot_every=100)
+    assert loaded == Policy(default="fp16")  # the guard is how it runs, not what it is
+    assert "guard" not in Policy(default="fp16").to_dict()
+    (tmp_path / "on.yaml").write_text("default: fp16\nguard: true\n")
+    assert load_policy(tmp_path / "on.yaml").guard == Guard()
+
+
+def test_a_bad_guard_section_exits_2_in_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("default: fp16\nguard: {check_every: 0}\n")
+    done = subprocess.run(
+        [AUTOPREC, "resolve", "--policy", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "guard.check_every" in lines[0] and "bad.yaml" in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_guard_false_runs_unguarded_and_true_takes_the_defaults():
+    model = nn.Linear(4, 4)
+    assert type(Policy(default="bf16", guard=Guard()).apply(model, guard=False)).__name__ == (
+        "Precision"
+    )
+    prec = Policy(default="bf16").apply(nn.Linear(4, 4), guard=True)
+    assert isinstance(prec, GuardedPrecision) and prec.settings == Guard()
+    own = Policy(default="bf16", guard=Guard(check_every=10, snapshot_every=10))
+    assert own.apply(nn.Linear(4, 4)).settings.check_every == 10  # the policy's own section
+
+
+# -- promotion ----------------------------------------------------------------------------
+
+
+def test_a_growing_layer_is_promoted_before_it_overflows():
+    """zoo-exp-growth's head overflows fp16 at step 986 unguarded (the zoo's truth); the
+    guard widens it first, and the run never sees a non-finite loss."""
+    model, prec, optimizer, losses = guarded_run("zoo-exp-growth")
+    assert all(math.isfinite(loss) for loss in losses if loss is not None)
+    assert len(losses) == STEPS
+    [change] = prec.changes
+    assert change.action == PROMOTE
+    assert change.layer == "head" and change.leaves == ("head",)
+    assert (change.from_dtype, change.to_dtype) == ("fp16", "bf16")
+    assert change.step < 986 and change.step % prec.settings.check_every == 0
+    assert "65504" in change.reason and change.trend
+    assert prec.plan.leaf_dtypes["head"] == "bf16"
+    assert prec.plan.leaf_dtypes["body.fc1"] == "fp16"
+    policy = yaml.safe_load(prec.current_policy())
+    assert policy["rules"][0] == {
+        "name": f"guard step {change.step}",
+        "patterns": ["head"],
+        "dtype": "bf16",
+    }
+    assert f"step {change.step}: promoted head fp16 -> bf16" in prec.summary()
+    # The optimizer kept its state: Adam's step count is the run's, not the promotion's.
+    head_weight = dict(model.named_parameters())["head.weight"]
+    stepped = sum(loss is not None for loss in losses)  # the scaler skipped a few at first
+    assert stepped > STEPS - 20
+    assert int(optimizer.state[head_weight]["step"]) == stepped
+    prec.remove()
+
+
+def test_a_promotion_keeps_the_weights_optimizer_and_scale():
+    """At the boundary where the guard promotes, nothing but the regions changes."""
+    task = zoo_task("zoo-exp-growth")
+    torch.manual_seed(0)
+    model = task.model()
+    prec = Policy.uniform("fp16").apply(model, guard=Guard())
+    optimizer = task.make_optimizer(model.parameters())
+    source = iter(task.train_data(0))
+    before = None
+    for step in range(400):
+        drawn = draw_batch(task, source, step, 400, _Cpu(torch.device("cpu")))
+        if step == 351:  # the boundary after step 350's check (the promotion is taken here)
+            prec.update()  # the loss scale's own update ends every step, guarded or not
+            before = (
+                {k: v.clone() for k, v in model.state_dict().items()},
+                prec.scaler.state_dict(),
+                {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()},
+                len(prec.changes),
+            )
+            prec._finish_step()  # the boundary itself, as the next autocast() takes it
+            assert len(prec.changes) == before[3] + 1
+            assert all(torch.equal(model.state_dict()[k], v) for k, v in before[0].items())
+            assert prec.scaler.state_dict() == before[1]
+            for param, state in optimizer.state.items():
+                assert all(torch.equal(state[k], v) for k, v in before[2][id(param)].items())
+        train_step(task, model, optimizer, prec, drawn)
+    assert before is not None and prec.changes[0].step == 350
+
+
+def test_a_promoted_layer_below_a_parameter_free_module_widens_its_owner():
+    leaves = {"embed": "fp32", "attn.q": "fp16", "attn.k": "fp16", "head": "fp16"}
+    assert owning_leaves("attn.scores", leaves) == ("attn", ("attn.q", "attn.k"))
+    assert owning_leaves("head", leaves) == ("head", ("head",))
+    assert owning_leaves("act", leaves) == ("", ("attn.q", "attn.k", "head"))
+
+
+def test_promoted_rules_come_first_newest_first_and_name_the_leaves_alone():
+    from autoprec.guard.changes import Change
+
+    changes = [
+        Change(10, PROMOTE, "head", ("net.head",), "fp16", "bf16", "x"),
+        Change(20, PROMOTE, "head", ("net.head",), "bf16", "fp32", "y"),
+        Change(30, PROMOTE, "odd", ("net.w[0]",), "fp16", "bf16", "z"),
+    ]
+    policy = promoted_policy(Policy(default="fp16"), changes, prefix="net.")
+    assert [(r.patterns, r.dtype) for r in policy.rules] == [
+        (("w[[]0]",), "bf16"),
+        (("head",), "fp32"),
+        (("head",), "bf16"),
+    ]
+
+
+# -- rollback -----------------------------------------------------------------------------
+
+
+class Normalise(nn.Module):
+    """Parameter-free: each row over its largest |value| (so what follows stays small)."""
+
+    def forward(self, x):
+        return x / x.abs().amax(dim=-1, keepdim=True).clamp(min=1.0)
+
+
+class RareBatchNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            OrderedDict(fc1=nn.Linear(8, 16), norm=Normalise(), fc2=nn.Linear(16, 16))
+        )
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.layers(x))
+
+
+def test_a_forward_overflow_rolls_back_promotes_the_culprit_and_replays_the_same_batches():
+    """A rare batch at step 130 overflows fp16 in the forward (no trend foretold it): the
+    guard goes back to step 100's copy, widens the layer that first went non-finite, and
+    the loop trains steps 100-130 again on the same batches."""
+    torch.manual_seed(0)
+    model = RareBatchNet()
+    with torch.no_grad():
+        model.layers.fc1.weight.fill_(0.5)
+    prec = Policy.uniform("fp16").apply(model, guard=Guard(check_every=50, snapshot_every=100))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(4, 8, generator=generator) * (1e6 if step == 130 else 1.0), step)
+        for step in range(200)
+    ]
+    seen = []
+    losses = []
+    for x, index in prec.guarded(data):
+        seen.append(index)
+        optimizer.zero_grad()
+        with prec.autocast():
+            out = model(x)
+        loss = out.float().pow(2).mean()
+        losses.append(float(loss.detach()))
+        prec.backward(loss)
+        prec.step(optimizer)
+    [change] = prec.changes
+    assert change.action == ROLLBACK
+    assert (change.step, change.restored_step, change.replayed) == (130, 100, True)
+    assert change.layer == "layers.fc1" and change.leaves == ("layers.fc1",)
+    assert (change.from_dtype, change.to_dtype) == ("fp16", "bf16")
+    assert "forward overflowed" in change.reason
+    # Steps 100-130 were drawn twice, in order; every batch after them once.
+    assert seen == [*range(131), *range(100, 200)]
+    assert prec.step_count == 200
+    assert all(math.isfinite(v) for v in model.state_dict()["head.weight"].flatten().tolist())
+    assert "rolled back to step 100 (replayed)" in prec.summary()
+
+
+def test_without_guarded_batches_a_rollback_restores_and_says_it_did_not_replay():
+    torch.manual_seed(0)
+    model = RareBatchNet()
+    with torch.no_grad():
+        model.layers.fc1.weight.fill_(0.5)
+    prec = Policy.uniform("fp16").apply(model, guard=Guard(check_every=50, snapshot_every=100))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(140):
+        x = torch.randn(4, 8) * (1e6 if step == 130 else 1.0)
+        optimizer.zero_grad()
+        with prec.autocast():
+            loss = model(x).float().pow(2).mean()
+        prec.backward(loss)
+        prec.step(optimizer)
+        if step == 129:
+            at_129 = {k: v.clone() for k, v in model.state_dict().items()}
+    prec._finish_step()
+    [change] = prec.changes
+    assert (change.action, change.restored_step, change.replayed) == (ROLLBACK, 100, False)
+    assert prec.step_count == 100 + (139 - 130)  # the clock went back with the weights
+    assert not all(torch.equal(model.state_dict()[k], at_129[k]) for k in at_129)
+
+
+def test_a_failure_in_a_layer_already_fp32_cannot_be_mended():
+    model = RareBatchNet()
+    prec = Policy(default="fp32").apply(model, guard=Guard(check_every=10, snapshot_every=10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    optimizer.zero_grad()
+    with prec.autocast():
+        loss = model(torch.full((2, 8), float("inf"))).float().sum()
+    prec.backward(loss)
+    assert prec.step(optimizer) is False  # nothing scales the loss: the guard checked
+    with pytest.raises(GuardError, match="cannot be mended"):
+        prec._finish_step()
+
+
+# -- quiet where nothing fails, and cheap -----------------------------------------------------
+
+
+def test_a_healthy_run_is_never_changed_and_watched_only_on_check_steps():
+    model, prec, _, losses = guarded_run("zoo-my-task", steps=600)
+    assert prec.changes == [] and prec.rollbacks == 0
+    assert all(math.isfinite(loss) for loss in losses if loss is not None)
+    assert sum(loss is None for loss in losses) < 20  # the scaler's start-up back-off
+    assert prec._monitor is not None
+    assert prec._monitor.observed_steps == 600 // prec.settings.check_every
+    assert prec.snapshot_bytes > 0  # one copy of the weights and Adam's state, on the host
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert params * 3 <= prec.snapshot_bytes <= params * 3 + 4096
+
+
+def test_no_hook_runs_on_steps_that_are_not_checked():
+    model = RareBatchNet()
+    prec = Policy.uniform("bf16").apply(model, guard=Guard(check_every=4, snapshot_every=4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    hooked = []
+    for step in range(8):
+        optimizer.zero_grad()
+        with prec.autocast():
+            hooked.append(bool(model.layers.fc1._forward_hooks))
+            loss = model(torch.randn(2, 8)).float().sum()
+        prec.backward(loss)
+        prec.step(optimizer)
+    assert hooked == [True, False, False, False, True, False, False, False]
+
+
+def test_state_dict_carries_the_changes_and_a_resumed_run_lands_the_promoted_policy():
+    model, prec, _, _ = guarded_run("zoo-exp-growth", steps=400)
+    state = prec.state_dict()
+    assert state["guard"]["step"] == 400 and len(state["guard"]["changes"]) == 1
+    task = zoo_task("zoo-exp-growth")
+    fresh = task.model()
+    resumed = Policy.uniform("fp16").apply(fresh, guard=Guard())
+    assert resumed.plan.leaf_dtypes["head"] == "fp16"
+    resumed.load_state_dict(state)
+    assert resumed.plan.leaf_dtypes["head"] == "bf16"
+    assert resumed.changes == prec.changes and resumed.step_count == 400
+    assert resumed.current_policy() == prec.current_policy()
