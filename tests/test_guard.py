@@ -324,7 +324,7 @@ def test_no_hook_runs_on_steps_that_are_not_checked():
     prec = Policy.uniform("bf16").apply(model, guard=Guard(check_every=4, snapshot_every=4))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     hooked = []
-    for step in range(8):
+    for _ in range(8):
         optimizer.zero_grad()
         with prec.autocast():
             hooked.append(bool(model.layers.fc1._forward_hooks))
@@ -335,7 +335,7 @@ def test_no_hook_runs_on_steps_that_are_not_checked():
 
 
 def test_state_dict_carries_the_changes_and_a_resumed_run_lands_the_promoted_policy():
-    model, prec, _, _ = guarded_run("zoo-exp-growth", steps=400)
+    _, prec, _, _ = guarded_run("zoo-exp-growth", steps=400)
     state = prec.state_dict()
     assert state["guard"]["step"] == 400 and len(state["guard"]["changes"]) == 1
     task = zoo_task("zoo-exp-growth")
