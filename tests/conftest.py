@@ -30,7 +30,11 @@ MAX_WORKERS = 4  # each worker holds torch, transformers and a few stores: about
 # Files whose tests start torchrun's ranks: run one after another on one worker, never two
 # gloo jobs at once on the machine's two cores (once, under the full suite's load, a rank
 # of one aborted while the other file's search ran).
-RANKS_GROUP = ("test_distributed_rank.py", "test_distributed_search.py")
+RANKS_GROUP = (
+    "test_distributed_rank.py",
+    "test_distributed_search.py",
+    "test_guard_distributed.py",
+)
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
