@@ -7,6 +7,7 @@ import math
 import shutil
 import subprocess
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -346,3 +347,64 @@ def test_state_dict_carries_the_changes_and_a_resumed_run_lands_the_promoted_pol
     assert resumed.plan.leaf_dtypes["head"] == "bf16"
     assert resumed.changes == prec.changes and resumed.step_count == 400
     assert resumed.current_policy() == prec.current_policy()
+
+
+# -- fp8, and the record in MLflow ------------------------------------------------------------
+
+
+def test_an_fp8_layer_whose_cast_flushes_goes_back_to_its_linear_with_its_state():
+    """An outlier from step 10 on makes fp8's tensorwise scale flush most of fc1's inputs:
+    the check at step 10 takes fc1 (and what the outlier reaches) out of fp8. The Linear
+    comes back with the same Parameters, and AdamW's state carries on."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        OrderedDict(
+            fc1=nn.Linear(16, 32), act=nn.ReLU(), fc2=nn.Linear(32, 16), head=nn.Linear(16, 16)
+        )
+    )
+    guard = Guard(check_every=10, snapshot_every=20)
+    prec = Policy.uniform("fp8").apply(model, guard=guard, emulate="fp8")
+    assert type(model.fc1).__name__ == "Float8Linear"
+    params = [id(p) for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(40):
+        x = torch.randn(32, 16, generator=generator)
+        if step >= 10:
+            x[0, 0] = 1e6
+        optimizer.zero_grad()
+        with prec.autocast():
+            loss = model(x).float().pow(2).mean()
+        prec.backward(loss)
+        prec.step(optimizer)
+    prec._finish_step()
+    first = prec.changes[0]
+    assert (first.step, first.layer, first.from_dtype, first.to_dtype) == (10, "fc1", "fp8", "bf16")
+    assert "flushes" in first.reason and "inputs" in first.reason
+    assert prec.plan.leaf_dtypes["fc1"] == "bf16"
+    assert type(model.fc1) is nn.Linear
+    assert params == [id(p) for p in model.parameters()]
+    assert int(optimizer.state[model.fc1.weight]["step"]) == 40
+    prec.remove()
+
+
+def test_every_change_is_in_the_active_mlflow_run(tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with mlflow.start_run() as run:
+        _, prec, _, _ = guarded_run("zoo-exp-growth", steps=400)
+    [change] = prec.changes
+    client = mlflow.tracking.MlflowClient()
+    done = client.get_run(run.info.run_id)
+    assert done.data.tags["autoprec.guard"].startswith(f"1 change(s); last: step {change.step}")
+    history = client.get_metric_history(run.info.run_id, "guard.changes")
+    assert [(m.step, m.value) for m in history] == [(change.step, 1.0)]
+    path = client.download_artifacts(run.info.run_id, "guard/changes.json", str(tmp_path))
+    assert yaml.safe_load(Path(path).read_text()) == {"changes": [change.to_dict()]}
+
+
+def test_a_culprit_already_in_fp32_widens_no_neighbour():
+    leaves = {"fc1": "fp32", "fc2": "fp8", "head": "fp8"}
+    assert owning_leaves("fc1", leaves) == ("fc1", ())
+    assert owning_leaves("act", leaves) == ("", ("fc2", "head"))

@@ -104,6 +104,16 @@ def test_bf16_is_asked_of_the_selected_chip(standin):
         Policy.uniform("bf16").apply(nn.Linear(4, 4), "npu")
 
 
+def test_a_guard_that_would_promote_to_a_dtype_the_chip_lacks_is_refused(standin):
+    standin.soc = "Ascend910A"  # no bf16 before 910B
+    with pytest.raises(autoprec.GuardError, match="guard.promote: bf16 cannot run on device npu:0"):
+        Policy.uniform("fp16").apply(nn.Linear(4, 4), "npu", guard=autoprec.Guard())
+    prec = Policy.uniform("fp16").apply(
+        nn.Linear(4, 4), "npu", guard=autoprec.Guard(promote=("fp32",))
+    )
+    assert prec.settings.target("fp16") == "fp32"
+
+
 def test_the_device_calls_refuse_what_is_not_an_npu(standin, torch_npu):
     # The stand-in checks device arguments, so that a backend passing the wrong one fails here.
     with pytest.raises(ValueError, match="expected an NPU device"):

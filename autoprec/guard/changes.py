@@ -24,6 +24,7 @@ from typing import Any
 
 from autoprec.guard.settings import WIDTH, Guard
 from autoprec.numerics.forecast import DTYPE_RANGES, Forecast, Headroom, Outcome
+from autoprec.numerics.fp8_telemetry import FLUSH_WARNING, ROLE_LABELS, Fp8Telemetry
 from autoprec.policy import Policy, Rule
 
 PROMOTE = "promote"
@@ -122,6 +123,37 @@ def promotions(
     return found
 
 
+def fp8_promotions(
+    telemetry: Fp8Telemetry, step: int, leaf_dtypes: dict[str, str], settings: Guard
+) -> list[Change]:
+    """The fp8 layers whose casts, over the steps watched since they were last installed,
+    flushed more than `FLUSH_WARNING` of a tensor's nonzero values to zero or saturated
+    any (the trials' own evidence, `Fp8Telemetry.evidence`): their outputs are held in the
+    region around them, so their range shows in the casts, not in the outputs."""
+    found = []
+    for name, stats in telemetry.stats.items():
+        worst = stats.worst()
+        target = settings.target("fp8")
+        if worst is None or target is None or leaf_dtypes.get(name) != "fp8":
+            continue
+        role, cast = worst
+        saturated = max(stats.casts.values(), key=lambda c: c.saturated)
+        if cast.flushed_share > FLUSH_WARNING:
+            why = (
+                f"its fp8 cast flushes {cast.flushed_share:.1%} of its nonzero "
+                f"{ROLE_LABELS[role]} to zero in {cast.format} (amax {cast.amax:.3g})"
+            )
+        elif saturated.saturated:
+            why = (
+                f"its fp8 cast saturates {saturated.saturated} values at "
+                f"{saturated.format}'s largest"
+            )
+        else:
+            continue
+        found.append(Change(step, PROMOTE, name, (name,), "fp8", target, why))
+    return found
+
+
 def _trigger(room: Headroom, projected_to: int, settings: Guard) -> str | None:
     """Why ``room`` must be promoted now (None: it may stay)."""
     largest = DTYPE_RANGES[room.dtype][0]
@@ -143,18 +175,16 @@ def _trigger(room: Headroom, projected_to: int, settings: Guard) -> str | None:
 
 
 def owning_leaves(layer: str, leaf_dtypes: dict[str, str]) -> tuple[str, tuple[str, ...]]:
-    """The module whose low-precision leaves carry ``layer``'s dtype, and those leaves:
-    ``layer`` itself where it has any at or below it, else its nearest ancestor that has
-    (``""``: the whole model)."""
+    """The module whose leaves carry ``layer``'s dtype, and those of them below fp32:
+    ``layer`` itself where any leaf with parameters is at or below it, else its nearest
+    ancestor that has one (``""``: the whole model). A layer whose own leaves are all fp32
+    owns none to widen: the guard does not widen its neighbours in its place."""
     name = layer
     while True:
-        below = tuple(
-            leaf
-            for leaf, dtype in leaf_dtypes.items()
-            if WIDTH.get(dtype, WIDTH["fp32"]) < WIDTH["fp32"] and _at_or_below(leaf, name)
-        )
+        below = [leaf for leaf in leaf_dtypes if _at_or_below(leaf, name)]
         if below or not name:
-            return name, below
+            low = (leaf for leaf in below if WIDTH.get(leaf_dtypes[leaf], 3) < WIDTH["fp32"])
+            return name, tuple(low)
         name = name.rpartition(".")[0]
 
 

@@ -50,6 +50,7 @@ from autoprec.guard.changes import (
     PROMOTE,
     ROLLBACK,
     Change,
+    fp8_promotions,
     horizon,
     owning_leaves,
     promoted_policy,
@@ -296,6 +297,8 @@ class GuardedPrecision(Precision):
         if narrow.steps:
             ahead = forecast(narrow, horizon(step, self.settings), step + 1)
             found = promotions(ahead, step, leaf_dtypes, self.settings)
+        if self.plan.fp8_recipe is not None and self._monitor is not None:
+            found += fp8_promotions(self._monitor.fp8, step, leaf_dtypes, self.settings)
         found = self._agreed(found, step)
         if found:
             self._promote(found)
