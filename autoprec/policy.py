@@ -28,7 +28,7 @@ inputs, and in fp32 a region wherever the surroundings are not fp32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -372,6 +372,12 @@ class Policy:
             optimizer_states,
             guard,
         )
+
+    def with_leading_rules(self, rules: list[dict[str, Any]]) -> Policy:
+        """This policy with ``rules`` (each as its YAML writes a rule) ahead of its own, so
+        that they win where they match: the guard's promotions (`autoprec.guard`)."""
+        made = tuple(Rule.from_dict(rule, f"rules[{i}]") for i, rule in enumerate(rules))
+        return replace(self, rules=(*made, *self.rules))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -19,13 +19,15 @@ policy stays plain data; a resumed run rebuilds it from the changes its checkpoi
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 from autoprec.guard.settings import WIDTH, Guard
 from autoprec.numerics.forecast import DTYPE_RANGES, Forecast, Headroom, Outcome
 from autoprec.numerics.fp8_telemetry import FLUSH_WARNING, ROLE_LABELS, Fp8Telemetry
-from autoprec.policy import Policy, Rule
+
+if TYPE_CHECKING:
+    from autoprec.policy import Policy
 
 PROMOTE = "promote"
 ROLLBACK = "rollback"
@@ -202,7 +204,8 @@ def promoted_policy(policy: Policy, changes: list[Change], prefix: str = "") -> 
     submodule the policy landed on (its rules name leaves below it)."""
     rules = []
     for change in reversed(changes):
-        names = tuple(_escape(leaf.removeprefix(prefix)) for leaf in change.leaves)
+        names = [_escape(leaf.removeprefix(prefix)) for leaf in change.leaves]
         if names:
-            rules.append(Rule(change.to_dtype, patterns=names, name=f"guard step {change.step}"))
-    return replace(policy, rules=(*rules, *policy.rules))
+            name = f"guard step {change.step}"
+            rules.append({"name": name, "patterns": names, "dtype": change.to_dtype})
+    return policy.with_leading_rules(rules)

@@ -37,8 +37,8 @@ import contextlib
 import logging
 import sys
 from collections import deque
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -60,9 +60,11 @@ from autoprec.guard.settings import WIDTH, Guard
 from autoprec.guard.snapshot import Snapshot, SnapshotStore
 from autoprec.numerics.forecast import RangeSeries, forecast
 from autoprec.numerics.telemetry import GradientMonitor, first_nonfinite_layer
-from autoprec.policy import Policy
 from autoprec.precision.hooks import Precision
 from autoprec.precision.plan import Plan
+
+if TYPE_CHECKING:
+    from autoprec.policy import Policy
 
 _log = logging.getLogger("autoprec")
 WINDOW = 64  # observed points kept per layer: the trend is fitted to the recent run
@@ -80,16 +82,18 @@ class GuardedPrecision(Precision):
         policy: Policy,
         backend: Backend,
         settings: Guard,
+        replan: Callable[[Policy], Plan],
         placement: str = "",
     ) -> None:
         self.settings = settings
+        self._replan = replan  # the plan of the effective policy on this model and device
+        self._placement = placement  # the submodule the policy landed on ("": the model)
         self.base_policy = policy
         self.policy = policy
         self.changes: list[Change] = []
         self.step_count = 0  # optimizer steps finished: the guard's clock
         self.rollbacks = 0
         self.series = RangeSeries()
-        self._placement = placement
         self._monitor: GradientMonitor | None = None
         super().__init__(model, plan, policy.loss_scale, backend)
         self._store = SnapshotStore(settings.snapshot_dir)
@@ -465,11 +469,9 @@ class GuardedPrecision(Precision):
 
     def _reinstall(self) -> None:
         """Plan the effective policy anew and install its regions on the same modules."""
-        from autoprec.precision import landing
-
         prefix = f"{self._placement}." if self._placement else ""
         self.policy = promoted_policy(self.base_policy, self.changes, prefix)
-        self.plan = landing.plan(self.policy, self.model, self.backend, self._placement or None)
+        self.plan = self._replan(self.policy)
         self.convert_module(self.model)
 
     def _index_of(self, optimizer: torch.optim.Optimizer) -> int:

@@ -101,7 +101,10 @@ def apply(
         return Precision(model, planned, policy.loss_scale, backend)
     from autoprec.guard.precision import GuardedPrecision
 
-    return GuardedPrecision(model, planned, policy, backend, settings, placement.name)
+    def replan(effective: Policy) -> Plan:
+        return plan(effective, model, backend, placement.name or None)
+
+    return GuardedPrecision(model, planned, policy, backend, settings, replan, placement.name)
 
 
 def _guard_settings(policy: Policy, guard: Guard | bool | None, backend: Backend) -> Guard | None:
