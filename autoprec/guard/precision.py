@@ -130,8 +130,8 @@ class GuardedPrecision(Precision):
             self._begin_snapshot()
         self._in_step = True
         outer = super().autocast()
-        if self._forward_seen or not self._checks_now:
-            return outer
+        if self._forward_seen or not self._checks_now or not torch.is_grad_enabled():
+            return outer  # an evaluation's forward (no grad) is not the step's to watch
         self._forward_seen = True
         assert self._monitor is not None
         stack = contextlib.ExitStack()
@@ -140,10 +140,15 @@ class GuardedPrecision(Precision):
         return stack
 
     def backward(self, loss: torch.Tensor) -> None:
+        self.note_loss(loss)
+        super().backward(loss)
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """What `backward` keeps of the loss (a non-finite one means the forward overflowed),
+        for a framework that back-propagates the scaled loss itself (Lightning, accelerate)."""
         self._finish_step()
         self._in_step = True
         self._last_loss = loss.detach()
-        super().backward(loss)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale and step unless the gradients are not finite (checked here even without

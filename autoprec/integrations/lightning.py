@@ -7,6 +7,16 @@ them, skips the optimizer step when they overflowed, and carries the loss-scale 
 checkpoint.
 `PolicyFabricPrecision` does the same for Fabric.
 
+``PolicyPrecision(policy, guard=Guard())`` (or a policy with a ``guard:`` section) guards the
+run (`autoprec.guard`): a low-precision layer at risk is promoted at a step boundary, a step
+that fails where loss scaling does not explain it rolls the weights, the optimizers' state,
+the loss scaler and the LR schedulers back to the guard's last copy and promotes the culprit,
+and the guard's state (its changes, hence the promoted policy) rides in the checkpoint.
+Lightning draws the batches itself, so a rollback here does not replay the lost steps: the
+run goes on with the next batch, and the guard's step count falls behind
+``trainer.global_step`` by the steps undone. `GuardCallback` logs the changes and prints the
+guard's summary when training ends.
+
 Master weights stay fp32, so the plugin reports Lightning's ``precision="32-true"``. Written
 for the ``lightning`` package (2.2 or later), single-device strategies; DDP is expected to work
 (the regions sit on the module that DDP wraps) but was not run, and FSDP and DeepSpeed, which
@@ -23,6 +33,10 @@ import torch
 from torch import nn
 
 from autoprec._util.structures import cast_floats
+from autoprec.errors import GuardError
+from autoprec.guard.changes import ROLLBACK, Change
+from autoprec.guard.precision import GuardedPrecision
+from autoprec.guard.settings import Guard
 from autoprec.policy import Policy
 from autoprec.precision.hooks import Precision
 
@@ -30,7 +44,7 @@ try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.precision import Precision as FabricPrecision
     from lightning.pytorch.plugins.precision import Precision as LightningPrecision
-    from lightning.pytorch.utilities import GradClipAlgorithmType
+    from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
 except ImportError:
     raise ImportError(
         "autoprec.integrations.lightning needs the lightning package: "
@@ -46,10 +60,17 @@ class _Applied:
     or outlives its removal (a teardown between ``fit`` and ``test``) is kept here, so that
     the scale goes on where it was."""
 
-    def __init__(self, policy: Policy, submodule: str | None, emulate: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        submodule: str | None,
+        emulate: tuple[str, ...],
+        guard: Guard | bool | None = None,
+    ) -> None:
         self.policy = policy
         self.submodule = submodule
         self.emulate = emulate
+        self.guard = guard
         self.module: nn.Module | None = None
         self.precision: Precision | None = None
         self.state: dict[str, Any] | None = None
@@ -65,7 +86,7 @@ class _Applied:
             if self.module is None:
                 raise ValueError("the policy has no module to apply to: set the module up first")
             self.precision = self.policy.apply(
-                self.module, module=self.submodule, emulate=self.emulate
+                self.module, module=self.submodule, emulate=self.emulate, guard=self.guard
             )
             if self.state is not None:
                 self.precision.load_state_dict(self.state)
@@ -90,7 +111,16 @@ class _Applied:
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         # What Precision.backward back-propagates (in fp32, the scale updated first), for a
         # framework that calls backward itself; the scale is 1.0 without loss scaling.
-        return loss.float() * self.apply().loss_scale
+        precision = self.apply()
+        if isinstance(precision, GuardedPrecision):
+            precision.note_loss(loss)
+        return loss.float() * precision.loss_scale
+
+    def track(self, schedulers: list[Any]) -> None:
+        """The LR schedulers a guard's rollback restores with the weights."""
+        precision = self.apply()
+        if isinstance(precision, GuardedPrecision):
+            precision.track(*schedulers)
 
     def check_step_arguments(self, kwargs: dict[str, Any]) -> None:
         if kwargs:
@@ -106,13 +136,20 @@ class PolicyPrecision(LightningPrecision):
 
     The policy lands on the submodule it was found on (the searched model, ``self.net``),
     found by its rules; ``module="net"`` names it where several submodules fit. ``emulate``:
-    as in ``Policy.apply`` (``("fp8",)`` runs fp8 layers on the CPU, emulated)."""
+    as in ``Policy.apply`` (``("fp8",)`` runs fp8 layers on the CPU, emulated). ``guard``: as
+    in ``Policy.apply`` (a `Guard`, True for its defaults, None for the policy's own
+    ``guard:`` section, False for none); a rollback restores and promotes but does not replay
+    (the module's docstring)."""
 
     def __init__(
-        self, policy: Policy, module: str | None = None, emulate: tuple[str, ...] = ()
+        self,
+        policy: Policy,
+        module: str | None = None,
+        emulate: tuple[str, ...] = (),
+        guard: Guard | bool | None = None,
     ) -> None:
         super().__init__()
-        self._applied = _Applied(policy, module, emulate)
+        self._applied = _Applied(policy, module, emulate, guard)
         self._skipping_step = False
 
     def __repr__(self) -> str:
@@ -121,6 +158,12 @@ class PolicyPrecision(LightningPrecision):
     @property
     def policy(self) -> Policy:
         return self._applied.policy
+
+    @property
+    def applied(self) -> Precision | None:
+        """The policy's Precision while a run is on (a `GuardedPrecision` when guarded), None
+        between runs. (Lightning's own ``precision`` attribute is its precision string.)"""
+        return self._applied.precision
 
     @property
     def loss_scale(self) -> float:
@@ -147,6 +190,7 @@ class PolicyPrecision(LightningPrecision):
         if self._applied.module is None:
             self._applied.keep(model)
         self._applied.apply()
+        self._applied.track([config.scheduler for config in lr_schedulers])
         return model, optimizers, lr_schedulers
 
     def forward_context(self) -> contextlib.AbstractContextManager:
@@ -293,3 +337,60 @@ class PolicyFabricPrecision(FabricPrecision):
 
     def teardown(self) -> None:
         self._applied.remove()
+
+
+class GuardCallback(pl.Callback):
+    """Reports a guarded `PolicyPrecision`'s work: each change the guard makes is logged to
+    the Trainer's loggers (the metrics ``guard/changes`` and ``guard/rollbacks``, counts so
+    far, at the step the change was seen; the guard itself logs each change's line on the
+    ``autoprec`` logger), and when training ends the guard's summary is printed on
+    Lightning's console log. ``changes`` and ``summary`` keep the last fit's after the plugin
+    has taken its regions off.
+
+    The guard's state needs no callback: the plugin's state, which Lightning saves in every
+    checkpoint, holds it, and a run resumed from one continues with the promoted policy."""
+
+    def __init__(self) -> None:
+        self.changes: list[Change] = []
+        self.summary = ""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        guarded = _guarded(trainer)
+        # A resumed run's earlier changes came with its checkpoint: not news to log again.
+        self.changes = [] if guarded is None else list(guarded.changes)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        self._report(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        guarded = _guarded(trainer)
+        if guarded is None:
+            return
+        self.summary = guarded.summary()  # closes the last step first
+        self._report(trainer)
+        rank_zero_info(self.summary)
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        guarded = _guarded(trainer)
+        if guarded is None or len(guarded.changes) == len(self.changes):
+            return
+        self.changes = list(guarded.changes)
+        counts = {
+            "guard/changes": float(len(self.changes)),
+            "guard/rollbacks": float(sum(c.action == ROLLBACK for c in self.changes)),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(counts, step=trainer.global_step)
+
+
+def _guarded(trainer: pl.Trainer) -> GuardedPrecision | None:
+    plugin = trainer.precision_plugin
+    if not isinstance(plugin, PolicyPrecision):
+        raise GuardError(
+            f"GuardCallback reports a guarded PolicyPrecision; this Trainer's precision plugin "
+            f"is {type(plugin).__name__}: pass plugins=[PolicyPrecision(policy, guard=Guard())]"
+        )
+    precision = plugin.applied
+    return precision if isinstance(precision, GuardedPrecision) else None

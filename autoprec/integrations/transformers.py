@@ -20,6 +20,17 @@ torch.optim.AdamW, ...)`` with the arguments' learning rate, betas, epsilon and 
 The Trainer's own optimizer exempts biases and norms from weight decay; this one decays
 every parameter (the same where ``weight_decay`` is 0). Where a Trainer ``optim`` string
 builds the same optimizer, `autoprec.exports.trainer_optim` names it.
+
+``PolicyTrainer(..., policy=policy, guard=Guard())`` (or a policy with a ``guard:`` section)
+guards the run (`autoprec.guard`): a low-precision layer at risk is promoted at a step
+boundary, and a step that fails where loss scaling does not explain it rolls the weights, the
+optimizer's state, the loss scaler and the LR scheduler back to the guard's last copy and
+promotes the culprit. ``trainer.precision`` is then the `GuardedPrecision`: its ``changes``
+and ``summary()``. Each log entry carries ``guard_changes`` and ``guard_rollbacks`` (counts
+so far), the guard's summary is printed when training ends, and its state rides in
+``scaler.pt``, so that a resumed run continues with the promoted policy. The Trainer draws
+the batches itself, so a rollback does not replay the lost steps: the run goes on with the
+next batch, and the guard's step count falls behind ``state.global_step`` by the steps undone.
 """
 
 from __future__ import annotations
@@ -30,6 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.guard.changes import ROLLBACK
+from autoprec.guard.precision import GuardedPrecision
+from autoprec.guard.settings import Guard
 from autoprec.policy import Policy
 from autoprec.precision.hooks import Precision
 
@@ -72,6 +86,8 @@ class _PrecisionScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         # What Precision.backward back-propagates (in fp32, the scale updated first);
         # accelerate calls backward on it. The scale is 1.0 without loss scaling.
+        if isinstance(self.precision, GuardedPrecision):
+            self.precision.note_loss(loss)
         return loss.float() * self.precision.loss_scale
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -97,7 +113,10 @@ class PolicyTrainer(transformers.Trainer):
     Trainer's. ``precision`` is the applied `autoprec.Precision` (its ``loss_scale``, say).
 
     On a model that wraps the searched one, the policy lands on the submodule it was found
-    on, found by its rules; ``module="model"`` names it where several submodules fit."""
+    on, found by its rules; ``module="model"`` names it where several submodules fit.
+    ``guard``: as in ``Policy.apply`` (a `Guard`, True for its defaults, None for the
+    policy's own ``guard:`` section, False for none); a rollback restores and promotes but
+    does not replay (the module's docstring)."""
 
     def __init__(
         self,
@@ -106,6 +125,7 @@ class PolicyTrainer(transformers.Trainer):
         *more: Any,
         policy: Policy,
         module: str | None = None,
+        guard: Guard | bool | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(policy, Policy):
@@ -137,8 +157,11 @@ class PolicyTrainer(transformers.Trainer):
         # The Trainer has placed the model on args.device by now (unless a sharding backend
         # places it later): the regions and the autocast are for that device's kind.
         assert self.model is not None  # the Trainer refuses no model without a model_init
-        self.precision = policy.apply(self.model, self.args.device, module=module)
+        self.precision = policy.apply(self.model, self.args.device, module=module, guard=guard)
         self.accelerator.scaler = _PrecisionScaler(self.precision)
+        self._guard_tracks: Any = None  # the LR scheduler the guard restores on a rollback
+        if isinstance(self.precision, GuardedPrecision):
+            self.add_callback(_GuardSummary(self.precision))
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The policy's per-group optimizer where its policy names optimizer states and none
@@ -148,6 +171,29 @@ class PolicyTrainer(transformers.Trainer):
             assert target is not None  # the Trainer refuses no model without a model_init
             self.optimizer = policy_optimizers(self.policy, target, self.args)[0]
         return super().create_optimizer(model)  # type: ignore[no-any-return]
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        """The Trainer's LR scheduler (made here, or given as ``optimizers=``), which a
+        guard's rollback restores with the weights."""
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if isinstance(self.precision, GuardedPrecision) and scheduler is not self._guard_tracks:
+            self.precision.track(scheduler)
+            self._guard_tracks = scheduler
+        return scheduler
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log entry; a guarded run's carries ``guard_changes`` and
+        ``guard_rollbacks``, the guard's counts so far."""
+        if isinstance(self.precision, GuardedPrecision):
+            changes = self.precision.changes
+            logs = {
+                **logs,
+                "guard_changes": len(changes),
+                "guard_rollbacks": sum(change.action == ROLLBACK for change in changes),
+            }
+        super().log(logs, *args, **kwargs)
 
     def autocast_smart_context_manager(
         self, cache_enabled: bool | None = True
@@ -172,3 +218,15 @@ class PolicyTrainer(transformers.Trainer):
             assert optimizer is not None  # created before the first step
             self.precision.unscale_(optimizer)
         return loss
+
+
+class _GuardSummary(transformers.TrainerCallback):
+    """Prints the guard's summary (`GuardedPrecision.summary`) when training ends."""
+
+    def __init__(self, precision: GuardedPrecision) -> None:
+        self.precision = precision
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        summary = self.precision.summary()  # closes the last step first
+        if state.is_world_process_zero:
+            print(summary)
