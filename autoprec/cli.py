@@ -276,7 +276,7 @@ def _add_other_commands(commands: Any) -> None:
 def _search(args: argparse.Namespace) -> int:
     from autoprec.progress import Progress
     from autoprec.report import front_table, gains_line
-    from autoprec.report.headroom import forecast_lines
+    from autoprec.report.headroom import forecast_lines, guard_line
     from autoprec.settings import options, to_yaml
     from autoprec.study import SearchConfig, search
 
@@ -294,8 +294,9 @@ def _search(args: argparse.Namespace) -> int:
     print(gains_line(summary))
     if result.typed is not None and result.typed.confirmation is not None:
         print("\n".join(result.typed.confirmation.lines()))
-    for line in forecast_lines(summary):
-        print(line)
+    for line in [*forecast_lines(summary), guard_line(summary)]:
+        if line is not None:
+            print(line)
     print(f"best policy: {result.best_policy_path}")
     print(f"summary:     {result.summary_path}")
     print(f"compare:     autoprec ui --tracking-uri {redact(args.tracking_uri)}")

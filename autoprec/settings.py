@@ -328,7 +328,7 @@ class Compiled:
 @dataclass(frozen=True, kw_only=True)
 class LongerThanATrial:
     """The real run beyond the trials (training only): the long confirmation, the
-    trials' schedule and the range forecast."""
+    trials' schedule, the range forecast and the guard."""
 
     confirm_steps: int | None = option(
         None,
@@ -358,6 +358,14 @@ class LongerThanATrial:
         "infeasible, or only warned of",
         choices=("infeasible", "warn"),
         study="forecast",
+    )
+    guard: bool = option(
+        False,
+        "your run will be guarded (best_policy.yaml gets a guard: section, so "
+        "policy.apply(model) watches each low-precision layer and promotes one at risk "
+        "before it fails): a trial whose forecast cannot tell is kept feasible, not trained "
+        "longer, and the choice is not confirmed at --train-steps (--confirm-steps still is)",
+        study_if_set="guard",  # unguarded studies keep the identity they had before it
     )
 
 

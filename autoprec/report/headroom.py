@@ -94,6 +94,19 @@ def forecast_lines(summary: Summary | dict[str, Any]) -> list[str]:
     return lines
 
 
+def guard_line(summary: Summary | dict[str, Any]) -> str | None:
+    """The console's closing line of a search for a guarded run (``--guard``; None
+    without): the user's run is the confirmation, unless one was asked for too."""
+    summary = as_summary(summary)
+    if not summary.settings.guard:
+        return None
+    where = "guard: on (best_policy.yaml's guard: section)"
+    confirmed = summary.confirmation
+    if confirmed is not None:
+        return f"{where}; confirmed at {confirmed.steps} steps as asked"
+    return f"{where}; your guarded run is the confirmation"
+
+
 def _charted(summary: Summary) -> list[tuple[Entry, dict[str, Any]]]:
     """The chosen policy and the trials at risk that cross first (at most two), with
     their forecasts."""

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.errors import SearchInterrupted
+from autoprec.guard.settings import Guard
 from autoprec.policy import Policy
 from autoprec.space import SearchSpace
 from autoprec.study._events import Callbacks
@@ -162,7 +163,7 @@ def _finish(
         summary, interrupted = confirm_choice(_confirming(session, summary), summary, confirmed)
         phases_s["long_confirmation"] = time.perf_counter() - long_s
         mark_s += phases_s["long_confirmation"]  # its own phase, not the tracking's
-    best_policy = Policy.from_dict(summary.best.policy or {})
+    best_policy = _for_the_run(Policy.from_dict(summary.best.policy or {}), prepared)
     layers = trials.layer_table(best_policy, prepared.model)
     left = trials.leave_behind(best_policy, prepared.out_dir, prepared.task_spec, tracker)
     summary = completed(
@@ -199,13 +200,25 @@ def _finish(
     return result
 
 
+def _for_the_run(policy: Policy, prepared: Prepared) -> Policy:
+    """The chosen policy as best_policy.yaml holds it: under --guard with the guard's
+    section (its defaults, promoting only to the dtypes the search's device runs), so that
+    the user's ``policy.apply(model)`` runs guarded."""
+    if not prepared.config.guard:
+        return policy
+    runs = tuple(d for d in Guard().promote if prepared.backend.supports(d))
+    return replace(policy, guard=Guard(promote=runs))
+
+
 def _confirming(session: Session, summary: Summary) -> Session:
     """The session the long confirmation runs in: as it is, or, when --train-steps is given
     without --confirm-steps and the chosen trial's forecast cannot tell, one that confirms
-    the finalists at --train-steps (the forecast's honest path: the real length, trained)."""
+    the finalists at --train-steps (the forecast's honest path: the real length, trained).
+    Under --guard the user's guarded run is that path: nothing is confirmed unasked."""
     config = session.prepared.config
     telemetry = summary.best.telemetry or {}
-    if config.confirm_steps or not config.train_steps or not telemetry.get("cannot_tell"):
+    unasked = not config.train_steps or config.guard or not telemetry.get("cannot_tell")
+    if config.confirm_steps or unasked:
         return session
     long_config = copy.copy(config)  # the settings as given, but the confirmation's length
     object.__setattr__(long_config, "confirm_steps", config.train_steps)
@@ -231,6 +244,7 @@ def _settings(session: Session) -> dict[str, Any]:
         "trial_schedule": settings.get("trial_schedule", config.trial_schedule),
         "train_steps_asked": config.train_steps,  # None: the forecast's default horizon
         "forecast": config.forecast,
+        "guard": config.guard,  # best_policy.yaml's guard: section; no trial extended
         "accuracy_tolerance": prepared.tolerance,
         "storage": config.public()["storage"],
         "tracking_uri": config.public()["tracking_uri"],

@@ -183,7 +183,9 @@ def prepare(
     else:
         backend = get_backend(config.device, config.emulate)
         devices = [str(backend.device)] if backend.kind != "cpu" else ["cpu"]
-    budget = Budget(steps=config.steps, seed=config.seed, train_steps=config.train_steps)
+    budget = Budget(
+        steps=config.steps, seed=config.seed, train_steps=config.train_steps, guarded=config.guard
+    )
     if check_data:  # a long confirmation draws as many batches as it trains steps
         check_task_data(task, model, max(budget.steps, config.confirm_steps or 0), budget.seed)
         check_shardable(task.train_data, budget.seed, config.nproc_per_trial)

@@ -182,11 +182,14 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
                 f"--confirm-steps: expected an integer of at least --steps ({self.steps}), "
                 f"got {confirm!r}"
             )
+        if not isinstance(self.guard, bool):
+            raise AutoprecError(f"--guard: expected True or False, got {self.guard!r}")
         training_only = {
             "--confirm-steps": confirm is not None,
             "--trial-schedule": self.trial_schedule != "as-is",
             "--train-steps": self.train_steps is not None,
             "--forecast": self.forecast != "infeasible",
+            "--guard": self.guard,
         }
         for option, given in training_only.items():
             if given and not mode.trains:

@@ -333,6 +333,12 @@ class Settings:
     def confirm_top(self) -> int | None:
         return self.values.get("confirm_top")
 
+    @property
+    def guard(self) -> bool:
+        """Whether the search ran for a guarded run (``--guard``; False in summaries
+        written before it)."""
+        return self.values.get("guard") is True
+
 
 @dataclass
 class ProfileRow:

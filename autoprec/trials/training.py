@@ -29,6 +29,7 @@ from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.numerics.first_events import OVERFLOW, FirstEvents, diagnose_forward
 from autoprec.numerics.forecast import (
     Forecast,
+    Outcome,
     default_train_steps,
     forecast,
     forecast_brief,
@@ -71,8 +72,9 @@ NONFINITE_PATIENCE = 5
 FINAL_LOSS_WINDOW = 5
 TELEMETRY_EVERY = 10  # telemetry's cadence on long trials: every 10th step observed
 TELEMETRY_POINTS = 30  # shorter trials are observed more often, to this many points
-# A forecast that cannot tell extends its trial (without --train-steps; with it, the
-# finalists are confirmed at the run's length instead): each round trains this many times
+# A forecast that cannot tell extends its trial (without --train-steps or --guard; with
+# --train-steps the finalists are confirmed at the run's length instead, with --guard the
+# user's run watches the layers it could not tell): each round trains this many times
 # the steps trained so far and forecasts again, until it can tell, the run breaks, or the
 # trial has trained to the forecast's horizon (then what it saw is the answer).
 EXTEND_MULTIPLE = 1
@@ -91,12 +93,15 @@ LAYERS_ARTIFACT = "telemetry_layers.csv"  # a trial's per-layer telemetry, in ML
 class Budget:
     """How long a trial trains. The first ``warmup_steps`` steps are not timed.
     ``train_steps`` is how long the user's real run trains, the step every layer's range
-    is forecast to (None: `autoprec.numerics.forecast.FORECAST_MULTIPLE` times ``steps``)."""
+    is forecast to (None: `autoprec.numerics.forecast.FORECAST_MULTIPLE` times ``steps``);
+    ``guarded``: the real run runs under the guard (``--guard``), which watches the layers
+    whose trend a trial cannot tell, so such a trial is not trained longer."""
 
     steps: int = 200
     warmup_steps: int = 5
     seed: int = 0
     train_steps: int | None = None
+    guarded: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or self.steps < 3:
@@ -154,8 +159,9 @@ class TrialResult(Measured):
     at_risk: str | None = None  # why the forecast says the real run would overflow
     # What the telemetry saw first, per mechanism and layer (`autoprec.numerics.first_events`).
     first_events: list[dict[str, Any]] = field(default_factory=list)
-    # Why the forecast cannot tell, and what was done (the trial extended, or the finalists
-    # confirmed at --train-steps); never makes the trial infeasible.
+    # Why the forecast cannot tell, and what was done (the trial extended, the finalists
+    # confirmed at --train-steps, or the layers left to the guard); never makes the trial
+    # infeasible.
     cannot_tell: str | None = None
     # where the policy names optimizer states: their bytes as stored (`autoprec.optim`),
     # per group their health at the end (`autoprec.numerics.state_health.GroupStateHealth`)
@@ -679,14 +685,19 @@ class _Run:
         trains on from ``batches`` (in rounds of ``EXTEND_MULTIPLE`` times the steps
         trained so far, up to the horizon, without --train-steps) and is forecast again
         after each; with --train-steps it is left to the confirmation of the finalists at
-        that length. "Cannot tell" never makes a trial infeasible."""
+        that length; under the guard (``Budget.guarded``) it is feasible under the guard,
+        its reason naming the layers the guard watches. "Cannot tell" never makes a trial
+        infeasible."""
         if self.monitor.ranges is None:
             return
         budget, result = self.budget, self.result
         ahead = self._ahead(0)
         complete = result.state == TrialState.COMPLETE
         if complete and ahead.cannot_tell() is not None:
-            if budget.train_steps is not None:
+            if budget.guarded:
+                ahead = ahead.with_path(_under_guard(ahead))
+                result.reason = "; ".join(r for r in (result.reason, ahead.path) if r)
+            elif budget.train_steps is not None:
                 ahead = ahead.with_path(
                     f"confirmed at --train-steps {budget.train_steps} if it is chosen"
                 )
@@ -845,6 +856,18 @@ def _trailing_reason(
         f"loss trails the fp32 baseline ({trial_loss:.4g} against {base_loss:.4g} by step {step})"
     )
     return f"underflow: {text}; {evidence}" if evidence else text
+
+
+def _under_guard(ahead: Forecast) -> str:
+    """What a trial whose forecast cannot tell is under the guard: feasible, the layers
+    whose trend could not be told watched in the user's run (every low-precision layer,
+    where what is unclear is the warm-up or the loss scale)."""
+    unclear = [f"{h.layer} ({h.dtype})" for h in ahead.layers if h.outcome == Outcome.CANNOT_TELL]
+    watched = ", ".join(unclear) if unclear else "every low-precision layer"
+    return (
+        f"feasible under the guard, which watches {watched} in your run and promotes a "
+        "layer before it fails"
+    )
 
 
 def _dtype_of(name: str | None, layer_dtypes: dict[str, str]) -> str:
@@ -1076,11 +1099,13 @@ class TrainingTrials:
     def settings(self) -> dict[str, Any]:
         """What changes what a training trial measures or how it is judged: compiled
         trials' figures are not eager ones', a compressed schedule is not the real one,
-        and the forecast reaches to the real run's length."""
+        the forecast reaches to the real run's length, and under the guard no trial is
+        trained longer (None: unguarded, as studies made before the guard are)."""
         return {
             "compile": self.compiled,
             **self.schedule,
             "forecast": "warn" if self.forecast_warns else "infeasible",
+            "guard": True if self.budget.guarded else None,
         }
 
     def fit(self, space: SearchSpace, profile: Profile | None) -> SearchSpace:
