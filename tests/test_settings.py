@@ -47,7 +47,7 @@ def _shown(value):
 
 def test_the_parser_the_config_file_and_the_docs_say_the_same_settings(tmp_path):
     declared = list(options())
-    assert len(declared) == 34 and len({o.flag for o in declared}) == len(declared)
+    assert len(declared) == 35 and len({o.flag for o in declared}) == len(declared)
 
     # the parser: an option per setting, in its section's group, with its default and help
     search = _search_parser()
@@ -205,8 +205,9 @@ def test_the_fingerprint_comes_from_the_declaration_and_is_unchanged(tmp_path, m
     study = optuna.load_study(study_name="digits-mlp", storage="sqlite:///runs/optuna.db")
     recorded = study.user_attrs["autoprec.fingerprint"]
     assert list(recorded) == list(FINGERPRINT_BEFORE) and recorded == FINGERPRINT_BEFORE
-    # every key is a declared setting's (launched trials' "backend" only where there are)
-    assert set(recorded) == set(study_keys("training")) - {"backend"}
+    # every key is a declared setting's (launched trials' "backend" only where there are,
+    # "guard" only where the search ran under it)
+    assert set(recorded) == set(study_keys("training")) - {"backend", "guard"}
 
 
 def test_the_serving_mode_answers_to_its_earlier_name(tmp_path):
