@@ -2,7 +2,9 @@
 (tests/guard_distributed_loop.py): fragile zoo tasks under uniform fp16, each rank on its
 half of every global batch, under DDP and under FSDP2. Every rank must make the same
 change at the same step (one all-reduce a check, one a failure), so that all ranks run
-the same regions; under DDP the weights end equal. Each launch takes 30-50 s (slow)."""
+the same regions; under DDP the weights end equal. Each zoo launch takes 30-50 s (slow).
+A planted FSDP2 run without loss scaling (tests/guard_shard_loop.py) overflows one
+rank's gradient shard only."""
 
 from __future__ import annotations
 
@@ -20,13 +22,12 @@ ROOT = Path(__file__).resolve().parent.parent
 DECIDED = ("step", "action", "layer", "leaves", "from_dtype", "to_dtype", "restored_step")
 
 
-def _guarded_ranks(tmp_path: Path, task: str, steps: int, *modes: str) -> dict[str, list[dict]]:
-    """Each rank's report, by mode, after a guarded run of ``steps`` steps on 2 ranks."""
+def _torchrun(tmp_path: Path, script: str, *args: str) -> None:
+    """``script`` on 2 ranks, writing into ``tmp_path``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    script = "tests/guard_distributed_loop.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     done = subprocess.run(
-        [*command, "2", script, str(tmp_path), task, str(steps), *modes],
+        [*command, "2", script, str(tmp_path), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -40,6 +41,11 @@ def _guarded_ranks(tmp_path: Path, task: str, steps: int, *modes: str) -> dict[s
         assert finished and "terminate called without an active exception" in done.stderr, (
             done.stderr[-3000:]
         )
+
+
+def _guarded_ranks(tmp_path: Path, task: str, steps: int, *modes: str) -> dict[str, list[dict]]:
+    """Each rank's report, by mode, after a guarded run of ``steps`` steps on 2 ranks."""
+    _torchrun(tmp_path, "tests/guard_distributed_loop.py", task, str(steps), *modes)
     return {
         mode: [json.loads((tmp_path / f"{mode}-rank{r}.json").read_text()) for r in (0, 1)]
         for mode in modes
@@ -121,3 +127,23 @@ def test_ddp_ranks_agree_on_the_culprit_of_a_forward_overflow(tmp_path):
     assert rollback["action"] == "rollback" and rollback["restored_step"] == 600
     assert "the loss was not finite" in rollback["reason"]
     assert ranks[0]["seen"][rollback["layer"]] == "bf16"
+
+
+def test_a_gradient_overflow_on_one_rank_s_shard_is_every_rank_s_failure(tmp_path):
+    """FSDP2 without loss scaling (tests/guard_shard_loop.py): only rank 0's shard of the
+    weight's gradient overflows. Every rank skips the step, rolls back to step 0 and
+    promotes the layer at the same step (before, rank 1 stepped on while rank 0 waited
+    in the failure's all-reduce, and the run hung). FSDP2 still computes the weight's
+    gradient in its unit's fp16, so the promotions cannot mend it: every rank stops with
+    the same error, after the same changes."""
+    _torchrun(tmp_path, "tests/guard_shard_loop.py")
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert first["changes"] == second["changes"]
+    assert [(c["step"], c["action"], c["layer"], c["to_dtype"]) for c in first["changes"]] == [
+        (5, "rollback", "fc", "bf16"),
+        (5, "rollback", "fc", "fp32"),
+    ]
+    assert all(c["restored_step"] == 0 and c["replayed"] for c in first["changes"])
+    assert first["trained_steps"] == second["trained_steps"] == 3 * 6
+    assert first["error"] == second["error"] and "cannot be mended" in first["error"]
+    assert first["finite"] and second["finite"]  # no step took the overflowed gradient
