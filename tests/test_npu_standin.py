@@ -106,7 +106,9 @@ def test_bf16_is_asked_of_the_selected_chip(standin):
 
 def test_a_guard_that_would_promote_to_a_dtype_the_chip_lacks_is_refused(standin):
     standin.soc = "Ascend910A"  # no bf16 before 910B
-    with pytest.raises(autoprec.GuardError, match="guard.promote: bf16 cannot run on device npu:0"):
+    with pytest.raises(
+        autoprec.GuardError, match=r"guard\.promote: bf16 cannot run on device npu:0"
+    ):
         Policy.uniform("fp16").apply(nn.Linear(4, 4), "npu", guard=autoprec.Guard())
     prec = Policy.uniform("fp16").apply(
         nn.Linear(4, 4), "npu", guard=autoprec.Guard(promote=("fp32",))

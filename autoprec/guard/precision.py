@@ -163,7 +163,10 @@ class GuardedPrecision(Precision):
         if self.scaler.settings.enabled:
             stepped = self.scaler.step(optimizer)
         else:
-            stepped = not _nonfinite_gradients(optimizer)
+            found, sharded = _nonfinite_gradients(optimizer)
+            if sharded and _several_ranks():  # an FSDP2 shard's inf is on its own rank only
+                found = bool(self._all_reduce_max([float(found)])[0])
+            stepped = not found
             if stepped:
                 optimizer.step()
         self._update_pending = True
@@ -348,24 +351,25 @@ class GuardedPrecision(Precision):
 
     def _agreed_failure(self, step: int) -> tuple[str, str] | None:
         """This step's failure as every rank sees it: a failure on any rank is one on all,
-        and the culprit is the one the first failing rank named (one all-reduce)."""
+        and the culprit is the one the lowest failing rank named (one all-reduce): ranks
+        that diagnose their own inputs may name different layers, and each promoting its
+        own would leave them in different regions."""
         if not _several_ranks() or not self._skipped:
             return self._failure
-        leaves = list(self.plan.leaf_dtypes)
-        codes = [0.0] * (len(leaves) + 1)
+        import torch.distributed as dist
+
+        names = [name for name, _ in self.model.named_modules()]
+        codes = [0.0] * (len(names) + 1)  # each a failing rank's (world - rank): MAX, lowest
         if self._failure is not None:
-            codes[0] = 1.0
-            layer = self._failure[0]
-            _, owned = owning_leaves(layer, self.plan.leaf_dtypes)
-            for leaf in owned:
-                codes[1 + leaves.index(leaf)] = 1.0
+            codes[0] = float(dist.get_world_size() - dist.get_rank())
+            if self._failure[0] in names:
+                codes[1 + names.index(self._failure[0])] = codes[0]
         agreed = self._all_reduce_max(codes)
         if not agreed[0]:
             return None
-        if self._failure is not None:
-            return self._failure
-        named = [leaf for leaf, code in zip(leaves, agreed[1:], strict=True) if code]
-        return (named[0] if named else "", "another rank's step was not finite")
+        named = [name for name, code in zip(names, agreed[1:], strict=True) if code == agreed[0]]
+        why = "another rank's step was not finite" if self._failure is None else self._failure[1]
+        return (named[0] if named else "", why)
 
     def _all_reduce_max(self, values: list[float]) -> list[float]:
         import torch.distributed as dist
@@ -487,16 +491,26 @@ class GuardedPrecision(Precision):
         return len(self._optimizers) - 1
 
 
-def _nonfinite_gradients(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether any gradient the optimizer would step with holds inf or NaN (one sync)."""
-    found = torch.zeros(())
+def _nonfinite_gradients(optimizer: torch.optim.Optimizer) -> tuple[bool, bool]:
+    """Whether any gradient the optimizer would step with holds inf or NaN (torch's fused
+    check, as GradScaler's, one host sync), and whether any is a shard (FSDP2), whose inf
+    only its own rank sees."""
+    grads: dict[torch.device, list[torch.Tensor]] = {}
+    sharded = False
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                sharded = sharded or hasattr(param.grad, "_local_tensor")
+                local = getattr(param.grad, "_local_tensor", param.grad)
+                grads.setdefault(local.device, []).append(local)
+    found = [torch.zeros(())]
     with torch.no_grad():
-        for group in optimizer.param_groups:
-            grads = [p.grad for p in group["params"] if p.grad is not None]
-            for grad in grads:
-                local = getattr(grad, "_local_tensor", grad)
-                found = found + (~torch.isfinite(local)).any().float().cpu()
-    return bool(found.item())
+        for device, tensors in grads.items():
+            flag = torch.zeros((), device=device)
+            one = torch.ones((), device=device)  # unscaled by 1: the gradients stay as they are
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, one)
+            found.append(flag.to("cpu"))
+    return bool(torch.stack(found).sum().item()), sharded
 
 
 def _gradient_culprit(

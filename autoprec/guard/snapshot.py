@@ -44,6 +44,26 @@ def _to_host(value: Any) -> Any:
     return value
 
 
+def _sharded_like(saved: Any, current: Any) -> Any:
+    """``saved`` (host copies of local shards) with each tensor whose counterpart in
+    ``current`` is sharded (an FSDP2 optimizer's state) made a DTensor like it again: an
+    optimizer cannot step a sharded parameter with a plain state."""
+    if isinstance(saved, torch.Tensor) and hasattr(current, "_local_tensor"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            saved.to(current.device),
+            current.device_mesh,
+            current.placements,
+            run_check=False,
+            shape=current.shape,
+            stride=current.stride(),
+        )
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return {key: _sharded_like(item, current.get(key)) for key, item in saved.items()}
+    return saved
+
+
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
@@ -109,7 +129,8 @@ class Snapshot:
                 _local(tensor).copy_(self.model[name])
         for index, optimizer in enumerate(optimizers):
             if index in self.optimizers:
-                optimizer.load_state_dict(self.optimizers[index])
+                saved = _sharded_like(self.optimizers[index], optimizer.state_dict())
+                optimizer.load_state_dict(saved)
         for index, obj in enumerate(tracked):
             if index in self.tracked:
                 obj.load_state_dict(self.tracked[index])
