@@ -47,6 +47,7 @@ from autoprec.profile.autogroups import repeated_blocks
 
 if TYPE_CHECKING:
     from autoprec.devices import Backend
+    from autoprec.guard.settings import Guard
     from autoprec.policy import Policy
     from autoprec.precision.hooks import Precision
 
@@ -165,6 +166,7 @@ def apply_fsdp2(
     mesh: Any = None,
     reduce_dtype: str | None = None,
     device: str | torch.device | Backend | None = None,
+    guard: Guard | bool | None = None,
 ) -> Precision:
     """Apply ``policy`` to ``model`` and shard it with FSDP2 as a trial did: the policy's
     regions installed (`Policy.apply`), then one ``fully_shard`` unit per block with its
@@ -173,10 +175,12 @@ def apply_fsdp2(
     process group initialised; create the optimizer afterwards, from
     ``model.parameters()`` (the sharded ones). ``reduce_dtype``: the gradients' reduction
     dtype, default the policy's (``reduce_dtype``), else fp32. Returns the Precision the loop calls
-    (``prec.autocast()``, ``prec.backward(loss)``, ``prec.step(optimizer)``)."""
+    (``prec.autocast()``, ``prec.backward(loss)``, ``prec.step(optimizer)``); ``guard``:
+    as `Policy.apply`'s (a unit's all-gather keeps the dtype it was sharded with, so a
+    promotion widens the computation of its region, not the weights it gathers)."""
     from autoprec.distributed.collectives import max_over_ranks
 
-    prec = policy.apply(model, device)
+    prec = policy.apply(model, device, guard=guard)
     reduce = reduce_dtype or policy.reduce_dtype or "fp32"
     shard_model(model, prec.plan.leaf_dtypes, mesh, reduce)
     group = None if mesh is None else mesh.get_group()
