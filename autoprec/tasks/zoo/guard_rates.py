@@ -44,8 +44,9 @@ OVERFLOW, UNDERFLOW, UNKNOWN = "overflow", "underflow", "unknown"
 
 @dataclass(frozen=True)
 class GuardedRun:
-    """One guarded long run: what it trained, how it ended, and what the guard changed.
-    ``steps_trained`` counts the steps replayed after a rollback too."""
+    """One long run (guarded, or the unguarded baseline): what it trained, how it ended,
+    and what the guard changed. ``steps_trained`` counts the steps replayed after a
+    rollback too."""
 
     task: str
     kind: str
