@@ -315,6 +315,9 @@ def test_a_healthy_run_is_never_changed_and_watched_only_on_check_steps():
     assert sum(loss is None for loss in losses) < 20  # the scaler's start-up back-off
     assert prec._monitor is not None
     assert prec._monitor.observed_steps == 600 // prec.settings.check_every
+    # The trends are refitted once the run has grown by a tenth: at every check to step
+    # 500, then not at 550 (50 steps is less than a tenth of 550).
+    assert prec.fitted_at == 500
     assert prec.snapshot_bytes > 0  # one copy of the weights and Adam's state, on the host
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert params * 3 <= prec.snapshot_bytes <= params * 3 + 4096
@@ -408,3 +411,15 @@ def test_a_culprit_already_in_fp32_widens_no_neighbour():
     leaves = {"fc1": "fp32", "fc2": "fp8", "head": "fp8"}
     assert owning_leaves("fc1", leaves) == ("fc1", ())
     assert owning_leaves("act", leaves) == ("", ("fc2", "head"))
+
+
+def test_a_level_inside_the_margin_is_seen_without_a_fit():
+    from autoprec.guard.changes import inside_margin
+    from autoprec.numerics.forecast import RangeSeries
+
+    series = RangeSeries()
+    series.add_activation("head", 0, 1000.0, "fp16")
+    assert not inside_margin(series, 3.0)  # 6 bits below 65504
+    series.add_activation("head", 50, 9000.0, "fp16")
+    assert inside_margin(series, 3.0)  # 2.9 bits below
+    assert not inside_margin(series, 2.0)

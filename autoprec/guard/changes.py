@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from autoprec.guard.settings import WIDTH, Guard
-from autoprec.numerics.forecast import DTYPE_RANGES, Forecast, Headroom, Outcome
+from autoprec.numerics.forecast import DTYPE_RANGES, Forecast, Headroom, Outcome, RangeSeries
 from autoprec.numerics.fp8_telemetry import FLUSH_WARNING, ROLE_LABELS, Fp8Telemetry
 
 if TYPE_CHECKING:
@@ -123,6 +123,18 @@ def promotions(
             )
         )
     return found
+
+
+def inside_margin(series: RangeSeries, margin_bits: float) -> bool:
+    """Whether some layer's latest largest |output| is within ``margin_bits`` of its
+    dtype's largest value (no fit needed to see it)."""
+    for layer, values in series.act_max.items():
+        dtype = series.dtypes.get(layer)
+        latest = values[-1] if values else 0.0
+        finite = dtype in DTYPE_RANGES and latest > 0 and math.isfinite(latest)
+        if finite and math.log2(DTYPE_RANGES[dtype][0] / latest) < margin_bits:
+            return True
+    return False
 
 
 def fp8_promotions(

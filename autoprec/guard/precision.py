@@ -4,9 +4,12 @@ The loop is the same loop (``prec.autocast()``, ``prec.backward(loss)``,
 ``prec.step(optimizer)``); the guard works at its step boundaries:
 
 - **Watch.** Every ``check_every``-th step's first forward runs under the numerics
-  watcher (`autoprec.numerics.telemetry.GradientMonitor`: every module's largest |output|,
-  the parameters' gradients, one host transfer); other steps carry no hook and no host
-  sync beyond the loss scaler's own.
+  watcher (`autoprec.numerics.telemetry.GradientMonitor`: every module's largest |output|
+  and its share of subnormal outputs, fp8 layers' casts, one host transfer); other steps
+  carry no hook and no host sync beyond the loss scaler's own. Gradients are guarded by
+  the check every step makes (the scaler's, or the guard's own without scaling) and the
+  rollback: a trend of theirs promotes nothing (the zoo's flushing gradients train on),
+  and watching them cost as much as the rest of a watched step.
 - **Promote.** After a watched step, the forecast is fitted again to what the run has
   shown so far (`autoprec.guard.changes.promotions`); a layer at risk within the horizon is
   promoted before the next forward: the regions are planned anew from the effective policy
@@ -52,6 +55,7 @@ from autoprec.guard.changes import (
     Change,
     fp8_promotions,
     horizon,
+    inside_margin,
     owning_leaves,
     promoted_policy,
     promotions,
@@ -67,8 +71,12 @@ if TYPE_CHECKING:
     from autoprec.policy import Policy
 
 _log = logging.getLogger("autoprec")
-WINDOW = 64  # observed points kept per layer: the trend is fitted to the recent run
-_SERIES_LISTS = ("steps", "act_max", "grad_steps", "grad_max", "grad_low", "act_subnormal")
+# Watched points kept per layer: the trend is fitted to the recent run, on as many points as
+# a trial's forecast has (autoprec.trials.training.TELEMETRY_POINTS, 30); the fit's cost
+# grows with the square of the count (Theil-Sen).
+WINDOW = 32
+REFIT_SHARE = 0.1  # the trends are refitted once the run has grown by a tenth (_fit_due)
+_SERIES_LISTS = ("steps", "act_max", "act_subnormal")
 
 
 class GuardedPrecision(Precision):
@@ -93,6 +101,7 @@ class GuardedPrecision(Precision):
         self.changes: list[Change] = []
         self.step_count = 0  # optimizer steps finished: the guard's clock
         self.rollbacks = 0
+        self.fitted_at: int | None = None  # the step of the last fit of the trends
         self.series = RangeSeries()
         self._monitor: GradientMonitor | None = None
         super().__init__(model, plan, policy.loss_scale, backend)
@@ -174,9 +183,6 @@ class GuardedPrecision(Precision):
             self._skipped = True
             if self._failure is None:
                 self._failure = self._diagnose(optimizer)
-        elif self._checks_now and not self._stepped_seen:
-            assert self._monitor is not None
-            self._monitor.observe_gradients(self._scale_used)
         self._stepped_seen = True
         return stepped
 
@@ -191,6 +197,7 @@ class GuardedPrecision(Precision):
             "settings": self.settings.to_dict(),
             "step": self.step_count,
             "rollbacks": self.rollbacks,
+            "fitted_at": self.fitted_at,
             "changes": [change.to_dict() for change in self.changes],
             "series": _series_state(self.series),
         }
@@ -204,6 +211,7 @@ class GuardedPrecision(Precision):
             return  # an unguarded run's checkpoint: the guard starts watching here
         self.step_count = int(guard["step"])
         self.rollbacks = int(guard.get("rollbacks", 0))
+        self.fitted_at = guard.get("fitted_at")
         self.changes = [Change.from_dict(c) for c in guard["changes"]]
         self.series = _series_from_state(guard["series"])
         self._reinstall()
@@ -303,17 +311,31 @@ class GuardedPrecision(Precision):
 
     def _check(self, step: int) -> None:
         """Fit the ranges watched so far and promote the layers at risk."""
+        assert self._monitor is not None
+        self._monitor.collect()  # this step's watched forward, in one transfer
         narrow = _narrow_series(self.series)
         leaf_dtypes = self.plan.leaf_dtypes
         found: list[Change] = []
-        if narrow.steps:
+        if narrow.steps and self._fit_due(step, narrow):
+            self.fitted_at = step
             ahead = forecast(narrow, horizon(step, self.settings), step + 1)
             found = promotions(ahead, step, leaf_dtypes, self.settings)
-        if self.plan.fp8_recipe is not None and self._monitor is not None:
+        if self.plan.fp8_recipe is not None:
             found += fp8_promotions(self._monitor.fp8, step, leaf_dtypes, self.settings)
         found = self._agreed(found, step)
         if found:
             self._promote(found)
+
+    def _fit_due(self, step: int, narrow: RangeSeries) -> bool:
+        """Whether this check refits the trends: once the run has grown by ``REFIT_SHARE``
+        since the last fit (every check early on), or where a layer's latest largest
+        |output| is already inside the margin. A crossing projected at 2x the steps is seen
+        by a fit at half of it at the latest, so fitting less often late in a run misses
+        nothing the horizon shows; what comes faster than that is the rollback's."""
+        since = step - (-1 if self.fitted_at is None else self.fitted_at)
+        if since >= max(self.settings.check_every, REFIT_SHARE * step):
+            return True
+        return inside_margin(narrow, self.settings.margin_bits)
 
     def _agreed(self, found: list[Change], step: int) -> list[Change]:
         """This rank's promotions made every rank's: the widest target any rank chose for
@@ -535,33 +557,25 @@ def _gradient_culprit(
 
 
 def _narrow_series(series: RangeSeries) -> RangeSeries:
-    """The layers whose outputs are held in a narrow dtype, their last ``WINDOW`` points."""
+    """The layers whose outputs are held in a narrow dtype, their last ``WINDOW`` points
+    (the series itself is cut to them too: a long run's memory stays bounded)."""
     narrow = RangeSeries()
-    for layer, steps in series.steps.items():
-        if series.dtypes.get(layer) not in NARROW:
-            continue
-        narrow.steps[layer] = steps[-WINDOW:]
-        narrow.act_max[layer] = series.act_max[layer][-WINDOW:]
-        narrow.act_subnormal[layer] = series.act_subnormal[layer][-WINDOW:]
-        narrow.dtypes[layer] = series.dtypes[layer]
-        if layer in series.grad_steps:
-            narrow.grad_steps[layer] = series.grad_steps[layer][-WINDOW:]
-            narrow.grad_max[layer] = series.grad_max[layer][-WINDOW:]
-            narrow.grad_low[layer] = series.grad_low[layer][-WINDOW:]
+    for layer in series.steps:
+        for name in _SERIES_LISTS:
+            del getattr(series, name)[layer][:-WINDOW]
+        if series.dtypes.get(layer) in NARROW:
+            for name in _SERIES_LISTS:
+                getattr(narrow, name)[layer] = list(getattr(series, name)[layer])
+            narrow.dtypes[layer] = series.dtypes[layer]
     return narrow
 
 
 def _truncate(series: RangeSeries, step: int) -> None:
     """Drop the points observed at ``step`` or later: the steps a rollback undid."""
-    for steps_name, names in (
-        ("steps", ("act_max", "act_subnormal")),
-        ("grad_steps", ("grad_max", "grad_low")),
-    ):
-        for layer, steps in getattr(series, steps_name).items():
-            keep = sum(1 for s in steps if s < step)
-            del steps[keep:]
-            for name in names:
-                del getattr(series, name)[layer][keep:]
+    for layer, steps in series.steps.items():
+        keep = sum(1 for s in steps if s < step)
+        for name in _SERIES_LISTS:
+            del getattr(series, name)[layer][keep:]
 
 
 def _series_state(series: RangeSeries) -> dict[str, Any]:

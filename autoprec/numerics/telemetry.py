@@ -239,6 +239,11 @@ class GradientMonitor:
         self.gradient_steps += 1
         self._collect()
 
+    def collect(self) -> None:
+        """Bring what the observed steps counted to the host now (one transfer), into the
+        per-layer stats and the range series."""
+        self._collect()
+
     def _collect(self) -> None:
         """Bring the watcher's changed totals into the per-layer stats."""
         for order, (name, kind) in enumerate(self._watcher.collect()):
