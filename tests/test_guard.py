@@ -423,3 +423,23 @@ def test_a_level_inside_the_margin_is_seen_without_a_fit():
     series.add_activation("head", 50, 9000.0, "fp16")
     assert inside_margin(series, 3.0)  # 2.9 bits below
     assert not inside_margin(series, 2.0)
+
+
+def test_without_loss_scaling_a_non_finite_loss_is_the_guards_to_mend():
+    """bf16 without scaling: the trials' own step hands a non-finite loss to a guarded
+    precision (it skips the step and the guard rolls back), where unguarded it stops."""
+    from autoprec.tasks.base import Task
+
+    torch.manual_seed(0)
+    model = RareBatchNet()
+    prec = Policy.uniform("bf16").apply(model, guard=Guard(check_every=10, snapshot_every=10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    task = Task("rare", RareBatchNet, lambda seed: [], lambda: [], loss=lambda o, t: o.sum())
+    batch = task.batch((torch.full((2, 8), float("inf")), torch.zeros(2)))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    loss, stepped = train_step(task, model, optimizer, prec, [batch])
+    assert not math.isfinite(loss) and stepped is False
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    assert (
+        prec.checks_gradients and not Policy.uniform("bf16").apply(RareBatchNet()).checks_gradients
+    )

@@ -129,10 +129,10 @@ def inside_margin(series: RangeSeries, margin_bits: float) -> bool:
     """Whether some layer's latest largest |output| is within ``margin_bits`` of its
     dtype's largest value (no fit needed to see it)."""
     for layer, values in series.act_max.items():
-        dtype = series.dtypes.get(layer)
+        largest = DTYPE_RANGES.get(series.dtypes.get(layer, ""), (math.inf,))[0]
         latest = values[-1] if values else 0.0
-        finite = dtype in DTYPE_RANGES and latest > 0 and math.isfinite(latest)
-        if finite and math.log2(DTYPE_RANGES[dtype][0] / latest) < margin_bits:
+        finite = 0 < latest < math.inf and largest < math.inf
+        if finite and math.log2(largest / latest) < margin_bits:
             return True
     return False
 

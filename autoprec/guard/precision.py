@@ -83,6 +83,8 @@ class GuardedPrecision(Precision):
     """A `Precision` whose policy the guard may widen as the run goes (the module's
     docstring). ``policy`` is the effective policy, ``changes`` what changed so far."""
 
+    checks_gradients = True
+
     def __init__(
         self,
         model: nn.Module,

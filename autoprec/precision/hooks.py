@@ -165,6 +165,10 @@ class Precision:
     iteration, when the next ``backward`` begins (or on ``update()``, ``state_dict()`` or
     reading ``loss_scale``), as torch's GradScaler updates once after all of them."""
 
+    # Whether ``step`` checks the gradients for inf and NaN and skips such a step even
+    # without loss scaling (the guard's does); without it a loop must not step on them.
+    checks_gradients = False
+
     def __init__(
         self, model: nn.Module, plan: Plan, loss_scale: LossScale, backend: Backend
     ) -> None:

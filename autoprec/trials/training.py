@@ -924,7 +924,8 @@ def train_step(
     backward per accumulated batch, gradient clipping on unscaled gradients, the step,
     and the scheduler after a step that was taken. Returns the mean loss and whether the
     optimizer stepped; None when a non-finite loss without loss scaling ended the step
-    before backward (stepping would corrupt the weights). ``mean``: a rank's loss made
+    before backward (stepping would corrupt the weights; a guarded precision's own step
+    skips such a step, and its guard diagnoses it). ``mean``: a rank's loss made
     the mean over all ranks, so that every rank records and decides on the same loss."""
     optimizer.zero_grad(set_to_none=True)
     loss_value = 0.0
@@ -934,7 +935,8 @@ def train_step(
         loss = task.compute_loss(outputs, batch.targets) / len(batches)
         part = float(loss.detach()) if mean is None else mean(float(loss.detach()))
         loss_value += part
-        if not math.isfinite(part) and not prec.scaler.settings.enabled:
+        unchecked = not prec.scaler.settings.enabled and not prec.checks_gradients
+        if not math.isfinite(part) and unchecked:
             return loss_value, None
         prec.backward(loss)
     if task.clip_grad_norm is not None and not prec.unscale_(optimizer):
