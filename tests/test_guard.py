@@ -443,3 +443,26 @@ def test_without_loss_scaling_a_non_finite_loss_is_the_guards_to_mend():
     assert (
         prec.checks_gradients and not Policy.uniform("bf16").apply(RareBatchNet()).checks_gradients
     )
+
+
+def test_an_overflow_in_any_accumulated_batch_is_the_forwards():
+    """With gradient accumulation, the step's first batch overflows and its last does not:
+    the failure is still the forward's, and it is rolled back."""
+    torch.manual_seed(0)
+    model = RareBatchNet()
+    with torch.no_grad():
+        model.layers.fc1.weight.fill_(0.5)
+    prec = Policy.uniform("fp16").apply(model, guard=Guard(check_every=10, snapshot_every=10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(16):
+        optimizer.zero_grad()
+        for part in range(2):
+            x = torch.randn(4, 8) * (1e6 if (step, part) == (15, 0) else 1.0)
+            with prec.autocast():
+                loss = model(x).float().pow(2).mean() / 2
+            prec.backward(loss)
+        prec.step(optimizer)
+    prec._finish_step()
+    [change] = prec.changes
+    assert (change.action, change.step, change.restored_step) == (ROLLBACK, 15, 10)
+    assert "forward overflowed" in change.reason and change.layer == "layers.fc1"

@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger("autoprec")
 # Watched points kept per layer: the trend is fitted to the recent run, on as many points as
 # a trial's forecast has (autoprec.trials.training.TELEMETRY_POINTS, 30); the fit's cost
-# grows with the square of the count (Theil-Sen).
+# grows with the count.
 WINDOW = 32
 REFIT_SHARE = 0.1  # the trends are refitted once the run has grown by a tenth (_fit_due)
 _SERIES_LISTS = ("steps", "act_max", "act_subnormal")
@@ -121,8 +121,9 @@ class GuardedPrecision(Precision):
         self._skipped = False
         self._failure: tuple[str, str] | None = None  # (layer, why) of this step's failure
         self._scale_used = self.scaler.scale
-        self._last_loss: torch.Tensor | None = None
-        self._last_inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._losses: list[torch.Tensor] = []  # this step's (one per accumulated batch)
+        # This step's inputs to the model, one per forward with gradients (as the losses).
+        self._inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self._input_hook = model.register_forward_pre_hook(self._keep_inputs, with_kwargs=True)
 
     # -- the hooks a loop calls ---------------------------------------------------------
@@ -159,7 +160,7 @@ class GuardedPrecision(Precision):
         for a framework that back-propagates the scaled loss itself (Lightning, accelerate)."""
         self._finish_step()
         self._in_step = True
-        self._last_loss = loss.detach()
+        self._losses.append(loss.detach())
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale and step unless the gradients are not finite (checked here even without
@@ -217,8 +218,7 @@ class GuardedPrecision(Precision):
         self.changes = [Change.from_dict(c) for c in guard["changes"]]
         self.series = _series_from_state(guard["series"])
         self._reinstall()
-        self._in_step = self._forward_seen = self._stepped_seen = self._skipped = False
-        self._failure = None
+        self._new_step()
         self._mark_snapshot()
 
     def remove(self) -> None:
@@ -290,8 +290,7 @@ class GuardedPrecision(Precision):
             self._snapshot = None
         failure = self._agreed_failure(step)
         checked = self._checks_now and not self._skipped
-        self._in_step = self._forward_seen = self._stepped_seen = self._skipped = False
-        self._failure = None
+        self._new_step()
         if failure is not None:
             self._roll_back(step, *failure)
             return
@@ -300,6 +299,13 @@ class GuardedPrecision(Precision):
             self._check(step)
         if self.step_count % self.settings.snapshot_every == 0:
             self._mark_snapshot()
+
+    def _new_step(self) -> None:
+        """Forget what the step just closed saw: the next one starts clean."""
+        self._in_step = self._forward_seen = self._stepped_seen = self._skipped = False
+        self._failure = None
+        self._losses.clear()
+        self._inputs.clear()
 
     def _mark_snapshot(self) -> None:
         self._snapshot_due = True
@@ -407,8 +413,9 @@ class GuardedPrecision(Precision):
         """Why this step's gradients were not finite, where loss scaling does not explain
         it, and which layer first produced a non-finite value (None: the scaler's
         ordinary back-off)."""
-        loss = self._last_loss
-        forward_broke = loss is not None and not bool(torch.isfinite(loss).all())
+        finite = [bool(torch.isfinite(loss).all()) for loss in self._losses]
+        broke_at = finite.index(False) if False in finite else None
+        forward_broke = broke_at is not None
         if _several_ranks():  # every rank runs the diagnostic forward, or none does
             forward_broke = bool(self._all_reduce_max([float(forward_broke)])[0])
         settings = self.scaler.settings
@@ -420,16 +427,20 @@ class GuardedPrecision(Precision):
             why = f"gradients were not finite at the loss scale's floor ({self._scale_used:g})"
         else:
             return None
-        layer = self._forward_culprit() if forward_broke else None
+        # Every rank runs the diagnostic forward where any broke (under FSDP2 it gathers).
+        layer = (
+            self._forward_culprit(-1 if broke_at is None else broke_at) if forward_broke else None
+        )
         if layer is None:
             layer = _gradient_culprit(self.model, self.plan.leaf_dtypes, optimizer)
         return layer or "", why
 
-    def _forward_culprit(self) -> str | None:
-        """The first module whose output was not finite, on this step's inputs again."""
-        if self._last_inputs is None:
+    def _forward_culprit(self, index: int) -> str | None:
+        """The first module whose output was not finite, on the step's ``index``-th inputs
+        (the batch whose loss was not) again."""
+        if not self._inputs:
             return None
-        args, kwargs = self._last_inputs
+        args, kwargs = self._inputs[min(index, len(self._inputs) - 1)]  # -1: the last
         model = self.model
 
         def run() -> None:
@@ -444,7 +455,7 @@ class GuardedPrecision(Precision):
 
     def _keep_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch.is_grad_enabled():
-            self._last_inputs = (args, kwargs)
+            self._inputs.append((args, kwargs))
 
     def _roll_back(self, step: int, layer: str, why: str) -> None:
         """Go back to the last copy, promote the culprit, and queue the lost batches."""
