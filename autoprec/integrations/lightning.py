@@ -112,15 +112,12 @@ class _Applied:
         # What Precision.backward back-propagates (in fp32, the scale updated first), for a
         # framework that calls backward itself; the scale is 1.0 without loss scaling.
         precision = self.apply()
-        if isinstance(precision, GuardedPrecision):
-            precision.note_loss(loss)
+        precision.note_loss(loss)
         return loss.float() * precision.loss_scale
 
     def track(self, schedulers: list[Any]) -> None:
         """The LR schedulers a guard's rollback restores with the weights."""
-        precision = self.apply()
-        if isinstance(precision, GuardedPrecision):
-            precision.track(*schedulers)
+        self.apply().track(*schedulers)
 
     def check_step_arguments(self, kwargs: dict[str, Any]) -> None:
         if kwargs:

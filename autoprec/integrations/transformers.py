@@ -86,8 +86,7 @@ class _PrecisionScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         # What Precision.backward back-propagates (in fp32, the scale updated first);
         # accelerate calls backward on it. The scale is 1.0 without loss scaling.
-        if isinstance(self.precision, GuardedPrecision):
-            self.precision.note_loss(loss)
+        self.precision.note_loss(loss)
         return loss.float() * self.precision.loss_scale
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -178,7 +177,7 @@ class PolicyTrainer(transformers.Trainer):
         """The Trainer's LR scheduler (made here, or given as ``optimizers=``), which a
         guard's rollback restores with the weights."""
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if isinstance(self.precision, GuardedPrecision) and scheduler is not self._guard_tracks:
+        if scheduler is not self._guard_tracks:
             self.precision.track(scheduler)
             self._guard_tracks = scheduler
         return scheduler

@@ -229,6 +229,15 @@ class Precision:
         self.update()
         self.scaler.scale_loss(loss.float()).backward()
 
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """The loss `backward` would have seen, from a framework that back-propagates the
+        scaled loss itself (Lightning, accelerate). A guarded precision keeps it (a
+        non-finite loss means the forward overflowed); this one needs nothing of it."""
+
+    def track(self, *objects: Any) -> None:
+        """Objects (an LR scheduler) a rollback restores with the weights; only a guarded
+        precision rolls back, so this one keeps none."""
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale gradients in place before clipping them; True if any overflowed."""
         return self.scaler.unscale_(optimizer)
