@@ -483,27 +483,37 @@ class TrustedCost:
     answer: str
     guarded: GuardedRun
     fp32: GuardedRun
+    unguarded: GuardedRun  # the answer trained as long without the guard
 
     @property
     def ratio(self) -> float:
         return (self.search_s + self.guarded.run_time_s) / (self.search_s + self.fp32.run_time_s)
 
+    @property
+    def confirmed_ratio(self) -> float:
+        """Today's trusted answer (the confirmation trains the answer and fp32 at the real
+        length, then the user's run) over the search and one fp32 run."""
+        confirmation_s = self.unguarded.run_time_s + self.fp32.run_time_s
+        total = self.search_s + confirmation_s + self.unguarded.run_time_s
+        return total / (self.search_s + self.fp32.run_time_s)
+
     def line(self) -> str:
-        g = self.guarded
+        g, u = self.guarded, self.unguarded
         return (
             f"{self.task}: search {self.search_s:.0f} s, answer {self.answer}; guarded "
-            f"real-length run {g.run_time_s:.0f} s ({len(g.changes)} change(s), metric "
-            f"{_fmt(g.final_metric)}), fp32 real-length run {self.fp32.run_time_s:.0f} s "
-            f"(metric {_fmt(self.fp32.final_metric)}); search + guarded / search + fp32 = "
-            f"{self.ratio:.2f}"
+            f"real-length run {g.run_time_s:.1f} s ({len(g.changes)} change(s), metric "
+            f"{_fmt(g.final_metric)}), unguarded {u.run_time_s:.1f} s, fp32 real-length run "
+            f"{self.fp32.run_time_s:.1f} s (metric {_fmt(self.fp32.final_metric)}); "
+            f"search + guarded / search + fp32 = {self.ratio:.2f} (confirmed today: "
+            f"{self.confirmed_ratio:.2f})"
         )
 
 
 def trusted_answer_cost(
-    entry: ZooEntry, workdir: Any, steps: int = 100, trials: int = 4
+    entry: ZooEntry, workdir: Any, steps: int = 200, trials: int = 4
 ) -> TrustedCost:
-    """``autoprec.search`` on ``entry`` (``trials`` of ``steps``), then its answer trained
-    to the truth's length under the guard, and fp32 trained as long unguarded."""
+    """``autoprec.search --guard`` on ``entry`` (``trials`` of ``steps``), then its answer
+    trained to the truth's length under the guard, and fp32 trained as long unguarded."""
     from pathlib import Path
 
     from autoprec.study import search
@@ -514,6 +524,7 @@ def trusted_answer_cost(
         entry.task(),
         trials=trials,
         steps=steps,
+        guard=True,  # the user's guarded run is the confirmation
         prefer="memory",  # on a CPU fp32 is fastest: by speed the answer is always fp32
         device="cpu",
         study=f"{entry.name}-guard-cost",
@@ -523,10 +534,14 @@ def trusted_answer_cost(
     )
     search_s = time.perf_counter() - started
     answer = result.best_policy
+    resolved = answer.resolve(entry.task().model())
+    counts = {d: list(resolved.values()).count(d) for d in sorted(set(resolved.values()))}
+    described = ", ".join(f"{dtype} x{count}" for dtype, count in counts.items())
     return TrustedCost(
         entry.name,
         round(search_s, 1),
-        answer.name or answer.default,
+        described,
         guarded_run(entry, answer),
         guarded_run(entry, "fp32", guard=False),
+        guarded_run(entry, answer, guard=False),
     )
