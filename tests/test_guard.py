@@ -230,16 +230,22 @@ class RareBatchNet(nn.Module):
         return self.head(self.layers(x))
 
 
-def test_a_forward_overflow_rolls_back_promotes_the_culprit_and_replays_the_same_batches():
-    """A rare batch at step 130 overflows fp16 in the forward (no trend foretold it): the
-    guard goes back to step 100's copy, widens the layer that first went non-finite, and
-    the loop trains steps 100-130 again on the same batches."""
+def rare_batch_net(**settings):
+    """`RareBatchNet` in uniform fp16, guarded, with fc1's weights at 0.5 (so that an input
+    of 1e6 overflows fc1's fp16 output), and its SGD optimizer."""
     torch.manual_seed(0)
     model = RareBatchNet()
     with torch.no_grad():
         model.layers.fc1.weight.fill_(0.5)
-    prec = Policy.uniform("fp16").apply(model, guard=Guard(check_every=50, snapshot_every=100))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prec = Policy.uniform("fp16").apply(model, guard=Guard(**settings))
+    return model, prec, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def test_a_forward_overflow_rolls_back_promotes_the_culprit_and_replays_the_same_batches():
+    """A rare batch at step 130 overflows fp16 in the forward (no trend foretold it): the
+    guard goes back to step 100's copy, widens the layer that first went non-finite, and
+    the loop trains steps 100-130 again on the same batches."""
+    model, prec, optimizer = rare_batch_net(check_every=50, snapshot_every=100)
     generator = torch.Generator().manual_seed(1)
     data = [
         (torch.randn(4, 8, generator=generator) * (1e6 if step == 130 else 1.0), step)
@@ -270,12 +276,7 @@ def test_a_forward_overflow_rolls_back_promotes_the_culprit_and_replays_the_same
 
 
 def test_without_guarded_batches_a_rollback_restores_and_says_it_did_not_replay():
-    torch.manual_seed(0)
-    model = RareBatchNet()
-    with torch.no_grad():
-        model.layers.fc1.weight.fill_(0.5)
-    prec = Policy.uniform("fp16").apply(model, guard=Guard(check_every=50, snapshot_every=100))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, prec, optimizer = rare_batch_net(check_every=50, snapshot_every=100)
     for step in range(140):
         x = torch.randn(4, 8) * (1e6 if step == 130 else 1.0)
         optimizer.zero_grad()
@@ -448,12 +449,7 @@ def test_without_loss_scaling_a_non_finite_loss_is_the_guards_to_mend():
 def test_an_overflow_in_any_accumulated_batch_is_the_forwards():
     """With gradient accumulation, the step's first batch overflows and its last does not:
     the failure is still the forward's, and it is rolled back."""
-    torch.manual_seed(0)
-    model = RareBatchNet()
-    with torch.no_grad():
-        model.layers.fc1.weight.fill_(0.5)
-    prec = Policy.uniform("fp16").apply(model, guard=Guard(check_every=10, snapshot_every=10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, prec, optimizer = rare_batch_net(check_every=10, snapshot_every=10)
     for step in range(16):
         optimizer.zero_grad()
         for part in range(2):
