@@ -384,7 +384,7 @@ class GuardedPrecision(Precision):
         and the culprit is the one the lowest failing rank named (one all-reduce): ranks
         that diagnose their own inputs may name different layers, and each promoting its
         own would leave them in different regions."""
-        if not _several_ranks() or not self._skipped:
+        if not self._skipped or not _several_ranks():
             return self._failure
         import torch.distributed as dist
 
@@ -538,14 +538,14 @@ def _nonfinite_gradients(optimizer: torch.optim.Optimizer) -> tuple[bool, bool]:
                 sharded = sharded or hasattr(param.grad, "_local_tensor")
                 local = getattr(param.grad, "_local_tensor", param.grad)
                 grads.setdefault(local.device, []).append(local)
-    found = [torch.zeros(())]
+    found = False
     with torch.no_grad():
         for device, tensors in grads.items():
             flag = torch.zeros((), device=device)
             one = torch.ones((), device=device)  # unscaled by 1: the gradients stay as they are
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, one)
-            found.append(flag.to("cpu"))
-    return bool(torch.stack(found).sum().item()), sharded
+            found = found or bool(flag.item())
+    return found, sharded
 
 
 def _gradient_culprit(
