@@ -170,6 +170,17 @@ def _add_option(group: Any, declared: Option) -> None:
 
 
 def _add_other_commands(commands: Any) -> None:
+    """Every command but the search and the export, in the order --help lists them."""
+    _add_profile(commands)
+    _add_best(commands)
+    _add_resolve(commands)
+    _add_report(commands)
+    _add_compare(commands)
+    _add_ui(commands)
+
+
+def _add_profile(commands: Any) -> None:
+    """The `profile` command: every layer ranked by numerical risk."""
     from autoprec._util.names import DEFAULT_TASK, DEFAULT_TRACKING_URI
 
     pr = commands.add_parser(
@@ -198,6 +209,12 @@ def _add_other_commands(commands: Any) -> None:
         default=[],
         help="as for search: with fp8 (run or emulated), each Linear's fp8 risk is ranked too",
     )
+
+
+def _add_best(commands: Any) -> None:
+    """The `best` command: a study's best policy."""
+    from autoprec._util.names import DEFAULT_TRACKING_URI
+
     b = commands.add_parser(
         "best", help="print a study's best policy (from MLflow)", formatter_class=_DefaultsFormatter
     )
@@ -206,6 +223,11 @@ def _add_other_commands(commands: Any) -> None:
         "--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow store the search used"
     )
     b.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+
+
+def _add_resolve(commands: Any) -> None:
+    """The `resolve` command: the dtype each layer runs in under a policy."""
+    from autoprec._util.names import DEFAULT_TASK
 
     r = commands.add_parser(
         "resolve",
@@ -231,6 +253,9 @@ def _add_other_commands(commands: Any) -> None:
         "a device that is not here is read from its table",
     )
 
+
+def _add_report(commands: Any) -> None:
+    """The `report` command: a study's HTML report."""
     rep = commands.add_parser(
         "report",
         help="write runs/<study>/report.html and PNG plots, and log them to the MLflow parent",
@@ -244,6 +269,9 @@ def _add_other_commands(commands: Any) -> None:
         help="MLflow store to log to (default: the one the search used)",
     )
 
+
+def _add_compare(commands: Any) -> None:
+    """The `compare` command: several studies on one page."""
     cmp_ = commands.add_parser(
         "compare",
         help="compare two or more studies on one page",
@@ -256,6 +284,11 @@ def _add_other_commands(commands: Any) -> None:
     cmp_.add_argument(
         "--out", default=None, help="HTML file (default: runs/compare-<studies>.html)"
     )
+
+
+def _add_ui(commands: Any) -> None:
+    """The `ui` command: the MLflow UI on a study's runs."""
+    from autoprec._util.names import DEFAULT_TRACKING_URI
 
     u = commands.add_parser(
         "ui",
