@@ -99,13 +99,13 @@ def promotions(
         why = _trigger(room, ahead.train_steps, settings)
         if why is None:
             continue
-        _, leaves = owning_leaves(room.layer, leaf_dtypes)
-        leaves = tuple(leaf for leaf in leaves if leaf not in taken)
-        narrowest = min((leaf_dtypes[leaf] for leaf in leaves), key=WIDTH.__getitem__, default=None)
-        target = None if narrowest is None else settings.target(narrowest)
-        if narrowest is None or target is None:
+        _, owned = owning_leaves(room.layer, leaf_dtypes)
+        widened = widening(
+            tuple(leaf for leaf in owned if leaf not in taken), leaf_dtypes, settings
+        )
+        if widened is None:
             continue
-        leaves = tuple(leaf for leaf in leaves if WIDTH[leaf_dtypes[leaf]] < WIDTH[target])
+        narrowest, target, leaves = widened
         taken.update(leaves)
         crossing = room.first_crossing
         found.append(
@@ -166,6 +166,23 @@ def fp8_promotions(
             continue
         found.append(Change(step, PROMOTE, name, (name,), "fp8", target, why))
     return found
+
+
+def widening(
+    leaves: tuple[str, ...], leaf_dtypes: dict[str, str], settings: Guard
+) -> tuple[str, str, tuple[str, ...]] | None:
+    """How the guard widens ``leaves``: from their narrowest dtype to the first of
+    ``promote`` wider than it, and which of them are narrower than that (None: none is
+    there, or none can go wider)."""
+    narrowest = min((leaf_dtypes[leaf] for leaf in leaves), key=WIDTH.__getitem__, default=None)
+    target = None if narrowest is None else settings.target(narrowest)
+    if narrowest is None or target is None:
+        return None
+    return (
+        narrowest,
+        target,
+        tuple(leaf for leaf in leaves if WIDTH[leaf_dtypes[leaf]] < WIDTH[target]),
+    )
 
 
 def _trigger(room: Headroom, projected_to: int, settings: Guard) -> str | None:

@@ -59,6 +59,7 @@ from autoprec.guard.changes import (
     owning_leaves,
     promoted_policy,
     promotions,
+    widening,
 )
 from autoprec.guard.settings import WIDTH, Guard
 from autoprec.guard.snapshot import Snapshot, SnapshotStore
@@ -175,9 +176,9 @@ class GuardedPrecision(Precision):
         if self.scaler.settings.enabled:
             stepped = self.scaler.step(optimizer)
         else:
-            found, sharded = _nonfinite_gradients(optimizer)
-            if sharded and _several_ranks():  # an FSDP2 shard's inf is on its own rank only
-                found = bool(self._all_reduce_max([float(found)])[0])
+            found = self.scaler.nonfinite(optimizer)
+            if self.scaler.reduce_found_inf is None and _sharded(optimizer) and _several_ranks():
+                found = bool(self._all_reduce_max([float(found)])[0])  # a shard's own inf
             stepped = not found
             if stepped:
                 optimizer.step()
@@ -351,12 +352,12 @@ class GuardedPrecision(Precision):
         if not _several_ranks():
             return found
         leaves = list(self.plan.leaf_dtypes)
+        position = {leaf: i for i, leaf in enumerate(leaves)}
         codes = [0.0] * len(leaves)
         for change in found:
             for leaf in change.leaves:
-                codes[leaves.index(leaf)] = max(
-                    codes[leaves.index(leaf)], WIDTH[change.to_dtype] + 1
-                )
+                i = position[leaf]
+                codes[i] = max(codes[i], WIDTH[change.to_dtype] + 1)
         agreed = self._all_reduce_max(codes)
         mine = {leaf for change in found for leaf in change.leaves}
         by_target: dict[str, list[str]] = {}
@@ -460,13 +461,15 @@ class GuardedPrecision(Precision):
     def _roll_back(self, step: int, layer: str, why: str) -> None:
         """Go back to the last copy, promote the culprit, and queue the lost batches."""
         snapshot = self._store.load()
-        owner, leaves = owning_leaves(layer, self.plan.leaf_dtypes)
-        narrowest = min(
-            (self.plan.leaf_dtypes[leaf] for leaf in leaves), key=WIDTH.__getitem__, default=None
-        )
-        target = None if narrowest is None else self.settings.target(narrowest)
-        if snapshot is None or target is None or narrowest is None:
-            where = f"{layer} ({narrowest or 'fp32'})" if layer else "no layer"
+        owner, owned = owning_leaves(layer, self.plan.leaf_dtypes)
+        widened = widening(owned, self.plan.leaf_dtypes, self.settings)
+        if snapshot is None or widened is None:
+            narrowest = min(
+                (self.plan.leaf_dtypes[leaf] for leaf in owned),
+                key=WIDTH.__getitem__,
+                default="fp32",
+            )
+            where = f"{layer} ({narrowest})" if layer else "no layer"
             raise GuardError(
                 f"guard: step {step} failed ({why}) and cannot be mended: the first "
                 f"non-finite value came from {where}, which the guard's promote "
@@ -477,9 +480,7 @@ class GuardedPrecision(Precision):
                 f"guard: step {step} failed ({why}) after {self.rollbacks} rollbacks, "
                 f"guard.max_rollbacks; the effective policy so far: prec.current_policy()"
             )
-        leaves = tuple(
-            leaf for leaf in leaves if WIDTH[self.plan.leaf_dtypes[leaf]] < WIDTH[target]
-        )
+        narrowest, target, leaves = widened
         scaler_state = snapshot.restore(self.model, self._optimizers, self._tracked)
         self.scaler.load_state_dict(scaler_state)
         self._update_pending = False
@@ -526,26 +527,15 @@ class GuardedPrecision(Precision):
         return len(self._optimizers) - 1
 
 
-def _nonfinite_gradients(optimizer: torch.optim.Optimizer) -> tuple[bool, bool]:
-    """Whether any gradient the optimizer would step with holds inf or NaN (torch's fused
-    check, as GradScaler's, one host sync), and whether any is a shard (FSDP2), whose inf
-    only its own rank sees."""
-    grads: dict[torch.device, list[torch.Tensor]] = {}
-    sharded = False
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is not None:
-                sharded = sharded or hasattr(param.grad, "_local_tensor")
-                local = getattr(param.grad, "_local_tensor", param.grad)
-                grads.setdefault(local.device, []).append(local)
-    found = False
-    with torch.no_grad():
-        for device, tensors in grads.items():
-            flag = torch.zeros((), device=device)
-            one = torch.ones((), device=device)  # unscaled by 1: the gradients stay as they are
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, one)
-            found = found or bool(flag.item())
-    return found, sharded
+def _sharded(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer steps sharded (FSDP2) gradients, whose inf only the rank
+    holding that shard sees."""
+    return any(
+        hasattr(param.grad, "_local_tensor")
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if param.grad is not None
+    )
 
 
 def _gradient_culprit(

@@ -201,6 +201,14 @@ class LossScaler:
             flag = self.reduce_found_inf(flag)
         return bool(flag.item())
 
+    def nonfinite(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Without scaling (a scale of 1, so unscaling changes nothing): whether any of the
+        optimizer's gradients holds inf or NaN, decided across the ranks where
+        ``reduce_found_inf`` is set; the check a step makes, one host sync."""
+        if self.settings.enabled:
+            raise LoopError("nonfinite() is for a scaler that scales nothing; call unscale_()")
+        return self._unscale_grads(optimizer)
+
     def unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s gradients were unscaled in this iteration already."""
         return self._optimizers.get(id(optimizer), _OptimizerState()).stage is not _Stage.READY
