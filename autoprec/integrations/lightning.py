@@ -34,7 +34,7 @@ from torch import nn
 
 from autoprec._util.structures import cast_floats
 from autoprec.errors import GuardError
-from autoprec.guard.changes import ROLLBACK, Change
+from autoprec.guard.changes import Change
 from autoprec.guard.precision import GuardedPrecision
 from autoprec.guard.settings import Guard
 from autoprec.policy import Policy
@@ -376,7 +376,7 @@ class GuardCallback(pl.Callback):
         self.changes = list(guarded.changes)
         counts = {
             "guard/changes": float(len(self.changes)),
-            "guard/rollbacks": float(sum(c.action == ROLLBACK for c in self.changes)),
+            "guard/rollbacks": float(guarded.rollbacks),
         }
         for logger in trainer.loggers:
             logger.log_metrics(counts, step=trainer.global_step)

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.guard.changes import ROLLBACK
 from autoprec.guard.precision import GuardedPrecision
 from autoprec.guard.settings import Guard
 from autoprec.policy import Policy
@@ -186,11 +185,10 @@ class PolicyTrainer(transformers.Trainer):
         """The Trainer's log entry; a guarded run's carries ``guard_changes`` and
         ``guard_rollbacks``, the guard's counts so far."""
         if isinstance(self.precision, GuardedPrecision):
-            changes = self.precision.changes
             logs = {
                 **logs,
-                "guard_changes": len(changes),
-                "guard_rollbacks": sum(change.action == ROLLBACK for change in changes),
+                "guard_changes": len(self.precision.changes),
+                "guard_rollbacks": self.precision.rollbacks,
             }
         super().log(logs, *args, **kwargs)
 
