@@ -40,10 +40,10 @@ from autoprec._util.files import load_yaml, parse_yaml, write_atomic
 from autoprec._util.safe_names import check_name
 from autoprec.dtypes import FP8, INT8, POLICY_DTYPES
 from autoprec.errors import GuardError, PolicyError
+from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE, check_recipe
 from autoprec.guard.settings import Guard
 from autoprec.optim.state import OptimizerStates, TrainingState
 from autoprec.precision import landing, resolution
-from autoprec.precision.fp8 import DEFAULT_FP8_RECIPE, check_recipe
 from autoprec.precision.plan import low_precision_share, parameterised_leaves, selects
 from autoprec.precision.resolution import int8_capable
 from autoprec.precision.scaling import LossScale
@@ -165,7 +165,7 @@ class Quantization:
     """How a policy's quantized layers are made: ``int8``, the method a serving policy's
     int8 layers were measured with (one of `autoprec.serving.quantizers.INT8_METHODS`; None: the
     device's default, as for a policy written by hand); ``fp8``, the torchao float8
-    training recipe of its fp8 layers (one of `autoprec.precision.fp8.FP8_RECIPES`; None:
+    training recipe of its fp8 layers (one of `autoprec.formats.fp8.FP8_RECIPES`; None:
     tensorwise, torchao's default), or for a serving policy the method its fp8 layers were
     measured with (one of `autoprec.serving.fp8.FP8_SERVING_METHODS`, as int8 records its
     own). Written in the YAML only where set, so a policy without them reads and writes as

@@ -18,7 +18,7 @@ from autoprec import Policy, Rule, load_policy
 from autoprec.devices import get_backend
 from autoprec.errors import DeviceError, PolicyError, SpaceError
 from autoprec.policy import Quantization
-from autoprec.precision.fp8 import FP8_RECIPES
+from autoprec.formats.fp8 import FP8_RECIPES
 from autoprec.space import SearchSpace
 from tests.cpu_fp8 import trains_fp8
 

@@ -18,7 +18,7 @@ from autoprec import Policy
 from autoprec.devices import get_backend
 from autoprec.numerics.fp8_risk import fp8_group_order
 from autoprec.numerics.telemetry import GradientMonitor
-from autoprec.precision.fp8 import Fp8Layers
+from autoprec.formats.fp8 import Fp8Layers
 from autoprec.profile.guided import GuidedStrategy, Observation
 from autoprec.profile.sensitivity import Profile, profile_task
 from autoprec.space import SearchSpace

@@ -47,8 +47,8 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder, record_written
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
+from autoprec.formats.fp8 import FP8_DIM_MULTIPLE
 from autoprec.policy import Policy
-from autoprec.precision.fp8 import FP8_DIM_MULTIPLE
 
 TORCHTITAN_FILE = "float8_torchtitan.toml"
 TORCHAO_FILE = "float8_torchao.py"

@@ -2,7 +2,7 @@
 bf16, from one cheap pass, so that the guided search keeps the riskiest out of fp8 first.
 
 The profile's forward on its fixed batch (after its fp32 steps) hands each Linear that
-torchao's float8 training can convert (`autoprec.precision.fp8.fp8_capable`) its input; each such
+torchao's float8 training can convert (`autoprec.formats.fp8.fp8_capable`) its input; each such
 layer is then run twice on that same input, forward only:
 
 - in bf16 (input, weight and bias in bf16, as a bf16 region runs it), the reference;
@@ -31,8 +31,8 @@ from torch import nn
 
 from autoprec.devices import device_kind
 from autoprec.errors import first_line
+from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE, check_recipe, fp8_capable
 from autoprec.numerics.fp8_telemetry import COLUMNS, cast_counts, cast_specs
-from autoprec.precision.fp8 import DEFAULT_FP8_RECIPE, check_recipe, fp8_capable
 from autoprec.serving.quantizers import import_torchao
 
 if TYPE_CHECKING:

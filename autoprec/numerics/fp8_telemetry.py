@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.formats.fp8 import is_converted
 from autoprec.numerics.watch import Counts, Watcher
-from autoprec.precision.fp8 import is_converted
 
 # The watcher's kinds for the three cast tensors of an fp8 layer.
 ROLES = {"input": "fp8_input", "weight": "fp8_weight", "grad_output": "fp8_grad_output"}

@@ -24,7 +24,7 @@ Casts map over nested inputs and outputs (tuples, dicts, ``ModelOutput``) and ke
 their container types. A uniform policy on a model without such modules installs no
 wrapper at all and costs what plain ``torch.autocast`` costs.
 
-fp8 layers are swapped for torchao's ``Float8Linear`` (`autoprec.precision.fp8`; same Parameters),
+fp8 layers are swapped for torchao's ``Float8Linear`` (`autoprec.formats.fp8`; same Parameters),
 get no region of their own and run inside the region around them, as torchao's users run
 them under one ``torch.autocast``; ``remove`` swaps the original Linear layers back.
 
@@ -46,7 +46,7 @@ from torch import nn
 from autoprec._util.structures import cast_floats, upcast_floats_except
 from autoprec.devices import Backend
 from autoprec.dtypes import TORCH_DTYPES
-from autoprec.precision.fp8 import Fp8Layers
+from autoprec.formats.fp8 import Fp8Layers
 from autoprec.precision.plan import Plan
 from autoprec.precision.scaling import LossScale, LossScaler
 

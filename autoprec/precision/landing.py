@@ -16,9 +16,9 @@ from torch import nn
 from autoprec.devices import Backend, autocast_behaviour, device_kind, failing_dtypes, get_backend
 from autoprec.dtypes import BF16, FP8, INT8
 from autoprec.errors import GuardError, PolicyError
+from autoprec.formats.fp8 import autocast_refusal, fp8_refusal
 from autoprec.numerics.observe import casts_inputs, probe
 from autoprec.precision._placement import Placement, announce, place, within
-from autoprec.precision.fp8 import autocast_refusal, fp8_refusal
 from autoprec.precision.hooks import Precision
 from autoprec.precision.plan import (
     Plan,

@@ -361,8 +361,8 @@ def profile_task(
     modules = _rank(watcher, tested, deviations)
     recipe = ""
     if backend.supports(FP8):
+        from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE
         from autoprec.numerics.fp8_risk import fp8_risks
-        from autoprec.precision.fp8 import DEFAULT_FP8_RECIPE
 
         recipe = fp8_recipe or DEFAULT_FP8_RECIPE
         with _task_errors(task), backend.selected():

@@ -31,19 +31,14 @@ import importlib.util
 from torch import nn
 
 from autoprec.devices import NPU_NO_FP8, Backend
-from autoprec.dtypes import FP8
-from autoprec.precision.fp8 import FP8_DIM_MULTIPLE
+from autoprec.formats.fp8 import FP8
 from autoprec.serving.quantizers import QUANTIZERS
 
-# The fp8 serving methods, in the registry's order.
-FP8_SERVING_METHODS: tuple[str, ...] = tuple(n for n, q in QUANTIZERS.items() if q.dtype == FP8)
-WEIGHT_ONLY = "torchao-fp8-weight-only"
-# The method a device kind serves fp8 with when none is named (CUDA: torchao's default
-# float8 inference config, per-tensor scales; not measured here, no GPU was lent).
-DEFAULT_FP8_METHOD = {"cpu": WEIGHT_ONLY, "cuda": "torchao-fp8-dynamic"}
-# The methods whose matmul is torch._scaled_mm's, which needs both weight dimensions to
-# be multiples of 16; weight-only dequantizes and takes any Linear.
-_SCALED_MM = frozenset(m for m in FP8_SERVING_METHODS if m != WEIGHT_ONLY)
+_FP8 = FP8()
+# The fp8 serving methods, in the format's order.
+FP8_SERVING_METHODS: tuple[str, ...] = tuple(m.name for m in _FP8.methods)
+# The method a device kind serves fp8 with when none is named.
+DEFAULT_FP8_METHOD = _FP8.default_methods
 
 
 def is_fp8_serving_method(method: object) -> bool:
@@ -65,7 +60,7 @@ def fp8_serving_refusal(backend: Backend, method: str | None = None) -> str | No
         return NPU_NO_FP8
     if method is None:
         return f"fp8: no fp8 serving method for {backend.kind}"
-    if method not in QUANTIZERS or QUANTIZERS[method].dtype != FP8:
+    if method not in FP8_SERVING_METHODS:
         return f"fp8: unknown serving method {method!r} (expected {', '.join(FP8_SERVING_METHODS)})"
     if importlib.util.find_spec("torchao") is None:
         return f"fp8 {method}: torchao is not installed (pip install torchao)"
@@ -90,17 +85,6 @@ def search_refusal(backend: Backend, method: str | None = None) -> str | None:
 
 
 def fp8_layer_refusal(module: nn.Module, method: str | None) -> str | None:
-    """Why ``module`` cannot be served in fp8 by ``method`` (None: it can): a plain
-    ``nn.Linear`` (torchao's float8 configs take no other), whose dimensions are multiples
-    of 16 where the method's matmul is ``torch._scaled_mm``'s."""
-    if type(module) is not nn.Linear:
-        return f"a {type(module).__name__} is not an nn.Linear, which fp8 serving needs"
-    assert isinstance(module, nn.Linear)
-    if (method is None or method in _SCALED_MM) and (
-        module.in_features % FP8_DIM_MULTIPLE or module.out_features % FP8_DIM_MULTIPLE
-    ):
-        return (
-            f"in/out features {module.in_features}x{module.out_features} are not both "
-            f"multiples of {FP8_DIM_MULTIPLE}, which torch._scaled_mm needs"
-        )
-    return None
+    """Why ``module`` cannot be served in fp8 by ``method`` (None: it can; the format's
+    `autoprec.formats.fp8.FP8.serving_layer_refusal`)."""
+    return _FP8.serving_layer_refusal(module, None if method is None else QUANTIZERS[method])

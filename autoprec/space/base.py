@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from autoprec.dtypes import AUTOCAST_DTYPES, FP8
+from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE
 from autoprec.optim.space import StateSpace
 from autoprec.policy import Policy
-from autoprec.precision.fp8 import DEFAULT_FP8_RECIPE
 from autoprec.space import fitting, policies
 from autoprec.space.groups import AutoGroups, Group
 from autoprec.space.loss_scale import LossScaleSpace

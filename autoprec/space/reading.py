@@ -11,9 +11,9 @@ from typing import Any
 
 from autoprec.dtypes import AUTOCAST_DTYPES, POLICY_DTYPES
 from autoprec.errors import PolicyError, SpaceError
+from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE, check_recipe
 from autoprec.optim.space import StateSpace
 from autoprec.policy import Rule
-from autoprec.precision.fp8 import DEFAULT_FP8_RECIPE, check_recipe
 from autoprec.space.groups import AUTO_FIELDS, AutoGroups, Group
 from autoprec.space.loss_scale import read_loss_scale
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from autoprec.devices import autocast_behaviour, failing_dtypes, fp8_unavailable_reason
 from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import SpaceError
-from autoprec.precision.fp8 import FAILS_UNDER_AUTOCAST, fp8_refusal
+from autoprec.formats.fp8 import FAILS_UNDER_AUTOCAST, fp8_refusal
 from autoprec.precision.plan import parameterised_leaves
 from autoprec.space.groups import Group, dtype_beside
 from autoprec.space.loss_scale import flat_loss_scale

@@ -1,12 +1,18 @@
-"""fp8 Linear layers in training: torchao's float8 conversion, and its undo.
+"""fp8: e4m3 values (e5m2 gradients) with a scale, for Linear layers. Training swaps them
+for torchao's ``Float8Linear``; serving stores their weights in float8 by a torchao method.
 
-A policy's fp8 layers are swapped for torchao's ``Float8Linear`` by
+In training, a policy's fp8 layers are swapped by
 ``torchao.float8.convert_to_float8_training`` with a ``module_filter_fn`` that takes
 exactly those layers, so that what a trial measures is what torchao's own users run.
 ``Float8Linear.from_float`` keeps the Linear's ``weight`` and ``bias`` Parameter objects
 (fp32 master weights; an optimizer built before the swap still holds them), and the
 layers around it run in their autocast region. `Fp8Layers.remove` puts the original
 ``nn.Linear`` modules back, holding whatever Parameters the fp8 ones hold then.
+
+In serving (`autoprec.serving.fp8` says where each method runs), ``torchao-fp8-weight-only``
+(``Float8WeightOnlyConfig``) dequantizes the weights for a matmul in the activations' dtype
+and runs on the CPU; the dynamic methods quantize the activations too, for
+``torch._scaled_mm``, which torchao refuses below CUDA compute capability 8.9.
 
 torchao is imported only when a model is converted: it is slow to import, and a policy
 without fp8 layers never needs it.
@@ -16,11 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-from torch import nn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from autoprec.errors import PolicyError
-from autoprec.serving.quantizers import import_torchao
+from autoprec.formats.base import CONVERT, QUANTIZE, Format, Limits, is_plain_linear
+from autoprec.formats.methods import Quantizer, import_torchao, torchao_config, torchao_quantize
+
+if TYPE_CHECKING:
+    from torch import nn
 
 # torchao's ``Float8LinearRecipeName`` values (checked against torchao by the tests).
 FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -69,12 +78,17 @@ def fp8_refusal(module: nn.Module) -> str | None:
     MultiheadAttention's ``out_proj`` is) whose in and out features are multiples of 16."""
     if is_converted(module):
         return None
-    if type(module) is not nn.Linear:
+    if not is_plain_linear(module):
         return f"a {type(module).__name__} is not an nn.Linear, which fp8 needs"
-    assert isinstance(module, nn.Linear)
-    if module.in_features % FP8_DIM_MULTIPLE or module.out_features % FP8_DIM_MULTIPLE:
+    return _dims_refusal(module)
+
+
+def _dims_refusal(module: nn.Module) -> str | None:
+    """Why a Linear's dimensions do not suit ``torch._scaled_mm`` (None: they do)."""
+    sizes: tuple[int, int] = (getattr(module, "in_features", 0), getattr(module, "out_features", 0))
+    if any(size % FP8_DIM_MULTIPLE for size in sizes):
         return (
-            f"in/out features {module.in_features}x{module.out_features} are not both "
+            f"in/out features {sizes[0]}x{sizes[1]} are not both "
             f"multiples of {FP8_DIM_MULTIPLE}, which torch._scaled_mm needs"
         )
     return None
@@ -127,7 +141,6 @@ class Fp8Layers:
         after = dict(model.named_modules())
         for name, original in before.items():
             converted = after[name]
-            assert isinstance(original, nn.Linear) and isinstance(converted, nn.Linear)
             for hooks in _HOOK_DICTS:
                 setattr(converted, hooks, getattr(original, hooks))
             converted.train(original.training)
@@ -143,3 +156,75 @@ class Fp8Layers:
             swapped.original.train(swapped.converted.training)
             setattr(swapped.parent, swapped.attribute, swapped.original)
         self._swapped.clear()
+
+
+_WEIGHT_ONLY = "Float8WeightOnlyConfig"
+_DYNAMIC = "Float8DynamicActivationFloat8WeightConfig"
+_ELSEWHERE = (
+    "torchao's float8 dynamic activations need CUDA compute capability 8.9 or later "
+    "(H100, H200, L40, B200); {kind} has none"
+)
+_E4M3 = Limits(448.0, 2.0**-6, 2.0**-9, 3)
+_E5M2 = Limits(57344.0, 2.0**-14, 2.0**-16, 2)
+
+
+def _method(name: str, kinds: tuple[str, ...], elsewhere: str, **kwargs: str) -> Quantizer:
+    config = _WEIGHT_ONLY if name.endswith("weight-only") else _DYNAMIC
+    made = torchao_config(config, **kwargs)
+    arguments = tuple(kwargs.items())
+    return Quantizer(
+        name,
+        "fp8",
+        kinds,
+        "torchao",
+        config,
+        True,
+        True,
+        elsewhere,
+        torchao_quantize(made),
+        arguments,
+    )
+
+
+class FP8(Format):
+    name = "fp8"
+    help = "float8 Linear layers: e4m3 forward, e5m2 gradients, scaled (torchao)"
+    limits = _E4M3
+    elements: ClassVar[dict[str, Limits]] = {"fp8_e4m3": _E4M3, "fp8_e5m2": _E5M2}
+    trains = CONVERT
+    serves = QUANTIZE
+    bytes_per_element = 1.0
+    colour = "#c44e52"
+    rest = "bf16"
+    recipes = FP8_RECIPES
+    methods = (
+        _method(
+            "torchao-fp8-weight-only", ("cpu", "cuda"), "torchao has no float8 kernels for {kind}"
+        ),
+        _method("torchao-fp8-dynamic", ("cuda",), _ELSEWHERE),
+        _method("torchao-fp8-dynamic-rowwise", ("cuda",), _ELSEWHERE, granularity="PerRow"),
+    )
+    # CUDA: torchao's default float8 inference config, per-tensor scales (not measured
+    # here, no GPU was lent).
+    default_methods: ClassVar[dict[str, str]] = {
+        "cpu": "torchao-fp8-weight-only",
+        "cuda": "torchao-fp8-dynamic",
+    }
+
+    def refusal(self, backend: Any) -> str | None:
+        return backend.fp8_training_refusal()  # type: ignore[no-any-return]
+
+    def layer_refusal(self, module: nn.Module) -> str | None:
+        return fp8_refusal(module)
+
+    def convert(self, model: nn.Module, names: list[str], recipe: str | None) -> Fp8Layers:
+        return Fp8Layers(model, names, recipe or DEFAULT_FP8_RECIPE)
+
+    def serving_layer_refusal(self, module: nn.Module, method: Quantizer | None) -> str | None:
+        """A plain ``nn.Linear`` (torchao's float8 configs take no other), whose dimensions
+        are multiples of 16 where the method's matmul is ``torch._scaled_mm``'s."""
+        if not is_plain_linear(module):
+            return f"a {type(module).__name__} is not an nn.Linear, which fp8 serving needs"
+        if method is None or method.torchao_config == _DYNAMIC:
+            return _dims_refusal(module)
+        return None
