@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from autoprec.dtypes import FP8, TORCH_DTYPES
+import autoprec.formats as formats
+from autoprec.dtypes import TORCH_DTYPES
 from autoprec.errors import DeviceError, first_line
 
 # The names the device code has always used for `autoprec.dtypes`' sets (one definition).
@@ -57,17 +58,22 @@ FOLLOWS_INPUT: dict[str, frozenset[str]] = {
 DEVICE_KINDS = ("cpu", "cuda", "npu")
 # fp8 training (torch._scaled_mm) needs Ada or Hopper and later: H100, H200, L40, B200.
 FP8_MIN_CAPABILITY = (8, 9)
+FP8 = "fp8"  # the format the fp8 methods below are about (`autoprec.formats.fp8`)
 NPU_NO_FP8 = "fp8: Ascend 910 NPUs have no fp8 matmuls (torchao's float8 needs CUDA 8.9+)"
-# What a backend may be told to emulate: run for tests with real numerics and no speed.
-EMULATABLE = (FP8,)
+
+
+def emulatable() -> tuple[str, ...]:
+    """What a backend may be told to emulate (real numerics, no speed): the formats that
+    say they may run emulated (`autoprec.formats.Format.emulated_elsewhere`)."""
+    return tuple(f.name for f in formats.all_formats() if f.emulated_elsewhere)
 
 
 def check_emulate(emulate: str | Iterable[str] | None) -> frozenset[str]:
-    """The dtypes to emulate (``--emulate fp8``), checked: only fp8 can be."""
+    """The dtypes to emulate (``--emulate fp8``), checked: only `emulatable` ones can be."""
     names = [emulate] if isinstance(emulate, str) else list(emulate or ())
     for name in names:
-        if name not in EMULATABLE:
-            raise DeviceError(f"--emulate {name!r}: only {', '.join(EMULATABLE)} can be emulated")
+        if name not in emulatable():
+            raise DeviceError(f"--emulate {name!r}: only {', '.join(emulatable())} can be emulated")
     return frozenset(names)
 
 
@@ -198,10 +204,28 @@ class Backend:
         return str(self.device)
 
     def supports(self, dtype: str) -> bool:
-        """Whether layers train in ``dtype`` here (fp8: `fp8_training_refusal`)."""
-        if dtype == FP8:
-            return self.fp8_training_refusal() is None
-        return dtype in DTYPES
+        """Whether layers train in ``dtype`` here: a region's dtype where the device has
+        it (`has_dtype`), a converted layer's where its format does not refuse the device."""
+        found = formats.get(dtype)
+        if found.converts:
+            return found.refusal(self) is None
+        return found.autocasts and self.has_dtype(found.torch_dtype())
+
+    def has_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether the device computes in this torch dtype (every one, on the CPU)."""
+        return True
+
+    def block_format_refusal(self, name: str, capability: tuple[int, int]) -> str | None:
+        """Why a block-scaled format (`autoprec.formats.blocks`; MX, NVFP4) whose kernels
+        need CUDA ``capability`` does not run here (None: it runs, natively or emulated
+        where opted into with ``--emulate NAME``)."""
+        if name in self.emulate:
+            return None
+        return (
+            f"{name} runs natively on CUDA compute capability {capability[0]}.{capability[1]} "
+            f"or later only; {self.name} emulates it (torchao's mx_formats: real numerics, "
+            f"no speed) where opted into with --emulate {name}"
+        )
 
     def fp8_refusal(self) -> str | None:
         """Why fp8 does not run here at all, in one line (None: it runs, natively or
@@ -217,9 +241,10 @@ class Backend:
         """Raises DeviceError, in one line, where a dtype asked for emulated (``--emulate``)
         cannot train here: what a training search or a profile would otherwise leave out
         of its space without a word."""
-        refusal = self.fp8_training_refusal() if FP8 in self.emulate else None
-        if refusal is not None:
-            raise DeviceError(f"--emulate fp8: {refusal}")
+        for name in sorted(self.emulate):
+            refusal = formats.get(name).refusal(self)
+            if refusal is not None:
+                raise DeviceError(f"--emulate {name}: {refusal}")
 
     def emulated(self) -> tuple[str, ...]:
         """The dtypes this backend runs emulated (their step times and memory are no
@@ -250,9 +275,10 @@ class Backend:
         return time.perf_counter()
 
     def autocast(self, dtype: str) -> contextlib.AbstractContextManager[Any]:
-        if dtype == "fp32":
+        found = formats.get(dtype)
+        if found.reference:
             return torch.autocast(self.kind, enabled=False)
-        return torch.autocast(self.kind, dtype=DTYPES[dtype])
+        return torch.autocast(self.kind, dtype=found.torch_dtype())
 
     def switches(self) -> dict[str, bool]:
         """The device's silent precision reductions (TF32, HF32) as they are set now."""
@@ -334,11 +360,18 @@ class CUDABackend(Backend):
     kind = "cuda"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
 
-    def supports(self, dtype: str) -> bool:
-        if dtype == "bf16":
+    def has_dtype(self, dtype: torch.dtype) -> bool:
+        if dtype is torch.bfloat16:
             with self.selected():
                 return bool(torch.cuda.is_bf16_supported())
-        return super().supports(dtype)
+        return True
+
+    def block_format_refusal(self, name: str, capability: tuple[int, int]) -> str | None:
+        return (
+            None
+            if self.capability() >= capability
+            else super().block_format_refusal(name, capability)
+        )
 
     def capability(self) -> tuple[int, int]:
         """The GPU's compute capability (``(9, 0)`` on an H100 or H200)."""
@@ -408,11 +441,14 @@ class NPUBackend(Backend):
     def _npu() -> Any:
         return torch.npu  # type: ignore[attr-defined]
 
-    def supports(self, dtype: str) -> bool:
-        if dtype == "bf16":  # 910B and later; not 910A or 310P
+    def has_dtype(self, dtype: torch.dtype) -> bool:
+        if dtype is torch.bfloat16:  # 910B and later; not 910A or 310P
             with self.selected():
                 return bool(self._npu().is_bf16_supported())
-        return super().supports(dtype)
+        return True
+
+    def block_format_refusal(self, name: str, capability: tuple[int, int]) -> str | None:
+        return f"{name}: Ascend 910 NPUs have no block-scaled (MX, NVFP4) matmuls"
 
     def fp8_refusal(self) -> str | None:
         return NPU_NO_FP8

@@ -36,11 +36,11 @@ import torch
 import yaml
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.files import load_yaml, parse_yaml, write_atomic
 from autoprec._util.safe_names import check_name
-from autoprec.dtypes import FP8, INT8, POLICY_DTYPES
 from autoprec.errors import GuardError, PolicyError
-from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE, check_recipe
+from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE, FP8, check_recipe
 from autoprec.guard.settings import Guard
 from autoprec.optim.state import OptimizerStates, TrainingState
 from autoprec.precision import landing, resolution
@@ -88,12 +88,14 @@ _RULE_FIELDS = ("name", "patterns", "types", "dtype")
 
 
 def _check_dtype(value: Any, where: str) -> str:
-    if value not in POLICY_DTYPES:
+    if not formats.known(value):
+        training = formats.names("training")
+        serving = [n for n in formats.names("serving") if n not in training]
         raise PolicyError(
             f"{where}: unknown dtype {value!r} "
-            "(expected fp32, fp16, bf16, fp8 for training, or int8 for serving)"
+            f"(expected {', '.join(training)} for training, or {', '.join(serving)} for serving)"
         )
-    return value
+    return formats.get(value).name
 
 
 def _string_list(value: Any, where: str) -> tuple[str, ...]:
@@ -188,6 +190,13 @@ class Quantization:
                     f"{error}; or, for serving, a method: {', '.join(FP8_SERVING_METHODS)}"
                 ) from None
 
+    def method(self, name: str) -> str | None:
+        """The serving method recorded for the format ``name`` (None: none recorded, or a
+        training recipe)."""
+        value = getattr(self, name, None) if name in _QUANTIZATION_FIELDS else None
+        methods = formats.get(name).methods
+        return value if any(method.name == value for method in methods) else None
+
     def to_dict(self) -> dict[str, Any]:
         pairs = (("int8", self.int8), ("fp8", self.fp8))
         return {key: value for key, value in pairs if value is not None}
@@ -276,7 +285,7 @@ class Policy:
     @property
     def names_fp8(self) -> bool:
         """Whether the policy names fp8 (by its default or a rule)."""
-        return FP8 in self.named_dtypes
+        return FP8.name in self.named_dtypes
 
     @property
     def named_dtypes(self) -> tuple[str, ...]:
@@ -285,11 +294,11 @@ class Policy:
 
     @property
     def serving_only(self) -> bool:
-        """Whether the policy names int8 (by its default or a rule): a serving policy,
-        which training cannot apply."""
+        """Whether the policy names a format only serving has (int8; by its default or a
+        rule): a serving policy, which training cannot apply."""
         if self.fp8_method is not None and self.names_fp8:
             return True  # its fp8 layers are served by a float8 serving method
-        return INT8 in self.named_dtypes
+        return not all(formats.get(dtype).trains for dtype in self.named_dtypes)
 
     # -- construction and serialisation -------------------------------------------------
 

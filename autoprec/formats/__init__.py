@@ -52,6 +52,7 @@ ENVIRONMENT = "AUTOPREC_FORMATS"
 _LOADED: dict[str, Format] = {}
 _ALIASES: dict[str, str] = {}
 _FROM_ENVIRONMENT: list[str] = []
+_READ: list[str] = []  # the environment variable's value when last read
 
 
 def _load(reference: str) -> Format:
@@ -90,6 +91,9 @@ def register(reference: str | Format) -> Format:
 
 def _from_environment() -> None:
     value = os.environ.get(ENVIRONMENT, "")
+    if [value] == _READ:
+        return
+    _READ[:] = [value]
     for reference in (r.strip() for r in value.split(",") if r.strip()):
         if reference not in _FROM_ENVIRONMENT:
             _FROM_ENVIRONMENT.append(reference)

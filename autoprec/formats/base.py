@@ -80,6 +80,11 @@ class Format:
     # Where a conversion format is a policy's default, the layers it cannot take run in
     # this format (fp8: bf16, as torchao's users run the rest of the model).
     rest: ClassVar[str] = "fp32"
+    # The format a layer served in it takes its inputs in, where it quantizes them itself.
+    activation_format: ClassVar[str] = "fp32"
+    # Whether a device without its kernels may run its numerics, opted into with
+    # ``--emulate NAME`` (real numerics, no speed).
+    emulated_elsewhere: ClassVar[bool] = False
     # Its export mappings: an export format's name to what it writes for this format.
     exports: ClassVar[dict[str, str]] = {}
     # A conversion format's training recipes (the first its default), as a policy's
@@ -125,8 +130,8 @@ class Format:
 
     def activation(self) -> str:
         """The format a layer served in it takes its inputs in: a quantized layer quantizes
-        fp32 activations itself."""
-        return "fp32" if self.quantizes else self.name
+        its activations itself, from `activation_format`."""
+        return self.activation_format if self.quantizes else self.name
 
     # -- where it runs --------------------------------------------------------------
 
@@ -139,6 +144,11 @@ class Format:
 
     def layer_refusal(self, module: nn.Module) -> str | None:
         """Why this layer cannot be converted to it (None: it can)."""
+        return None
+
+    def region_refusal(self, kind: str, recipe: str | None, region: str) -> str | None:
+        """Why its converted layers cannot run by ``recipe`` inside a ``region`` region on
+        this device kind (None: nothing says they cannot)."""
         return None
 
     def convert(self, model: nn.Module, names: list[str], recipe: str | None) -> Any:

@@ -196,6 +196,7 @@ class FP8(Format):
     bytes_per_element = 1.0
     colour = "#c44e52"
     rest = "bf16"
+    emulated_elsewhere = True
     recipes = FP8_RECIPES
     methods = (
         _method(
@@ -216,6 +217,9 @@ class FP8(Format):
 
     def layer_refusal(self, module: nn.Module) -> str | None:
         return fp8_refusal(module)
+
+    def region_refusal(self, kind: str, recipe: str | None, region: str) -> str | None:
+        return autocast_refusal(kind, recipe or DEFAULT_FP8_RECIPE, region)
 
     def convert(self, model: nn.Module, names: list[str], recipe: str | None) -> Fp8Layers:
         return Fp8Layers(model, names, recipe or DEFAULT_FP8_RECIPE)

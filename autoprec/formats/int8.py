@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from autoprec.formats.base import QUANTIZE, Format, Limits
+from autoprec.formats.base import QUANTIZE, Format, Limits, is_plain_linear
 from autoprec.formats.methods import Quantizer, torchao_config, torchao_quantize
 
 if TYPE_CHECKING:
@@ -75,3 +75,9 @@ class INT8(Format):
     )
     # The method a device kind serves with when none is named.
     default_methods: ClassVar[dict[str, str]] = {"cpu": "dynamic", "cuda": "torchao-weight-only"}
+
+    def serving_layer_refusal(self, module: nn.Module, method: Quantizer | None) -> str | None:
+        """An ``nn.Linear``, or transformers' Conv1D (converted to one first)."""
+        if is_plain_linear(module) or type(module).__name__ == "Conv1D":
+            return None
+        return f"a {type(module).__name__} is not an nn.Linear, which int8 needs"

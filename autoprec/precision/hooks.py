@@ -43,10 +43,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.structures import cast_floats, upcast_floats_except
 from autoprec.devices import Backend
-from autoprec.dtypes import TORCH_DTYPES
-from autoprec.formats.fp8 import Fp8Layers
 from autoprec.precision.plan import Plan
 from autoprec.precision.scaling import LossScale, LossScaler
 
@@ -97,17 +96,19 @@ class Region:
         self.forward = forward
         self.device_type = device_type
         self.dtype = dtype
-        self.cast_inputs = cast_inputs or dtype == "fp32"
+        self.reference = formats.get(dtype).reference
+        self.torch_dtype = formats.get(dtype).torch_dtype()
+        self.cast_inputs = cast_inputs or self.reference
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.cast_inputs:
-            args, kwargs = cast_floats((args, kwargs), TORCH_DTYPES[self.dtype])
+            args, kwargs = cast_floats((args, kwargs), self.torch_dtype)
         else:
-            args, kwargs = upcast_floats_except((args, kwargs), (TORCH_DTYPES[self.dtype],))
-        if self.dtype == "fp32":
+            args, kwargs = upcast_floats_except((args, kwargs), (self.torch_dtype,))
+        if self.reference:
             with torch.autocast(self.device_type, enabled=False):
                 return self.forward(*args, **kwargs)
-        with torch.autocast(self.device_type, dtype=TORCH_DTYPES[self.dtype]):
+        with torch.autocast(self.device_type, dtype=self.torch_dtype):
             return self.forward(*args, **kwargs)
 
 
@@ -179,7 +180,7 @@ class Precision:
         self._previous_switches = backend.set_switches(plan.tf32, plan.hf32)
         self.switches = backend.switches()
         self._installed: Installed | None = None
-        self._fp8: Fp8Layers | None = None
+        self._converted: list[Any] = []  # each conversion format's, with ``remove()``
         self.convert_module(model)
         self._update_pending = False
 
@@ -190,14 +191,15 @@ class Precision:
         self._take_off()
         self.model = model
         self._installed = Installed(model, self.plan, self.backend.kind)
-        if self.plan.fp8_recipe is not None:
-            self._fp8 = Fp8Layers(model, self.plan.fp8_layers, self.plan.fp8_recipe)
+        for name, layers in self.plan.converted.items():
+            found = formats.get(name)
+            recipe = self.plan.fp8_recipe if found.recipes else None
+            self._converted.append(found.convert(model, list(layers), recipe))
         return model
 
     def _take_off(self) -> None:
-        if self._fp8 is not None:
-            self._fp8.remove()
-            self._fp8 = None
+        while self._converted:
+            self._converted.pop().remove()
         if self._installed is not None:
             self._installed.remove()
 

@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec.devices import Backend, autocast_behaviour, device_kind, failing_dtypes, get_backend
-from autoprec.dtypes import BF16, FP8, INT8
 from autoprec.errors import GuardError, PolicyError
-from autoprec.formats.fp8 import autocast_refusal, fp8_refusal
 from autoprec.numerics.observe import casts_inputs, probe
 from autoprec.precision._placement import Placement, announce, place, within
 from autoprec.precision.hooks import Precision
@@ -32,10 +31,6 @@ from autoprec.precision.plan import (
 if TYPE_CHECKING:
     from autoprec.guard.settings import Guard
     from autoprec.policy import Policy
-
-# Where the default is fp8, the layers fp8 cannot take (norms, embeddings, Linear layers
-# of odd sizes) run in bf16, as torchao's users run the rest of the model.
-FP8_DEFAULT_REST = BF16
 
 
 def matched_leaves(policy: Policy, model: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
@@ -158,19 +153,19 @@ def _placement(policy: Policy, model: nn.Module, module: str | None) -> Placemen
 def _plan(policy: Policy, model: nn.Module, kind: str) -> Plan:
     _refuse_serving_dtypes(policy)
     chosen: dict[str, str] = {}
-    fp8: list[str] = []  # converted by torchao; they run in the region around them
+    converted: dict[str, str] = {}  # leaf -> its conversion format: run in the region around
     follows_input: set[str] = set()
     weight: Counter[str] = Counter()
     for name, module, ruled in matched_leaves(policy, model):
         dtype = ruled or policy.default
-        if dtype == FP8:
-            refusal = fp8_refusal(module)
+        if (kept := formats.get(dtype)).converts:
+            refusal = kept.layer_refusal(module)
             if refusal is None:
-                fp8.append(name)
+                converted[name] = dtype
                 continue
-            if ruled == FP8:
-                raise PolicyError(f"{name} ({type(module).__name__}): cannot be fp8: {refusal}")
-            dtype = FP8_DEFAULT_REST
+            if ruled is not None:
+                raise PolicyError(f"{name} ({type(module).__name__}): cannot be {dtype}: {refusal}")
+            dtype = kept.rest  # what the layers it cannot take run in
         behaviour = autocast_behaviour(kind, module)
         if behaviour == "fp32":
             continue  # no region: autocast keeps it in fp32 anyway
@@ -184,9 +179,10 @@ def _plan(policy: Policy, model: nn.Module, kind: str) -> Plan:
         outer = found.uniform
     elif found.dtypes:
         # The outer region takes the dtype holding most parameters: fewest boundaries.
-        outer = max(sorted(weight), key=lambda d: (weight[d], d == "fp32"))
+        outer = max(sorted(weight), key=lambda d: (weight[d], formats.get(d).reference))
     else:
-        outer = FP8_DEFAULT_REST if policy.default == FP8 else policy.default
+        default = formats.get(policy.default)
+        outer = default.rest if default.converts else policy.default
     # Each same-dtype subtree in another dtype than the outer region gets a region.
     regions = {
         s.name: RegionSpec(s.name, s.dtype, outer)
@@ -202,17 +198,19 @@ def _plan(policy: Policy, model: nn.Module, kind: str) -> Plan:
         outside = outer if subtree is None or subtree.name == name else chosen[name]
         regions[name] = RegionSpec(name, chosen[name], outside, cast_inputs=True)
     regions = {name: regions[name] for name, _ in model.named_modules() if name in regions}
-    for name in fp8:
+    recipe = policy.fp8_recipe if any(formats.get(d).recipes for d in converted.values()) else None
+    for name, dtype in converted.items():
         subtree = found.subtree_of(name)
         around = subtree.dtype if subtree is not None and subtree.dtype else outer
-        refusal = autocast_refusal(kind, policy.fp8_recipe, around)
+        refusal = formats.get(dtype).region_refusal(kind, recipe, around)
         if refusal is not None:
             raise PolicyError(
-                f"quantization.fp8: {policy.fp8_recipe} cannot run {name} inside a {around} "
+                f"quantization.{dtype}: {recipe} cannot run {name} inside a {around} "
                 f"region on {kind}: {refusal}"
             )
-    chosen.update(dict.fromkeys(fp8, FP8))
-    leaf_dtypes = {name: chosen.get(name, "fp32") for name, _ in parameterised_leaves(model)}
+    chosen.update(converted)
+    fp32 = formats.reference().name
+    leaf_dtypes = {name: chosen.get(name, fp32) for name, _ in parameterised_leaves(model)}
     return Plan(
         kind,
         outer,
@@ -220,21 +218,21 @@ def _plan(policy: Policy, model: nn.Module, kind: str) -> Plan:
         leaf_dtypes,
         policy.tf32,
         policy.hf32,
-        policy.fp8_recipe if fp8 else None,
+        recipe,
     )
 
 
 def _refuse_serving_dtypes(policy: Policy) -> None:
-    """int8 layers, and fp8 ones by a serving method, are converted for serving
-    (`autoprec.load_served_model`); no region runs them."""
+    """Layers in a serving-only format (int8), and fp8 ones by a serving method, are
+    converted for serving (`autoprec.load_served_model`); no region runs them."""
     for where, dtype in (
         *((f"rules[{i}]", rule.dtype) for i, rule in enumerate(policy.rules)),
         ("default", policy.default),
     ):
-        if dtype == INT8:
+        if not formats.get(dtype).trains:
             raise PolicyError(
-                f"{where}: int8 is for serving only (autoprec.load_served_model); "
-                "training runs fp32, fp16 or bf16"
+                f"{where}: {dtype} is for serving only (autoprec.load_served_model); "
+                f"training runs {', '.join(formats.names('training'))}"
             )
     if policy.fp8_method is not None and policy.names_fp8:
         raise PolicyError(

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec.dtypes import below_fp32
+from autoprec.formats.fp8 import FP8
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,17 @@ class Plan:
     @property
     def fp8_layers(self) -> tuple[str, ...]:
         """The leaves that run in fp8, in module order."""
-        return tuple(name for name, dtype in self.leaf_dtypes.items() if dtype == "fp8")
+        return self.converted.get(FP8.name, ())
+
+    @property
+    def converted(self) -> dict[str, tuple[str, ...]]:
+        """Each conversion format's leaves (`autoprec.formats.Format.converts`), in module
+        order, by the format's name."""
+        found: dict[str, list[str]] = {}
+        for name, dtype in self.leaf_dtypes.items():
+            if formats.get(dtype).converts:
+                found.setdefault(dtype, []).append(name)
+        return {dtype: tuple(names) for dtype, names in found.items()}
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec.devices import Backend, autocast_behaviour, device_kind, get_backend
-from autoprec.dtypes import FP8, INT8
 from autoprec.errors import PolicyError
 from autoprec.numerics.observe import learn, observed_dtypes, probe, synthesized_run
 from autoprec.optim.state import TrainingState
 from autoprec.precision.landing import device_of, matched_leaves, plan
 from autoprec.precision.plan import low_precision_share, own_parameters
-from autoprec.serving.fp8 import fp8_layer_refusal
 from autoprec.trials import Mode, mode_of
 
 if TYPE_CHECKING:
@@ -38,6 +37,16 @@ def int8_capable(module: nn.Module) -> bool:
     Subclasses are not: they may be read by their parent rather than called
     (MultiheadAttention's ``out_proj``), or change what the forward does."""
     return type(module) is nn.Linear or type(module).__name__ == "Conv1D"
+
+
+def _served_refusal(policy: Policy, dtype: str, module: nn.Module) -> str | None:
+    """Why a layer cannot be served in ``dtype`` (None: it can): a quantizing format's
+    own word on the layer, by the method the policy records for it."""
+    served = formats.get(dtype)
+    method = policy.quantization.method(dtype)
+    return served.serving_layer_refusal(
+        module, None if method is None else served.method(method, "")
+    )
 
 
 def resolve(
@@ -70,8 +79,11 @@ def resolve(
         if example is not None:
             raise
         return guess  # a policy this device refuses (fp8 unemulated): nothing to watch
-    # An fp8 layer hands on its region's dtype; what it computes in is fp8.
-    return {name: dtype if dtype == FP8 else seen.get(name, dtype) for name, dtype in guess.items()}
+    # A converted layer (fp8) hands on its region's dtype; what it computes in is its own.
+    return {
+        name: dtype if formats.get(dtype).converts else seen.get(name, dtype)
+        for name, dtype in guess.items()
+    }
 
 
 def resolve_served(policy: Policy, model: nn.Module) -> dict[str, str]:
@@ -81,10 +93,8 @@ def resolve_served(policy: Policy, model: nn.Module) -> dict[str, str]:
     for name, module, dtype in matched_leaves(policy, model):
         if dtype is None:
             dtype = policy.default
-            if dtype == INT8 and not int8_capable(module):
-                dtype = "fp32"
-            if dtype == FP8 and fp8_layer_refusal(module, policy.fp8_method) is not None:
-                dtype = "fp32"
+            if _served_refusal(policy, dtype, module) is not None:
+                dtype = formats.reference().name
         resolved[name] = dtype
     return resolved
 
@@ -104,10 +114,10 @@ def identity(
         dtypes = {f"rules[{i}]": rule.dtype for i, rule in enumerate(policy.rules)}
         dtypes["default"] = policy.default
     # Trials that train nothing scale no loss.
-    scaled = found.trains and "fp16" in dtypes.values()
+    scaled = found.trains and any(formats.get(d).scales_loss for d in dtypes.values())
     scaling = policy.loss_scale.to_dict() if scaled else {"mode": "none"}
     measured: list[Any] = [dtypes, scaling, policy.tf32, policy.hf32]
-    if FP8 in dtypes.values():  # only then: other policies keep their identities
+    if any(formats.get(d).recipes for d in dtypes.values()):  # only then: others keep theirs
         measured.append(policy.fp8_recipe)
     if policy.reduce_dtype is not None:  # likewise
         measured.append({"reduce_dtype": policy.reduce_dtype})
@@ -173,7 +183,9 @@ def _follows_uncast_input(
         return False  # a policy with rules casts the inputs of each such leaf
     modules = dict(model.named_modules())
     return any(
-        dtype not in ("fp32", FP8) and autocast_behaviour(kind, modules[name]) == "input"
+        formats.get(dtype).autocasts
+        and formats.get(dtype).low_precision
+        and autocast_behaviour(kind, modules[name]) == "input"
         for name, dtype in leaf_dtypes.items()
     )
 
