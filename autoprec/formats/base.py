@@ -185,5 +185,10 @@ class Format:
             return f"a {type(module).__name__} is not an nn.Linear, which {self.name} needs"
         return None
 
+    def holds(self, weight: Any) -> bool:
+        """Whether a quantized weight (a torchao tensor, or torch's packed one) is stored
+        in this format: what a conversion really did, for checks and reports."""
+        return False
+
     def __repr__(self) -> str:
         return f"<format {self.name}>"

@@ -232,3 +232,6 @@ class FP8(Format):
         if method is None or method.torchao_config == _DYNAMIC:
             return _dims_refusal(module)
         return None
+
+    def holds(self, weight: Any) -> bool:
+        return type(weight).__name__ == "Float8Tensor"

@@ -9,7 +9,7 @@ here: no GPU was lent).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from autoprec.formats.base import QUANTIZE, Format, Limits, is_plain_linear
 from autoprec.formats.methods import Quantizer, torchao_config, torchao_quantize
@@ -80,4 +80,8 @@ class INT8(Format):
         """An ``nn.Linear``, or transformers' Conv1D (converted to one first)."""
         if is_plain_linear(module) or type(module).__name__ == "Conv1D":
             return None
-        return f"a {type(module).__name__} is not an nn.Linear, which int8 needs"
+        return f"a {type(module).__name__} is not an nn.Linear (or transformers' Conv1D), which int8 needs"
+
+    def holds(self, weight: Any) -> bool:
+        """torch's packed weights (``weight()``), or torchao's ``Int8Tensor``."""
+        return callable(weight) or type(weight).__name__ == "Int8Tensor"

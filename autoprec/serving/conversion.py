@@ -38,22 +38,13 @@ from typing import Any
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.structures import cast_floats
 from autoprec.devices import Backend, get_backend
-from autoprec.dtypes import (
-    FP8,
-    FP32,
-    INT8,
-    SERVING_DTYPES,
-    SERVING_QUANTIZED,
-    TORCH_DTYPES,
-    activation_dtype,
-    dtype_name,
-)
+from autoprec.dtypes import activation_dtype, dtype_name
 from autoprec.errors import DeviceError, PolicyError, TaskError, first_line
-from autoprec.policy import Policy, int8_capable, parameterised_leaves, tied_leaves
+from autoprec.policy import Policy, parameterised_leaves, tied_leaves
 from autoprec.precision.plan import boundaries
-from autoprec.serving.fp8 import default_fp8_method, fp8_layer_refusal, fp8_serving_refusal
 from autoprec.serving.quantizers import (
     DEFAULT_INT8_METHOD,
     INT8_METHODS,
@@ -102,16 +93,18 @@ def convert(
     backend = get_backend(device)
     leaves = dict(parameterised_leaves(model))
     dtypes = _checked(model, leaves, layer_dtypes)
-    method = _checked_int8(dtypes, backend, int8)
-    fp8_method = _checked_fp8(dtypes, leaves, backend, fp8)
+    for method in (int8, fp8):
+        if method is not None:
+            quantizer(method)  # an unknown method is refused whether or not it is used
+    named = {"int8": int8, "fp8": fp8}
+    methods = {
+        dtype: _checked_method(dtypes, leaves, backend, dtype, named.get(dtype))
+        for dtype in sorted(set(dtypes.values()))
+        if formats.get(dtype).quantizes
+    }
+    _check_cast(dtypes, backend)
     _check_tied(model, dtypes)
-    hooks = ServingPrecision(
-        dtypes,
-        backend,
-        None if method is None else quantizer(method),
-        None if fp8_method is None else quantizer(fp8_method),
-    )
-    return hooks.convert_module(model)
+    return ServingPrecision(dtypes, backend, methods).convert_module(model)
 
 
 def convert_policy(
@@ -144,13 +137,11 @@ class ServingPrecision:
         self,
         layer_dtypes: Mapping[str, str],
         backend: Backend,
-        int8: Quantizer | None = None,
-        fp8: Quantizer | None = None,
+        methods: Mapping[str, Quantizer] | None = None,
     ) -> None:
         self.layer_dtypes = dict(layer_dtypes)
         self.backend = backend
-        self.int8 = int8
-        self.fp8 = fp8
+        self.methods = dict(methods or {})  # each quantizing format's method
         self.activation_dtypes = {n: activation_dtype(d) for n, d in self.layer_dtypes.items()}
 
     def convert_module(self, model: nn.Module) -> nn.Module:
@@ -162,18 +153,13 @@ class ServingPrecision:
                 f"the model cannot be copied for conversion: {first_line(error)}"
             ) from None
         converted.to(self.backend.device).eval()
-        quantized = [name for name, dtype in self.layer_dtypes.items() if dtype == INT8]
-        if quantized:
-            assert self.int8 is not None
-            _quantize(converted, quantized, self.int8)
-        in_fp8 = [name for name, dtype in self.layer_dtypes.items() if dtype == FP8]
-        if in_fp8:
-            assert self.fp8 is not None
-            _quantize_fp8(converted, in_fp8, self.fp8)
+        for dtype, method in self.methods.items():
+            names = [name for name, own in self.layer_dtypes.items() if own == dtype]
+            _quantize(converted, names, dtype, method)
         modules = dict(converted.named_modules())
         for name, dtype in self.layer_dtypes.items():
-            if dtype in TORCH_DTYPES and dtype != FP32:
-                modules[name].to(TORCH_DTYPES[dtype])
+            if (cast := formats.get(dtype)).low_precision and not cast.quantizes:
+                modules[name].to(cast.torch_dtype())
         self._install_casts(converted)
         return converted
 
@@ -188,12 +174,12 @@ class ServingPrecision:
         subtree casts its own)."""
         dtypes = set(self.activation_dtypes.values())
         only = next(iter(dtypes)) if len(dtypes) == 1 else None
-        return None if only in (None, FP32) else only
+        return None if only is None or formats.get(only).reference else only
 
     def convert_input(self, data: Any) -> Any:
         """The model's floating inputs in the dtype it runs in where it runs in one."""
         dtype = self.input_dtype
-        return data if dtype is None else cast_floats(data, TORCH_DTYPES[dtype])
+        return data if dtype is None else cast_floats(data, formats.get(dtype).torch_dtype())
 
     def convert_output(self, data: Any) -> Any:
         """Floating outputs back in fp32, for scoring and for whoever is served them."""
@@ -214,17 +200,17 @@ class ServingPrecision:
             if own and name not in self.activation_dtypes and single is not None:
                 for parameter in own:
                     if parameter.is_floating_point():
-                        parameter.data = parameter.data.to(TORCH_DTYPES[single])
+                        parameter.data = parameter.data.to(formats.get(single).torch_dtype())
         for subtree in found.subtrees:
             if subtree.dtype is None:
                 continue  # no leaf below it with parameters: it runs in what it receives
             child = model.get_submodule(subtree.name)
             child.register_forward_pre_hook(CastInputs(subtree.dtype), with_kwargs=True)
-            if subtree.dtype != FP32:
+            if formats.get(subtree.dtype).low_precision:
                 child.register_forward_hook(outputs_fp32)
-        if found.uniform is not None and found.uniform != FP32:
+        if found.uniform is not None and formats.get(found.uniform).low_precision:
             model.register_forward_pre_hook(CastInputs(found.uniform), with_kwargs=True)
-        if found.dtypes - {FP32}:
+        if any(formats.get(dtype).low_precision for dtype in found.dtypes):
             model.register_forward_hook(outputs_fp32)
 
 
@@ -239,49 +225,44 @@ def _checked(
             raise PolicyError(
                 f"layer {name!r}: not a leaf module with parameters in {type(model).__name__}"
             )
-        if dtype not in SERVING_DTYPES:
+        if dtype not in formats.names("serving"):
             raise PolicyError(
-                f"layer {name!r}: unknown dtype {dtype!r} (expected fp32, fp16, bf16, int8 or fp8)"
+                f"layer {name!r}: unknown dtype {dtype!r} "
+                f"(expected {', '.join(formats.names('serving'))})"
             )
-        if dtype == INT8 and not int8_capable(leaves[name]):
-            raise PolicyError(
-                f"layer {name!r} ({type(leaves[name]).__name__}): int8 applies to Linear "
-                "layers (and transformers' Conv1D) only"
-            )
-    return {name: layer_dtypes.get(name, FP32) for name in leaves}
+    return {name: layer_dtypes.get(name, formats.reference().name) for name in leaves}
 
 
-def _checked_int8(dtypes: dict[str, str], backend: Backend, int8: str | None) -> str | None:
-    """The int8 method to use, after checking that the device runs every dtype asked for."""
-    for dtype in sorted(set(dtypes.values()) - {FP32, INT8, FP8}):  # fp8: `_checked_fp8`
-        if not backend.supports(dtype):
+def _check_cast(dtypes: dict[str, str], backend: Backend) -> None:
+    """Every format the weights are cast to runs on the device."""
+    for dtype in sorted(set(dtypes.values())):
+        cast = formats.get(dtype)
+        if not cast.quantizes and not backend.has_dtype(cast.torch_dtype()):
             raise DeviceError(f"dtype {dtype}: not supported by device {backend.name}")
-    if int8 is not None:
-        quantizer(int8)  # an unknown method is refused whether or not int8 is used
-    if INT8 not in dtypes.values():
-        return int8
-    reason = int8_unavailable_reason(backend.kind, int8)
-    if reason is not None:
-        raise DeviceError(f"{reason} (device {backend.name})")
-    return int8 or default_int8_method(backend.kind)
 
 
-def _checked_fp8(
-    dtypes: dict[str, str], leaves: dict[str, nn.Module], backend: Backend, fp8: str | None
-) -> str | None:
-    """The fp8 method to use where some layer is fp8, after checking that the device runs
-    it and that each fp8 layer can take it."""
-    named = [name for name, dtype in dtypes.items() if dtype == FP8]
-    if not named:
-        return fp8
-    reason = fp8_serving_refusal(backend, fp8)
+def _checked_method(
+    dtypes: dict[str, str],
+    leaves: dict[str, nn.Module],
+    backend: Backend,
+    dtype: str,
+    name: str | None,
+) -> Quantizer:
+    """The method that quantizes the layers in ``dtype`` (``name``, else the device's),
+    after checking that the device runs it and that each such layer can take it."""
+    served = formats.get(dtype)
+    try:
+        method = served.method(name, backend.kind)
+    except PolicyError as error:
+        raise DeviceError(f"{error} (device {backend.name})") from None
+    reason = served.serving_refusal(backend, method)
     if reason is not None:
         raise DeviceError(f"{reason} (device {backend.name})")
-    method = fp8 or default_fp8_method(backend.kind)
-    for name in named:
-        refusal = fp8_layer_refusal(leaves[name], method)
+    assert method is not None
+    for layer, own in dtypes.items():
+        refusal = served.serving_layer_refusal(leaves[layer], method) if own == dtype else None
         if refusal is not None:
-            raise PolicyError(f"layer {name!r}: cannot be served in fp8: {refusal}")
+            raise PolicyError(f"layer {layer!r}: cannot be served in {dtype}: {refusal}")
     return method
 
 
@@ -289,7 +270,7 @@ def _check_tied(model: nn.Module, dtypes: dict[str, str]) -> None:
     """Leaves that share a parameter must share a dtype: one tensor cannot be in two. An
     int8 or fp8 leaf gets a quantized copy of its own, so it may differ."""
     for group in tied_leaves(model):
-        kept = [name for name in group if dtypes[name] not in SERVING_QUANTIZED]
+        kept = [name for name in group if not formats.get(dtypes[name]).quantizes]
         for name in kept[1:]:
             if dtypes[name] != dtypes[kept[0]]:
                 raise PolicyError(
@@ -298,25 +279,20 @@ def _check_tied(model: nn.Module, dtypes: dict[str, str]) -> None:
                 )
 
 
-def _quantize(model: nn.Module, names: list[str], method: Quantizer) -> None:
-    """The named Linear (or Conv1D) layers quantized to int8 in place, by ``method``."""
+def _quantize(model: nn.Module, names: list[str], dtype: str, method: Quantizer) -> None:
+    """The named layers quantized to ``dtype`` in place, by ``method`` (a transformers
+    Conv1D made a Linear first; torchao puts a new Parameter on each, so a tied neighbour
+    keeps the floating one)."""
     for name in names:
         module = model.get_submodule(name)
         if not isinstance(module, nn.Linear):
             _replace(model, name, _conv1d_as_linear(module))
     method.quantize(model, names)
-    missed = [name for name in names if weight_dtypes(model.get_submodule(name)).get("") != INT8]
+    missed = [name for name in names if weight_dtypes(model.get_submodule(name)).get("") != dtype]
     if missed:
-        raise PolicyError(f"layer {missed[0]!r}: int8 method {method.name!r} left it unquantized")
-
-
-def _quantize_fp8(model: nn.Module, names: list[str], method: Quantizer) -> None:
-    """The named Linear layers given float8 weights in place, by ``method`` (torchao
-    puts a new Parameter on each, so a tied neighbour keeps the floating one)."""
-    method.quantize(model, names)
-    missed = [name for name in names if weight_dtypes(model.get_submodule(name)).get("") != FP8]
-    if missed:
-        raise PolicyError(f"layer {missed[0]!r}: fp8 method {method.name!r} left it unquantized")
+        raise PolicyError(
+            f"layer {missed[0]!r}: {dtype} method {method.name!r} left it unquantized"
+        )
 
 
 def has_torch_dynamic_int8(model: nn.Module) -> bool:
@@ -355,7 +331,7 @@ class CastInputs:
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return cast_floats((args, kwargs), TORCH_DTYPES[self.dtype])
+        return cast_floats((args, kwargs), formats.get(self.dtype).torch_dtype())
 
 
 def outputs_fp32(module: nn.Module, args: Any, outputs: Any) -> Any:
@@ -422,9 +398,8 @@ def weight_dtypes(model: nn.Module) -> dict[str, str]:
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if callable(weight) or (isinstance(weight, torch.Tensor) and type(weight) not in _PLAIN):
-            inner = list(_inner_tensors(weight)) if isinstance(weight, torch.Tensor) else []
-            float8 = any(t.dtype in _FLOAT8 for t in inner)
-            found[name] = FP8 if float8 else INT8
+            held = (f.name for f in formats.all_formats() if f.holds(weight))
+            found[name] = next(held, type(weight).__name__)
             continue
         first = next(module.parameters(recurse=False), None)
         if first is not None and next(module.children(), None) is None:
