@@ -17,8 +17,8 @@ import autoprec
 from autoprec import Policy, Rule, load_policy
 from autoprec.devices import get_backend
 from autoprec.errors import DeviceError, PolicyError, SpaceError
-from autoprec.policy import Quantization
 from autoprec.formats.fp8 import FP8_RECIPES
+from autoprec.policy import Quantization
 from autoprec.space import SearchSpace
 from tests.cpu_fp8 import trains_fp8
 

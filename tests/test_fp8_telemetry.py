@@ -16,9 +16,9 @@ from torch import nn
 import autoprec
 from autoprec import Policy
 from autoprec.devices import get_backend
+from autoprec.formats.fp8 import Fp8Layers
 from autoprec.numerics.fp8_risk import fp8_group_order
 from autoprec.numerics.telemetry import GradientMonitor
-from autoprec.formats.fp8 import Fp8Layers
 from autoprec.profile.guided import GuidedStrategy, Observation
 from autoprec.profile.sensitivity import Profile, profile_task
 from autoprec.space import SearchSpace

@@ -80,7 +80,8 @@ class INT8(Format):
         """An ``nn.Linear``, or transformers' Conv1D (converted to one first)."""
         if is_plain_linear(module) or type(module).__name__ == "Conv1D":
             return None
-        return f"a {type(module).__name__} is not an nn.Linear (or transformers' Conv1D), which int8 needs"
+        kind = type(module).__name__
+        return f"a {kind} is not an nn.Linear (or transformers' Conv1D), which int8 needs"
 
     def holds(self, weight: Any) -> bool:
         """torch's packed weights (``weight()``), or torchao's ``Int8Tensor``."""
