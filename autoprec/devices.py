@@ -207,9 +207,7 @@ class Backend:
         """Whether layers train in ``dtype`` here: a region's dtype where the device has
         it (`has_dtype`), a converted layer's where its format does not refuse the device."""
         found = formats.get(dtype)
-        if found.converts:
-            return found.refusal(self) is None
-        return found.autocasts and self.has_dtype(found.torch_dtype())
+        return bool(found.trains) and found.refusal(self) is None
 
     def has_dtype(self, dtype: torch.dtype) -> bool:
         """Whether the device computes in this torch dtype (every one, on the CPU)."""

@@ -137,8 +137,10 @@ class Format:
 
     def refusal(self, backend: Any) -> str | None:
         """Why it cannot train on ``backend`` (a `autoprec.devices.Backend`), in one line;
-        None where it can. Default: what the backend supports."""
-        return None if backend.supports(self.name) else f"not supported by device {backend.name}"
+        None where it can. Default: a region's dtype runs where the device has it."""
+        if self.autocasts and not backend.has_dtype(self.torch_dtype()):
+            return f"not supported by device {backend.name}"
+        return None
 
     # -- training by conversion (`CONVERT`) -----------------------------------------
 

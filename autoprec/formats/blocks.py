@@ -103,7 +103,9 @@ class BlockLayers:
 
 def dims_refusal(module: nn.Module, name: str, block: int) -> str | None:
     """Why a Linear cannot be converted to a format scaled in blocks of ``block`` (None: it
-    can): only a plain ``nn.Linear`` whose in features fill whole blocks."""
+    can): only a plain ``nn.Linear`` whose in features fill whole blocks (or one converted)."""
+    if isinstance(module, BlockLinear):
+        return None
     if not is_plain_linear(module):
         return f"a {type(module).__name__} is not an nn.Linear, which {name} needs"
     size = int(getattr(module, "in_features", 0))

@@ -84,11 +84,10 @@ def apply(
     probe(model, backend)  # as ``resolve`` does, so that both follow one plan
     placement = _placement(policy, model, module)
     planned = plan(policy, model, backend, placement.name)
-    if planned.fp8_recipe is not None and backend.fp8_training_refusal() is not None:
-        raise PolicyError(f"dtype fp8: {backend.fp8_training_refusal()}")
-    unsupported = sorted(d for d in set(planned.leaf_dtypes.values()) if not backend.supports(d))
-    if unsupported:
-        raise PolicyError(f"dtype {unsupported[0]}: not supported by device {backend.name}")
+    for dtype in sorted(set(planned.leaf_dtypes.values())):
+        refusal = formats.get(dtype).refusal(backend)
+        if refusal is not None:
+            raise PolicyError(f"dtype {dtype}: {refusal}")
     _refuse_failing(model, planned, backend)
     settings = _guard_settings(policy, guard, backend)
     announce(placement, policy.name, len(parameterised_leaves(placement.module)))

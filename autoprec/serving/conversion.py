@@ -225,10 +225,9 @@ def _checked(
             raise PolicyError(
                 f"layer {name!r}: not a leaf module with parameters in {type(model).__name__}"
             )
-        if dtype not in formats.names("serving"):
+        if not formats.known(dtype):
             raise PolicyError(
-                f"layer {name!r}: unknown dtype {dtype!r} "
-                f"(expected {', '.join(formats.names('serving'))})"
+                f"layer {name!r}: unknown dtype {dtype!r} (expected {', '.join(formats.names())})"
             )
     return {name: layer_dtypes.get(name, formats.reference().name) for name in leaves}
 

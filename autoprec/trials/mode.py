@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import autoprec.formats as formats
 from autoprec._util.names import EXPORT_FORMATS
 from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.serving.scenarios import SERVING_PREFERENCES
@@ -62,8 +63,6 @@ class Mode:
     preferences: ClassVar[tuple[str, ...]] = TRAINING_PREFERENCES
 
     # -- what it searches --
-    # The dtypes its policies' layers may take (the summary reader checks them).
-    dtypes: ClassVar[tuple[str, ...]] = ("fp32", "fp16", "bf16")
     # Its search spaces' rules (`autoprec.space.SpaceRules`): which layers are searched
     # and in which dtypes, the parameters beside them, the anchors, what policies record.
     space_rules: ClassVar[str] = "autoprec.trials.training_space:RULES"
@@ -89,6 +88,13 @@ class Mode:
     # Whether ``autoprec resolve`` watches one batch of the task on this machine's device
     # kind (what `resolve_policy` answers depends on what runs there).
     watches_batch: ClassVar[bool] = True
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The dtypes its policies' layers may take (the summary reader checks them): the
+        formats that say they serve it (`autoprec.formats`), else the autocast ones."""
+        found = formats.names(self.name)
+        return found or tuple(f.name for f in formats.all_formats() if f.autocasts)
 
     def trials_class(self) -> type[Any]:
         """Its `Trials` class, imported on first use."""
@@ -156,7 +162,6 @@ class TrainingMode(Mode):
     trials = "autoprec.trials.training:TrainingTrials"
     help = "trials train the model under each policy"
     trains = True
-    dtypes = ("fp32", "fp16", "bf16", "fp8")
     export_formats = tuple(f for f in EXPORT_FORMATS if f not in CONVERTED_WEIGHTS_FORMATS)
     rank_trial = "autoprec.distributed.rank:run_rank"
     missing_weights = "a training search keeps no weights: its trials train only --steps steps"
@@ -174,7 +179,6 @@ class ServingMode(Mode):
     )
     settings = "serving"
     preferences = SERVING_PREFERENCES
-    dtypes = ("fp32", "fp16", "bf16", "int8", "fp8")
     export_formats = ("model", *(f for f in EXPORT_FORMATS if f != "model"))
     config = "autoprec.trials.serving:ServingConfig"
     space_rules = "autoprec.trials.serving_space:RULES"
