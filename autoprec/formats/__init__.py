@@ -47,6 +47,7 @@ REGISTRY: dict[str, str] = {
     "bf16": "autoprec.formats.bf16:BF16",
     "fp8": "autoprec.formats.fp8:FP8",
     "int8": "autoprec.formats.int8:INT8",
+    "mxfp8": "autoprec.formats.mxfp8:MXFP8",
 }
 ENVIRONMENT = "AUTOPREC_FORMATS"
 _LOADED: dict[str, Format] = {}
