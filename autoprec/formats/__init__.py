@@ -48,6 +48,7 @@ REGISTRY: dict[str, str] = {
     "fp8": "autoprec.formats.fp8:FP8",
     "int8": "autoprec.formats.int8:INT8",
     "mxfp8": "autoprec.formats.mxfp8:MXFP8",
+    "mxfp4": "autoprec.formats.mxfp4:MXFP4",
 }
 ENVIRONMENT = "AUTOPREC_FORMATS"
 _LOADED: dict[str, Format] = {}
