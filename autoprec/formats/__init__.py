@@ -49,6 +49,7 @@ REGISTRY: dict[str, str] = {
     "int8": "autoprec.formats.int8:INT8",
     "mxfp8": "autoprec.formats.mxfp8:MXFP8",
     "mxfp4": "autoprec.formats.mxfp4:MXFP4",
+    "nvfp4": "autoprec.formats.nvfp4:NVFP4",
 }
 ENVIRONMENT = "AUTOPREC_FORMATS"
 _LOADED: dict[str, Format] = {}
