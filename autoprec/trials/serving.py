@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.digest import file_sha256
 from autoprec._util.files import atomic_file
 from autoprec.devices import DTYPES, Backend
@@ -344,8 +345,7 @@ def run_serving_trial(
                     converted, task, backend, size, timed_calls, warmup_calls
                 )
         result.low_precision_share = low_precision_share(model, layer_dtypes)
-        if "fp8" in layer_dtypes.values() and "fp8" in backend.emulated():
-            result.emulated = ["fp8"]
+        result.emulated = sorted(set(layer_dtypes.values()) & set(backend.emulated()))
     except AutoprecError as error:  # a policy this model cannot be served in
         result = ServingResult(TrialState.FAILED, first_line(error, 500))
     except Exception as error:  # any failure of a trial is its result
@@ -438,13 +438,30 @@ class ServingTrials:
     def settings(self) -> dict[str, Any]:
         return self.serving.settings
 
+    def _serves(self, served: formats.Format) -> bool:
+        """Whether this device serves a quantizing format by its default method: natively,
+        or emulated where opted into (the search's figures are no such device's)."""
+        method = served.method(None, self.backend.kind)
+        if served.serving_refusal(self.backend, method) is not None:
+            return False
+        return not served.emulated_elsewhere or served.refusal(self.backend) is None
+
     def fit(self, space: SearchSpace, profile: Profile | None) -> SearchSpace:
-        """Weights are converted: every layer's may be, int8 and fp8 too where they run."""
+        """Weights are converted: every layer's may be, int8 and fp8 too where they run
+        (their own settings say), and the other quantizing formats where the device serves
+        them by their default method (an emulated one where ``--emulate`` names it)."""
         supported = {d for d in DTYPES if self.backend.supports(d)}
         if self.serving.int8 is not None:
             supported.add("int8")
         if self.serving.fp8 is not None:
             supported.add("fp8")
+        supported.update(
+            served.name
+            for served in formats.all_formats()
+            if served.quantizes
+            and served.name not in ("int8", "fp8")  # their settings: --int8, --fp8
+            and self._serves(served)
+        )
         fitted = space.fit(
             self.model,
             profile,
