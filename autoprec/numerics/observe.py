@@ -45,11 +45,14 @@ from autoprec.devices import (
     DTYPES,
     Backend,
     autocast_behaviour,
+    cast_dtypes,
     get_backend,
     learned_behaviour,
     record_behaviour,
+    record_cast,
     record_failure,
     record_probed,
+    table_behaviour,
     was_probed,
 )
 from autoprec.precision.plan import parameterised_leaves
@@ -79,6 +82,15 @@ def casts_inputs(kind: str, module: nn.Module, dtype: str, uniform: bool) -> boo
         return False
     behaviour = autocast_behaviour(kind, module)
     return behaviour == "cast" or (behaviour == "input" and not uniform)
+
+
+def lands_by_cast(kind: str, module: nn.Module, dtype: str) -> bool:
+    """Whether a plan lands ``module`` in ``dtype`` by a cast on this device kind: its
+    parameters (cast on the fly, the fp32 ones kept for the optimizer) and its floating
+    inputs in the dtype, autocast off; where autocast was seen to fail it there, cast inputs
+    or not, and such a cast to run (`learn`, `probe`). The one rule the plan and the
+    profile follow."""
+    return dtype in cast_dtypes(kind, module)
 
 
 def _capture_inputs(
@@ -148,13 +160,21 @@ def train_step(
     kind: str,
     low: str,
     cast: bool,
+    by_cast: bool = False,
 ) -> Any:
     """One forward and backward of a bare copy of ``module`` as a training step runs it:
     train mode, gradients on, floating inputs that require gradients (they come from
     earlier layers), under autocast in ``low``; ``cast``: with those inputs cast down
-    first, as a region that casts its inputs hands them. Returns the forward's outputs."""
+    first, as a region that casts its inputs hands them; ``by_cast``: with its parameters
+    and inputs in ``low`` and autocast off, as a region that lands it by cast runs it
+    (`lands_by_cast`). Returns the forward's outputs."""
     trial = _bare_copy(module).train()
     dtype = DTYPES[low]
+    cast = cast or by_cast
+    if by_cast:
+        for parameter in trial.parameters():
+            if parameter.is_floating_point():
+                parameter.data = parameter.data.to(dtype)
 
     def leaf(tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_floating_point():
@@ -164,7 +184,7 @@ def train_step(
 
     args, kwargs = map_tensors(leaf, inputs)
     with torch.enable_grad():
-        with torch.autocast(kind, dtype=dtype):
+        with torch.autocast(kind, dtype=dtype, enabled=not by_cast):
             outputs = trial(*args, **kwargs)
         backward = [t for t in _floats(outputs) if t.requires_grad]
         if backward:
@@ -220,18 +240,35 @@ def _verdict(
     failures: bool,
 ) -> str | None:
     """How autocast treats ``module`` run alone on ``inputs``, in each low dtype the
-    backend supports (`_behaviour`, combined by `_PRECEDENCE`); ``failures``: record a
-    dtype it fails in as one its class cannot run in."""
+    backend supports (`_behaviour`, combined by `_PRECEDENCE`). A dtype autocast fails it
+    in, its inputs cast or not, is recorded as one its class lands in by a cast where a
+    training step of the module cast to it runs (`lands_by_cast`), else, with
+    ``failures``, as one its class cannot run in."""
     found = None
     for low in _lows(backend):
         try:
             behaviour = _behaviour(module, inputs, backend.kind, low)
         except Exception as error:  # any failure of the library's kernel is the finding
-            if failures:
-                record_failure(backend.kind, type(module), low, f"{type(error).__name__}: {error}")
+            reason = f"{type(error).__name__}: {error}"
+            if _runs(module, inputs, backend.kind, low):
+                record_cast(backend.kind, type(module), low, reason)
+            elif failures:
+                record_failure(backend.kind, type(module), low, reason)
             continue
         found = _combined(found, behaviour)
     return found
+
+
+def _runs(
+    module: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], kind: str, dtype: str
+) -> bool:
+    """Whether a training step of ``module`` with its parameters and inputs in ``dtype``,
+    autocast off, runs on ``inputs`` (forward and backward)."""
+    try:
+        train_step(module, inputs, kind, dtype, cast=True, by_cast=True)
+    except Exception:  # no kernel for this dtype, or not an input the module takes
+        return False
+    return True
 
 
 def learn(model: nn.Module, run: Any, device: str | torch.device | Backend | None) -> None:
@@ -276,11 +313,16 @@ def probe(model: nn.Module, device: str | torch.device | Backend | None) -> None
         for _, module in parameterised_leaves(model):
             if learned_behaviour(kind, type(module)) is not None or was_probed(kind, module):
                 continue
-            if type(module).forward.__module__.startswith("torch."):
-                continue  # the tables are written from torch's own modules
+            own = type(module).forward.__module__.startswith("torch.")
+            if own and table_behaviour(kind, module) != "region":
+                continue  # the tables name torch's own norms and embeddings
             inputs = synthesized_inputs(module)
-            found = None if inputs is None else _verdict(module, inputs, backend, failures=False)
-            record_probed(kind, module, found)
+            if inputs is None:
+                record_probed(kind, module, None)
+                continue
+            # A dtype that fails where fp32 trains on the same input is the module's own.
+            trains = _runs(module, inputs, kind, "fp32")
+            record_probed(kind, module, _verdict(module, inputs, backend, failures=trains))
 
 
 def synthesized_inputs(module: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
