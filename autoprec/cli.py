@@ -231,7 +231,7 @@ def _add_resolve(commands: Any) -> None:
 
     r = commands.add_parser(
         "resolve",
-        help="show the dtype each layer of a task's model runs in under a policy",
+        help="show the dtype each layer of a task's model runs in under a policy, and how it lands",
         formatter_class=_DefaultsFormatter,
     )
     r.add_argument("--policy", required=True, help="policy YAML file")

@@ -43,7 +43,8 @@ _RANGE = re.compile(r"^(cuda|npu):(\d+)-(\d+)$")
 # - FOLLOWS_INPUT: on no list, so it computes in the dtype of its input (BatchNorm on every
 #   device; LayerNorm and GroupNorm too on the CPU, where they are on no list);
 # - every other module with parameters runs matmuls or convolutions, which autocast casts
-#   to the region's dtype.
+#   to the region's dtype; a class not named here (torch's LSTM and GRU, a user's own) is
+#   probed before a plan trusts that (`autoprec.numerics.observe.probe`).
 # Names are matched against every class in the module's MRO.
 FIXED_FP32: dict[str, frozenset[str]] = {
     "cpu": frozenset({"Embedding", "EmbeddingBag"}),

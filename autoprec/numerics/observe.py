@@ -18,11 +18,17 @@ The findings are recorded per device kind and module class
 (`autoprec.devices.record_behaviour`), so every fresh copy of the model, the plan, the
 space and the profile follow the same rule.
 
+Where autocast fails a module in a low dtype, its inputs cast or not, and a training step
+of the module cast to that dtype (parameters and inputs, autocast off) runs, the dtype is
+one its class lands in by cast (`autoprec.devices.record_cast`, `lands_by_cast`): the
+plan then casts its parameters on the fly instead of refusing it.
+
 Without a batch, `probe` runs each leaf class that neither the tables nor `learn` know
-(its forward is not torch's own) alone in the same way, on an input made from its
-parameters (`synthesized_inputs`: a norm's weight gives the input's last dim), and records
-what it finds beneath what `learn` watches (`autoprec.devices.record_probed`); a module no
-input can be made for keeps the tables' word.
+(torch's own the tables do not name, such as LSTM and GRU, and any other class) alone in
+the same way, on an input made from its parameters (`synthesized_inputs`: a norm's weight
+gives the input's last dim), and records what it finds beneath what `learn` watches
+(`autoprec.devices.record_probed`); a module no input can be made for keeps the tables'
+word.
 
 `observed_dtypes` reads, for one policy, the dtype of each leaf's output in one forward
 under that policy: the truth `Policy.resolve(model, device, example=batch)` reports, and
@@ -293,17 +299,19 @@ def learn(model: nn.Module, run: Any, device: str | torch.device | Backend | Non
 
 def probe(model: nn.Module, device: str | torch.device | Backend | None) -> None:
     """Record, for each leaf with parameters whose class neither a watched forward
-    (`learn`) nor the tables know on this device kind (its forward is not torch's own),
-    how autocast treats it, without a batch: one module of each class and parameter dtypes
-    runs alone on an input made from its parameters (`synthesized_inputs`), as `learn`
-    runs a leaf on the inputs it received; so ``resolve`` without an example, ``apply``
-    and the plan know a norm that upcasts inside (transformers' RMSNorms, T5's LayerNorm)
-    from one that follows its input (Gemma's). A module no input can be made for (a
-    convolution of its own, one of several inputs) keeps the tables' word: the region's
-    dtype. A low dtype it fails in there is not recorded as one its class cannot run in
-    (the input was made up; `learn` records that from a real batch). Runs only where the
-    model's parameters are on the backend's device kind; ``model`` and the caller's random
-    stream are left as they were."""
+    (`learn`) nor the tables know on this device kind (torch's own norms and embeddings
+    are in the tables; its LSTM and GRU are not), how autocast treats it, without a
+    batch: one module of each class and parameter dtypes runs alone on an input made from
+    its parameters (`synthesized_inputs`), as `learn` runs a leaf on the inputs it
+    received; so ``resolve`` without an example, ``apply`` and the plan know a norm that
+    upcasts inside (transformers' RMSNorms, T5's LayerNorm) from one that follows its
+    input (Gemma's). A module no input can be made for (a convolution of its own, one of
+    several inputs) keeps the tables' word: the region's dtype. A low dtype a cast runs it
+    in where autocast fails is recorded as one it lands in by cast; one that fails both
+    ways, as one its class cannot run in, only where a training step in fp32 runs on the
+    same made-up input (then the failure is the dtype's, and ``apply`` refuses it before
+    anything runs). Runs only where the model's parameters are on the backend's device
+    kind; ``model`` and the caller's random stream are left as they were."""
     backend = _backend(device)
     kind = backend.kind
     first = next(model.parameters(), None)

@@ -20,6 +20,9 @@ At every region's border, for any module (a user's own included), no floating in
 enters in the other low dtype: a bf16 input of an fp16 region is cast up to fp32 there,
 so that ``torch.cat``, ``stack`` or an add inside never meet fp16 beside bf16 (autocast
 refuses them), and a low region's outputs leave in fp32 where its surroundings differ.
+A module autocast cannot run in its dtype on this device, where a cast of it runs
+(``RegionSpec.cast_parameters``), runs with autocast off, its inputs cast and its own
+parameters read as their casts (`parameters_cast`): master weights stay fp32 there too.
 Casts map over nested inputs and outputs (tuples, dicts, ``ModelOutput``) and keep
 their container types. A uniform policy on a model without such modules installs no
 wrapper at all and costs what plain ``torch.autocast`` costs.
