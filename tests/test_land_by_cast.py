@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 import autoprec
 from autoprec import Policy
-from autoprec.devices import forget_watched, get_backend
+from autoprec.devices import failing_dtypes, forget_watched, get_backend
 from autoprec.errors import PolicyError
 from autoprec.precision.hooks import Precision
 from autoprec.precision.plan import CAST, Plan, RegionSpec
@@ -271,3 +271,16 @@ def test_a_trial_of_a_layer_that_lands_by_cast_trains_as_applied_by_hand():
     result = run_trial(anchored_task(), policy, get_backend("cpu"), Budget(steps=6))
     assert result.state == "complete", result.reason
     assert result.low_precision_share == 1.0
+
+
+def test_the_profile_measures_a_layer_that_lands_by_cast_as_the_plan_runs_it():
+    """The search's profile runs each layer as the plan runs it: the anchored layer, cast,
+    gets a deviation from fp32 in fp16 and bf16 instead of an error, and no dtype of it is
+    recorded as failing (the space keeps offering both)."""
+    task = anchored_task()
+    profile = autoprec.profile_task(task, "cpu", dtypes=["fp16", "bf16"])
+    middle = next(m for m in profile.modules if m.name == "middle")
+    assert not middle.error, middle.reason
+    for dtype in ("fp16", "bf16"):
+        assert middle.stats[dtype]["output_deviation"] > 0
+    assert failing_dtypes("cpu", task.model().middle) == {}
