@@ -231,7 +231,7 @@ def _add_resolve(commands: Any) -> None:
 
     r = commands.add_parser(
         "resolve",
-        help="show the dtype each layer of a task's model runs in under a policy",
+        help="show the dtype each layer of a task's model runs in under a policy, and how it lands",
         formatter_class=_DefaultsFormatter,
     )
     r.add_argument("--policy", required=True, help="policy YAML file")
@@ -401,8 +401,9 @@ def _resolve(args: argparse.Namespace) -> int:
         where = mode.resolved_where(policy, model, kind, watched)
     except PolicyError as error:
         raise PolicyError(f"{args.policy}: {error}") from None
-    rows = [["module", "type", "params", "dtype"]]
-    rows += [[r["name"], r["type"], str(r["params"]), r["dtype"]] for r in table]
+    columns = ["name", "type", "params", "dtype", *(["lands"] if mode.trains else [])]
+    rows = [["module", *columns[1:]]]
+    rows += [[str(r[column]) for column in columns] for r in table]
     print(text_table(rows))
     print(f"{where}; low-precision share of parameters: {share:.0%}")
     if mode.trains:  # trials that train nothing scale no loss

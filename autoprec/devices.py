@@ -43,7 +43,8 @@ _RANGE = re.compile(r"^(cuda|npu):(\d+)-(\d+)$")
 # - FOLLOWS_INPUT: on no list, so it computes in the dtype of its input (BatchNorm on every
 #   device; LayerNorm and GroupNorm too on the CPU, where they are on no list);
 # - every other module with parameters runs matmuls or convolutions, which autocast casts
-#   to the region's dtype.
+#   to the region's dtype; a class not named here (torch's LSTM and GRU, a user's own) is
+#   probed before a plan trusts that (`autoprec.numerics.observe.probe`).
 # Names are matched against every class in the module's MRO.
 FIXED_FP32: dict[str, frozenset[str]] = {
     "cpu": frozenset({"Embedding", "EmbeddingBag"}),
@@ -98,6 +99,9 @@ def device_kind(
 # class: it overrides the tables above, which stay the first guess for classes not seen.
 _LEARNED: dict[tuple[str, type], str] = {}
 _FAILS: dict[tuple[str, type], dict[str, str]] = {}
+# The low dtypes autocast was seen to fail in (why) where a cast of the module ran instead:
+# its parameters and inputs in the dtype, autocast off (`autoprec.numerics.observe`).
+_CASTS: dict[tuple[str, type], dict[str, str]] = {}
 # What running one module alone on an input made from its parameters found
 # (autoprec.numerics.observe.probe), per device kind, class and parameter dtypes (an fp32 weight
 # promotes an upcasting norm's product, a bf16 one may not); None where no input could be
@@ -113,6 +117,18 @@ def record_behaviour(kind: str, cls: type, behaviour: str) -> None:
 def record_failure(kind: str, cls: type, dtype: str, reason: str) -> None:
     """Record that modules of ``cls`` were seen to fail in ``dtype`` on this device kind."""
     _FAILS.setdefault((kind, cls), {})[dtype] = reason.splitlines()[0][:300] if reason else ""
+
+
+def record_cast(kind: str, cls: type, dtype: str, reason: str) -> None:
+    """Record that autocast fails modules of ``cls`` in ``dtype`` on this device kind
+    (``reason``: its error) while a cast of the module runs there."""
+    _CASTS.setdefault((kind, cls), {})[dtype] = reason.splitlines()[0][:300] if reason else ""
+
+
+def cast_dtypes(kind: str, module: torch.nn.Module) -> dict[str, str]:
+    """The low dtypes this module lands in by a cast on this device kind (autocast fails
+    there, a cast ran), with autocast's error."""
+    return dict(_CASTS.get((kind, type(module)), {}))
 
 
 def _probe_key(kind: str, module: torch.nn.Module) -> tuple[str, type, tuple[torch.dtype, ...]]:
@@ -132,7 +148,7 @@ def was_probed(kind: str, module: torch.nn.Module) -> bool:
 
 def forget_watched(kind: str) -> None:
     """Forget what was watched on this device kind (a stand-in device's tests start anew)."""
-    stores: tuple[dict[Any, Any], ...] = (_LEARNED, _FAILS, _PROBED)
+    stores: tuple[dict[Any, Any], ...] = (_LEARNED, _FAILS, _CASTS, _PROBED)
     for store in stores:
         for key in [k for k in store if k[0] == kind]:
             del store[key]

@@ -18,11 +18,17 @@ The findings are recorded per device kind and module class
 (`autoprec.devices.record_behaviour`), so every fresh copy of the model, the plan, the
 space and the profile follow the same rule.
 
+Where autocast fails a module in a low dtype, its inputs cast or not, and a training step
+of the module cast to that dtype (parameters and inputs, autocast off) runs, the dtype is
+one its class lands in by cast (`autoprec.devices.record_cast`, `lands_by_cast`): the
+plan then casts its parameters on the fly instead of refusing it.
+
 Without a batch, `probe` runs each leaf class that neither the tables nor `learn` know
-(its forward is not torch's own) alone in the same way, on an input made from its
-parameters (`synthesized_inputs`: a norm's weight gives the input's last dim), and records
-what it finds beneath what `learn` watches (`autoprec.devices.record_probed`); a module no
-input can be made for keeps the tables' word.
+(torch's own the tables do not name, such as LSTM and GRU, and any other class) alone in
+the same way, on an input made from its parameters (`synthesized_inputs`: a norm's weight
+gives the input's last dim), and records what it finds beneath what `learn` watches
+(`autoprec.devices.record_probed`); a module no input can be made for keeps the tables'
+word.
 
 `observed_dtypes` reads, for one policy, the dtype of each leaf's output in one forward
 under that policy: the truth `Policy.resolve(model, device, example=batch)` reports, and
@@ -45,11 +51,14 @@ from autoprec.devices import (
     DTYPES,
     Backend,
     autocast_behaviour,
+    cast_dtypes,
     get_backend,
     learned_behaviour,
     record_behaviour,
+    record_cast,
     record_failure,
     record_probed,
+    table_behaviour,
     was_probed,
 )
 from autoprec.precision.plan import parameterised_leaves
@@ -79,6 +88,15 @@ def casts_inputs(kind: str, module: nn.Module, dtype: str, uniform: bool) -> boo
         return False
     behaviour = autocast_behaviour(kind, module)
     return behaviour == "cast" or (behaviour == "input" and not uniform)
+
+
+def lands_by_cast(kind: str, module: nn.Module, dtype: str) -> bool:
+    """Whether a plan lands ``module`` in ``dtype`` by a cast on this device kind: its
+    parameters (cast on the fly, the fp32 ones kept for the optimizer) and its floating
+    inputs in the dtype, autocast off; where autocast was seen to fail it there, cast inputs
+    or not, and such a cast to run (`learn`, `probe`). The one rule the plan and the
+    profile follow."""
+    return dtype in cast_dtypes(kind, module)
 
 
 def _capture_inputs(
@@ -148,13 +166,21 @@ def train_step(
     kind: str,
     low: str,
     cast: bool,
+    by_cast: bool = False,
 ) -> Any:
     """One forward and backward of a bare copy of ``module`` as a training step runs it:
     train mode, gradients on, floating inputs that require gradients (they come from
     earlier layers), under autocast in ``low``; ``cast``: with those inputs cast down
-    first, as a region that casts its inputs hands them. Returns the forward's outputs."""
+    first, as a region that casts its inputs hands them; ``by_cast``: with its parameters
+    and inputs in ``low`` and autocast off, as a region that lands it by cast runs it
+    (`lands_by_cast`). Returns the forward's outputs."""
     trial = _bare_copy(module).train()
     dtype = DTYPES[low]
+    cast = cast or by_cast
+    if by_cast:
+        for parameter in trial.parameters():
+            if parameter.is_floating_point():
+                parameter.data = parameter.data.to(dtype)
 
     def leaf(tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_floating_point():
@@ -164,7 +190,7 @@ def train_step(
 
     args, kwargs = map_tensors(leaf, inputs)
     with torch.enable_grad():
-        with torch.autocast(kind, dtype=dtype):
+        with torch.autocast(kind, dtype=dtype, enabled=not by_cast):
             outputs = trial(*args, **kwargs)
         backward = [t for t in _floats(outputs) if t.requires_grad]
         if backward:
@@ -220,18 +246,35 @@ def _verdict(
     failures: bool,
 ) -> str | None:
     """How autocast treats ``module`` run alone on ``inputs``, in each low dtype the
-    backend supports (`_behaviour`, combined by `_PRECEDENCE`); ``failures``: record a
-    dtype it fails in as one its class cannot run in."""
+    backend supports (`_behaviour`, combined by `_PRECEDENCE`). A dtype autocast fails it
+    in, its inputs cast or not, is recorded as one its class lands in by a cast where a
+    training step of the module cast to it runs (`lands_by_cast`), else, with
+    ``failures``, as one its class cannot run in."""
     found = None
     for low in _lows(backend):
         try:
             behaviour = _behaviour(module, inputs, backend.kind, low)
         except Exception as error:  # any failure of the library's kernel is the finding
-            if failures:
-                record_failure(backend.kind, type(module), low, f"{type(error).__name__}: {error}")
+            reason = f"{type(error).__name__}: {error}"
+            if _runs(module, inputs, backend.kind, low):
+                record_cast(backend.kind, type(module), low, reason)
+            elif failures:
+                record_failure(backend.kind, type(module), low, reason)
             continue
         found = _combined(found, behaviour)
     return found
+
+
+def _runs(
+    module: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], kind: str, dtype: str
+) -> bool:
+    """Whether a training step of ``module`` with its parameters and inputs in ``dtype``,
+    autocast off, runs on ``inputs`` (forward and backward)."""
+    try:
+        train_step(module, inputs, kind, dtype, cast=True, by_cast=True)
+    except Exception:  # no kernel for this dtype, or not an input the module takes
+        return False
+    return True
 
 
 def learn(model: nn.Module, run: Any, device: str | torch.device | Backend | None) -> None:
@@ -256,17 +299,19 @@ def learn(model: nn.Module, run: Any, device: str | torch.device | Backend | Non
 
 def probe(model: nn.Module, device: str | torch.device | Backend | None) -> None:
     """Record, for each leaf with parameters whose class neither a watched forward
-    (`learn`) nor the tables know on this device kind (its forward is not torch's own),
-    how autocast treats it, without a batch: one module of each class and parameter dtypes
-    runs alone on an input made from its parameters (`synthesized_inputs`), as `learn`
-    runs a leaf on the inputs it received; so ``resolve`` without an example, ``apply``
-    and the plan know a norm that upcasts inside (transformers' RMSNorms, T5's LayerNorm)
-    from one that follows its input (Gemma's). A module no input can be made for (a
-    convolution of its own, one of several inputs) keeps the tables' word: the region's
-    dtype. A low dtype it fails in there is not recorded as one its class cannot run in
-    (the input was made up; `learn` records that from a real batch). Runs only where the
-    model's parameters are on the backend's device kind; ``model`` and the caller's random
-    stream are left as they were."""
+    (`learn`) nor the tables know on this device kind (torch's own norms and embeddings
+    are in the tables; its LSTM and GRU are not), how autocast treats it, without a
+    batch: one module of each class and parameter dtypes runs alone on an input made from
+    its parameters (`synthesized_inputs`), as `learn` runs a leaf on the inputs it
+    received; so ``resolve`` without an example, ``apply`` and the plan know a norm that
+    upcasts inside (transformers' RMSNorms, T5's LayerNorm) from one that follows its
+    input (Gemma's). A module no input can be made for (a convolution of its own, one of
+    several inputs) keeps the tables' word: the region's dtype. A low dtype a cast runs it
+    in where autocast fails is recorded as one it lands in by cast; one that fails both
+    ways, as one its class cannot run in, only where a training step in fp32 runs on the
+    same made-up input (then the failure is the dtype's, and ``apply`` refuses it before
+    anything runs). Runs only where the model's parameters are on the backend's device
+    kind; ``model`` and the caller's random stream are left as they were."""
     backend = _backend(device)
     kind = backend.kind
     first = next(model.parameters(), None)
@@ -276,11 +321,16 @@ def probe(model: nn.Module, device: str | torch.device | Backend | None) -> None
         for _, module in parameterised_leaves(model):
             if learned_behaviour(kind, type(module)) is not None or was_probed(kind, module):
                 continue
-            if type(module).forward.__module__.startswith("torch."):
-                continue  # the tables are written from torch's own modules
+            own = type(module).forward.__module__.startswith("torch.")
+            if own and table_behaviour(kind, module) != "region":
+                continue  # the tables name torch's own norms and embeddings
             inputs = synthesized_inputs(module)
-            found = None if inputs is None else _verdict(module, inputs, backend, failures=False)
-            record_probed(kind, module, found)
+            if inputs is None:
+                record_probed(kind, module, None)
+                continue
+            # A dtype that fails where fp32 trains on the same input is the module's own.
+            trains = _runs(module, inputs, kind, "fp32")
+            record_probed(kind, module, _verdict(module, inputs, backend, failures=trains))
 
 
 def synthesized_inputs(module: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from autoprec.errors import PolicyError
-from autoprec.precision.plan import Plan, RegionSpec
+from autoprec.precision.plan import FP32, Plan, RegionSpec
 
 _log = logging.getLogger("autoprec")
 
@@ -78,8 +78,15 @@ def within(plan: Plan, name: str, leaves: Iterable[str]) -> Plan:
     if plan.outer_dtype != "fp32":
         regions.insert(0, RegionSpec(name, plan.outer_dtype, "fp32"))
     inside = {_under(name, leaf): dtype for leaf, dtype in plan.leaf_dtypes.items()}
-    leaf_dtypes = {leaf: inside.get(leaf, "fp32") for leaf in leaves}
-    return replace(plan, outer_dtype="fp32", regions=tuple(regions), leaf_dtypes=leaf_dtypes)
+    landed = {_under(name, leaf): landing for leaf, landing in plan.landings.items()}
+    leaves = list(leaves)
+    return replace(
+        plan,
+        outer_dtype="fp32",
+        regions=tuple(regions),
+        leaf_dtypes={leaf: inside.get(leaf, "fp32") for leaf in leaves},
+        landings={leaf: landed.get(leaf, FP32) for leaf in leaves},
+    )
 
 
 def _under(name: str, inner: str) -> str:

@@ -20,6 +20,9 @@ At every region's border, for any module (a user's own included), no floating in
 enters in the other low dtype: a bf16 input of an fp16 region is cast up to fp32 there,
 so that ``torch.cat``, ``stack`` or an add inside never meet fp16 beside bf16 (autocast
 refuses them), and a low region's outputs leave in fp32 where its surroundings differ.
+A module autocast cannot run in its dtype on this device, where a cast of it runs
+(``RegionSpec.cast_parameters``), runs with autocast off, its inputs cast and its own
+parameters read as their casts (`parameters_cast`): master weights stay fp32 there too.
 Casts map over nested inputs and outputs (tuples, dicts, ``ModelOutput``) and keep
 their container types. A uniform policy on a model without such modules installs no
 wrapper at all and costs what plain ``torch.autocast`` costs.
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -92,24 +96,55 @@ class Region:
     what it computed.
     """
 
-    def __init__(self, forward: Any, device_type: str, dtype: str, cast_inputs: bool) -> None:
+    def __init__(
+        self,
+        forward: Any,
+        device_type: str,
+        dtype: str,
+        cast_inputs: bool,
+        cast_parameters_of: nn.Module | None = None,
+    ) -> None:
         self.forward = forward
         self.device_type = device_type
         self.dtype = dtype
         self.reference = formats.get(dtype).reference
         self.torch_dtype = formats.get(dtype).torch_dtype()
-        self.cast_inputs = cast_inputs or self.reference
+        self.cast_inputs = cast_inputs or self.reference or cast_parameters_of is not None
+        self.cast_parameters_of = cast_parameters_of
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.cast_inputs:
             args, kwargs = cast_floats((args, kwargs), self.torch_dtype)
         else:
             args, kwargs = upcast_floats_except((args, kwargs), (self.torch_dtype,))
+        if self.cast_parameters_of is not None:
+            with (
+                torch.autocast(self.device_type, enabled=False),
+                parameters_cast(self.cast_parameters_of, self.torch_dtype),
+            ):
+                return self.forward(*args, **kwargs)
         if self.reference:
             with torch.autocast(self.device_type, enabled=False):
                 return self.forward(*args, **kwargs)
         with torch.autocast(self.device_type, dtype=self.torch_dtype):
             return self.forward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def parameters_cast(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """The module's own floating parameters read as their casts to ``dtype`` while the
+    block runs, as autocast casts a matmul's weight: the cast is differentiable, so the
+    gradients reach the fp32 Parameters, which the optimizer, ``state_dict`` and the
+    guard keep seeing. (An RNN re-reads its weights when they change: torch's
+    ``_update_flat_weights``.)"""
+    own = dict(module._parameters)
+    for name, parameter in own.items():
+        if parameter is not None and parameter.is_floating_point():
+            module._parameters[name] = parameter.to(dtype)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module._parameters.update(own)
 
 
 def _upcast_outputs(module: nn.Module, args: Any, outputs: Any) -> Any:
@@ -140,7 +175,10 @@ class Installed:
         for spec in plan.regions:
             module = modules[spec.name]
             previous = module.__dict__.get("forward")
-            module.forward = Region(module.forward, device_type, spec.dtype, spec.cast_inputs)
+            owner = module if spec.cast_parameters else None
+            module.forward = Region(
+                module.forward, device_type, spec.dtype, spec.cast_inputs, owner
+            )
             self._forwards.append((module, previous))
             if spec.dtype != "fp32" and spec.around != spec.dtype:
                 # Surroundings of another dtype may not take these outputs (autocast's cat

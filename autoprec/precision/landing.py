@@ -16,10 +16,17 @@ from torch import nn
 import autoprec.formats as formats
 from autoprec.devices import Backend, autocast_behaviour, device_kind, failing_dtypes, get_backend
 from autoprec.errors import GuardError, PolicyError
-from autoprec.numerics.observe import casts_inputs, probe
+from autoprec.numerics.observe import casts_inputs, lands_by_cast, probe
 from autoprec.precision._placement import Placement, announce, place, within
 from autoprec.precision.hooks import Precision
 from autoprec.precision.plan import (
+    AUTOCAST,
+    AUTOCAST_INPUT_DTYPE,
+    AUTOCAST_INPUTS_CAST,
+    CAST,
+    CONVERTED,
+    FP32,
+    FP32_BY_AUTOCAST,
     Plan,
     RegionSpec,
     boundaries,
@@ -153,7 +160,7 @@ def _plan(policy: Policy, model: nn.Module, kind: str) -> Plan:
     _refuse_serving_dtypes(policy)
     chosen: dict[str, str] = {}
     converted: dict[str, str] = {}  # leaf -> its conversion format: run in the region around
-    follows_input: set[str] = set()
+    landings: dict[str, str] = {}
     weight: Counter[str] = Counter()
     for name, module, ruled in matched_leaves(policy, model):
         dtype = ruled or policy.default
@@ -165,12 +172,10 @@ def _plan(policy: Policy, model: nn.Module, kind: str) -> Plan:
             if ruled is not None:
                 raise PolicyError(f"{name} ({type(module).__name__}): cannot be {dtype}: {refusal}")
             dtype = kept.rest  # what the layers it cannot take run in
-        behaviour = autocast_behaviour(kind, module)
-        if behaviour == "fp32":
+        landings[name] = _landing(kind, module, dtype, uniform=not policy.rules)
+        if autocast_behaviour(kind, module) == "fp32" and landings[name] != CAST:
             continue  # no region: autocast keeps it in fp32 anyway
         chosen[name] = dtype
-        if casts_inputs(kind, module, dtype, uniform=not policy.rules):
-            follows_input.add(name)  # the rule the profile follows too
         weight[dtype] += own_parameters(module)
 
     found = boundaries(model, chosen)
@@ -188,14 +193,18 @@ def _plan(policy: Policy, model: nn.Module, kind: str) -> Plan:
         for s in found.subtrees
         if s.dtype is not None and s.dtype != outer
     }
-    # A module that runs in its input's dtype gets its input cast, wherever it is: its
-    # surroundings are the outer region's at a subtree's border, else its subtree's.
-    for name in follows_input:
+    # A module that runs in its input's dtype gets its input cast, wherever it is (and one
+    # that lands by cast, its parameters too): its surroundings are the outer region's at
+    # a subtree's border, else its subtree's.
+    for name in chosen:
+        if landings[name] not in (AUTOCAST_INPUTS_CAST, CAST):
+            continue
         subtree = found.subtree_of(name)
         if found.uniform is None and subtree is None:
             continue  # below a container its parent never calls: nothing runs it
         outside = outer if subtree is None or subtree.name == name else chosen[name]
-        regions[name] = RegionSpec(name, chosen[name], outside, cast_inputs=True)
+        by_cast = landings[name] == CAST
+        regions[name] = RegionSpec(name, chosen[name], outside, True, cast_parameters=by_cast)
     regions = {name: regions[name] for name, _ in model.named_modules() if name in regions}
     recipe = policy.fp8_recipe if any(formats.get(d).recipes for d in converted.values()) else None
     for name, dtype in converted.items():
@@ -208,17 +217,35 @@ def _plan(policy: Policy, model: nn.Module, kind: str) -> Plan:
                 f"region on {kind}: {refusal}"
             )
     chosen.update(converted)
+    landings.update(dict.fromkeys(converted, CONVERTED))
+    leaves = [name for name, _ in parameterised_leaves(model)]
     fp32 = formats.reference().name
-    leaf_dtypes = {name: chosen.get(name, fp32) for name, _ in parameterised_leaves(model)}
     return Plan(
         kind,
         outer,
         tuple(regions.values()),
-        leaf_dtypes,
+        {name: chosen.get(name, fp32) for name in leaves},
         policy.tf32,
         policy.hf32,
         recipe,
+        {name: landings[name] for name in leaves},
     )
+
+
+def _landing(kind: str, module: nn.Module, dtype: str, uniform: bool) -> str:
+    """How a leaf put in ``dtype`` lands there on this device kind (`Plan.landings`): by a
+    cast where autocast fails it there and a cast runs, else by autocast, its inputs cast
+    where the plan casts them (`casts_inputs`, the rule the profile follows too)."""
+    if formats.get(dtype).reference:
+        return FP32
+    if lands_by_cast(kind, module, dtype):
+        return CAST
+    behaviour = autocast_behaviour(kind, module)
+    if behaviour == "fp32":
+        return FP32_BY_AUTOCAST
+    if casts_inputs(kind, module, dtype, uniform):
+        return AUTOCAST_INPUTS_CAST
+    return AUTOCAST_INPUT_DTYPE if behaviour == "input" else AUTOCAST
 
 
 def _refuse_serving_dtypes(policy: Policy) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -22,17 +22,34 @@ import autoprec.formats as formats
 from autoprec.dtypes import below_fp32
 from autoprec.formats.fp8 import FP8
 
+# How a leaf lands in its dtype (`Plan.landings`): autocast runs it in the region's dtype,
+# in that dtype on its inputs cast first, or in its input's dtype as it arrives (a uniform
+# policy: plain autocast); a cast (its parameters and inputs in the dtype, autocast off:
+# where autocast fails it and a cast runs); fp32 as the policy says, fp32 whatever the
+# policy says (autocast's fp32 list, or watched so), or converted by its format (fp8:
+# torchao's Float8Linear).
+AUTOCAST = "autocast"
+AUTOCAST_INPUTS_CAST = "autocast, inputs cast"
+AUTOCAST_INPUT_DTYPE = "autocast, input's dtype"
+CAST = "cast"
+FP32 = "fp32"
+FP32_BY_AUTOCAST = "fp32 by autocast"
+CONVERTED = "converted"
+
 
 @dataclass(frozen=True)
 class RegionSpec:
     """A module that runs in ``dtype`` inside surroundings of dtype ``around``; with
     ``cast_inputs``, its floating inputs are cast to ``dtype`` first (a module that runs
-    in its input's dtype)."""
+    in its input's dtype); with ``cast_parameters`` too, its own parameters are cast to
+    ``dtype`` on the fly and autocast is off inside (a module autocast cannot run in
+    ``dtype``: it lands by cast)."""
 
     name: str
     dtype: str
     around: str
     cast_inputs: bool = False
+    cast_parameters: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,8 +60,9 @@ class Plan:
     needs none but for modules that run in their input's dtype), the dtype each
     parameterised leaf really runs in there (``fp8``: a Linear torchao converts, which
     has no region of its own and takes its inputs in the region around it), the TF32/HF32
-    switches to set (None: leave the device's), and the fp8 layers' torchao recipe (None
-    where there are none)."""
+    switches to set (None: leave the device's), the fp8 layers' torchao recipe (None
+    where there are none), and how each parameterised leaf lands in its dtype
+    (``autocast``, ``cast``, ``fp32 by autocast``...: the constants above)."""
 
     device_kind: str
     outer_dtype: str
@@ -53,6 +71,7 @@ class Plan:
     tf32: bool | None = None
     hf32: bool | None = None
     fp8_recipe: str | None = None
+    landings: dict[str, str] = field(default_factory=dict)
 
     @property
     def fp8_layers(self) -> tuple[str, ...]:

@@ -139,8 +139,9 @@ def layer_table(
     example: Any = None,
 ) -> list[dict[str, Any]]:
     """Each leaf module with parameters: name, type, parameter count and the dtype it
-    runs in as ``mode`` resolves it, and its training state where the mode's trials train
-    (``Policy.layer_table``)."""
+    runs in as ``mode`` resolves it, and where the mode's trials train, how it lands in
+    that dtype (``lands``: `autoprec.precision.plan.Plan.landings`) and its training
+    state (``Policy.layer_table``)."""
     modules = dict(model.named_modules())
     found = mode_of(mode)
     resolved = found.resolve_policy(policy, model, device, example)
@@ -153,6 +154,10 @@ def layer_table(
         }
         for name, dtype in resolved.items()
     ]
+    if found.trains:
+        landings = plan(policy, model, device).landings
+        for row, name in zip(rows, resolved, strict=True):
+            row["lands"] = landings[name]
     if found.trains and not policy.optimizer_states.is_default:
         states = policy.optimizer_states.by_module(model)
         for row, name in zip(rows, resolved, strict=True):

@@ -83,7 +83,7 @@ from autoprec._util.files import write_atomic
 from autoprec.devices import DTYPES, Backend, failing_dtypes, get_backend, record_failure
 from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
-from autoprec.numerics.observe import casts_inputs, layer_inputs, learn, train_step
+from autoprec.numerics.observe import casts_inputs, lands_by_cast, layer_inputs, learn, train_step
 from autoprec.numerics.watch import INPUT, OUTPUT, OUTPUT_GRAD, PARAM_GRAD, Counts, Watcher
 from autoprec.precision.hooks import Installed
 from autoprec.precision.plan import Plan, RegionSpec, parameterised_leaves
@@ -568,7 +568,8 @@ def _deviation(
     if alone and name in inputs:
         module = layers[0][1]
         try:
-            train_step(module, inputs[name], kind, dtype, cast=_casts(kind, module, dtype))
+            by_cast = lands_by_cast(kind, module, dtype)
+            train_step(module, inputs[name], kind, dtype, _casts(kind, module, dtype), by_cast)
         except Exception as error:  # no training kernel for this dtype, as the plan runs it
             reason = f"{type(error).__name__}: {first_line(error, 200)}"
             record_failure(kind, type(module), dtype, reason)
@@ -605,14 +606,17 @@ def _alone(model: nn.Module, name: str, dtype: str, kind: str) -> Plan:
     """The regions the plan of a policy would install that puts every layer of module
     ``name`` in ``dtype`` (by rules) and leaves the rest of the model in fp32: one region
     in ``dtype`` on the module, and on each of its layers whose inputs the plan casts
-    (`casts_inputs`, the plan's own rule) a region that casts them."""
+    (`casts_inputs`, the plan's own rule) a region that casts them, and their parameters
+    too where the plan lands them by cast (`lands_by_cast`)."""
     module = model.get_submodule(name)
     layers = dict(_layers_within(model, name))
-    regions = [RegionSpec(name, dtype, "fp32", name in layers and _casts(kind, module, dtype))]
+    by_cast = name in layers and lands_by_cast(kind, module, dtype)
+    cast = name in layers and (by_cast or _casts(kind, module, dtype))
+    regions = [RegionSpec(name, dtype, "fp32", cast, by_cast)]
     regions += [
-        RegionSpec(layer, dtype, dtype, cast_inputs=True)
+        RegionSpec(layer, dtype, dtype, True, lands_by_cast(kind, leaf, dtype))
         for layer, leaf in layers.items()
-        if layer != name and _casts(kind, leaf, dtype)
+        if layer != name and (_casts(kind, leaf, dtype) or lands_by_cast(kind, leaf, dtype))
     ]
     return Plan(kind, "fp32", tuple(regions), {})
 
