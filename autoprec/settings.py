@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import autoprec.formats as formats
 from autoprec._util.names import (
     BUILTIN_TASK_NAMES,
     DEFAULT_STORAGE,
@@ -232,9 +233,9 @@ class Where:
     )
     emulate: tuple[str, ...] = option(
         (),
-        "run a dtype the device lacks, emulated, for tests: fp8 on the CPU (torchao's float8 "
-        "numerics without its speed; the summary's settings say emulated)",
-        choices=("fp8",),
+        "run a dtype the device lacks, emulated, for tests: fp8 or an MX format on the CPU "
+        "(torchao's numerics without its speed; the summary's settings say emulated)",
+        choices=tuple(f.name for f in formats.all_formats() if f.emulated_elsewhere),
         study="emulated",
     )
     study: str | None = option(None, "study name (default: the task's name); reuse it to continue")

@@ -12,21 +12,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from autoprec.dtypes import FP8
-
 if TYPE_CHECKING:
     from autoprec.devices import Backend
     from autoprec.policy import Policy
 
-# What each emulatable dtype runs as when emulated (`autoprec.devices.EMULATABLE`).
-EMULATED_AS = {FP8: "CPU fp8"}
+# What an emulated format runs as: its own name on the device's kind (``CPU fp8``).
 EMULATED_MARK = "^"  # the console table's mark on the figures of an emulated row
 
 
 def emulated_dtypes(policy: Policy, backend: Backend) -> list[str]:
     """The dtypes of ``policy`` that ``backend`` runs emulated (``["fp8"]``, or none)."""
-    emulated = set(backend.emulated())
-    return [FP8] if FP8 in emulated and policy.names_fp8 else []
+    return sorted(set(backend.emulated()) & set(policy.named_dtypes))
 
 
 def emulated_label(dtypes: Iterable[str]) -> str | None:
@@ -34,7 +30,7 @@ def emulated_label(dtypes: Iterable[str]) -> str | None:
     names = sorted(set(dtypes))
     if not names:
         return None
-    ran_as = ", ".join(EMULATED_AS.get(name, name) for name in names)
+    ran_as = ", ".join(f"CPU {name}" for name in names)
     return f"emulated ({ran_as}): speed and memory are not the device's"
 
 

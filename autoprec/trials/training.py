@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+import autoprec.formats as formats
 from autoprec._util.structures import cast_floats
-from autoprec.devices import DTYPES, Backend
+from autoprec.devices import Backend
 from autoprec.errors import AutoprecError, TaskError, first_line
 from autoprec.numerics.first_events import OVERFLOW, FirstEvents, diagnose_forward
 from autoprec.numerics.forecast import (
@@ -1114,7 +1115,7 @@ class TrainingTrials:
         """Training runs under autocast: how it treats these layers is watched first."""
         self.backend.check_training_emulation()
         watch_task(self.task, self.model, self.backend)
-        supported = {d for d in (*DTYPES, "fp8") if self.backend.supports(d)}
+        supported = {d for d in formats.names() if self.backend.supports(d)}
         return space.fit(self.model, profile, self.backend, mode=self.mode).restrict(supported)
 
     def choice(self, space: SearchSpace) -> Choice:
