@@ -57,6 +57,8 @@ FOLLOWS_INPUT: dict[str, frozenset[str]] = {
     "npu": frozenset({"_NormBase", "RMSNorm", "LocalResponseNorm"}),
 }
 DEVICE_KINDS = ("cpu", "cuda", "npu")
+# `autocast_behaviour` of a module autocast computes in fp32 whatever the region.
+FIXED = "fp32"
 # fp8 training (torch._scaled_mm) needs Ada or Hopper and later: H100, H200, L40, B200.
 FP8_MIN_CAPABILITY = (8, 9)
 FP8 = "fp8"  # the format the fp8 methods below are about (`autoprec.formats.fp8`)
@@ -179,7 +181,7 @@ def table_behaviour(kind: str, module: torch.nn.Module) -> str:
     anything was watched): ``"fp32"``, ``"input"`` or ``"region"``."""
     names = {cls.__name__ for cls in type(module).__mro__}
     if names & FIXED_FP32[kind]:
-        return "fp32"
+        return FIXED
     if names & FOLLOWS_INPUT[kind]:
         return "input"
     return "region"
@@ -224,6 +226,10 @@ class Backend:
         it (`has_dtype`), a converted layer's where its format does not refuse the device."""
         found = formats.get(dtype)
         return bool(found.trains) and found.refusal(self) is None
+
+    def emulates(self, name: str) -> bool:
+        """Whether it was told to run the format ``name`` emulated (``--emulate``)."""
+        return name in self.emulate
 
     def has_dtype(self, dtype: torch.dtype) -> bool:
         """Whether the device computes in this torch dtype (every one, on the CPU)."""
@@ -319,7 +325,7 @@ class CPUBackend(Backend):
     kind = "cpu"
 
     def fp8_refusal(self) -> str | None:
-        if FP8 in self.emulate:
+        if self.emulates(FP8):
             return None
         return (
             "fp8 on the CPU is emulated (torch._scaled_mm: real numerics, no fp8 speed); "

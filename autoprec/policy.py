@@ -285,7 +285,7 @@ class Policy:
     @property
     def names_fp8(self) -> bool:
         """Whether the policy names fp8 (by its default or a rule)."""
-        return FP8.name in self.named_dtypes
+        return any(isinstance(formats.get(d), FP8) for d in self.named_dtypes)
 
     @property
     def named_dtypes(self) -> tuple[str, ...]:
@@ -307,7 +307,7 @@ class Policy:
         """The whole model in one dtype; fp16 gets torch's dynamic loss scaling by default."""
         _check_dtype(dtype, "dtype")
         if loss_scale is None:
-            loss_scale = LossScale("dynamic") if dtype == "fp16" else LossScale()
+            loss_scale = LossScale("dynamic") if formats.get(dtype).scales_loss else LossScale()
         return cls(default=dtype, loss_scale=loss_scale, name=f"uniform-{dtype}")
 
     def to_dict(self) -> dict[str, Any]:

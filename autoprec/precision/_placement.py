@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec.errors import PolicyError
 from autoprec.precision.plan import FP32, Plan, RegionSpec
 
@@ -75,7 +76,7 @@ def within(plan: Plan, name: str, leaves: Iterable[str]) -> Plan:
     ``leaves``: its regions and layers named from the root, one region in the plan's outer
     dtype on the submodule, and fp32 around it."""
     regions = [replace(spec, name=_under(name, spec.name)) for spec in plan.regions]
-    if plan.outer_dtype != "fp32":
+    if formats.get(plan.outer_dtype).low_precision:
         regions.insert(0, RegionSpec(name, plan.outer_dtype, "fp32"))
     inside = {_under(name, leaf): dtype for leaf, dtype in plan.leaf_dtypes.items()}
     landed = {_under(name, leaf): landing for leaf, landing in plan.landings.items()}

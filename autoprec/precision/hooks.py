@@ -180,7 +180,7 @@ class Installed:
                 module.forward, device_type, spec.dtype, spec.cast_inputs, owner
             )
             self._forwards.append((module, previous))
-            if spec.dtype != "fp32" and spec.around != spec.dtype:
+            if formats.get(spec.dtype).low_precision and spec.around != spec.dtype:
                 # Surroundings of another dtype may not take these outputs (autocast's cat
                 # refuses fp16 beside bf16): hand them on in fp32, which every region takes.
                 self._hooks.extend(_upcast_last(module))
@@ -261,7 +261,7 @@ class Precision:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The outer region for the forward pass (and the loss, which runs in fp32 anyway)."""
-        if self.plan.outer_dtype == "fp32" and not self.plan.regions:
+        if formats.get(self.plan.outer_dtype).reference and not self.plan.regions:
             return contextlib.nullcontext()
         return self.backend.autocast(self.plan.outer_dtype)
 

@@ -14,7 +14,14 @@ import torch
 from torch import nn
 
 import autoprec.formats as formats
-from autoprec.devices import Backend, autocast_behaviour, device_kind, failing_dtypes, get_backend
+from autoprec.devices import (
+    FIXED,
+    Backend,
+    autocast_behaviour,
+    device_kind,
+    failing_dtypes,
+    get_backend,
+)
 from autoprec.errors import GuardError, PolicyError
 from autoprec.numerics.observe import casts_inputs, lands_by_cast, probe
 from autoprec.precision._placement import Placement, announce, place, within
@@ -173,7 +180,7 @@ def _plan(policy: Policy, model: nn.Module, kind: str) -> Plan:
                 raise PolicyError(f"{name} ({type(module).__name__}): cannot be {dtype}: {refusal}")
             dtype = kept.rest  # what the layers it cannot take run in
         landings[name] = _landing(kind, module, dtype, uniform=not policy.rules)
-        if autocast_behaviour(kind, module) == "fp32" and landings[name] != CAST:
+        if autocast_behaviour(kind, module) == FIXED and landings[name] != CAST:
             continue  # no region: autocast keeps it in fp32 anyway
         chosen[name] = dtype
         weight[dtype] += own_parameters(module)
@@ -241,7 +248,7 @@ def _landing(kind: str, module: nn.Module, dtype: str, uniform: bool) -> str:
     if lands_by_cast(kind, module, dtype):
         return CAST
     behaviour = autocast_behaviour(kind, module)
-    if behaviour == "fp32":
+    if behaviour == FIXED:
         return FP32_BY_AUTOCAST
     if casts_inputs(kind, module, dtype, uniform):
         return AUTOCAST_INPUTS_CAST

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.files import make_folder
 from autoprec.errors import AutoprecError, WriteError, first_line
 from autoprec.policy import Policy
 from autoprec.serving.conversion import has_torch_dynamic_int8, weight_dtypes
-from autoprec.serving.fp8 import default_fp8_method
 from autoprec.serving.logits_path import ServedModel
 from autoprec.serving.mlflow_rebuilt import FORMAT, write_data
 from autoprec.serving.quantizers import quantizer
@@ -112,13 +112,16 @@ def save_mlflow_model(
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
     if int8 is not None:
         requirements += quantizer(int8).requirements()
-    if "fp8" in weight_dtypes(converted).values():  # torchao's float8 weights
-        fp8 = policy.fp8_method or default_fp8_method("cpu") or ""
-        requirements += [r for r in quantizer(fp8).requirements() if r not in requirements]
-    formats = [] if has_torch_dynamic_int8(converted) else ["pt2"]
+    for dtype in sorted(set(weight_dtypes(converted).values())):  # torchao's float8 weights...
+        served = formats.get(dtype) if formats.known(dtype) else None
+        named = {"int8": int8}.get(dtype) or policy.quantization.method(dtype)
+        method = served.method(named, "cpu") if served else None
+        if served is not None and served.quantizes and method is not None:
+            requirements += [r for r in method.requirements() if r not in requirements]
+    saved_as = [] if has_torch_dynamic_int8(converted) else ["pt2"]
     if fp32 is not None and task_spec is not None:
-        formats.append(FORMAT)
-    formats.append("pickle")
+        saved_as.append(FORMAT)
+    saved_as.append("pickle")
     common = {
         "signature": _signature(array, output),
         "input_example": array,
@@ -141,7 +144,7 @@ def save_mlflow_model(
         if fp32 is not None and task_spec is not None:
             state = fp32.state_dict()
             data = write_data(folder / "rebuilt", state, policy, task_spec, int8, names, stacked)
-        for fmt in formats:
+        for fmt in saved_as:
             common["metadata"] = {**metadata, "serialization": fmt, "unpickles": fmt == "pickle"}
             try:
                 if fmt == FORMAT:

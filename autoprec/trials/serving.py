@@ -28,7 +28,7 @@ import autoprec.formats as formats
 from autoprec._util.digest import file_sha256
 from autoprec._util.files import atomic_file
 from autoprec.devices import DTYPES, Backend
-from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
+from autoprec.errors import AutoprecError, DeviceError, PolicyError, TaskError, first_line
 from autoprec.policy import Policy
 from autoprec.precision.plan import low_precision_share
 from autoprec.serving.conversion import (
@@ -40,7 +40,6 @@ from autoprec.serving.conversion import (
 from autoprec.serving.fp8 import (
     FP8_SERVING_METHODS,
     default_fp8_method,
-    fp8_serving_refusal,
     search_refusal,
 )
 from autoprec.serving.measure import (
@@ -459,7 +458,7 @@ class ServingTrials:
             served.name
             for served in formats.all_formats()
             if served.quantizes
-            and served.name not in ("int8", "fp8")  # their settings: --int8, --fp8
+            and served.name not in self.settings  # int8's and fp8's: --int8, --fp8
             and self._serves(served)
         )
         fitted = space.fit(
@@ -592,12 +591,17 @@ def save_served_model(
     int8 = trials.serving.int8
     fp32, _ = trials._loaded()
     dtypes = set(policy.resolve_served(fp32).values())
-    if "int8" in dtypes:
-        reason = int8_unavailable_reason("cpu", int8)
-        if reason is not None:
-            return None, f"{reason}, where the MLflow model runs"
-    if "fp8" in dtypes:  # weight-only fp8 runs on the CPU; the dynamic methods need CUDA
-        reason = fp8_serving_refusal(cpu, policy.fp8_method)
+    for dtype in sorted(dtypes):  # weight-only fp8 runs on the CPU; dynamic fp8 needs CUDA
+        served = formats.get(dtype)
+        if not served.quantizes:
+            continue
+        try:
+            method = served.method(
+                {"int8": int8}.get(dtype) or policy.quantization.method(dtype), "cpu"
+            )
+        except PolicyError as error:
+            return None, f"{error}, where the MLflow model runs"
+        reason = served.serving_refusal(cpu, method)
         if reason is not None:
             return None, f"{reason}, where the MLflow model runs"
     path = out_dir / MLFLOW_MODEL_DIR

@@ -676,7 +676,7 @@ class _Run:
             reason = worst.reason
             result.reason = f"{result.reason}; {reason}" if result.reason else reason
         if states.all_fp32(self.model):
-            kinds = tuple(kind for kind in STATE_KINDS if kind != "fp32")
+            kinds = STATE_KINDS[1:]  # the first, fp32, is what they train in now
             losses = state_loss(self.model, self.optimizer, states, kinds)
             result.state_loss = [loss.to_json() for loss in losses]
 
@@ -830,7 +830,7 @@ def _underflow_evidence(
     for name, stats in monitor.stats.items():
         reference = early_stopping.reference_zero_share.get(name)
         if (
-            layer_dtypes.get(name) == "fp16"
+            formats.get(layer_dtypes.get(name, formats.reference().name)).scales_loss
             and reference is not None
             and stats.grad_elements
             and stats.grad_zero_share - reference > UNDERFLOW_EVIDENCE
