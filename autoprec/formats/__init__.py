@@ -39,6 +39,7 @@ __all__ = [
     "names",
     "reference",
     "register",
+    "unregister",
 ]
 
 REGISTRY: dict[str, str] = {
@@ -90,6 +91,14 @@ def register(reference: str | Format) -> Format:
     for alias in made.aliases:
         _ALIASES[alias] = made.name
     return made
+
+
+def unregister(name: str) -> None:
+    """Take a format `register` added out of the registry again (its aliases too)."""
+    REGISTRY.pop(name, None)
+    _LOADED.pop(name, None)
+    for alias in [a for a, owner in _ALIASES.items() if owner == name]:
+        del _ALIASES[alias]
 
 
 def _from_environment() -> None:

@@ -101,9 +101,10 @@ class BlockLayers:
         self._converted.clear()
 
 
-def dims_refusal(module: nn.Module, name: str, block: int) -> str | None:
+def dims_refusal(module: nn.Module, name: str, block: int, out_block: int = 1) -> str | None:
     """Why a Linear cannot be converted to a format scaled in blocks of ``block`` (None: it
-    can): only a plain ``nn.Linear`` whose in features fill whole blocks (or one converted)."""
+    can): only a plain ``nn.Linear`` whose in features fill whole blocks (or one converted),
+    and whose out features are a multiple of ``out_block``."""
     if isinstance(module, BlockLinear):
         return None
     if not is_plain_linear(module):
@@ -111,4 +112,7 @@ def dims_refusal(module: nn.Module, name: str, block: int) -> str | None:
     size = int(getattr(module, "in_features", 0))
     if size % block:
         return f"in features {size} are not a multiple of {name}'s block of {block}"
+    out = int(getattr(module, "out_features", 0))
+    if out % out_block:
+        return f"out features {out} are not a multiple of {out_block}, which {name} needs"
     return None

@@ -66,7 +66,7 @@ class NVFP4(Format):
     exports: ClassVar[dict[str, str]] = {"torchao": f"{_CONFIG}()"}
 
     def serving_layer_refusal(self, module: nn.Module, method: Quantizer | None) -> str | None:
-        return dims_refusal(module, self.name, BLOCK)
+        return dims_refusal(module, self.name, BLOCK, out_block=BLOCK)
 
     def holds(self, weight: Any) -> bool:
         return type(weight).__name__ == "NVFP4Tensor"
