@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from autoprec import formats
 from autoprec.devices import fp8_unavailable_reason
-from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import SpaceError
 from autoprec.policy import int8_capable, tied_leaves
 from autoprec.precision.plan import parameterised_leaves
@@ -65,8 +65,12 @@ class ServingSpaceRules:
     ) -> SearchSpace:
         """int8 and fp8 offered where the groups' layers take them, the methods recorded,
         and the fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend) searched."""
-        kept = _with_int8_where_it_fits(groups, assignment, model)
-        kept = _with_fp8_where_it_fits(kept, assignment, model, fp8_method)
+        kept = groups  # int8 first, then fp8: the order a group offers them in
+        for made in sorted(formats.all_formats(), key=lambda f: f.converts):
+            if made.converts:
+                kept = _with_fp8_where_it_fits(kept, assignment, model, fp8_method, made.name)
+            elif made.quantizes:
+                kept = _with_int8_where_it_fits(kept, assignment, model, made.name)
         return replace(
             space,
             groups=tuple(kept),
@@ -85,25 +89,29 @@ class ServingSpaceRules:
     def fp8_fingerprint(self, space: SearchSpace) -> dict[str, Any]:
         return {"fp8_method": space.fp8_method}
 
-    def uniform_fp8(self, space: SearchSpace) -> dict[str, Any]:
+    def uniform_fp8(self, space: SearchSpace, dtype: str) -> dict[str, Any]:
         """As int8: what fp8 cannot take stays fp32."""
-        return {f"dtype.{g.name}": FP8 if FP8 in g.dtypes else "fp32" for g in space.groups}
+        fp32 = formats.reference().name
+        return {f"dtype.{g.name}": dtype if dtype in g.dtypes else fp32 for g in space.groups}
 
     def anchors(self, space: SearchSpace) -> dict[str, dict[str, Any]]:
         """fp16, bf16, int8 and fp8 where the layers take them, and the classic fp16 body
         with an fp32 head (the group of the model's last layer, whatever its name)."""
         anchors = {}
-        for dtype in LOW_PRECISION:
-            if all(dtype in g.dtypes for g in space.groups):
-                anchors[f"uniform-{dtype}"] = space.uniform_params(dtype)
-        if any("int8" in g.dtypes for g in space.groups):
-            anchors["uniform-int8"] = space.uniform_params("int8")
-        if any(FP8 in g.dtypes for g in space.groups):
-            anchors["uniform-fp8"] = space.uniform_params(FP8)
+        low = [f for f in formats.all_formats() if f.low_precision]
+        for made in (f for f in low if f.autocasts):  # fp16, bf16: every group, or none
+            if all(made.name in g.dtypes for g in space.groups):
+                anchors[f"uniform-{made.name}"] = space.uniform_params(made.name)
+        # quantized (int8), then converted (fp8): where some group takes them
+        for made in sorted((f for f in low if f.quantizes), key=lambda f: f.converts):
+            if any(made.name in g.dtypes for g in space.groups):
+                anchors[f"uniform-{made.name}"] = space.uniform_params(made.name)
         body = [g for g in space.groups if g.name != space.head]
-        if space.head is not None and all("fp16" in g.dtypes for g in body):
-            head = {f"dtype.{space.head}": "fp32"}
-            anchors["fp16-body-fp32-head"] = {**space.uniform_params("fp16"), **head}
+        # fp16, whose narrow range training scales the loss for, with the head in fp32
+        for made in (f for f in low if f.scales_loss and space.head is not None):
+            if all(made.name in g.dtypes for g in body):
+                head = {f"dtype.{space.head}": formats.reference().name}
+                anchors[f"{made.name}-body-fp32-head"] = {**space.uniform_params(made.name), **head}
         return anchors
 
     def recorded(
@@ -116,7 +124,7 @@ class ServingSpaceRules:
 
 
 def _with_int8_where_it_fits(
-    groups: list[Group], assignment: dict[str, str], model: nn.Module
+    groups: list[Group], assignment: dict[str, str], model: nn.Module, int8: str
 ) -> list[Group]:
     """int8 offered to the groups with a layer that can be int8 (Linear, Conv1D); in a
     group where only some can (a decoder block with its norms), int8 takes those and
@@ -131,16 +139,16 @@ def _with_int8_where_it_fits(
             others[group_name] += 1
     fitted = []
     for group in groups:
-        dtypes = tuple(d for d in group.dtypes if d != "int8")
+        dtypes = tuple(d for d in group.dtypes if d != int8)
         leaves = tuple(capable[group.name]) if others[group.name] else ()
         if capable[group.name]:
-            dtypes = (*dtypes, "int8")
+            dtypes = (*dtypes, int8)
         fitted.append(replace(group, dtypes=dtypes, int8_leaves=leaves))
     return fitted
 
 
 def _with_fp8_where_it_fits(
-    groups: list[Group], assignment: dict[str, str], model: nn.Module, method: str | None
+    groups: list[Group], assignment: dict[str, str], model: nn.Module, method: str | None, fp8: str
 ) -> list[Group]:
     """fp8 offered (by ``method``; None: not at all) to the groups with a Linear layer the
     method takes (`autoprec.serving.fp8.fp8_layer_refusal`); in a group where only some
@@ -155,9 +163,9 @@ def _with_fp8_where_it_fits(
             others[group_name] += 1
     fitted = []
     for group in groups:
-        dtypes = tuple(d for d in group.dtypes if d != FP8)
+        dtypes = tuple(d for d in group.dtypes if d != fp8)
         if capable[group.name]:
-            dtypes = (*dtypes, FP8)
+            dtypes = (*dtypes, fp8)
         fitted.append(
             replace(
                 group,
