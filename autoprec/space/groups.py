@@ -61,10 +61,11 @@ class AutoGroups:
             )
 
 
-def _narrowness(dtype: str) -> tuple[float, float]:
-    """Sorts formats widest first: more bytes, then more range (fp32, bf16, fp16, fp8, int8)."""
-    made = formats.get(dtype)
-    return (-made.bytes_per_element, -made.limits.range_bits)
+def widest(dtypes: Iterable[str]) -> str:
+    """The widest of ``dtypes``: the most bytes, then the most range (fp32, bf16, fp16, fp8,
+    int8, in that order)."""
+    made = (formats.get(d) for d in dtypes)
+    return max(made, key=lambda f: (f.bytes_per_element, f.limits.range_bits)).name
 
 
 def dtype_beside(group: Group, low: str) -> str:
@@ -74,7 +75,7 @@ def dtype_beside(group: Group, low: str) -> str:
     if low in group.dtypes:
         return low
     rest = formats.get(low).rest
-    return rest if rest in group.dtypes else min(group.dtypes, key=_narrowness)
+    return rest if rest in group.dtypes else widest(group.dtypes)
 
 
 def group_rules(group: Group, params: Mapping[str, Any]) -> tuple[Rule, ...]:
