@@ -32,6 +32,7 @@ from autoprec._util.names import (
     SAMPLERS,
 )
 from autoprec.errors import AutoprecError
+from autoprec.formats import all_formats
 from autoprec.serving.scenarios import SCENARIOS
 from autoprec.trials import DEFAULT_MODE, MODES, Mode, mode_named
 from autoprec.trials.schedule import TRIAL_SCHEDULES
@@ -234,7 +235,7 @@ class Where:
         (),
         "run a dtype the device lacks, emulated, for tests: fp8 on the CPU (torchao's float8 "
         "numerics without its speed; the summary's settings say emulated)",
-        choices=("fp8",),
+        choices=tuple(f.name for f in all_formats() if f.converts),  # torchao's numerics
         study="emulated",
     )
     study: str | None = option(None, "study name (default: the task's name); reuse it to continue")
