@@ -95,8 +95,8 @@ def export_fp8(
     found = torchtitan_filter(model, layers)
     folder = export_folder(out_dir, FILES)
     label = policy_label(policy)
-    in_fp32 = others.rest is not None and formats.get(others.rest).reference
-    torchtitan_runs = others.rest if in_fp32 else "bf16"
+    rest = others.rest
+    torchtitan_runs = rest if rest is not None and formats.get(rest).reference else "bf16"
     torchtitan_notes = _rest_notes(
         others, torchtitan_runs, "torchtitan", "training.mixed_precision_param"
     )
