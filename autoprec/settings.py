@@ -235,7 +235,7 @@ class Where:
         (),
         "run a dtype the device lacks, emulated, for tests: fp8 on the CPU (torchao's float8 "
         "numerics without its speed; the summary's settings say emulated)",
-        choices=tuple(f.name for f in all_formats() if f.converts),  # torchao's numerics
+        choices=tuple(f.name for f in all_formats() if f.emulated_elsewhere),
         study="emulated",
     )
     study: str | None = option(None, "study name (default: the task's name); reuse it to continue")

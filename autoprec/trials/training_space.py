@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 from autoprec import formats
 from autoprec.devices import autocast_behaviour, failing_dtypes, fp8_unavailable_reason
 from autoprec.errors import SpaceError
-from autoprec.formats.fp8 import FAILS_UNDER_AUTOCAST
 from autoprec.precision.plan import parameterised_leaves
 from autoprec.space.groups import Group, dtype_beside, formats_among
 from autoprec.space.loss_scale import flat_loss_scale
@@ -76,7 +75,7 @@ class TrainingSpaceRules:
         fitted = replace(space, int8_method=None, fp8_method=None)
         for made in (f for f in formats.all_formats() if f.converts and space.offers_fp8):
             kept = _with_fp8_where_it_fits(kept, assignment, model, space.source, made)
-            fitted = replace(fitted, fp8_recipes=_runnable_recipes(space, kept, kind))
+            fitted = replace(fitted, fp8_recipes=_runnable_recipes(space, kept, kind, made))
         if space.optimizer_states is not None:
             states = space.optimizer_states.fit(model, lambda m: SpaceError(f"{space.source}: {m}"))
             fitted = replace(fitted, optimizer_states=states)
@@ -183,16 +182,20 @@ def _with_fp8_where_it_fits(
     return fitted
 
 
-def _runnable_recipes(space: SearchSpace, groups: list[Group], kind: str) -> tuple[str, ...]:
-    """The space's recipes without those seen to fail inside an autocast region on this
-    device kind, where some group may be fp16 or bf16 around the fp8 layers."""
-    if not any(f in _low_autocast() for g in groups for f in formats_among(g.dtypes)):
+def _runnable_recipes(
+    space: SearchSpace, groups: list[Group], kind: str, made: Format
+) -> tuple[str, ...]:
+    """The space's recipes without those ``made`` (fp8) says fail on this device kind inside
+    the region some group may put around its layers (fp16, bf16)."""
+    low = _low_autocast()
+    regions = [f.name for g in groups for f in formats_among(g.dtypes) if f in low]
+    if not regions:
         return space.fp8_recipes
-    failing = FAILS_UNDER_AUTOCAST.get(kind, {})
-    kept = tuple(r for r in space.fp8_recipes if r not in failing)
+    refused = {r: made.region_refusal(kind, r, regions[0]) for r in space.fp8_recipes}
+    kept = tuple(recipe for recipe, why in refused.items() if why is None)
     if not kept:
         recipe = space.fp8_recipes[0]
-        raise SpaceError(f"{space.source}: fp8_recipes: {recipe} on {kind}: {failing[recipe]}")
+        raise SpaceError(f"{space.source}: fp8_recipes: {recipe} on {kind}: {refused[recipe]}")
     return kept
 
 
