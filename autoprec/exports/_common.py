@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec._util.files import write_atomic
 from autoprec.dtypes import LOW_PRECISION
 from autoprec.errors import ExportError, ExportWarning

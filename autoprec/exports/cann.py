@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec._util.files import atomic_file
 from autoprec.errors import WriteError
 from autoprec.exports._common import (

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec.exports._common import (
     comment,
     names,

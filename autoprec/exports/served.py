@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec._util.files import atomic_file
 from autoprec._util.structures import map_tensors, tensors, to_device
 from autoprec.devices import get_backend

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec.dtypes import LOW_PRECISION
 from autoprec.exports._common import (
     ExportError,

@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec.guard.settings import WIDTH, Guard
 from autoprec.numerics.forecast import (
     Forecast,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec._util.structures import tensors
 
 FLUSH = "flush to zero"

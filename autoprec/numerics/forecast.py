@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec.formats import Limits
 
 _FP64 = Limits(1.7976931348623157e308, 2.0**-1022, 2.0**-1074, 52)  # no format, but held

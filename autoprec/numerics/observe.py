@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec._util.structures import map_tensors, tensors, to_device
 from autoprec.devices import (
     DTYPES,

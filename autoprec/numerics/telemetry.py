@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec._util.structures import tensors
 from autoprec.numerics.first_events import FirstEvents
 from autoprec.numerics.forecast import RangeSeries, dtype_code, dtype_of_code

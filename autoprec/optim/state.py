@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec._util.safe_names import check_name
 from autoprec.devices import state_nbytes
 from autoprec.errors import PolicyError

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec.errors import AutoprecError, SpaceError
 from autoprec.optim.state import STATE_BYTES_PER_ELEMENT
 from autoprec.selection import PREFER_METRICS, TRAINING_PREFERENCES, preference_score

@@ -79,7 +79,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec._util.files import write_atomic
 from autoprec.devices import DTYPES, Backend, failing_dtypes, get_backend, record_failure
 from autoprec.dtypes import LOW_PRECISION

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec.study.summary_schema import Summary
 from autoprec.trials import mode_named
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec.dtypes import AUTOCAST_DTYPES
 from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE
 from autoprec.optim.space import StateSpace

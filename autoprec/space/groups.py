@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec.errors import SpaceError
 from autoprec.formats import Format
 from autoprec.policy import Rule

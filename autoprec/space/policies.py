@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec.optim.state import OptimizerStates
 from autoprec.policy import Policy, Quantization, Rule
 from autoprec.space.groups import formats_among, group_rules

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec.devices import autocast_behaviour, failing_dtypes, fp8_unavailable_reason
 from autoprec.errors import SpaceError
 from autoprec.precision.plan import parameterised_leaves

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec.policy import LossScale, Policy, Rule
 from autoprec.precision.plan import parameterised_leaves
 from autoprec.tasks.zoo import ZOO, Kind, ZooEntry

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec.policy import Policy
 from autoprec.precision.plan import parameterised_leaves
 from autoprec.tasks.zoo import ZOO, Kind, ZooEntry

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import formats
+import autoprec.formats as formats
 from autoprec._util.structures import tensors
 from autoprec.devices import get_backend
 from autoprec.errors import first_line
