@@ -24,14 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import autoprec.formats as formats
 from autoprec.guard.settings import WIDTH, Guard
-from autoprec.numerics.forecast import (
-    Forecast,
-    Headroom,
-    Outcome,
-    RangeSeries,
-    dtype_range,
-    element_limits,
-)
+from autoprec.numerics.forecast import Forecast, Headroom, Outcome, RangeSeries, element_limits
 from autoprec.numerics.fp8_telemetry import FLUSH_WARNING, ROLE_LABELS, Fp8Telemetry
 
 if TYPE_CHECKING:
@@ -199,7 +192,7 @@ def widening(
 
 def _trigger(room: Headroom, projected_to: int, settings: Guard) -> str | None:
     """Why ``room`` must be promoted now (None: it may stay)."""
-    largest, _ = dtype_range(room.dtype)
+    largest = element_limits()[room.dtype].largest
     crossing = room.first_crossing
     if room.outcome == Outcome.AT_RISK and crossing is not None:
         step, side = crossing

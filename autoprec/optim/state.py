@@ -231,9 +231,8 @@ class OptimizerStates:
         if model is not None:
             return all(s == TrainingState() for s in self.assign(model).values())
         named = [(g.state or "fp32", g.master or "fp32") for g in self.groups]
-        return all(
-            in_reference(s) and in_reference(m) for s, m in [(self.state, self.master), *named]
-        )
+        pairs = [(self.state, self.master), *named]
+        return all(in_reference(s) and in_reference(m) for s, m in pairs)
 
     def kinds(self) -> set[str]:
         """Every state kind the section names."""

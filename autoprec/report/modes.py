@@ -13,8 +13,7 @@ from autoprec.trials import mode_named
 
 
 def dtype_colours(mode: str) -> dict[str, str]:
-    """The colour of each format ``mode`` may assign, widest first (the legend's order):
-    the most bytes, then the most range."""
+    """The colour of each format ``mode`` may assign, widest first (the legend's order)."""
     made = sorted(formats.all_formats(), key=lambda f: (-f.bytes_per_element, -f.limits.range_bits))
     return {f.name: f.colour for f in made if mode in f.modes}
 
@@ -41,8 +40,7 @@ class ModeText:
 
     @property
     def style(self) -> str:
-        """What the page adds to the shared style: a colour for each format only this
-        mode assigns (serving's int8)."""
+        """What the page adds to the shared style: each format only this mode has (int8)."""
         only = [f for f in formats.all_formats() if f.modes == (self.formats_of,)]
         return "".join(f".{f.name}{{color:{f.colour}}}\n" for f in only)
 

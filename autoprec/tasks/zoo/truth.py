@@ -495,10 +495,6 @@ def load_table(path: Any = None) -> dict[str, Any]:
     for row in table["tasks"].values():  # derived fields follow this code's definitions
         chaotic = bool(row.get("fp32_chaotic", False))
         for label, runs in row["runs"].items():
-            row["runs"][label] = [
-                RunTruth.from_dict(
-                    {**run, "fp32_chaotic": chaotic and not is_reference(label)}
-                ).to_dict()
-                for run in runs
-            ]
+            derived = {"fp32_chaotic": chaotic and not is_reference(label)}
+            row["runs"][label] = [RunTruth.from_dict({**run, **derived}).to_dict() for run in runs]
     return table
