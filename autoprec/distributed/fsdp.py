@@ -66,7 +66,7 @@ class ShardUnit:
 def shard_units(model: nn.Module, leaf_dtypes: dict[str, str]) -> list[ShardUnit]:
     """The units for a model whose parameterised leaves run in ``leaf_dtypes`` (a plan's),
     innermost first, as ``fully_shard`` must be applied."""
-    converted = sorted(d for d in set(leaf_dtypes.values()) if get(d).converts)  # fp8
+    converted = sorted(d for d in set(leaf_dtypes.values()) if get(d).records_conversion)
     if converted:
         raise PolicyError(f"{converted[0]} layers under FSDP2 are not supported yet (use DDP)")
     modules = dict(model.named_modules())

@@ -188,7 +188,7 @@ def _int8_method(policy: Policy, model: nn.Module, kind: str, int8: str | None) 
     from autoprec.serving.conversion import default_int8_method
 
     served = [formats.get(d) for d in set(policy.resolve_served(model).values())]
-    if not any(f.quantizes and not f.converts for f in served):  # int8
+    if not any(f.records_quantization for f in served):  # int8
         return None
     return int8 or policy.int8_method or default_int8_method(kind)
 

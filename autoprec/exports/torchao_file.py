@@ -62,9 +62,9 @@ def export_torchao(
     assert model is not None
     resolved = policy.resolve_served(model)
     made = {name: formats.get(dtype) for name, dtype in resolved.items()}
-    int8_layers = [name for name, f in made.items() if f.quantizes and not f.converts]
+    int8_layers = [name for name, f in made.items() if f.records_quantization]
     linear = [name for name in int8_layers if isinstance(model.get_submodule(name), nn.Linear)]
-    fp8_layers = [name for name, f in made.items() if f.converts]
+    fp8_layers = [name for name, f in made.items() if f.records_conversion]
     chosen: Quantizer | None = None
     method = ""
     if int8_layers:

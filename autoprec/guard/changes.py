@@ -151,7 +151,7 @@ def fp8_promotions(
     for name, stats in telemetry.stats.items():
         worst = stats.worst()
         dtype = leaf_dtypes.get(name, "")
-        converted = formats.known(dtype) and formats.get(dtype).converts  # fp8
+        converted = formats.known(dtype) and formats.get(dtype).records_conversion  # fp8
         target = settings.target(dtype) if converted else None
         if worst is None or target is None:
             continue

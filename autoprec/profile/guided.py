@@ -145,7 +145,7 @@ class _Strategy:
         made = formats_among(dtypes.values())
         if any(f.scales_loss for f in made):
             params.update(self._fp16_scaling)
-        if any(f.converts for f in made) and len(self.space.fp8_recipes) > 1:
+        if any(f.records_conversion for f in made) and len(self.space.fp8_recipes) > 1:
             params["fp8.recipe"] = self.space.anchor_recipe
         for choice in self.state_groups:
             params[f"state.{choice.name}"] = (states or {}).get(choice.name, _highest(choice))
@@ -234,7 +234,9 @@ def _high(group: Group) -> str:
 def _low_formats() -> list[Format]:
     """The formats below fp32 the guided search seeds, in order: those a region autocasts
     to (fp16, bf16), then converted ones (fp8), then quantized ones (int8)."""
-    low = [f for f in formats.all_formats() if f.low_precision]
+    low = [
+        f for f in formats.all_formats() if f.low_precision and (f.autocasts or f.policy_records)
+    ]
     return sorted(low, key=lambda f: (not f.autocasts, not f.converts))
 
 

@@ -361,7 +361,7 @@ def profile_task(
         }
     modules = _rank(watcher, tested, deviations)
     recipe = ""
-    if any(backend.supports(f.name) for f in formats.all_formats() if f.converts):
+    if any(backend.supports(f.name) for f in formats.all_formats() if f.records_conversion):
         from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE
         from autoprec.numerics.fp8_risk import fp8_risks
 

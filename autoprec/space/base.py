@@ -87,7 +87,7 @@ class SearchSpace:
         """Whether some group may take fp8."""
         offered = [d for g in self.groups for d in g.dtypes]
         offered += list(self.dtypes) if self.auto is not None else []
-        return any(formats.get(d).converts for d in offered)
+        return any(formats.get(d).records_conversion for d in offered)
 
     @property
     def anchor_recipe(self) -> str:

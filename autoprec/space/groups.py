@@ -84,9 +84,9 @@ def group_rules(group: Group, params: Mapping[str, Any]) -> tuple[Rule, ...]:
     can take it, that dtype for those and fp32 for the rest."""
     dtype = params[f"dtype.{group.name}"]
     made = formats.get(dtype)
-    if made.converts:
+    if made.records_conversion:
         leaves, kept = group.fp8_leaves, group.fp8_kept
-    elif made.quantizes and group.int8_leaves:
+    elif made.policy_records and group.int8_leaves:
         leaves, kept = group.int8_leaves, True
     else:
         return (replace(group.rule, dtype=dtype),)

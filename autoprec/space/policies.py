@@ -37,7 +37,7 @@ def suggest_policy(space: SearchSpace, trial: Suggester) -> Policy:
         params.update(states.suggest(trial))
     # the layers' dtypes (not an fp16 gradient communication, nor an fp8 state kind)
     layers = {value for key, value in params.items() if key.startswith("dtype.")}
-    if any(f.converts for f in formats_among(layers)) and len(space.fp8_recipes) > 1:
+    if any(f.records_conversion for f in formats_among(layers)) and len(space.fp8_recipes) > 1:
         params["fp8.recipe"] = trial.suggest_categorical("fp8.recipe", list(space.fp8_recipes))
     if any(f.scales_loss for f in formats_among(layers)) and rules.scales_loss:
         params.update(suggest_loss_scale(space.loss_scale, trial))
@@ -62,8 +62,10 @@ def policy_of(space: SearchSpace, params: Mapping[str, Any]) -> Policy:
         hf32=params.get("switch.hf32"),
         writes_loss_scale=rules.scales_loss,
         quantization=Quantization(
-            int8=space.int8_method if any(f.quantizes and not f.converts for f in made) else None,
-            fp8=rules.fp8_made_with(space, params) if any(f.converts for f in made) else None,
+            int8=space.int8_method if any(f.records_quantization for f in made) else None,
+            fp8=rules.fp8_made_with(space, params)
+            if any(f.records_conversion for f in made)
+            else None,
         ),
         reduce_dtype=params.get(
             space.reduce_param, space.reduce_dtypes[0] if space.reduce_dtypes else None
@@ -77,10 +79,10 @@ def uniform_params(space: SearchSpace, dtype: str) -> dict[str, Any]:
     rules = space_rules(space.mode)
     params: dict[str, Any] = {f"dtype.{g.name}": dtype for g in space.groups}
     made = formats.get(dtype)
-    if made.quantizes and not made.converts:  # as dynamic quantization: the rest stays fp32
+    if made.records_quantization:  # int8, as dynamic quantization: the rest fp32
         fp32 = formats.reference().name
         params = {f"dtype.{g.name}": dtype if dtype in g.dtypes else fp32 for g in space.groups}
-    if made.converts:
+    if made.records_conversion:
         params = rules.uniform_fp8(space, dtype)
     if any(f.scales_loss for f in formats_among(params.values())) and rules.scales_loss:
         params.update(torch_default_params(space.loss_scale))

@@ -69,7 +69,7 @@ class ServingSpaceRules:
         and the fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend) searched."""
         kept = groups  # int8 (Linear, Conv1D) first, then fp8: the order a group offers them in
         for made in sorted(
-            (f for f in formats.all_formats() if f.quantizes), key=lambda f: f.converts
+            (f for f in formats.all_formats() if f.policy_records), key=lambda f: f.converts
         ):
             takes = partial(_fp8_takes, fp8_method) if made.converts else int8_capable
             kept = _where_it_fits(kept, assignment, model, made, takes)
@@ -105,7 +105,7 @@ class ServingSpaceRules:
             if all(made.name in g.dtypes for g in space.groups):
                 anchors[f"uniform-{made.name}"] = space.uniform_params(made.name)
         # quantized (int8), then converted (fp8): where some group takes them
-        for made in sorted((f for f in low if f.quantizes), key=lambda f: f.converts):
+        for made in sorted((f for f in low if f.policy_records), key=lambda f: f.converts):
             if any(made.name in g.dtypes for g in space.groups):
                 anchors[f"uniform-{made.name}"] = space.uniform_params(made.name)
         body = [g for g in space.groups if g.name != space.head]

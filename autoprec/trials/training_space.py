@@ -73,7 +73,7 @@ class TrainingSpaceRules:
         and the optimizer-state groups fitted to the model's parameters."""
         kept = _without_failing_dtypes(groups, assignment, model, kind)
         fitted = replace(space, int8_method=None, fp8_method=None)
-        for made in (f for f in formats.all_formats() if f.converts and space.offers_fp8):
+        for made in (f for f in formats.all_formats() if f.records_conversion and space.offers_fp8):
             kept = _with_fp8_where_it_fits(kept, assignment, model, space.source, made)
             fitted = replace(fitted, fp8_recipes=_runnable_recipes(space, kept, kind, made))
         if space.optimizer_states is not None:
@@ -114,7 +114,7 @@ class TrainingSpaceRules:
                 dtypes_only = {k: v for k, v in params.items() if k.startswith("dtype.")}
                 anchors[f"uniform-{made.name}-noscale"] = {**dtypes_only, "loss_scale.mode": "none"}
         for made in formats.all_formats():
-            if made.converts and any(made.name in g.dtypes for g in space.groups):
+            if made.records_conversion and any(made.name in g.dtypes for g in space.groups):
                 anchors[f"uniform-{made.name}"] = space.uniform_params(made.name)
         if space.optimizer_states is not None:
             anchors.update(space.optimizer_states.anchors(space.uniform_params("fp32")))
@@ -127,7 +127,7 @@ class TrainingSpaceRules:
         each where the space searches it."""
         flat = flat_loss_scale(policy.loss_scale)
         if space.offers_fp8:
-            converted = any(f.converts for f in formats_among(dtypes.values()))
+            converted = any(f.records_conversion for f in formats_among(dtypes.values()))
             flat["fp8.recipe"] = policy.fp8_recipe if converted else "-"
         if space.reduce_dtypes:
             flat[space.reduce_param] = policy.reduce_dtype or "fp32"
