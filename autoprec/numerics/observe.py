@@ -237,7 +237,6 @@ def _backend(device: str | torch.device | Backend | None) -> Backend:
 
 
 def _lows(backend: Backend) -> list[str]:
-    """The formats a region autocasts to below fp32 that the backend runs, widest first."""
     low = [f for f in formats.all_formats() if f.autocasts and f.low_precision]
     low.sort(key=lambda f: -f.limits.range_bits)
     return [f.name for f in low if backend.supports(f.name)]

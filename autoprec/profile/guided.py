@@ -232,8 +232,7 @@ def _high(group: Group) -> str:
 
 
 def _low_formats() -> list[Format]:
-    """The formats below fp32 the guided search seeds, in order: those a region autocasts
-    to (fp16, bf16), then converted ones (fp8), then quantized ones (int8)."""
+    """The formats below fp32 the guided search seeds: fp16, bf16, then fp8, then int8."""
     low = [
         f for f in formats.all_formats() if f.low_precision and (f.autocasts or f.policy_records)
     ]
@@ -247,8 +246,7 @@ def _wide() -> str:
 
 
 def _kept_in_wide(low: str) -> bool:
-    """Whether the refine phase tries ``low``'s kept groups in `_wide` rather than fp32: a
-    training format of narrower range than it (fp16, fp8)."""
+    """Whether the refine tries ``low``'s kept groups in `_wide`: a narrower training format."""
     made = formats.get(low)
     return bool(made.trains) and made.limits.range_bits < formats.get(_wide()).limits.range_bits
 

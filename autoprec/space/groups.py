@@ -62,8 +62,7 @@ class AutoGroups:
 
 
 def widest(dtypes: Iterable[str]) -> str:
-    """The widest of ``dtypes``: the most bytes, then the most range (fp32, bf16, fp16, fp8,
-    int8, in that order)."""
+    """The widest of ``dtypes``: the most bytes, then the most range (fp32, bf16, fp16...)."""
     made = (formats.get(d) for d in dtypes)
     return max(made, key=lambda f: (f.bytes_per_element, f.limits.range_bits)).name
 

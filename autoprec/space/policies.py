@@ -53,6 +53,7 @@ def policy_of(space: SearchSpace, params: Mapping[str, Any]) -> Policy:
     )
     layer_rules = tied + tuple(rule for g in space.groups for rule in group_rules(g, params))
     made = formats_among({r.dtype for r in layer_rules})
+    fp8 = any(f.records_conversion for f in made)
     states = rules.searched_states(space)
     return Policy(
         rules=layer_rules,
@@ -63,9 +64,7 @@ def policy_of(space: SearchSpace, params: Mapping[str, Any]) -> Policy:
         writes_loss_scale=rules.scales_loss,
         quantization=Quantization(
             int8=space.int8_method if any(f.records_quantization for f in made) else None,
-            fp8=rules.fp8_made_with(space, params)
-            if any(f.records_conversion for f in made)
-            else None,
+            fp8=rules.fp8_made_with(space, params) if fp8 else None,
         ),
         reduce_dtype=params.get(
             space.reduce_param, space.reduce_dtypes[0] if space.reduce_dtypes else None
