@@ -40,8 +40,10 @@ class ModeText:
 
     @property
     def style(self) -> str:
-        """What the page adds to the shared style: each format only this mode has (int8)."""
+        """What the page adds to the shared style: each format only this mode has whose
+        method a policy records (int8; the block-scaled formats are not styled yet)."""
         only = [f for f in formats.all_formats() if f.modes == (self.formats_of,)]
+        only = [f for f in only if f.policy_records]
         return "".join(f".{f.name}{{color:{f.colour}}}\n" for f in only)
 
     def time_at(self, summary: Summary) -> str:
