@@ -41,6 +41,7 @@ from torch import nn
 
 from autoprec.dtypes import TORCH_DTYPES, below_fp32
 from autoprec.errors import PolicyError
+from autoprec.formats import get
 from autoprec.policy import REDUCE_DTYPES
 from autoprec.precision.plan import own_parameters
 from autoprec.profile.autogroups import repeated_blocks
@@ -65,8 +66,9 @@ class ShardUnit:
 def shard_units(model: nn.Module, leaf_dtypes: dict[str, str]) -> list[ShardUnit]:
     """The units for a model whose parameterised leaves run in ``leaf_dtypes`` (a plan's),
     innermost first, as ``fully_shard`` must be applied."""
-    if "fp8" in leaf_dtypes.values():
-        raise PolicyError("fp8 layers under FSDP2 are not supported yet (use DDP)")
+    converted = sorted(d for d in set(leaf_dtypes.values()) if get(d).records_conversion)
+    if converted:
+        raise PolicyError(f"{converted[0]} layers under FSDP2 are not supported yet (use DDP)")
     modules = dict(model.named_modules())
     blocks = list(repeated_blocks(model))
 

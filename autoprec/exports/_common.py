@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.files import write_atomic
 from autoprec.dtypes import LOW_PRECISION
 from autoprec.errors import ExportError, ExportWarning
@@ -101,7 +102,7 @@ class OneLowDtype:
 
     @property
     def fp32_layers(self) -> list[str]:
-        return [name for name, dtype in self.dtypes.items() if dtype == "fp32"]
+        return [name for name, dtype in self.dtypes.items() if formats.get(dtype).reference]
 
 
 def one_low_dtype(policy: Policy, model: nn.Module, device: str, fmt: str) -> OneLowDtype:
@@ -115,7 +116,7 @@ def one_low_dtype(policy: Policy, model: nn.Module, device: str, fmt: str) -> On
     present = [low for low in LOW_PRECISION if any(d == low for d in resolved.values())]
     if len(present) <= 1:
         return OneLowDtype(dict(resolved), present[0] if present else None, ())
-    low = max(present, key=lambda d: (weight[d], d == "bf16"))
+    low = max(present, key=lambda d: (weight[d], formats.get(d).limits.range_bits))  # bf16
     other = next(d for d in present if d != low)
     widened = tuple(name for name, dtype in resolved.items() if dtype == other)
     dtypes = {name: "fp32" if dtype == other else dtype for name, dtype in resolved.items()}

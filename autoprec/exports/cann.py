@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.files import atomic_file
 from autoprec.errors import WriteError
 from autoprec.exports._common import (
@@ -169,7 +170,8 @@ def fp32_scopes(layer_dtypes: Mapping[str, str]) -> Callable[[str], bool]:
     def runs_in_fp32(module: str) -> bool:
         while module and module not in below:
             module = module.rpartition(".")[0]
-        return below.get(module) == {"fp32"}
+        dtypes = below.get(module, set())
+        return bool(dtypes) and all(formats.get(d).reference for d in dtypes)
 
     return runs_in_fp32
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec.exports._common import (
     ExportError,
     comment,
@@ -94,7 +95,8 @@ def export_fp8(
     found = torchtitan_filter(model, layers)
     folder = export_folder(out_dir, FILES)
     label = policy_label(policy)
-    torchtitan_runs = "fp32" if others.rest == "fp32" else "bf16"
+    rest = others.rest
+    torchtitan_runs = rest if rest is not None and formats.get(rest).reference else "bf16"
     torchtitan_notes = _rest_notes(
         others, torchtitan_runs, "torchtitan", "training.mixed_precision_param"
     )

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec.exports._common import (
     ExportError,
     comment,
@@ -178,7 +179,7 @@ def export_transformers(
         )
     own = sorted(set(getattr(model, ATTRIBUTE, None) or ()) - set(entries))
     plain = sorted(getattr(model, "_keep_in_fp32_modules", None) or ())
-    if own or (plain and plan.low == "fp16"):
+    if own or (plain and plan.low is not None and formats.get(plan.low).torch_name == "float16"):
         notes.append(
             f"{cls} has keep lists of its own ({', '.join([*own, *plain])}): "
             "from_pretrained keeps those layers in fp32 too; the strict ones stay in the list "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec.exports._common import (
     comment,
     names,
@@ -41,14 +42,15 @@ def precision_mode(policy: Policy, model: nn.Module | None = None) -> tuple[str,
     if model is not None:
         resolved = policy.resolve(model, "npu")
         autocast_fp32 = Policy.uniform("fp16").resolve(model, "npu")
-        kept = [n for n, d in resolved.items() if d == "fp32" and autocast_fp32[n] != "fp32"]
-        bf16 = [n for n, d in resolved.items() if d == "bf16"]
+        fp32 = {n for n, d in resolved.items() if formats.get(d).reference}
+        kept = [n for n in resolved if n in fp32 and not formats.get(autocast_fp32[n]).reference]
+        bf16 = [n for n, d in resolved.items() if _unsaid(d)]
         kept_text = f"{len(kept)} layer(s) in fp32 ({names(kept)})"
         bf16_text = f"{len(bf16)} layer(s) in bf16 ({names(bf16)})"
     else:
         declared = [policy.default, *(rule.dtype for rule in policy.rules)]
-        kept = ["fp32"] if "fp32" in declared else []
-        bf16 = ["bf16"] if "bf16" in declared else []
+        kept = list({d for d in declared if formats.get(d).reference})
+        bf16 = list({d for d in declared if _unsaid(d)})
         kept_text = "layers in fp32 (its default or a rule says fp32; no model to tell which)"
         bf16_text = "layers in bf16 (its default or a rule says bf16)"
     notes = []
@@ -81,6 +83,13 @@ def precision_mode(policy: Policy, model: nn.Module | None = None) -> tuple[str,
         f"{KEEP_ORIGIN} would be as correct.",
         notes,
     )
+
+
+def _unsaid(dtype: str) -> bool:
+    """Whether ``dtype`` is a format autocast runs below fp32 that ACL's modes do not name
+    (bf16: they reduce fp32 to torch's float16 only)."""
+    made = formats.get(dtype)
+    return made.autocasts and made.low_precision and made.torch_name != "float16"
 
 
 def _hf32_lines(hf32: bool | None) -> list[str]:

@@ -29,7 +29,7 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder
 from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
-from autoprec.optim.state import LIBRARY_KINDS
+from autoprec.optim.state import LIBRARY_KINDS, in_reference
 from autoprec.policy import Policy
 
 SNIPPET_FILE = "bitsandbytes_optimizer.py"
@@ -55,7 +55,7 @@ def export_bitsandbytes(
             )
     folder = export_folder(out_dir, FILES)
     notes = library_note(policy, "bitsandbytes")
-    fp32 = [name for state, names in grouped.items() if state.state == "fp32" for name in names]
+    fp32 = [name for state, names in grouped.items() if in_reference(state.state) for name in names]
     lines = [
         *docstring(
             [

@@ -31,6 +31,7 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder
 from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
+from autoprec.optim.state import in_reference
 from autoprec.policy import Policy
 
 CONFIG_FILE = "torchao_optimizer.py"
@@ -53,7 +54,8 @@ def export_torchao_optimizer(
     grouped = parameters_by_state(policy, model, fmt)  # checks the model first
     assert model is not None
     for state, names in grouped.items():
-        if state.state not in CLASSES or (state.state == "fp32" and state.master == "bf16"):
+        fp32_states_low_master = in_reference(state.state) and not in_reference(state.master)
+        if state.state not in CLASSES or fp32_states_low_master:
             group = policy.optimizer_states.group_of(model, names[0])
             where = f"group {group.describe()!r}" if group is not None else "the default"
             raise ExportError(
@@ -64,11 +66,8 @@ def export_torchao_optimizer(
     notes = library_note(policy, "torchao")
     entries = []
     for state, names in grouped.items():
-        kwargs = (
-            "{}"
-            if state.state == "fp32"
-            else f"{{'bf16_stochastic_round': {state.master == 'bf16'}}}"
-        )
+        low_master = not in_reference(state.master)  # bf16
+        kwargs = "{}" if in_reference(state.state) else f"{{'bf16_stochastic_round': {low_master}}}"
         entries += [
             "    {",
             f"        'optimizer': {CLASSES[state.state]},",

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.files import atomic_file
 from autoprec._util.structures import map_tensors, tensors, to_device
 from autoprec.devices import get_backend
@@ -186,7 +187,8 @@ def _deviation(
 def _int8_method(policy: Policy, model: nn.Module, kind: str, int8: str | None) -> str | None:
     from autoprec.serving.conversion import default_int8_method
 
-    if "int8" not in policy.resolve_served(model).values():
+    served = [formats.get(d) for d in set(policy.resolve_served(model).values())]
+    if not any(f.records_quantization for f in served):  # int8
         return None
     return int8 or policy.int8_method or default_int8_method(kind)
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from torch import nn
 
-from autoprec.dtypes import FP8, LOW_PRECISION
+import autoprec.formats as formats
+from autoprec.dtypes import LOW_PRECISION
 from autoprec.exports._common import (
     ExportError,
     comment,
@@ -60,9 +61,10 @@ def export_torchao(
     require(model, "a model (the fp32 module, for its layer names)", "torchao")
     assert model is not None
     resolved = policy.resolve_served(model)
-    int8_layers = [name for name, dtype in resolved.items() if dtype == "int8"]
+    made = {name: formats.get(dtype) for name, dtype in resolved.items()}
+    int8_layers = [name for name, f in made.items() if f.records_quantization]
     linear = [name for name in int8_layers if isinstance(model.get_submodule(name), nn.Linear)]
-    fp8_layers = [name for name, dtype in resolved.items() if dtype == FP8]
+    fp8_layers = [name for name, f in made.items() if f.records_conversion]
     chosen: Quantizer | None = None
     method = ""
     if int8_layers:

@@ -36,7 +36,7 @@ from autoprec.exports._common import (
 )
 from autoprec.exports._owned import export_folder
 from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
-from autoprec.optim.state import TrainingState
+from autoprec.optim.state import TrainingState, in_reference
 from autoprec.policy import Policy
 
 SNIPPET_FILE = "trainer_optimizer.py"
@@ -49,7 +49,7 @@ def trainer_optim(policy: Policy, model: nn.Module) -> str | None:
     """The Trainer ``optim`` string that builds on ``model`` the optimizer the policy
     describes, or None where no string does (see the module docstring)."""
     grouped = parameters_by_state(policy, model, "trainer")
-    if any(state.master != "fp32" for state in grouped):
+    if not all(in_reference(state.master) for state in grouped):
         return None
     library = policy.optimizer_states.library
     if library == "bitsandbytes":

@@ -85,6 +85,9 @@ class Format:
     # Whether a device without its kernels may run its numerics, opted into with
     # ``--emulate NAME`` (real numerics, no speed).
     emulated_elsewhere: ClassVar[bool] = False
+    # Whether a policy's ``quantization:`` section records how its layers are made (int8's
+    # method, fp8's recipe or serving method): a space fits its layers one by one for it.
+    policy_records: ClassVar[bool] = False
     # Its export mappings: an export format's name to what it writes for this format.
     exports: ClassVar[dict[str, str]] = {}
     # A conversion format's training recipes (the first its default), as a policy's
@@ -110,6 +113,16 @@ class Format:
     def quantizes(self) -> bool:
         """Whether serving quantizes a layer's weights to it (inputs stay fp32)."""
         return self.serves == QUANTIZE
+
+    @property
+    def records_conversion(self) -> bool:
+        """Whether it converts layers and a policy records its recipe or method (fp8)."""
+        return self.policy_records and self.converts
+
+    @property
+    def records_quantization(self) -> bool:
+        """Whether it quantizes layers and a policy records its method (int8)."""
+        return self.policy_records and not self.converts
 
     @property
     def converts(self) -> bool:

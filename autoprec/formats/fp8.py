@@ -196,6 +196,7 @@ class FP8(Format):
     bytes_per_element = 1.0
     colour = "#c44e52"
     rest = "bf16"
+    policy_records = True
     emulated_elsewhere = True
     recipes = FP8_RECIPES
     methods = (

@@ -36,6 +36,7 @@ class INT8(Format):
     modes = ("serving",)
     trains = ""
     serves = QUANTIZE
+    policy_records = True
     bytes_per_element = 1.0
     colour = "#8172b3"
     methods = (

@@ -22,8 +22,9 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+import autoprec.formats as formats
 from autoprec.guard.settings import WIDTH, Guard
-from autoprec.numerics.forecast import DTYPE_RANGES, Forecast, Headroom, Outcome, RangeSeries
+from autoprec.numerics.forecast import Forecast, Headroom, Outcome, RangeSeries, element_limits
 from autoprec.numerics.fp8_telemetry import FLUSH_WARNING, ROLE_LABELS, Fp8Telemetry
 
 if TYPE_CHECKING:
@@ -128,8 +129,10 @@ def promotions(
 def inside_margin(series: RangeSeries, margin_bits: float) -> bool:
     """Whether some layer's latest largest |output| is within ``margin_bits`` of its
     dtype's largest value (no fit needed to see it)."""
+    held = element_limits()
     for layer, values in series.act_max.items():
-        largest = DTYPE_RANGES.get(series.dtypes.get(layer, ""), (math.inf,))[0]
+        dtype = series.dtypes.get(layer, "")
+        largest = held[dtype].largest if dtype in held else math.inf
         latest = values[-1] if values else 0.0
         finite = 0 < latest < math.inf and largest < math.inf
         if finite and math.log2(largest / latest) < margin_bits:
@@ -147,8 +150,10 @@ def fp8_promotions(
     found = []
     for name, stats in telemetry.stats.items():
         worst = stats.worst()
-        target = settings.target("fp8")
-        if worst is None or target is None or leaf_dtypes.get(name) != "fp8":
+        dtype = leaf_dtypes.get(name, "")
+        converted = formats.known(dtype) and formats.get(dtype).records_conversion  # fp8
+        target = settings.target(dtype) if converted else None
+        if worst is None or target is None:
             continue
         role, cast = worst
         saturated = max(stats.casts.values(), key=lambda c: c.saturated)
@@ -187,7 +192,7 @@ def widening(
 
 def _trigger(room: Headroom, projected_to: int, settings: Guard) -> str | None:
     """Why ``room`` must be promoted now (None: it may stay)."""
-    largest = DTYPE_RANGES[room.dtype][0]
+    largest = element_limits()[room.dtype].largest
     crossing = room.first_crossing
     if room.outcome == Outcome.AT_RISK and crossing is not None:
         step, side = crossing

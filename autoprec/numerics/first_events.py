@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.structures import tensors
 
 FLUSH = "flush to zero"
@@ -34,11 +35,7 @@ OVERFLOW = "overflow"
 SCALE_COLLAPSE = "loss scale collapse"
 MOSTLY_ZERO = 0.5  # the share of once-nonzero values that must be zero now
 KEPT = 32  # first events a result keeps
-# The dtypes whose smallest normal is above fp32's: only there is a flush the dtype's range
-# (bf16's is fp32's own: its values flush where fp32's do, and a bf16 layer's outputs
-# going zero sooner is a ReLU dying in its noise, not its range).
-NARROW_RANGE = frozenset({"fp16", "fp8"})
-_TORCH = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_TORCH = {f.torch_dtype(): f.name for f in formats.all_formats() if f.torch_name}
 # Which mechanism's words open a reason, when it is the earliest.
 REASON_WORDS = {FLUSH: "underflow", OVERFLOW: "overflow", SCALE_COLLAPSE: "loss scale collapse"}
 
@@ -125,7 +122,7 @@ class FirstEvents:
     def earliest(self, also_in_fp32: Mapping[str, int] | None = None) -> FirstEvent | None:
         """The first event that low precision explains: by step, then by order of
         completion. A flush counts only in a layer whose dtype's range is narrower than
-        fp32's toward zero (fp16, fp8: ``NARROW_RANGE``), and not in a layer that
+        fp32's toward zero (fp16, fp8: `narrow_range`), and not in a layer that
         ``also_in_fp32`` (layer: the step its values went mostly zero in the fp32 run)
         flushed as early or earlier: a ReLU that died, not a dtype's range. A layer fp32
         flushes only later (an annealed kernel: fp16's smallest subnormal is passed
@@ -185,7 +182,17 @@ def _explained(event: FirstEvent, also_in_fp32: Mapping[str, int]) -> bool:
     if event.mechanism != FLUSH:
         return True
     fp32_step = also_in_fp32.get(event.layer or "")
-    return event.dtype in NARROW_RANGE and (fp32_step is None or fp32_step > event.step)
+    return narrow_range(event.dtype) and (fp32_step is None or fp32_step > event.step)
+
+
+def narrow_range(dtype: str | None) -> bool:
+    """Whether ``dtype``'s smallest normal is above fp32's: only there is a flush the
+    dtype's range (bf16's is fp32's own: its values flush where fp32's do, and a bf16
+    layer's outputs going zero sooner is a ReLU dying in its noise, not its range)."""
+    if not formats.known(dtype):
+        return False
+    smallest = formats.get(str(dtype)).limits.smallest_normal
+    return smallest > formats.reference().limits.smallest_normal
 
 
 def diagnose_forward(

@@ -35,30 +35,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-# (largest finite value, smallest normal) of each dtype a value can be held in.
-DTYPE_RANGES: dict[str, tuple[float, float]] = {
-    "fp8_e4m3": (448.0, 2.0**-6),
-    "fp8_e5m2": (57344.0, 2.0**-14),
-    "fp16": (65504.0, 2.0**-14),
-    "bf16": (3.3895313892515355e38, 2.0**-126),
-    "fp32": (3.4028234663852886e38, 2.0**-126),
-    "fp64": (1.7976931348623157e308, 2.0**-1022),
-}
-# The smallest subnormal of each dtype: where a gradient is lost, flushed to zero. Between
-# it and the smallest normal a value keeps fewer bits but still steps its weight (the zoo's
-# gradients that went there, with their training holding: tiny-llama, tiny-t5,
-# zoo-gradient-underflow, benchmarks/README.md).
-SMALLEST_SUBNORMAL: dict[str, float] = {
-    "fp8_e4m3": 2.0**-9,
-    "fp8_e5m2": 2.0**-16,
-    "fp16": 2.0**-24,
-    "bf16": 2.0**-133,
-    "fp32": 2.0**-149,
-    "fp64": 2.0**-1074,
-}
-# The order in which a module's output dtypes are coded as a number by the watcher (its
-# index + 1; 0: no floating output), widest last, so that a maximum keeps the widest.
-DTYPE_ORDER: tuple[str, ...] = tuple(DTYPE_RANGES)
+import autoprec.formats as formats
+from autoprec.formats import Limits
+
+_FP64 = Limits(1.7976931348623157e308, 2.0**-1022, 2.0**-1074, 52)  # no format, but held
 _TORCH_NAMES = {
     "float8_e4m3fn": "fp8_e4m3",
     "float8_e4m3fnuz": "fp8_e4m3",
@@ -69,6 +49,28 @@ _TORCH_NAMES = {
     "float32": "fp32",
     "float64": "fp64",
 }
+# The order in which a module's output dtypes are coded as a number by the watcher (its
+# index + 1; 0: no floating output), widest last, so that a maximum keeps the widest.
+DTYPE_ORDER: tuple[str, ...] = tuple(dict.fromkeys(_TORCH_NAMES.values()))
+
+
+def element_limits() -> dict[str, Limits]:
+    """The limits of each floating type a value can be held in: every format's element
+    types (fp8's e4m3 and e5m2), and fp64. Below the smallest normal a value keeps fewer
+    bits but still steps its weight (the zoo's gradients that went there, with their
+    training holding: tiny-llama, tiny-t5, zoo-gradient-underflow, benchmarks/README.md);
+    below the smallest subnormal it is lost, flushed to zero."""
+    found = {"fp64": _FP64}
+    for made in formats.all_formats():
+        found |= {n: limits for n, limits in made.element_limits().items() if limits.mantissa_bits}
+    return found
+
+
+def dtype_range(dtype: str) -> tuple[float, float]:
+    """(largest finite value, smallest normal) of a type a value can be held in."""
+    limits = element_limits()[dtype]
+    return limits.largest, limits.smallest_normal
+
 
 FORECAST_MULTIPLE = 10  # --train-steps' default: this many times the trial's steps
 TRANSIENT_FRACTION = 0.2  # the first fifth of the steps trained are start-up, not trend
@@ -842,7 +844,7 @@ class Forecast:
             return self.broken_step, f"{self.broken}, {within}"
         found: list[tuple[int, str]] = []
         for h in self.layers:
-            largest, smallest = DTYPE_RANGES[h.dtype]
+            largest, smallest = dtype_range(h.dtype)
             if h.crossing_step is not None:
                 found.append(
                     (
@@ -1013,7 +1015,7 @@ def headroom(
     """One layer's activation headroom now and at ``train_steps`` in ``dtype``, toward
     its largest value and toward its smallest normal (fitted from ``start_step`` at the
     earliest)."""
-    largest, smallest = DTYPE_RANGES[dtype]
+    largest, smallest = dtype_range(dtype)
     top, bottom = math.log2(largest), math.log2(smallest)
     finite = [v for v in amax if math.isfinite(v) and v > 0]
     observed = max(finite, default=0.0)
@@ -1118,7 +1120,7 @@ def _with_gradients(
     steps = series.grad_steps.get(room.layer)
     if not steps:
         return room
-    largest, smallest = DTYPE_RANGES[room.dtype]
+    largest, smallest = dtype_range(room.dtype)
     gmax = max((v for v in series.grad_max[room.layer] if math.isfinite(v)), default=0.0)
     lows = [v for v in series.grad_low[room.layer] if math.isfinite(v) and v > 0]
     underflow_now = underflow_at_n = None
@@ -1132,7 +1134,7 @@ def _with_gradients(
             start_step=start_step,
         )
         underflow_at_n = min(underflow_now, shrink.log2_at(train_steps) - math.log2(smallest))
-    flush = SMALLEST_SUBNORMAL[room.dtype]
+    flush = element_limits()[room.dtype].smallest_subnormal
     largest_shrink = fit_trend(
         steps,
         series.grad_max[room.layer],
@@ -1204,7 +1206,7 @@ def _with_subnormals(room: Headroom, series: RangeSeries) -> Headroom:
     first, last = statistics.fmean(shares[:third]), statistics.fmean(shares[-third:])
     if last < SUBNORMAL_SHARE or last <= first:
         return room
-    _, smallest = DTYPE_RANGES[room.dtype]
+    _, smallest = dtype_range(room.dtype)
     return replace(
         room,
         subnormal_share=last,
@@ -1219,9 +1221,9 @@ def _reference_sides(dtype: str) -> tuple[bool, bool]:
     """Whether ``dtype``'s range is as wide as fp32's toward its largest value and toward
     its smallest normal: fp32's own, fp64's, and bf16's (its largest within a bit of
     fp32's, its smallest normal fp32's)."""
-    largest, smallest = DTYPE_RANGES[dtype]
-    reference_largest, reference_smallest = DTYPE_RANGES["fp32"]
-    return largest >= reference_largest / 2, smallest <= reference_smallest
+    largest, smallest = dtype_range(dtype)
+    reference = formats.reference().limits
+    return largest >= reference.largest / 2, smallest <= reference.smallest_normal
 
 
 def _beyond_the_reference(room: Headroom) -> Headroom:
@@ -1378,9 +1380,10 @@ def forecast(
     scaling = None
     if loss_scales:  # the floor: the dynamic scaler's, else the scale it holds (1: none)
         scaling = (loss_scales, scale_floor if scale_floor is not None else min(loss_scales))
+    held = element_limits()
     for layer, steps in series.steps.items():
         dtype = series.dtypes.get(layer)
-        if dtype is None or dtype not in DTYPE_RANGES:
+        if dtype is None or dtype not in held:
             continue
         amax = series.act_max[layer]
         room = headroom(layer, dtype, steps, amax, train_steps, trained, start)

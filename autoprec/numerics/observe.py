@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.structures import map_tensors, tensors, to_device
 from autoprec.devices import (
     DTYPES,
@@ -84,7 +85,7 @@ def casts_inputs(kind: str, module: nn.Module, dtype: str, uniform: bool) -> boo
     autocast, which leaves its input as it arrives). The one rule the plan
     (`autoprec.policy.Policy.plan`) and the profile's deviation test both follow, so that
     the profile measures each module as a policy would run it."""
-    if dtype == "fp32":
+    if formats.get(dtype).reference:
         return False
     behaviour = autocast_behaviour(kind, module)
     return behaviour == "cast" or (behaviour == "input" and not uniform)
@@ -147,8 +148,8 @@ def _behaviour(
     training steps (`train_step`): a kernel that runs for inference but not for training
     (oneDNN's fp16 LSTM on some CPUs) must not decide how training runs it."""
     down = first_floating_dtype(train_step(module, inputs, kind, low, cast=True))
-    if down == "fp32":
-        return "fp32"
+    if formats.known(down) and formats.get(str(down)).reference:
+        return down  # "fp32": autocast keeps it in fp32
     try:
         given = first_floating_dtype(train_step(module, inputs, kind, low, cast=False))
     except Exception:  # runs only on inputs already cast: an LSTM on the CPU
@@ -236,7 +237,9 @@ def _backend(device: str | torch.device | Backend | None) -> Backend:
 
 
 def _lows(backend: Backend) -> list[str]:
-    return [d for d in ("bf16", "fp16") if backend.supports(d)]
+    low = [f for f in formats.all_formats() if f.autocasts and f.low_precision]
+    low.sort(key=lambda f: -f.limits.range_bits)
+    return [f.name for f in low if backend.supports(f.name)]
 
 
 def _verdict(

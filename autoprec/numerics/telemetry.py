@@ -41,13 +41,14 @@ from typing import Any
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.structures import tensors
 from autoprec.numerics.first_events import FirstEvents
 from autoprec.numerics.forecast import RangeSeries, dtype_code, dtype_of_code
 from autoprec.numerics.fp8_telemetry import Fp8Telemetry
 from autoprec.numerics.watch import CALL, PARAM_GRAD, Counts, Watcher
 
-FP16_MAX = 65504.0
+FP16_MAX = formats.get("fp16").limits.largest  # ``act_at_fp16_max`` counts up to it
 RANGE_SAMPLE = 4096  # gradient elements sampled per tensor for the low quantile
 UNDERFLOW_WARNING = 0.01  # warn when more than 1% of nonzero gradients would flush
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import PolicyError
-from autoprec.optim.state import OptimizerStates, TrainingState
+from autoprec.optim.state import OptimizerStates, TrainingState, in_reference
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 _ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
@@ -66,7 +66,7 @@ def build_optimizer(
         if state == TrainingState():
             parts.append((state, optimizer(params, **hyperparameters)))
             continue
-        if state.master == "bf16":
+        if not in_reference(state.master):  # bf16
             with torch.no_grad():
                 for param in params:
                     param.data = param.data.to(torch.bfloat16)
@@ -82,7 +82,7 @@ def state_buffer(
     made by that optimizer itself: torchao's blockwise state where it quantises the
     parameter, a plain tensor (fp32, or bf16 for bf16 states) where it does not. Copying a
     moment in quantises it as a trial's optimizer would (`autoprec.numerics.state_health`)."""
-    if state == "fp32":
+    if in_reference(state):
         return torch.zeros_like(parameter, dtype=torch.float32)
     alone = nn.Parameter(parameter.detach(), requires_grad=False)  # its storage, not a copy
     optimizer = _torchao_optimizer(TrainingState(state), [alone], reference)
@@ -99,7 +99,7 @@ def _torchao_optimizer(
     import torchao.optim as ao
 
     adamw, kwargs = _adam_defaults(reference, state, "torchao")
-    stochastic = state.master == "bf16"
+    stochastic = not in_reference(state.master)  # bf16 masters
     quantised = {
         "8bit": (ao.AdamW8bit, ao.Adam8bit),
         "4bit": (ao.AdamW4bit, ao.Adam4bit),

@@ -32,6 +32,7 @@ from autoprec.optim.state import (
     STATE_KINDS,
     OptimizerStates,
     StateGroup,
+    in_reference,
 )
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ class StateSpace:
 
 
 def _first(choices: tuple[str, ...]) -> str:
-    return "fp32" if "fp32" in choices else choices[0]
+    return next((choice for choice in choices if in_reference(choice)), choices[0])
 
 
 def _choices(value: Any, allowed: tuple[str, ...], where: str, fail: Any) -> tuple[str, ...]:

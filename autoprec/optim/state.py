@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.safe_names import check_name
 from autoprec.devices import state_nbytes
 from autoprec.errors import PolicyError
@@ -84,6 +85,12 @@ def _strings(value: Any, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def in_reference(kind: str) -> bool:
+    """Whether a state kind or master dtype is the reference format (fp32): the optimizer's
+    own states, full-precision master weights."""
+    return formats.known(kind) and formats.get(kind).reference
+
+
 @dataclass(frozen=True)
 class TrainingState:
     """What one parameter's training keeps: the optimizer state kind and master dtype."""
@@ -92,7 +99,7 @@ class TrainingState:
     master: str = "fp32"
 
     def describe(self) -> str:
-        return self.state if self.master == "fp32" else f"{self.state}, master {self.master}"
+        return self.state if in_reference(self.master) else f"{self.state}, master {self.master}"
 
 
 @dataclass(frozen=True)
@@ -224,7 +231,8 @@ class OptimizerStates:
         if model is not None:
             return all(s == TrainingState() for s in self.assign(model).values())
         named = [(g.state or "fp32", g.master or "fp32") for g in self.groups]
-        return all(pair == ("fp32", "fp32") for pair in [(self.state, self.master), *named])
+        pairs = [(self.state, self.master), *named]
+        return all(in_reference(s) and in_reference(m) for s, m in pairs)
 
     def kinds(self) -> set[str]:
         """Every state kind the section names."""

@@ -49,19 +49,19 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from autoprec.dtypes import FP8, LOW_PRECISION
+import autoprec.formats as formats
 from autoprec.errors import AutoprecError, SpaceError
 from autoprec.optim.state import STATE_BYTES_PER_ELEMENT
 from autoprec.selection import PREFER_METRICS, TRAINING_PREFERENCES, preference_score
 from autoprec.space import Group, SearchSpace, dtype_beside, space_rules
+from autoprec.space.groups import formats_among, widest
+from autoprec.space.loss_scale import torch_default_params
 
 if TYPE_CHECKING:
+    from autoprec.formats import Format
     from autoprec.numerics.state_health import GroupStateLoss
     from autoprec.optim.space import StateChoice
 
-_HIGH_FIRST = ("fp32", "bf16", "fp16", FP8, "int8")
-# Low dtypes whose kept groups the refine phase tries in bf16 rather than fp32.
-_KEPT_IN_BF16 = ("fp16", FP8)
 Proposal = tuple[dict[str, Any], str]
 
 
@@ -103,7 +103,8 @@ class _Strategy:
         self.groups: tuple[Group, ...] = space.groups
         states = space_rules(space.mode).searched_states(space)
         self.state_groups: tuple[StateChoice, ...] = () if states is None else states.groups
-        scaling = space.uniform_params("fp16")
+        scales = space_rules(space.mode).scales_loss and bool(space.groups)
+        scaling = torch_default_params(space.loss_scale) if scales else {}
         self._fp16_scaling = {k: v for k, v in scaling.items() if k.startswith("loss_scale.")}
 
     def propose(
@@ -141,15 +142,15 @@ class _Strategy:
         searches optimizer states, ``states`` by state group (every other group, and
         every master weight, in its highest)."""
         params: dict[str, Any] = {f"dtype.{g.name}": dtypes[g.name] for g in self.groups}
-        if "fp16" in dtypes.values():
+        made = formats_among(dtypes.values())
+        if any(f.scales_loss for f in made):
             params.update(self._fp16_scaling)
-        if FP8 in dtypes.values() and len(self.space.fp8_recipes) > 1:
+        if any(f.records_conversion for f in made) and len(self.space.fp8_recipes) > 1:
             params["fp8.recipe"] = self.space.anchor_recipe
         for choice in self.state_groups:
             params[f"state.{choice.name}"] = (states or {}).get(choice.name, _highest(choice))
             if len(choice.masters) > 1:
-                master = "fp32" if "fp32" in choice.masters else choice.masters[0]
-                params[f"master.{choice.name}"] = master
+                params[f"master.{choice.name}"] = widest(choice.masters)
         return params
 
     def _assign(self, low: str, kept: set[str] | frozenset[str]) -> dict[str, str]:
@@ -160,7 +161,7 @@ class _Strategy:
         def dtype(group: Group) -> str:
             if group.name in kept:
                 return _high(group)
-            if low == FP8:
+            if formats.get(low).converts:
                 return dtype_beside(group, low)
             return low if low in group.dtypes else _high(group)
 
@@ -203,7 +204,8 @@ def fp16_start_scale_log2(space: SearchSpace, max_gradient: float | None) -> int
     bounds = space.loss_scale.ranges.get("init_scale_log2")
     if max_gradient is None or not math.isfinite(max_gradient) or max_gradient <= 0 or not bounds:
         return None
-    safe = math.floor(math.log2(65504.0 / max_gradient)) - _START_HEADROOM_LOG2
+    largest = min(f.limits.largest for f in formats.all_formats() if f.scales_loss)  # fp16's
+    safe = math.floor(math.log2(largest / max_gradient)) - _START_HEADROOM_LOG2
     low, high = bounds
     return int(min(max(safe, low), high, 16))
 
@@ -217,15 +219,36 @@ def _state_kinds(groups: Sequence[StateChoice]) -> list[str]:
     """The kinds the guided search seeds and bisects, the fewest bytes first: every kind
     offered below fp32 except bf16 where narrower ones are offered (bf16 is where the
     refinement then tries the groups those keep)."""
-    offered = {kind for c in groups for kind in c.states if kind != "fp32"}
-    if offered - {"bf16"}:
-        offered.discard("bf16")
+    kinds = {kind for c in groups for kind in c.states}
+    offered = kinds - {f.name for f in formats_among(kinds) if f.reference}
+    if offered - {_wide()}:
+        offered.discard(_wide())
     return sorted(offered, key=lambda kind: (STATE_BYTES_PER_ELEMENT[kind], kind))
 
 
 def _high(group: Group) -> str:
     """The widest-ranged dtype ``group`` offers (a serving group may offer only int8)."""
-    return next((d for d in _HIGH_FIRST if d in group.dtypes), group.dtypes[0])
+    return widest(group.dtypes)
+
+
+def _low_formats() -> list[Format]:
+    """The formats below fp32 the guided search seeds: fp16, bf16, then fp8, then int8."""
+    low = [
+        f for f in formats.all_formats() if f.low_precision and (f.autocasts or f.policy_records)
+    ]
+    return sorted(low, key=lambda f: (not f.autocasts, not f.converts))
+
+
+def _wide() -> str:
+    """The low format with fp32's range (bf16): the refine phase tries kept groups in it."""
+    autocast = [f for f in _low_formats() if f.autocasts]
+    return max(autocast, key=lambda f: f.limits.range_bits).name
+
+
+def _kept_in_wide(low: str) -> bool:
+    """Whether the refine tries ``low``'s kept groups in `_wide`: a narrower training format."""
+    made = formats.get(low)
+    return bool(made.trains) and made.limits.range_bits < formats.get(_wide()).limits.range_bits
 
 
 class GuidedStrategy(_Strategy):
@@ -279,7 +302,7 @@ class GuidedStrategy(_Strategy):
         self.prefer = prefer
         # fp8 where the space offers it (training: torchao's float8 Linear layers); serving
         # spaces may also offer int8 (to the layers that take it).
-        self.low_dtypes = [d for d in (*LOW_PRECISION, FP8, "int8") if self._searchable(d, names)]
+        self.low_dtypes = [f.name for f in _low_formats() if self._searchable(f.name, names)]
         # Optimizer states (`autoprec.optim.space`): each kind a group could be stored in
         # below its highest, the fewest bytes first, bisected in the order of what that
         # kind's quantiser lost on the baseline's states (`StateSpace.risk_order`).
@@ -298,12 +321,13 @@ class GuidedStrategy(_Strategy):
         for kind in self.state_kinds:
             yield self._states_at(kind, set()), "seed"
         for low in self._dtype_order(known):
-            order = self._searchable(low, self.fp8_risk_order if low == FP8 else self.risk_order)
+            converts = formats.get(low).converts
+            order = self._searchable(low, self.fp8_risk_order if converts else self.risk_order)
             at = partial(self._layers_at, low)
             needed = yield from self._bisect(order, at, known, busy)
             if needed is not None:
                 kept = yield from self._drop_singles(order[:needed], at, known, busy)
-                if kept is not None and low in _KEPT_IN_BF16:
+                if kept is not None and _kept_in_wide(low):
                     yield from self._in_bf16(kept, self._layers_in_bf16(low), known, busy)
         for kind in self.state_kinds:
             order = self._state_searchable(kind, self.state_risk_orders[kind])
@@ -311,7 +335,7 @@ class GuidedStrategy(_Strategy):
             needed = yield from self._bisect(order, at, known, busy)
             if needed is not None:
                 kept = yield from self._drop_singles(order[:needed], at, known, busy)
-                if kept is not None and kind != "bf16":
+                if kept is not None and kind != _wide():
                     yield from self._in_bf16(kept, self._states_in_bf16(kind), known, busy)
 
     def _layers_at(self, low: str, kept: set[str]) -> dict[str, Any]:
@@ -448,21 +472,23 @@ class GuidedStrategy(_Strategy):
     def _layers_in_bf16(
         self, low: str
     ) -> tuple[list[str], Callable[[list[str], set[str]], dict[str, Any]]]:
-        swappable = [g.name for g in self.groups if {"fp32", "bf16"} <= set(g.dtypes)]
+        pair = {formats.reference().name, _wide()}
+        swappable = [g.name for g in self.groups if pair <= set(g.dtypes)]
 
         def at(kept: list[str], in_bf16: set[str]) -> dict[str, Any]:
-            return self._params({**self._assign(low, set(kept)), **dict.fromkeys(in_bf16, "bf16")})
+            return self._params({**self._assign(low, set(kept)), **dict.fromkeys(in_bf16, _wide())})
 
         return swappable, at
 
     def _states_in_bf16(
         self, kind: str
     ) -> tuple[list[str], Callable[[list[str], set[str]], dict[str, Any]]]:
-        swappable = [c.name for c in self.state_groups if {"fp32", "bf16"} <= set(c.states)]
+        pair = {formats.reference().name, _wide()}
+        swappable = [c.name for c in self.state_groups if pair <= set(c.states)]
 
         def at(kept: list[str], in_bf16: set[str]) -> dict[str, Any]:
             params = self._states_at(kind, set(kept))
-            params.update({f"state.{name}": "bf16" for name in in_bf16})
+            params.update({f"state.{name}": _wide() for name in in_bf16})
             return params
 
         return swappable, at
@@ -503,10 +529,11 @@ class FallbackStrategy(_Strategy):
     ) -> None:
         super().__init__(space, model, device)
         names = [g.name for g in self.groups]
+        low = [f.name for f in _low_formats() if f.autocasts]
         if dtype is None:
-            dtype = next((d for d in LOW_PRECISION if self._searchable(d, names)), "fp16")
-        if dtype not in LOW_PRECISION:
-            raise AutoprecError(f"dtype: expected fp16 or bf16, got {dtype!r}")
+            dtype = next((d for d in low if self._searchable(d, names)), low[0])
+        if dtype not in low:
+            raise AutoprecError(f"dtype: expected {' or '.join(low)}, got {dtype!r}")
         self.low = dtype
         self.order = self._searchable(dtype, names)
 

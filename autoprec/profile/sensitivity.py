@@ -79,9 +79,10 @@ from typing import Any
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.files import write_atomic
 from autoprec.devices import DTYPES, Backend, failing_dtypes, get_backend, record_failure
-from autoprec.dtypes import FP8, LOW_PRECISION
+from autoprec.dtypes import LOW_PRECISION
 from autoprec.errors import AutoprecError, DeviceError, TaskError, first_line
 from autoprec.numerics.observe import casts_inputs, lands_by_cast, layer_inputs, learn, train_step
 from autoprec.numerics.watch import INPUT, OUTPUT, OUTPUT_GRAD, PARAM_GRAD, Counts, Watcher
@@ -360,7 +361,7 @@ def profile_task(
         }
     modules = _rank(watcher, tested, deviations)
     recipe = ""
-    if backend.supports(FP8):
+    if any(backend.supports(f.name) for f in formats.all_formats() if f.records_conversion):
         from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE
         from autoprec.numerics.fp8_risk import fp8_risks
 

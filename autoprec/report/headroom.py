@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.numerics.forecast import (
-    DTYPE_RANGES,
     FORECAST_MULTIPLE,
     MOVING,
     Forecast,
     Headroom,
+    dtype_range,
 )
 from autoprec.report.plots import saved
 from autoprec.study.summary_schema import Entry, Summary, as_summary
@@ -162,20 +162,20 @@ def plot_headroom(summary: Summary | dict[str, Any], path: Path) -> Path | None:
             if room.underflow_trend in MOVING or room.underflow_crossing_step is not None:
                 floors.add(room.dtype)
         for dtype in sorted(limits):
-            ax.axhline(DTYPE_RANGES[dtype][0], color="#c44e52", lw=1.0)
+            ax.axhline(dtype_range(dtype)[0], color="#c44e52", lw=1.0)
             ax.annotate(
                 f"{dtype} max",
-                (0.01, DTYPE_RANGES[dtype][0]),
+                (0.01, dtype_range(dtype)[0]),
                 fontsize=7,
                 color="#c44e52",
                 xycoords=("axes fraction", "data"),
                 va="bottom",
             )
         for dtype in sorted(floors):  # the underflow side: the smallest normal
-            ax.axhline(DTYPE_RANGES[dtype][1], color="#4c72b0", lw=1.0)
+            ax.axhline(dtype_range(dtype)[1], color="#4c72b0", lw=1.0)
             ax.annotate(
                 f"{dtype} smallest normal",
-                (0.01, DTYPE_RANGES[dtype][1]),
+                (0.01, dtype_range(dtype)[1]),
                 fontsize=7,
                 color="#4c72b0",
                 xycoords=("axes fraction", "data"),

@@ -7,11 +7,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import autoprec.formats as formats
 from autoprec.study.summary_schema import Summary
 from autoprec.trials import mode_named
 
-DTYPE_COLOURS = {"fp32": "#4c72b0", "bf16": "#55a868", "fp16": "#dd8452", "fp8": "#c44e52"}
-SERVING_DTYPE_COLOURS = {**DTYPE_COLOURS, "int8": "#8172b3"}
+
+def dtype_colours(mode: str) -> dict[str, str]:
+    """The colour of each format ``mode`` may assign, widest first (the legend's order)."""
+    made = sorted(formats.all_formats(), key=lambda f: (-f.bytes_per_element, -f.limits.range_bits))
+    return {f.name: f.colour for f in made if mode in f.modes}
+
+
+DTYPE_COLOURS = dtype_colours("training")
+SERVING_DTYPE_COLOURS = dtype_colours("serving")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,12 +27,24 @@ class ModeText:
     """How one mode's figures are named in tables, notes and plots."""
 
     memory_counted: str  # what a CPU estimate of peak memory counts
-    colours: dict[str, str]  # dtype -> colour, in legend order
-    style: str = ""  # what the page adds to the shared style
+    formats_of: str  # the mode whose formats it colours (`dtype_colours`)
     # What its time is, in a sentence, and the time's column header ("": of the mode's
     # label for its time, ``step time`` and ``step ms``; see `mode_text`).
     time_words: str = ""
     time_column: str = ""
+
+    @property
+    def colours(self) -> dict[str, str]:
+        """Each format's colour, in legend order."""
+        return dtype_colours(self.formats_of)
+
+    @property
+    def style(self) -> str:
+        """What the page adds to the shared style: each format only this mode has whose
+        method a policy records (int8; the block-scaled formats are not styled yet)."""
+        only = [f for f in formats.all_formats() if f.modes == (self.formats_of,)]
+        only = [f for f in only if f.policy_records]
+        return "".join(f".{f.name}{{color:{f.colour}}}\n" for f in only)
 
     def time_at(self, summary: Summary) -> str:
         """``step time``, or ``latency at batch 8`` where the study served one size."""
@@ -34,14 +54,13 @@ class ModeText:
 
 TRAINING_TEXT = ModeText(  # the time named by its label: step time, step ms
     memory_counted="parameters, gradients, optimizer state and saved activations",
-    colours=DTYPE_COLOURS,
+    formats_of="training",
 )
 SERVING_TEXT = ModeText(
     time_words="latency",
     time_column="latency ms",
     memory_counted="weights plus the peak of live activations",
-    colours=SERVING_DTYPE_COLOURS,
-    style=".int8{color:#8172b3}\n",
+    formats_of="serving",
 )
 
 

@@ -254,8 +254,9 @@ def plot_dtype_map(summary: Summary | dict[str, Any], path: Path, top: int = 8) 
     ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize=8)
     labels = [r.label + (" *" if r.key == best else "") for r in rows]
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    drawn = {r.dtype_of(g) for r in rows for g in groups}  # every format has a colour
     ax.legend(
-        handles=[Patch(color=c, label=d) for d, c in colours.items()],
+        handles=[Patch(color=c, label=d) for d, c in colours.items() if d in drawn],
         bbox_to_anchor=(1.02, 1),
         loc="upper left",
         fontsize=8,

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from autoprec.dtypes import AUTOCAST_DTYPES, FP8
+import autoprec.formats as formats
+from autoprec.dtypes import AUTOCAST_DTYPES
 from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE
 from autoprec.optim.space import StateSpace
 from autoprec.policy import Policy
@@ -84,9 +85,9 @@ class SearchSpace:
     @property
     def offers_fp8(self) -> bool:
         """Whether some group may take fp8."""
-        return any(FP8 in g.dtypes for g in self.groups) or (
-            self.auto is not None and FP8 in self.dtypes
-        )
+        offered = [d for g in self.groups for d in g.dtypes]
+        offered += list(self.dtypes) if self.auto is not None else []
+        return any(formats.get(d).records_conversion for d in offered)
 
     @property
     def anchor_recipe(self) -> str:

@@ -3,12 +3,13 @@ dtype gives a policy."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autoprec.dtypes import FP8
+import autoprec.formats as formats
 from autoprec.errors import SpaceError
+from autoprec.formats import Format
 from autoprec.policy import Rule
 
 AUTO_FIELDS = ("max_groups", "own_groups")
@@ -60,35 +61,39 @@ class AutoGroups:
             )
 
 
-# What a group that cannot take the low dtype runs in beside it: for fp8, the autocast
-# region torchao's float8 layers usually sit in (bf16), else the widest the group offers.
-_REST_FIRST = {FP8: ("bf16", "fp32", "fp16")}
-_WIDEST_FIRST = ("fp32", "bf16", "fp16", FP8, "int8")
+def widest(dtypes: Iterable[str]) -> str:
+    """The widest of ``dtypes``: the most bytes, then the most range (fp32, bf16, fp16...)."""
+    made = (formats.get(d) for d in dtypes)
+    return max(made, key=lambda f: (f.bytes_per_element, f.limits.range_bits)).name
 
 
 def dtype_beside(group: Group, low: str) -> str:
-    """``low`` where ``group`` offers it; otherwise, beside fp8, bf16 where the group
-    offers it (the region around torchao's float8 layers), else its widest dtype."""
+    """``low`` where ``group`` offers it; otherwise what ``low`` leaves to the layers it
+    cannot take (its `rest`: bf16 beside fp8, the region around torchao's float8 layers)
+    where the group offers it, else the group's widest dtype."""
     if low in group.dtypes:
         return low
-    order = _REST_FIRST.get(low, _WIDEST_FIRST)
-    return next((d for d in (*order, *_WIDEST_FIRST) if d in group.dtypes), group.dtypes[0])
+    rest = formats.get(low).rest
+    return rest if rest in group.dtypes else widest(group.dtypes)
 
 
 def group_rules(group: Group, params: Mapping[str, Any]) -> tuple[Rule, ...]:
-    """The rules a group's chosen dtype gives: one, or for int8 or fp8 in a group only
-    some of whose layers can take it, that dtype for those and fp32 for the rest."""
+    """The rules a group's chosen dtype gives: one, or for a converted format (fp8, its
+    layers named one by one) or a quantized one (int8) in a group only some of whose layers
+    can take it, that dtype for those and fp32 for the rest."""
     dtype = params[f"dtype.{group.name}"]
-    if dtype == FP8 and group.fp8_kept:
-        return (
-            Rule(FP8, patterns=group.fp8_leaves, name=group.name),
-            replace(group.rule, dtype="fp32", name=f"{group.name}.kept"),
-        )
-    if dtype == FP8:
-        return (Rule(FP8, patterns=group.fp8_leaves, name=group.name),)
-    if dtype == "int8" and group.int8_leaves:
-        return (
-            Rule("int8", patterns=group.int8_leaves, name=group.name),
-            replace(group.rule, dtype="fp32", name=f"{group.name}.kept"),
-        )
-    return (replace(group.rule, dtype=dtype),)
+    made = formats.get(dtype)
+    if made.records_conversion:
+        leaves, kept = group.fp8_leaves, group.fp8_kept
+    elif made.policy_records and group.int8_leaves:
+        leaves, kept = group.int8_leaves, True
+    else:
+        return (replace(group.rule, dtype=dtype),)
+    rest = replace(group.rule, dtype=formats.reference().name, name=f"{group.name}.kept")
+    return (Rule(dtype, patterns=leaves, name=group.name), *((rest,) if kept else ()))
+
+
+def formats_among(values: Iterable[object]) -> list[Format]:
+    """The formats that ``values`` name (a policy's dtypes, or a space's parameter values,
+    whose recipes and switches name none)."""
+    return [formats.get(str(v)) for v in values if formats.known(v)]

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from autoprec.dtypes import FP8
+import autoprec.formats as formats
 from autoprec.optim.state import OptimizerStates
 from autoprec.policy import Policy, Quantization, Rule
-from autoprec.space.groups import group_rules
+from autoprec.space.groups import formats_among, group_rules
 from autoprec.space.loss_scale import loss_scale_of, suggest_loss_scale, torch_default_params
 from autoprec.space.rules import space_rules
 
@@ -37,9 +37,9 @@ def suggest_policy(space: SearchSpace, trial: Suggester) -> Policy:
         params.update(states.suggest(trial))
     # the layers' dtypes (not an fp16 gradient communication, nor an fp8 state kind)
     layers = {value for key, value in params.items() if key.startswith("dtype.")}
-    if FP8 in layers and len(space.fp8_recipes) > 1:
+    if any(f.records_conversion for f in formats_among(layers)) and len(space.fp8_recipes) > 1:
         params["fp8.recipe"] = trial.suggest_categorical("fp8.recipe", list(space.fp8_recipes))
-    if "fp16" in layers and rules.scales_loss:
+    if any(f.scales_loss for f in formats_among(layers)) and rules.scales_loss:
         params.update(suggest_loss_scale(space.loss_scale, trial))
     return policy_of(space, params)
 
@@ -52,18 +52,19 @@ def policy_of(space: SearchSpace, params: Mapping[str, Any]) -> Policy:
         for leaf, group in space.ties
     )
     layer_rules = tied + tuple(rule for g in space.groups for rule in group_rules(g, params))
-    dtypes = {r.dtype for r in layer_rules}
+    made = formats_among({r.dtype for r in layer_rules})
+    fp8 = any(f.records_conversion for f in made)
     states = rules.searched_states(space)
     return Policy(
         rules=layer_rules,
         default="fp32",
-        loss_scale=loss_scale_of(space.loss_scale, params, "fp16" in dtypes),
+        loss_scale=loss_scale_of(space.loss_scale, params, any(f.scales_loss for f in made)),
         tf32=params.get("switch.tf32"),
         hf32=params.get("switch.hf32"),
         writes_loss_scale=rules.scales_loss,
         quantization=Quantization(
-            int8=space.int8_method if "int8" in dtypes else None,
-            fp8=rules.fp8_made_with(space, params) if FP8 in dtypes else None,
+            int8=space.int8_method if any(f.records_quantization for f in made) else None,
+            fp8=rules.fp8_made_with(space, params) if fp8 else None,
         ),
         reduce_dtype=params.get(
             space.reduce_param, space.reduce_dtypes[0] if space.reduce_dtypes else None
@@ -76,11 +77,13 @@ def uniform_params(space: SearchSpace, dtype: str) -> dict[str, Any]:
     """`SearchSpace.uniform_params`: parameters that put every group in ``dtype``."""
     rules = space_rules(space.mode)
     params: dict[str, Any] = {f"dtype.{g.name}": dtype for g in space.groups}
-    if dtype == "int8":  # as dynamic quantization: what int8 cannot take stays fp32
-        params = {f"dtype.{g.name}": "int8" if "int8" in g.dtypes else "fp32" for g in space.groups}
-    if dtype == FP8:
-        params = rules.uniform_fp8(space)
-    if "fp16" in params.values() and rules.scales_loss:
+    made = formats.get(dtype)
+    if made.records_quantization:  # int8, as dynamic quantization: the rest fp32
+        fp32 = formats.reference().name
+        params = {f"dtype.{g.name}": dtype if dtype in g.dtypes else fp32 for g in space.groups}
+    if made.records_conversion:
+        params = rules.uniform_fp8(space, dtype)
+    if any(f.scales_loss for f in formats_among(params.values())) and rules.scales_loss:
         params.update(torch_default_params(space.loss_scale))
     return params
 
@@ -101,14 +104,15 @@ def policy_label(params: dict[str, str]) -> str:
         for k, v in params.items()
         if k.startswith("switch.") and v == "True"
     ]
+    states = {k: v for k, v in params.items() if k.startswith(("state.", "master."))}
     parts += [
-        f"{k}={v}" for k, v in params.items() if k.startswith(("state.", "master.")) and v != "fp32"
+        f"{k}={v}" for k, v in states.items() if not any(f.reference for f in formats_among([v]))
     ]
     if params.get("fp8.recipe", "-") != "-":
         parts.append(f"fp8={params['fp8.recipe']}")
     mode = params.get("loss_scale.mode", "none")
     if mode != "none":
         parts.append(f"scale={mode}:{params.get('loss_scale.init_scale', '-')}")
-    elif "fp16" in params.values() and "loss_scale.mode" in params:  # training, unscaled
-        parts.append("scale=none")
+    elif "loss_scale.mode" in params and any(f.scales_loss for f in formats_among(params.values())):
+        parts.append("scale=none")  # training, unscaled
     return " ".join(parts)

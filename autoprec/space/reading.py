@@ -9,7 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from autoprec.dtypes import AUTOCAST_DTYPES, POLICY_DTYPES
+import autoprec.formats as formats
+from autoprec.dtypes import AUTOCAST_DTYPES
 from autoprec.errors import PolicyError, SpaceError
 from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE, check_recipe
 from autoprec.optim.space import StateSpace
@@ -82,12 +83,12 @@ def _dtype_list(value: Any, where: str, fail: Fail) -> tuple[str, ...]:
     if not isinstance(value, list) or not value:
         raise fail(f"{where}: expected a non-empty list of dtypes")
     for item in value:
-        if item not in POLICY_DTYPES:
+        if not formats.known(item):  # a format registered from outside the package too
             raise fail(
                 f"{where}: unknown dtype {item!r} "
                 "(expected fp32, fp16, bf16, fp8 to train, or int8 to serve)"
             )
-    return tuple(dict.fromkeys(value))
+    return tuple(dict.fromkeys(formats.get(item).name for item in value))
 
 
 def _fp8_recipes(recipes: Any, fail: Fail) -> tuple[str, ...]:

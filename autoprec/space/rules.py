@@ -82,8 +82,9 @@ class SpaceRules(Protocol):
         """What the space's fingerprint holds about fp8, where some group offers it."""
         ...
 
-    def uniform_fp8(self, space: SearchSpace) -> dict[str, Any]:
-        """The parameters of the uniform fp8 policy: fp8 where a group can take it."""
+    def uniform_fp8(self, space: SearchSpace, dtype: str) -> dict[str, Any]:
+        """The parameters of the uniform policy of a converted format (``dtype``: fp8):
+        that format where a group can take it."""
         ...
 
     def anchors(self, space: SearchSpace) -> dict[str, dict[str, Any]]:

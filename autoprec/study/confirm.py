@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 CONFIRMATIONS_ATTR = "confirmations"  # study attribute: {str(K): {key: long result}}
 CONFIRMATION_ROLE = "confirmation"  # the ROLE_TAG of a confirmation's child run
 KIND_TAG = "autoprec.kind"  # a child run's kind of trial: "confirmation" for these runs
-FP32 = "baseline"
+BASELINE = "baseline"
 
 
 def confirmation_order(
@@ -55,7 +55,7 @@ def confirmation_order(
     order = [by_key[str(chosen)]]
     reference = candidates([baseline], retimed)[0]
     left = [c for c in candidates([baseline, *records], retimed) if c.feasible and c.key != chosen]
-    while order[-1].number != FP32 and left:
+    while order[-1].number != BASELINE and left:
         best = select_best(left, prefer, reference)
         if best is None:
             break
@@ -158,13 +158,13 @@ class _Confirmer:
         when the trials trained as long (on the real run's schedule), or trained now."""
         session = self.session
         assert session.baseline is not None
-        if FP32 in self.stored:
-            return TrialResult.from_dict(self.stored[FP32]), True
+        if BASELINE in self.stored:
+            return TrialResult.from_dict(self.stored[BASELINE]), True
         if self.steps == session.prepared.budget.steps and self.task is session.prepared.task:
             # Confirmed only where trials train (--confirm-steps): a training result.
             return cast("TrialResult", session.baseline.result), True
         session.callbacks.confirmation_start("fp32", self.steps)
-        result = self._train(FP32, session.baseline.policy, None)
+        result = self._train(BASELINE, session.baseline.policy, None)
         return result, False
 
     def _check(
@@ -172,9 +172,9 @@ class _Confirmer:
     ) -> ConfirmationCheck:
         label = self._label(record)
         key = str(record.number)
-        if key == FP32:  # the reference holds by definition: nothing to train
+        if key == BASELINE:  # the reference holds by definition: nothing to train
             return ConfirmationCheck(
-                FP32, label, True, str(fp32.state), None, fp32.accuracy, 0.0, fp32.steps_run
+                BASELINE, label, True, str(fp32.state), None, fp32.accuracy, 0.0, fp32.steps_run
             )
         reused = key in self.stored
         if reused:
@@ -274,7 +274,7 @@ class _Confirmer:
     def _run_names(self, key: str) -> tuple[str, str, dict[str, str]]:
         """The child run's key, name and tags: ``confirm-2000-7``, ``c2000 t007 ...``."""
         entry = self.summary.entry(key)
-        short = "fp32" if key == FP32 else f"t{int(key):03d}"
+        short = "fp32" if key == BASELINE else f"t{int(key):03d}"
         label = "" if entry is None or entry.is_baseline else f" {policy_label(entry.params)}"
         tags = {
             ROLE_TAG: CONFIRMATION_ROLE,
@@ -300,6 +300,6 @@ class _Confirmer:
             run_ids = tracker.run_ids()
         except Exception:  # gone since the flush: the summary names no runs
             return
-        confirmation.fp32_mlflow_run_id = run_ids.get(f"confirm-{self.steps}-{FP32}")
+        confirmation.fp32_mlflow_run_id = run_ids.get(f"confirm-{self.steps}-{BASELINE}")
         for check in confirmation.checks:
             check.mlflow_run_id = run_ids.get(f"confirm-{self.steps}-{check.key}")

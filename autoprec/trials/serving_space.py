@@ -7,12 +7,13 @@ on CUDA and Ascend, and no loss is scaled nor optimizer state searched."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import autoprec.formats as formats
 from autoprec.devices import fp8_unavailable_reason
-from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import SpaceError
 from autoprec.policy import int8_capable, tied_leaves
 from autoprec.precision.plan import parameterised_leaves
@@ -21,6 +22,7 @@ from autoprec.serving.fp8 import fp8_layer_refusal
 if TYPE_CHECKING:
     from torch import nn
 
+    from autoprec.formats import Format
     from autoprec.optim.space import StateSpace
     from autoprec.policy import Policy
     from autoprec.space import Group, SearchSpace, SpaceRules
@@ -65,8 +67,12 @@ class ServingSpaceRules:
     ) -> SearchSpace:
         """int8 and fp8 offered where the groups' layers take them, the methods recorded,
         and the fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend) searched."""
-        kept = _with_int8_where_it_fits(groups, assignment, model)
-        kept = _with_fp8_where_it_fits(kept, assignment, model, fp8_method)
+        kept = groups  # int8 (Linear, Conv1D) first, then fp8: the order a group offers them in
+        for made in sorted(
+            (f for f in formats.all_formats() if f.policy_records), key=lambda f: f.converts
+        ):
+            takes = partial(_fp8_takes, fp8_method) if made.converts else int8_capable
+            kept = _where_it_fits(kept, assignment, model, made, takes)
         return replace(
             space,
             groups=tuple(kept),
@@ -85,25 +91,29 @@ class ServingSpaceRules:
     def fp8_fingerprint(self, space: SearchSpace) -> dict[str, Any]:
         return {"fp8_method": space.fp8_method}
 
-    def uniform_fp8(self, space: SearchSpace) -> dict[str, Any]:
+    def uniform_fp8(self, space: SearchSpace, dtype: str) -> dict[str, Any]:
         """As int8: what fp8 cannot take stays fp32."""
-        return {f"dtype.{g.name}": FP8 if FP8 in g.dtypes else "fp32" for g in space.groups}
+        fp32 = formats.reference().name
+        return {f"dtype.{g.name}": dtype if dtype in g.dtypes else fp32 for g in space.groups}
 
     def anchors(self, space: SearchSpace) -> dict[str, dict[str, Any]]:
         """fp16, bf16, int8 and fp8 where the layers take them, and the classic fp16 body
         with an fp32 head (the group of the model's last layer, whatever its name)."""
         anchors = {}
-        for dtype in LOW_PRECISION:
-            if all(dtype in g.dtypes for g in space.groups):
-                anchors[f"uniform-{dtype}"] = space.uniform_params(dtype)
-        if any("int8" in g.dtypes for g in space.groups):
-            anchors["uniform-int8"] = space.uniform_params("int8")
-        if any(FP8 in g.dtypes for g in space.groups):
-            anchors["uniform-fp8"] = space.uniform_params(FP8)
+        low = [f for f in formats.all_formats() if f.low_precision]
+        for made in (f for f in low if f.autocasts):  # fp16, bf16: every group, or none
+            if all(made.name in g.dtypes for g in space.groups):
+                anchors[f"uniform-{made.name}"] = space.uniform_params(made.name)
+        # quantized (int8), then converted (fp8): where some group takes them
+        for made in sorted((f for f in low if f.policy_records), key=lambda f: f.converts):
+            if any(made.name in g.dtypes for g in space.groups):
+                anchors[f"uniform-{made.name}"] = space.uniform_params(made.name)
         body = [g for g in space.groups if g.name != space.head]
-        if space.head is not None and all("fp16" in g.dtypes for g in body):
-            head = {f"dtype.{space.head}": "fp32"}
-            anchors["fp16-body-fp32-head"] = {**space.uniform_params("fp16"), **head}
+        # fp16, whose narrow range training scales the loss for, with the head in fp32
+        for made in (f for f in low if f.scales_loss and space.head is not None):
+            if all(made.name in g.dtypes for g in body):
+                head = {f"dtype.{space.head}": formats.reference().name}
+                anchors[f"{made.name}-body-fp32-head"] = {**space.uniform_params(made.name), **head}
         return anchors
 
     def recorded(
@@ -115,58 +125,40 @@ class ServingSpaceRules:
         return {f"switch.{space.switch}": str(getattr(policy, space.switch))}
 
 
-def _with_int8_where_it_fits(
-    groups: list[Group], assignment: dict[str, str], model: nn.Module
+def _where_it_fits(
+    groups: list[Group],
+    assignment: dict[str, str],
+    model: nn.Module,
+    made: Format,
+    takes: Callable[[nn.Module], bool],
 ) -> list[Group]:
-    """int8 offered to the groups with a layer that can be int8 (Linear, Conv1D); in a
-    group where only some can (a decoder block with its norms), int8 takes those and
-    the others stay fp32."""
+    """``made`` (int8, fp8) offered to the groups with a layer it ``takes``; in a group
+    where only some can (a decoder block with its norms), it takes those and the others
+    stay fp32."""
     modules = dict(model.named_modules())
     capable: dict[str, list[str]] = {g.name: [] for g in groups}
     others: dict[str, int] = {g.name: 0 for g in groups}
     for leaf, group_name in assignment.items():
-        if int8_capable(modules[leaf]):
+        if takes(modules[leaf]):
             capable[group_name].append(leaf)
         else:
             others[group_name] += 1
     fitted = []
     for group in groups:
-        dtypes = tuple(d for d in group.dtypes if d != "int8")
-        leaves = tuple(capable[group.name]) if others[group.name] else ()
-        if capable[group.name]:
-            dtypes = (*dtypes, "int8")
-        fitted.append(replace(group, dtypes=dtypes, int8_leaves=leaves))
-    return fitted
-
-
-def _with_fp8_where_it_fits(
-    groups: list[Group], assignment: dict[str, str], model: nn.Module, method: str | None
-) -> list[Group]:
-    """fp8 offered (by ``method``; None: not at all) to the groups with a Linear layer the
-    method takes (`autoprec.serving.fp8.fp8_layer_refusal`); in a group where only some
-    can, fp8 takes those and the others stay fp32, as int8 does."""
-    modules = dict(model.named_modules())
-    capable: dict[str, list[str]] = {g.name: [] for g in groups}
-    others: dict[str, int] = {g.name: 0 for g in groups}
-    for leaf, group_name in assignment.items():
-        if method is not None and fp8_layer_refusal(modules[leaf], method) is None:
-            capable[group_name].append(leaf)
+        leaves, some = tuple(capable[group.name]), bool(others[group.name])
+        dtypes = tuple(d for d in group.dtypes if d != made.name) + ((made.name,) if leaves else ())
+        if made.converts:  # fp8's layers are named one by one
+            group = replace(group, fp8_leaves=leaves, fp8_kept=bool(leaves) and some)
         else:
-            others[group_name] += 1
-    fitted = []
-    for group in groups:
-        dtypes = tuple(d for d in group.dtypes if d != FP8)
-        if capable[group.name]:
-            dtypes = (*dtypes, FP8)
-        fitted.append(
-            replace(
-                group,
-                dtypes=dtypes,
-                fp8_leaves=tuple(capable[group.name]),
-                fp8_kept=bool(capable[group.name] and others[group.name]),
-            )
-        )
+            group = replace(group, int8_leaves=leaves if some else ())
+        fitted.append(replace(group, dtypes=dtypes))
     return fitted
+
+
+def _fp8_takes(method: str | None, module: nn.Module) -> bool:
+    """Whether the fp8 serving ``method`` (None: fp8 is off) takes this layer
+    (`autoprec.serving.fp8.fp8_layer_refusal`: a Linear it can serve)."""
+    return method is not None and fp8_layer_refusal(module, method) is None
 
 
 RULES: SpaceRules = ServingSpaceRules()

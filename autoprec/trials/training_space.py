@@ -11,17 +11,17 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import autoprec.formats as formats
 from autoprec.devices import autocast_behaviour, failing_dtypes, fp8_unavailable_reason
-from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import SpaceError
-from autoprec.formats.fp8 import FAILS_UNDER_AUTOCAST, fp8_refusal
 from autoprec.precision.plan import parameterised_leaves
-from autoprec.space.groups import Group, dtype_beside
+from autoprec.space.groups import Group, dtype_beside, formats_among
 from autoprec.space.loss_scale import flat_loss_scale
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from autoprec.formats import Format
     from autoprec.optim.space import StateSpace
     from autoprec.policy import Policy
     from autoprec.space import SearchSpace, SpaceRules
@@ -35,7 +35,8 @@ class TrainingSpaceRules:
         """All but the leaves autocast runs in fp32 there whatever a policy says
         (embeddings everywhere, LayerNorm and GroupNorm on CUDA and Ascend)."""
         leaves = parameterised_leaves(model)
-        return [(n, m) for n, m in leaves if autocast_behaviour(kind, m) != "fp32"]
+        fixed = formats.reference().name  # what autocast says of a layer it runs in fp32
+        return [(n, m) for n, m in leaves if autocast_behaviour(kind, m) != fixed]
 
     def refuse(self, space: SearchSpace, model: nn.Module, device: Any, fp8_method: Any) -> None:
         """int8 is a serving choice (a training search would silently leave it out); fp8
@@ -44,11 +45,12 @@ class TrainingSpaceRules:
             (f"groups[{i}].dtypes", g.dtypes) for i, g in enumerate(space.groups)
         ]
         for where, dtypes in listed:
-            if "int8" in dtypes:
-                raise SpaceError(
-                    f"{space.source}: {where}: int8 is for serving (--mode serving); a "
-                    "training search runs fp32, fp16 and bf16"
-                )
+            for made in formats_among(dtypes):
+                if "training" not in made.modes:
+                    raise SpaceError(
+                        f"{space.source}: {where}: {made.name} is for serving (--mode serving); "
+                        "a training search runs fp32, fp16 and bf16"
+                    )
         reason = fp8_unavailable_reason(device, model) if space.offers_fp8 else None
         if reason is not None:
             raise SpaceError(f"{space.source}: dtypes: {reason}")
@@ -71,9 +73,9 @@ class TrainingSpaceRules:
         and the optimizer-state groups fitted to the model's parameters."""
         kept = _without_failing_dtypes(groups, assignment, model, kind)
         fitted = replace(space, int8_method=None, fp8_method=None)
-        if space.offers_fp8:
-            kept = _with_fp8_where_it_fits(kept, assignment, model, space.source)
-            fitted = replace(fitted, fp8_recipes=_runnable_recipes(space, kept, kind))
+        for made in (f for f in formats.all_formats() if f.records_conversion and space.offers_fp8):
+            kept = _with_fp8_where_it_fits(kept, assignment, model, space.source, made)
+            fitted = replace(fitted, fp8_recipes=_runnable_recipes(space, kept, kind, made))
         if space.optimizer_states is not None:
             states = space.optimizer_states.fit(model, lambda m: SpaceError(f"{space.source}: {m}"))
             fitted = replace(fitted, optimizer_states=states)
@@ -89,10 +91,10 @@ class TrainingSpaceRules:
     def fp8_fingerprint(self, space: SearchSpace) -> dict[str, Any]:
         return {"fp8_recipes": space.fp8_recipes}
 
-    def uniform_fp8(self, space: SearchSpace) -> dict[str, Any]:
+    def uniform_fp8(self, space: SearchSpace, dtype: str) -> dict[str, Any]:
         """fp8 where a group can take it, the rest beside it as `dtype_beside` says (bf16
         where it may: torchao's float8 inside bf16 autocast), with the anchor's recipe."""
-        params: dict[str, Any] = {f"dtype.{g.name}": dtype_beside(g, FP8) for g in space.groups}
+        params: dict[str, Any] = {f"dtype.{g.name}": dtype_beside(g, dtype) for g in space.groups}
         if len(space.fp8_recipes) > 1:
             params["fp8.recipe"] = space.anchor_recipe
         return params
@@ -102,17 +104,18 @@ class TrainingSpaceRules:
         GradScaler give it (dynamic scaling), bf16, fp8 where some group offers it, and
         the optimizer states' own anchors."""
         anchors = {}
-        for dtype in LOW_PRECISION:
-            if not all(dtype in g.dtypes for g in space.groups):
+        for made in _low_autocast():
+            if not all(made.name in g.dtypes for g in space.groups):
                 continue
-            params = space.uniform_params(dtype)
-            anchors[f"uniform-{dtype}"] = params
+            params = space.uniform_params(made.name)
+            anchors[f"uniform-{made.name}"] = params
             scaled = params.get("loss_scale.mode", "none") != "none"
-            if dtype == "fp16" and scaled and "none" in space.loss_scale.modes:
+            if made.scales_loss and scaled and "none" in space.loss_scale.modes:
                 dtypes_only = {k: v for k, v in params.items() if k.startswith("dtype.")}
-                anchors["uniform-fp16-noscale"] = {**dtypes_only, "loss_scale.mode": "none"}
-        if any(FP8 in g.dtypes for g in space.groups):
-            anchors["uniform-fp8"] = space.uniform_params(FP8)
+                anchors[f"uniform-{made.name}-noscale"] = {**dtypes_only, "loss_scale.mode": "none"}
+        for made in formats.all_formats():
+            if made.records_conversion and any(made.name in g.dtypes for g in space.groups):
+                anchors[f"uniform-{made.name}"] = space.uniform_params(made.name)
         if space.optimizer_states is not None:
             anchors.update(space.optimizer_states.anchors(space.uniform_params("fp32")))
         return anchors
@@ -124,7 +127,8 @@ class TrainingSpaceRules:
         each where the space searches it."""
         flat = flat_loss_scale(policy.loss_scale)
         if space.offers_fp8:
-            flat["fp8.recipe"] = policy.fp8_recipe if FP8 in dtypes.values() else "-"
+            converted = any(f.records_conversion for f in formats_among(dtypes.values()))
+            flat["fp8.recipe"] = policy.fp8_recipe if converted else "-"
         if space.reduce_dtypes:
             flat[space.reduce_param] = policy.reduce_dtype or "fp32"
         if space.optimizer_states is not None:
@@ -148,45 +152,56 @@ def _without_failing_dtypes(
 
 
 def _with_fp8_where_it_fits(
-    groups: list[Group], assignment: dict[str, str], model: nn.Module, source: str
+    groups: list[Group], assignment: dict[str, str], model: nn.Module, source: str, made: Format
 ) -> list[Group]:
-    """fp8 offered to the groups whose layers torchao can all convert (plain Linear layers
-    with dimensions that are multiples of 16), and to no other: a group offered only fp8
-    with a layer it cannot take is refused, naming the layer."""
+    """fp8 (``made``, a converted format) offered to the groups whose layers it can all
+    convert (for fp8, plain Linear layers with dimensions that are multiples of 16), and to
+    no other: a group offered only fp8 with a layer it cannot take is refused, naming it."""
     modules = dict(model.named_modules())
     leaves: dict[str, list[str]] = {g.name: [] for g in groups}
     refused: dict[str, str] = {}
     for leaf, group_name in assignment.items():
         leaves[group_name].append(leaf)
-        reason = fp8_refusal(modules[leaf])
+        reason = made.layer_refusal(modules[leaf])
         if reason is not None and group_name not in refused:
             refused[group_name] = f"{leaf} ({type(modules[leaf]).__name__}): {reason}"
     fitted = []
     for group in groups:
-        if FP8 not in group.dtypes:
+        others = tuple(d for d in group.dtypes if d != made.name)
+        if others == group.dtypes:
             fitted.append(group)
         elif group.name not in refused:
             fitted.append(replace(group, fp8_leaves=tuple(leaves[group.name])))
-        elif group.dtypes == (FP8,):
+        elif not others:
             raise SpaceError(
-                f"{source}: group {group.name!r}: offers only fp8, but {refused[group.name]}"
+                f"{source}: group {group.name!r}: offers only {made.name}, but "
+                f"{refused[group.name]}"
             )
         else:
-            fitted.append(replace(group, dtypes=tuple(d for d in group.dtypes if d != FP8)))
+            fitted.append(replace(group, dtypes=others))
     return fitted
 
 
-def _runnable_recipes(space: SearchSpace, groups: list[Group], kind: str) -> tuple[str, ...]:
-    """The space's recipes without those seen to fail inside an autocast region on this
-    device kind, where some group may be fp16 or bf16 around the fp8 layers."""
-    if not any(d in LOW_PRECISION for g in groups for d in g.dtypes):
+def _runnable_recipes(
+    space: SearchSpace, groups: list[Group], kind: str, made: Format
+) -> tuple[str, ...]:
+    """The space's recipes without those ``made`` (fp8) says fail on this device kind inside
+    the region some group may put around its layers (fp16, bf16)."""
+    low = _low_autocast()
+    regions = [f.name for g in groups for f in formats_among(g.dtypes) if f in low]
+    if not regions:
         return space.fp8_recipes
-    failing = FAILS_UNDER_AUTOCAST.get(kind, {})
-    kept = tuple(r for r in space.fp8_recipes if r not in failing)
+    refused = {r: made.region_refusal(kind, r, regions[0]) for r in space.fp8_recipes}
+    kept = tuple(recipe for recipe, why in refused.items() if why is None)
     if not kept:
         recipe = space.fp8_recipes[0]
-        raise SpaceError(f"{space.source}: fp8_recipes: {recipe} on {kind}: {failing[recipe]}")
+        raise SpaceError(f"{space.source}: fp8_recipes: {recipe} on {kind}: {refused[recipe]}")
     return kept
+
+
+def _low_autocast() -> list[Format]:
+    """The formats below fp32 a region autocasts to (fp16, bf16)."""
+    return [f for f in formats.all_formats() if f.autocasts and f.low_precision]
 
 
 RULES: SpaceRules = TrainingSpaceRules()

@@ -29,10 +29,11 @@ from typing import Any
 
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec.policy import LossScale, Policy, Rule
 from autoprec.precision.plan import parameterised_leaves
 from autoprec.tasks.zoo import ZOO, Kind, ZooEntry
-from autoprec.tasks.zoo.truth import earliest_failure, load_table
+from autoprec.tasks.zoo.truth import earliest_failure, is_reference, load_table
 
 RANDOM_POLICIES = 5
 RANDOM_POLICY_STEPS = 12
@@ -80,6 +81,12 @@ class Rate:
         return "-" if value is None else f"{self.hits}/{self.total} ({value:.0%})"
 
 
+def _autocast_low(dtype: str) -> bool:
+    """Whether a region autocasts to ``dtype`` below fp32 (fp16, bf16)."""
+    made = formats.get(dtype)
+    return made.autocasts and made.low_precision
+
+
 @dataclass
 class Calibration:
     """The verdicts, and the rates computed from them (by side: "overflow",
@@ -94,7 +101,7 @@ class Calibration:
         chosen = [
             v
             for v in self._of(Kind.HEALTHY, steps)
-            if any(d in ("fp16", "bf16") for d in v.failing_group_dtypes) or v.name != "fp32"
+            if any(_autocast_low(d) for d in v.failing_group_dtypes) or not is_reference(v.name)
         ]
         return Rate(sum(v.at_risk for v in chosen), len(chosen))
 

@@ -29,10 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import autoprec.formats as formats
 from autoprec.policy import Policy
 from autoprec.precision.plan import parameterised_leaves
 from autoprec.tasks.zoo import ZOO, Kind, ZooEntry
 from autoprec.tasks.zoo.forecast_rates import OVERFLOW, UNDERFLOW
+from autoprec.tasks.zoo.truth import is_reference
 
 ACCURACY_DROP = 0.01  # the search's default tolerance for a training task
 REAL_STEPS_MULTIPLE = 10  # the real run: 10x the trial, as the truth table's runs
@@ -92,19 +94,21 @@ def _truth_label(
     leaves = {n: resolved.get(n) for n, _ in parameterised_leaves(model)}
     scaled = policy.loss_scale.mode == "dynamic"
     dtypes = set(leaves.values())
-    if dtypes == {"bf16"} or dtypes == {"fp32"}:
-        return dtypes.pop()
-    if dtypes == {"fp16"} and scaled:
-        return "fp16"
+    if not all(formats.known(d) for d in dtypes):
+        return None
+    only = formats.get(str(dtypes.pop())) if len(dtypes) == 1 else None
+    if only is not None and only.autocasts and (scaled or not only.scales_loss):
+        return only.name  # fp32, bf16, or fp16 under dynamic scaling
     groups = entry.failing_groups
     in_group = {
         n
         for n in leaves
         if any(fnmatch.fnmatchcase(n, g) or fnmatch.fnmatchcase(n, f"{g}.*") for g in groups)
     }
-    split = all(
-        (dtype == "fp32") == (name in in_group) and dtype in ("fp16", "fp32")
-        for name, dtype in leaves.items()
+    made = {name: formats.get(str(dtype)) for name, dtype in leaves.items()}
+    split = all(  # fp32 in the group, fp16 elsewhere
+        f.reference == (name in in_group) and (f.reference or f.scales_loss)
+        for name, f in made.items()
     )
     return "fp16+group-fp32" if groups and scaled and in_group and split else None
 
@@ -112,7 +116,7 @@ def _truth_label(
 def _truth_holds(label: str | None, row: dict[str, Any] | None, real_steps: int) -> bool | None:
     if label is None or row is None:
         return None
-    if label == "fp32":
+    if is_reference(label):
         return True
     runs = (row.get("runs") or {}).get(label) or []
     if not runs:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import autoprec.formats as formats
 from autoprec._util.structures import tensors
 from autoprec.devices import get_backend
 from autoprec.errors import first_line
@@ -402,6 +403,12 @@ def policies_for(entry: Any) -> list[tuple[str, Policy, tuple[int, ...]]]:
     return chosen
 
 
+def is_reference(label: str | None) -> bool:
+    """Whether a truth table's run ``label`` (a format, ``fp16+group-fp32``...) is the
+    reference's (fp32): the run every other is compared to."""
+    return formats.known(label) and formats.get(str(label)).reference
+
+
 def measure_entry(entry: Any, steps: int = TRUTH_STEPS) -> dict[str, Any]:
     """Every run of one entry's truth, fp32 first (the reference of the others)."""
     started = time.perf_counter()
@@ -411,13 +418,13 @@ def measure_entry(entry: Any, steps: int = TRUTH_STEPS) -> dict[str, Any]:
     reference: Reference | None = None
     for label, policy, seeds in policies_for(entry):
         for seed in seeds:
-            if label == "fp32":
+            if is_reference(label):
                 truth, reference = long_run(task, policy, seed, steps)
             else:
                 truth, _ = long_run(task, policy, seed, steps, reference)
             runs.setdefault(label, []).append(truth.to_dict())
             _print_run(entry.name, label, truth)
-            if label == "fp32" and seed == 0:
+            if is_reference(label) and seed == 0:
                 assert reference is not None
                 for nudge in NUDGES:
                     moved, _ = long_run(task, policy, seed, steps, reference, nudge)
@@ -488,8 +495,6 @@ def load_table(path: Any = None) -> dict[str, Any]:
     for row in table["tasks"].values():  # derived fields follow this code's definitions
         chaotic = bool(row.get("fp32_chaotic", False))
         for label, runs in row["runs"].items():
-            row["runs"][label] = [
-                RunTruth.from_dict({**run, "fp32_chaotic": chaotic and label != "fp32"}).to_dict()
-                for run in runs
-            ]
+            derived = {"fp32_chaotic": chaotic and not is_reference(label)}
+            row["runs"][label] = [RunTruth.from_dict({**run, **derived}).to_dict() for run in runs]
     return table
