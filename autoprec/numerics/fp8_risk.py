@@ -32,8 +32,8 @@ from torch import nn
 from autoprec.devices import device_kind
 from autoprec.errors import first_line
 from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE, check_recipe, fp8_capable
+from autoprec.formats.methods import import_torchao
 from autoprec.numerics.fp8_telemetry import COLUMNS, cast_counts, cast_specs
-from autoprec.serving.quantizers import import_torchao
 
 if TYPE_CHECKING:
     from autoprec.profile.sensitivity import Profile
