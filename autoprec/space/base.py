@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from autoprec.dtypes import AUTOCAST_DTYPES, FP8
 from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE
+from autoprec.modes import DEFAULT_MODE
 from autoprec.optim.space import StateSpace
 from autoprec.policy import Policy
 from autoprec.space import fitting, policies
@@ -19,15 +20,14 @@ from autoprec.space.groups import AutoGroups, Group
 from autoprec.space.loss_scale import LossScaleSpace
 from autoprec.space.reading import space_fields
 from autoprec.space.rules import space_rules
-from autoprec.trials import DEFAULT_MODE
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from autoprec.devices import Backend
+    from autoprec.modes import Mode
     from autoprec.profile.sensitivity import Profile
-    from autoprec.trials.mode import Mode
 
 FSDP_REDUCE_PARAM = "fsdp.reduce_dtype"  # the reduce dtype's parameter under FSDP2
 DDP_REDUCE_PARAM = "ddp.reduce_dtype"  # and under DDP (its compression hook)

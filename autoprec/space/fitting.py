@@ -8,20 +8,20 @@ from typing import TYPE_CHECKING
 
 from autoprec.devices import device_kind
 from autoprec.errors import SpaceError
+from autoprec.modes import mode_of
 from autoprec.policy import Rule
 from autoprec.profile.autogroups import build_groups
 from autoprec.space.groups import Group
 from autoprec.space.rules import space_rules
-from autoprec.trials import mode_of
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from autoprec.devices import Backend
+    from autoprec.modes import Mode
     from autoprec.profile.sensitivity import Profile
     from autoprec.space.base import SearchSpace
-    from autoprec.trials.mode import Mode
 
 
 def fit_space(

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from autoprec.errors import PolicyError, SpaceError
-from autoprec.precision.scaling import LOSS_SCALE_MODES, LossScale
+from autoprec.precision.loss_scale import LOSS_SCALE_MODES, LossScale
 
 if TYPE_CHECKING:
     from autoprec.space.base import Suggester

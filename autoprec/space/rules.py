@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from autoprec.trials import mode_of
-from autoprec.trials.mode import Mode
+from autoprec.modes import Mode, mode_of
 
 if TYPE_CHECKING:
     from torch import nn

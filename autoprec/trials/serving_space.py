@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from autoprec.devices import fp8_unavailable_reason
 from autoprec.dtypes import FP8, LOW_PRECISION
 from autoprec.errors import SpaceError
-from autoprec.policy import int8_capable, tied_leaves
-from autoprec.precision.plan import parameterised_leaves
+from autoprec.precision.plan import parameterised_leaves, tied_leaves
+from autoprec.precision.resolution import int8_capable
 from autoprec.serving.fp8 import fp8_layer_refusal
 
 if TYPE_CHECKING:
