@@ -121,6 +121,22 @@ def group_risk(space: SearchSpace, profile: Profile, model: nn.Module) -> list[t
     return [(name, risks[name]) for name in order]
 
 
+def fp8_group_order(space: SearchSpace, profile: Profile, model: nn.Module) -> list[str]:
+    """The (fitted) space's groups that hold fp8-risk figures in ``profile``, riskiest
+    first by the largest fp8 risk of the layers each assigns (groups without any are left
+    out: the guided search takes them as the least risky)."""
+    group_of = space.assignment(model, device_kind(profile.device))
+    risks: dict[str, float] = {}
+    for module in profile.modules:
+        if module.fp8_risk is None:
+            continue
+        for leaf, group in group_of.items():
+            if leaf == module.name or leaf.startswith(f"{module.name}."):
+                risks[group] = max(risks.get(group, 0.0), module.fp8_risk)
+    names = [g.name for g in space.groups]
+    return sorted(risks, key=lambda g: (-risks[g], names.index(g)))
+
+
 def restrict_space(space: SearchSpace, supported: set[str]) -> SearchSpace:
     """`SearchSpace.restrict`: the space without the dtypes a device cannot run."""
     groups = []
