@@ -17,13 +17,15 @@ from autoprec.errors import SpaceError
 from autoprec.precision.plan import parameterised_leaves, tied_leaves
 from autoprec.precision.resolution import int8_capable
 from autoprec.serving.fp8 import fp8_layer_refusal
+from autoprec.space.policies import uniform_params
 
 if TYPE_CHECKING:
     from torch import nn
 
     from autoprec.optim.space import StateSpace
     from autoprec.policy import Policy
-    from autoprec.space import Group, SearchSpace, SpaceRules
+    from autoprec.space import Group, SpaceRules
+    from autoprec.space.fields import SpaceFields, SpaceT
 
 # The switch searched for the fp32 layers' matmuls, by device kind.
 _SWITCHES = {"cuda": "tf32", "npu": "hf32"}
@@ -38,7 +40,7 @@ class ServingSpaceRules:
         return parameterised_leaves(model)
 
     def refuse(
-        self, space: SearchSpace, model: nn.Module, device: Any, fp8_method: str | None
+        self, space: SpaceFields, model: nn.Module, device: Any, fp8_method: str | None
     ) -> None:
         """fp8 is offered only where an fp8 serving method was settled for the search."""
         if not space.offers_fp8:
@@ -55,14 +57,14 @@ class ServingSpaceRules:
 
     def fitted(
         self,
-        space: SearchSpace,
+        space: SpaceT,
         groups: list[Group],
         assignment: dict[str, str],
         model: nn.Module,
         kind: str,
         int8_method: str | None,
         fp8_method: str | None,
-    ) -> SearchSpace:
+    ) -> SpaceT:
         """int8 and fp8 offered where the groups' layers take them, the methods recorded,
         and the fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend) searched."""
         kept = _with_int8_where_it_fits(groups, assignment, model)
@@ -75,39 +77,39 @@ class ServingSpaceRules:
             fp8_method=fp8_method,
         )
 
-    def searched_states(self, space: SearchSpace) -> StateSpace | None:
+    def searched_states(self, space: SpaceFields) -> StateSpace | None:
         return None
 
-    def fp8_made_with(self, space: SearchSpace, params: Mapping[str, Any]) -> str | None:
+    def fp8_made_with(self, space: SpaceFields, params: Mapping[str, Any]) -> str | None:
         """The fp8 serving method the space's layers were fitted for."""
         return space.fp8_method
 
-    def fp8_fingerprint(self, space: SearchSpace) -> dict[str, Any]:
+    def fp8_fingerprint(self, space: SpaceFields) -> dict[str, Any]:
         return {"fp8_method": space.fp8_method}
 
-    def uniform_fp8(self, space: SearchSpace) -> dict[str, Any]:
+    def uniform_fp8(self, space: SpaceFields) -> dict[str, Any]:
         """As int8: what fp8 cannot take stays fp32."""
         return {f"dtype.{g.name}": FP8 if FP8 in g.dtypes else "fp32" for g in space.groups}
 
-    def anchors(self, space: SearchSpace) -> dict[str, dict[str, Any]]:
+    def anchors(self, space: SpaceFields) -> dict[str, dict[str, Any]]:
         """fp16, bf16, int8 and fp8 where the layers take them, and the classic fp16 body
         with an fp32 head (the group of the model's last layer, whatever its name)."""
         anchors = {}
         for dtype in LOW_PRECISION:
             if all(dtype in g.dtypes for g in space.groups):
-                anchors[f"uniform-{dtype}"] = space.uniform_params(dtype)
+                anchors[f"uniform-{dtype}"] = uniform_params(space, dtype)
         if any("int8" in g.dtypes for g in space.groups):
-            anchors["uniform-int8"] = space.uniform_params("int8")
+            anchors["uniform-int8"] = uniform_params(space, "int8")
         if any(FP8 in g.dtypes for g in space.groups):
-            anchors["uniform-fp8"] = space.uniform_params(FP8)
+            anchors["uniform-fp8"] = uniform_params(space, FP8)
         body = [g for g in space.groups if g.name != space.head]
         if space.head is not None and all("fp16" in g.dtypes for g in body):
             head = {f"dtype.{space.head}": "fp32"}
-            anchors["fp16-body-fp32-head"] = {**space.uniform_params("fp16"), **head}
+            anchors["fp16-body-fp32-head"] = {**uniform_params(space, "fp16"), **head}
         return anchors
 
     def recorded(
-        self, space: SearchSpace, policy: Policy, dtypes: Mapping[str, str]
+        self, space: SpaceFields, policy: Policy, dtypes: Mapping[str, str]
     ) -> dict[str, str]:
         """The switch, where one is searched (no loss scaling)."""
         if space.switch is None:

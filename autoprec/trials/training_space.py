@@ -18,13 +18,15 @@ from autoprec.formats.fp8 import FAILS_UNDER_AUTOCAST, fp8_refusal
 from autoprec.precision.plan import parameterised_leaves
 from autoprec.space.groups import Group, dtype_beside
 from autoprec.space.loss_scale import flat_loss_scale
+from autoprec.space.policies import uniform_params
 
 if TYPE_CHECKING:
     from torch import nn
 
     from autoprec.optim.space import StateSpace
     from autoprec.policy import Policy
-    from autoprec.space import SearchSpace, SpaceRules
+    from autoprec.space import SpaceRules
+    from autoprec.space.fields import SpaceFields, SpaceT
 
 
 class TrainingSpaceRules:
@@ -37,7 +39,7 @@ class TrainingSpaceRules:
         leaves = parameterised_leaves(model)
         return [(n, m) for n, m in leaves if autocast_behaviour(kind, m) != "fp32"]
 
-    def refuse(self, space: SearchSpace, model: nn.Module, device: Any, fp8_method: Any) -> None:
+    def refuse(self, space: SpaceFields, model: nn.Module, device: Any, fp8_method: Any) -> None:
         """int8 is a serving choice (a training search would silently leave it out); fp8
         is offered only on a device that runs it."""
         listed = [("dtypes", space.dtypes)] + [
@@ -58,14 +60,14 @@ class TrainingSpaceRules:
 
     def fitted(
         self,
-        space: SearchSpace,
+        space: SpaceT,
         groups: list[Group],
         assignment: dict[str, str],
         model: nn.Module,
         kind: str,
         int8_method: str | None,
         fp8_method: str | None,
-    ) -> SearchSpace:
+    ) -> SpaceT:
         """Each group without the dtypes some layer of it fails in on the device kind,
         with fp8 only where torchao converts its layers (and the recipes that run there),
         and the optimizer-state groups fitted to the model's parameters."""
@@ -79,17 +81,17 @@ class TrainingSpaceRules:
             fitted = replace(fitted, optimizer_states=states)
         return replace(fitted, groups=tuple(kept))
 
-    def searched_states(self, space: SearchSpace) -> StateSpace | None:
+    def searched_states(self, space: SpaceFields) -> StateSpace | None:
         return space.optimizer_states
 
-    def fp8_made_with(self, space: SearchSpace, params: Mapping[str, Any]) -> str | None:
+    def fp8_made_with(self, space: SpaceFields, params: Mapping[str, Any]) -> str | None:
         """The torchao float8 recipe chosen (``fp8.recipe``), or the space's only one."""
         return params.get("fp8.recipe", space.fp8_recipes[0])  # type: ignore[no-any-return]
 
-    def fp8_fingerprint(self, space: SearchSpace) -> dict[str, Any]:
+    def fp8_fingerprint(self, space: SpaceFields) -> dict[str, Any]:
         return {"fp8_recipes": space.fp8_recipes}
 
-    def uniform_fp8(self, space: SearchSpace) -> dict[str, Any]:
+    def uniform_fp8(self, space: SpaceFields) -> dict[str, Any]:
         """fp8 where a group can take it, the rest beside it as `dtype_beside` says (bf16
         where it may: torchao's float8 inside bf16 autocast), with the anchor's recipe."""
         params: dict[str, Any] = {f"dtype.{g.name}": dtype_beside(g, FP8) for g in space.groups}
@@ -97,7 +99,7 @@ class TrainingSpaceRules:
             params["fp8.recipe"] = space.anchor_recipe
         return params
 
-    def anchors(self, space: SearchSpace) -> dict[str, dict[str, Any]]:
+    def anchors(self, space: SpaceFields) -> dict[str, dict[str, Any]]:
         """fp16 as ``model.half()`` gives it (no loss scaling) and as Apex O1/O2 or
         GradScaler give it (dynamic scaling), bf16, fp8 where some group offers it, and
         the optimizer states' own anchors."""
@@ -105,20 +107,20 @@ class TrainingSpaceRules:
         for dtype in LOW_PRECISION:
             if not all(dtype in g.dtypes for g in space.groups):
                 continue
-            params = space.uniform_params(dtype)
+            params = uniform_params(space, dtype)
             anchors[f"uniform-{dtype}"] = params
             scaled = params.get("loss_scale.mode", "none") != "none"
             if dtype == "fp16" and scaled and "none" in space.loss_scale.modes:
                 dtypes_only = {k: v for k, v in params.items() if k.startswith("dtype.")}
                 anchors["uniform-fp16-noscale"] = {**dtypes_only, "loss_scale.mode": "none"}
         if any(FP8 in g.dtypes for g in space.groups):
-            anchors["uniform-fp8"] = space.uniform_params(FP8)
+            anchors["uniform-fp8"] = uniform_params(space, FP8)
         if space.optimizer_states is not None:
-            anchors.update(space.optimizer_states.anchors(space.uniform_params("fp32")))
+            anchors.update(space.optimizer_states.anchors(uniform_params(space, "fp32")))
         return anchors
 
     def recorded(
-        self, space: SearchSpace, policy: Policy, dtypes: Mapping[str, str]
+        self, space: SpaceFields, policy: Policy, dtypes: Mapping[str, str]
     ) -> dict[str, str]:
         """The loss scaling, the fp8 recipe, the reduce dtype and the optimizer states,
         each where the space searches it."""
@@ -176,7 +178,7 @@ def _with_fp8_where_it_fits(
     return fitted
 
 
-def _runnable_recipes(space: SearchSpace, groups: list[Group], kind: str) -> tuple[str, ...]:
+def _runnable_recipes(space: SpaceFields, groups: list[Group], kind: str) -> tuple[str, ...]:
     """The space's recipes without those seen to fail inside an autocast region on this
     device kind, where some group may be fp16 or bf16 around the fp8 layers."""
     if not any(d in LOW_PRECISION for g in groups for d in g.dtypes):
