@@ -248,6 +248,21 @@ def test_nothing_below_the_trials_imports_them() -> None:
     assert trials_importers_below(import_graph()) == []
 
 
+def test_precision_numerics_and_formats_never_import_serving() -> None:
+    """Serving converts weights by what is below it (the formats, their methods and
+    torchao's quiet import, `autoprec.formats.methods`); what lands a policy, watches the
+    numbers or declares a format never asks serving."""
+    below = ("autoprec.precision", "autoprec.numerics", "autoprec.formats")
+    found = [
+        f"{module} -> {target}"
+        for module, targets in sorted(import_graph().items())
+        if module.startswith(below)
+        for target in sorted(targets)
+        if target.startswith("autoprec.serving")
+    ]
+    assert found == []
+
+
 def test_the_policy_is_read_without_torch() -> None:
     """`autoprec.policy` is plain data at the bottom: reading, checking and writing a
     policy imports no torch (its methods on a model import what acts on it when called)."""
