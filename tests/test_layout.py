@@ -77,8 +77,9 @@ def import_graph() -> dict[str, set[str]]:
     return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
-def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle per strongly connected component of more than one module (Tarjan)."""
+def tangles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted:
+    modules that all reach each other through their imports."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -109,7 +110,12 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     for node in sorted(graph):
         if node not in index:
             visit(node)
-    return [_one_cycle(graph, set(component)) for component in components]
+    return [sorted(component) for component in components]
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module."""
+    return [_one_cycle(graph, set(component)) for component in tangles(graph)]
 
 
 def _one_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
@@ -181,8 +187,13 @@ def test_no_import_cycles() -> None:
     """Function-level and ``TYPE_CHECKING`` imports included: the code that acts on a
     policy or a space types it by what is below both (`autoprec.precision.view`,
     `autoprec.space.fields`), never by the class whose methods call it."""
-    cycles = find_cycles(import_graph())
-    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    graph = import_graph()
+    found = [
+        f"{len(component)} modules ({', '.join(component)}), one cycle: "
+        + " -> ".join(_one_cycle(graph, set(component)))
+        for component in tangles(graph)
+    ]
+    assert not found, "import cycles:\n" + "\n".join(found)
 
 
 def test_errors_import_nothing_of_the_package() -> None:
@@ -293,8 +304,10 @@ def test_every_sub_package_ships_in_the_wheel() -> None:
 
 
 if __name__ == "__main__":
-    for cycle in find_cycles(import_graph()):
-        print(" -> ".join(cycle))
+    # The tangles of modules that import each other, by size, with one cycle through each.
+    graph = import_graph()
+    for component in sorted(tangles(graph), key=len, reverse=True):
+        print(len(component), " -> ".join(_one_cycle(graph, set(component))))
 
 
 def test_no_module_imports_through_the_public_facade() -> None:
