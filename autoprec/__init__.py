@@ -37,7 +37,7 @@ if _TYPE_CHECKING:
     from autoprec.numerics.telemetry import GradientMonitor
     from autoprec.policy import Policy, Rule, load_policy
     from autoprec.precision.hooks import Precision
-    from autoprec.precision.scaling import LossScale
+    from autoprec.precision.loss_scale import LossScale
     from autoprec.profile.sensitivity import Profile, profile_task
     from autoprec.serving import load_served_model
     from autoprec.study import Callbacks, SearchConfig, SearchResult, search
@@ -64,7 +64,7 @@ _WHERE = {
     "Callbacks": "autoprec.study",
     "GradientMonitor": "autoprec.numerics.telemetry",
     "Guard": "autoprec.guard",
-    "LossScale": "autoprec.precision.scaling",
+    "LossScale": "autoprec.precision.loss_scale",
     "Policy": "autoprec.policy",
     "Precision": "autoprec.precision.hooks",
     "Profile": "autoprec.profile.sensitivity",

@@ -4,15 +4,19 @@ below fp32. The names themselves and everything about each format live in its ob
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from autoprec.formats import all_formats, get, names, reference
+
+if TYPE_CHECKING:
+    import torch
 
 _ALL = all_formats()
 FP32 = reference().name
 # Transitional: the names code not yet asking the objects still compares against.
 FP16, BF16, FP8, INT8 = "fp16", "bf16", "fp8", "int8"
-TORCH_DTYPES: dict[str, torch.dtype] = {f.name: f.torch_dtype() for f in _ALL if f.autocasts}
+# ``TORCH_DTYPES`` (each name below to its torch dtype) is made when first asked for
+# (`__getattr__`), so that the names are read without torch (a policy is torch-free data).
 # The floating dtypes autocast and ``Tensor.to`` know, by name.
 AUTOCAST_DTYPES: tuple[str, ...] = tuple(f.name for f in _ALL if f.autocasts)
 # Floating dtypes below fp32 that a region runs in (the share of parameters, the
@@ -47,3 +51,10 @@ def activation_dtype(dtype: str) -> str:
 def below_fp32(dtype: str) -> bool:
     """Whether a layer in ``dtype`` runs below fp32 (counts in the low-precision share)."""
     return get(dtype).low_precision
+
+
+def __getattr__(name: str) -> dict[str, torch.dtype]:
+    """``TORCH_DTYPES``: the torch dtype of each floating dtype autocast knows, by name."""
+    if name == "TORCH_DTYPES":
+        return {f.name: f.torch_dtype() for f in _ALL if f.autocasts}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

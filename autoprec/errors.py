@@ -9,12 +9,21 @@ search stopped by Ctrl-C, `TrialTimeout` and `DuplicateKey` never leave autoprec
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 import yaml
 
-if TYPE_CHECKING:
-    from autoprec.study import SearchResult
+
+class _Written(Protocol):
+    """What a search stopped by Ctrl-C hands back (`autoprec.study.SearchResult`), as
+    this module sees it: it imports nothing of the project."""
+
+    @property
+    def summary_path(self) -> Path: ...
+
+
+ResultT = TypeVar("ResultT", bound=_Written)
 
 __all__ = [
     "AutoprecError",
@@ -91,12 +100,13 @@ class ExportWarning(UserWarning):
     The same text stands in the header comment of the file written."""
 
 
-class SearchInterrupted(KeyboardInterrupt):
+class SearchInterrupted(KeyboardInterrupt, Generic[ResultT]):
     """Ctrl-C during the trials: the running trial was recorded as interrupted (failed in
     Optuna, not counted), and the summary and best policy so far were written. A
-    KeyboardInterrupt, so that code which stops on Ctrl-C stops on it too."""
+    KeyboardInterrupt, so that code which stops on Ctrl-C stops on it too. ``result``: the
+    search's `autoprec.SearchResult` so far."""
 
-    def __init__(self, result: SearchResult) -> None:
+    def __init__(self, result: ResultT) -> None:
         super().__init__(f"search interrupted; results so far in {result.summary_path}")
         self.result = result
 

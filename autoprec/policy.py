@@ -32,29 +32,28 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import yaml
-from torch import nn
 
 import autoprec.formats as formats
 from autoprec._util.files import load_yaml, parse_yaml, write_atomic
 from autoprec._util.safe_names import check_name
 from autoprec.errors import GuardError, PolicyError
 from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE, FP8, check_recipe
+from autoprec.formats.int8 import INT8
 from autoprec.guard.settings import Guard
-from autoprec.optim.state import OptimizerStates, TrainingState
-from autoprec.precision import landing, resolution
-from autoprec.precision.plan import low_precision_share, parameterised_leaves, selects
-from autoprec.precision.resolution import int8_capable
-from autoprec.precision.scaling import LossScale
-from autoprec.serving.fp8 import FP8_SERVING_METHODS, is_fp8_serving_method
-from autoprec.serving.quantizers import INT8_METHODS
+from autoprec.optim.state import OptimizerStates
+from autoprec.precision.loss_scale import LossScale
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from autoprec.devices import Backend
+    from autoprec.formats.base import Format
+    from autoprec.modes import Mode
+    from autoprec.optim.state import TrainingState
     from autoprec.precision.hooks import Precision
     from autoprec.precision.plan import Plan
-    from autoprec.trials import Mode
 
 __all__ = [
     "REDUCE_DTYPES",
@@ -62,15 +61,9 @@ __all__ = [
     "Policy",
     "Quantization",
     "Rule",
-    "int8_capable",
     "load_policy",
-    "parameterised_leaves",
-    "share_of_parameters",
-    "tied_leaves",
 ]
 
-# The name the training trial has imported the share by (one function: `autoprec.precision.plan`).
-share_of_parameters = low_precision_share
 _POLICY_FIELDS = (
     "name",
     "default",
@@ -98,6 +91,12 @@ def _check_dtype(value: Any, where: str) -> str:
     return formats.get(value).name
 
 
+def _method_names(served: type[Format]) -> tuple[str, ...]:
+    """A quantizing format's serving methods by name (int8's, fp8's), read from its format
+    (`autoprec.formats`) without torch."""
+    return tuple(method.name for method in served.methods)
+
+
 def _string_list(value: Any, where: str) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
@@ -122,6 +121,8 @@ class Rule:
             raise PolicyError("rule: needs patterns, types or both")
 
     def matches(self, name: str, module: nn.Module) -> bool:
+        from autoprec.precision.plan import selects  # on a model: a policy is torch-free data
+
         return selects(self.patterns, self.types, name, module)
 
     def describe(self) -> str:
@@ -177,17 +178,19 @@ class Quantization:
     fp8: str | None = None
 
     def __post_init__(self) -> None:
-        if self.int8 is not None and self.int8 not in INT8_METHODS:
+        int8_methods = _method_names(INT8)
+        if self.int8 is not None and self.int8 not in int8_methods:
             raise PolicyError(
                 f"quantization.int8: unknown method {self.int8!r} "
-                f"(expected {', '.join(INT8_METHODS)})"
+                f"(expected {', '.join(int8_methods)})"
             )
-        if self.fp8 is not None and not is_fp8_serving_method(self.fp8):
+        fp8_methods = _method_names(FP8)
+        if self.fp8 is not None and self.fp8 not in fp8_methods:
             try:
                 check_recipe(self.fp8, "quantization.fp8")
             except PolicyError as error:
                 raise PolicyError(
-                    f"{error}; or, for serving, a method: {', '.join(FP8_SERVING_METHODS)}"
+                    f"{error}; or, for serving, a method: {', '.join(fp8_methods)}"
                 ) from None
 
     def method(self, name: str) -> str | None:
@@ -280,7 +283,7 @@ class Policy:
         """The fp8 serving method the policy was measured with (None: not a serving
         policy's fp8, or the device's default)."""
         fp8 = self.quantization.fp8
-        return fp8 if is_fp8_serving_method(fp8) else None
+        return fp8 if fp8 in _method_names(FP8) else None
 
     @property
     def names_fp8(self) -> bool:
@@ -400,6 +403,8 @@ class Policy:
         return write_atomic(path, self.to_yaml())
 
     # -- on a model: thin delegates to `autoprec.precision.landing` and `.resolution` ----
+    # Imported where called: they import torch, and they act on a policy, so they sit above
+    # this module and read a policy as `autoprec.precision.view.PolicyView`.
 
     def plan(
         self,
@@ -412,6 +417,8 @@ class Policy:
         module with parameters. On a model that holds the searched one (a LightningModule's
         ``self.net``), the policy lands on the submodule where every rule matches, or on the
         one ``module`` names (`autoprec.precision._placement`); the layers around it stay fp32."""
+        from autoprec.precision import landing
+
         return landing.plan(self, model, device, module)
 
     def apply(
@@ -435,6 +442,8 @@ class Policy:
         widens a layer before it fails (`autoprec.guard.precision.GuardedPrecision`);
         None takes the policy's own ``guard:`` section, False runs unguarded.
         """
+        from autoprec.precision import landing
+
         return landing.apply(self, model, device, module, emulate, guard)
 
     def resolve(
@@ -464,6 +473,8 @@ class Policy:
         (or the device refuses the policy) such a leaf is reported in the policy's dtype.
         On another device kind it is the plan's word, from the tables and what was watched
         there so far. Leaves without parameters (ReLU, dropout, pooling) are not listed."""
+        from autoprec.precision import resolution
+
         return resolution.resolve(self, model, device, module, example)
 
     def resolve_served(self, model: nn.Module) -> dict[str, str]:
@@ -473,6 +484,8 @@ class Policy:
         can be int8 (Linear, Conv1D), the others stay fp32; fp8 from the default likewise
         to the Linear layers its method takes. An explicit int8 or fp8 rule on any other
         layer is refused when the model is converted."""
+        from autoprec.precision import resolution
+
         return resolution.resolve_served(self, model)
 
     def identity(
@@ -488,6 +501,8 @@ class Policy:
         mode's trials train the loss scaling where any of them is fp16 and the optimizer
         states, and the switches. Policies alike in this are measured once, whichever
         rules say it."""
+        from autoprec.precision import resolution
+
         return resolution.identity(self, model, device, mode)
 
     def layer_table(
@@ -502,6 +517,8 @@ class Policy:
         (`Mode.resolve_policy`; the serving mode: the dtype its weights are served in;
         ``example``: as ``resolve`` observes it on that batch); where the mode's trials
         train and the policy's optimizer states are not all fp32, each one's state."""
+        from autoprec.precision import resolution
+
         return resolution.layer_table(self, model, device, mode, example)
 
     def low_precision_share(
@@ -514,6 +531,8 @@ class Policy:
         """Share of the model's parameters that run in fp16 or bf16 (or, served, int8) as
         ``mode`` (None: training) resolves them; ``example``: as ``resolve`` observes it on
         that batch."""
+        from autoprec.precision import resolution
+
         return resolution.share(self, model, device, mode, example)
 
     def resolve_states(self, model: nn.Module) -> dict[str, TrainingState]:
@@ -525,30 +544,20 @@ class Policy:
     def optimizer(
         self,
         model: nn.Module,
-        optimizer: Any = torch.optim.AdamW,
+        optimizer: Any = None,
         **hyperparameters: Any,
     ) -> torch.optim.Optimizer:
         """The optimizer over ``model``'s parameters that the policy's training states
         describe (`autoprec.optim.optimizer.build_optimizer`): ``optimizer`` (a class, called with
-        ``hyperparameters``, or a factory ``(params) -> Optimizer``) for fp32 states, and
-        torchao's optimizers with the same hyperparameters for the others, as one
-        optimizer with ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict``."""
+        ``hyperparameters``, or a factory ``(params) -> Optimizer``; None: ``torch.optim.AdamW``)
+        for fp32 states, and torchao's optimizers with the same hyperparameters for the others,
+        as one optimizer with ``step``, ``zero_grad``, ``state_dict`` and ``load_state_dict``."""
+        import torch
+
         from autoprec.optim.optimizer import build_optimizer
 
-        return build_optimizer(self.optimizer_states, model, optimizer, **hyperparameters)
-
-
-def tied_leaves(model: nn.Module) -> list[tuple[str, ...]]:
-    """Groups of leaves with parameters that share a parameter (a tied embedding and
-    head), each in module order: a conversion gives them one dtype, or quantizes one of
-    them to int8, so a search space keeps each group in one group."""
-    owners: dict[int, list[str]] = {}
-    for name, module in parameterised_leaves(model):
-        for parameter in module.parameters(recurse=False):
-            names = owners.setdefault(id(parameter), [])
-            if name not in names:
-                names.append(name)
-    return sorted({tuple(names) for names in owners.values() if len(names) > 1})
+        factory = torch.optim.AdamW if optimizer is None else optimizer
+        return build_optimizer(self.optimizer_states, model, factory, **hyperparameters)
 
 
 def load_policy(path: str | Path) -> Policy:

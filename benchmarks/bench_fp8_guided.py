@@ -41,11 +41,11 @@ from optuna.trial import TrialState
 from torch import nn
 
 from autoprec.devices import get_backend
-from autoprec.numerics.fp8_risk import fp8_group_order
 from autoprec.policy import Policy
 from autoprec.profile.guided import GuidedStrategy, Observation
 from autoprec.profile.sensitivity import profile_task
 from autoprec.space import SearchSpace
+from autoprec.space.fitting import fp8_group_order
 from autoprec.study._loop import MAX_DUPLICATES_IN_A_ROW
 from autoprec.study._studies import DIRECTIONS, make_sampler
 from autoprec.trials.training import Budget, EarlyStopping, TrialResult, run_trial

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 import autoprec
 from autoprec import Policy, Rule
-from autoprec.policy import parameterised_leaves
+from autoprec.precision.plan import parameterised_leaves
 
 WIDTH = 16
 

@@ -90,12 +90,12 @@ def test_the_cli_names_are_the_registries_names():
     """The names the parser offers without importing torch are those the code runs."""
     from autoprec._util import names as _names
     from autoprec.exports import FORMATS, SERVING_FORMATS
+    from autoprec.modes import CONVERTED_WEIGHTS_FORMATS
     from autoprec.serving.fp8 import FP8_SERVING_METHODS
     from autoprec.serving.quantizers import INT8_METHODS
     from autoprec.study import config
     from autoprec.tasks import BUILTIN_TASKS, DEFAULT_TASK
     from autoprec.tracking import DEFAULT_TRACKING_URI
-    from autoprec.trials.mode import CONVERTED_WEIGHTS_FORMATS
 
     assert tuple(BUILTIN_TASKS) == _names.BUILTIN_TASK_NAMES
     assert _names.DEFAULT_TASK == DEFAULT_TASK

@@ -452,7 +452,7 @@ def test_a_late_underflow_is_named_as_a_flush_of_the_layer_that_flushed():
     40-step trial and stops before 200 steps on a non-finite loss. What the telemetry saw
     first is the kernel's values flushing to zero, not the head whose output went
     non-finite after the division; bf16 and fp32 train the 200 steps."""
-    from autoprec.precision.scaling import LossScale
+    from autoprec.precision.loss_scale import LossScale
     from tests.underflow_task import underflow_task
 
     task, backend = underflow_task(), get_backend("cpu")

@@ -25,8 +25,7 @@ from autoprec.devices import (
     autocast_behaviour,
     table_behaviour,
 )
-from autoprec.policy import parameterised_leaves
-from autoprec.precision.plan import low_precision_share
+from autoprec.precision.plan import low_precision_share, parameterised_leaves
 from autoprec.profile.autogroups import _family
 from autoprec.space import load_space, searched_leaves
 from autoprec.tasks import load_task

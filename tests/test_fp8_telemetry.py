@@ -17,11 +17,11 @@ import autoprec
 from autoprec import Policy
 from autoprec.devices import get_backend
 from autoprec.formats.fp8 import Fp8Layers
-from autoprec.numerics.fp8_risk import fp8_group_order
 from autoprec.numerics.telemetry import GradientMonitor
 from autoprec.profile.guided import GuidedStrategy, Observation
 from autoprec.profile.sensitivity import Profile, profile_task
 from autoprec.space import SearchSpace
+from autoprec.space.fitting import fp8_group_order
 from autoprec.tasks import load_task
 from autoprec.trials.training import LAYERS_ARTIFACT, Budget, TrialResult, TrialState, run_trial
 from tests.cpu_fp8 import trains_fp8

@@ -1,13 +1,17 @@
-"""The package's shape: a short root, and no import cycles between its modules.
+"""The package's shape: a short root, no import cycles between its modules, and layers
+whose dependencies point one way.
 
 The import graph is read from the sources (every ``import`` and ``from`` statement, at
-module level or inside a function), not from ``sys.modules``: a cycle through a function's
-import is a cycle in the design even when Python tolerates it at run time.
+module level, inside a function, or under ``if TYPE_CHECKING:``), not from
+``sys.modules``: a cycle through a function's import, or through a type's, is a cycle in
+the design even when Python tolerates it at run time.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "autoprec"
@@ -40,10 +44,11 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
 
 
 def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that ``module`` imports, anywhere in its source."""
+    """The package's modules that ``module`` imports, anywhere in its source (at module
+    level, in a function, under ``if TYPE_CHECKING:``)."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in _statements(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -66,28 +71,15 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
-def _statements(tree: ast.AST) -> list[ast.AST]:
-    """Every node of the tree but those under ``if TYPE_CHECKING:``, which never run."""
-    found: list[ast.AST] = []
-    pending = [tree]
-    while pending:
-        node = pending.pop()
-        found.append(node)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            pending.extend(node.orelse)
-            continue
-        pending.extend(ast.iter_child_nodes(node))
-    return found
-
-
 def import_graph() -> dict[str, set[str]]:
     """Each module of the package and the package's modules it imports."""
     modules = _modules()
     return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
-def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle per strongly connected component of more than one module (Tarjan)."""
+def tangles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted:
+    modules that all reach each other through their imports."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -118,7 +110,12 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     for node in sorted(graph):
         if node not in index:
             visit(node)
-    return [_one_cycle(graph, set(component)) for component in components]
+    return [sorted(component) for component in components]
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module."""
+    return [_one_cycle(graph, set(component)) for component in tangles(graph)]
 
 
 def _one_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
@@ -149,11 +146,15 @@ def test_the_cycle_finder_finds_cycles() -> None:
     assert find_cycles(graph) == [["a", "b", "c", "a"]]
 
 
-def test_the_graph_sees_function_level_imports() -> None:
+def test_the_graph_sees_function_level_and_type_checking_imports() -> None:
     graph = import_graph()
     # A function-level import (the MLflow loader builds the task's model), and a module-level one.
     assert "autoprec.tasks" in graph["autoprec.serving.mlflow_rebuilt"]
     assert "autoprec.policy" in graph["autoprec.serving.conversion"]
+    # Under ``if TYPE_CHECKING:`` (landing types the policy it is given).
+    assert "autoprec.precision.view" in graph["autoprec.precision.landing"]
+    # ``from autoprec.precision import landing``, in a method: the submodule is the edge.
+    assert "autoprec.precision.landing" in graph["autoprec.policy"]
 
 
 def stale_imports(paths: list[Path]) -> list[str]:
@@ -183,8 +184,106 @@ def test_every_import_of_autoprec_names_a_module_that_exists() -> None:
 
 
 def test_no_import_cycles() -> None:
-    cycles = find_cycles(import_graph())
-    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    """Function-level and ``TYPE_CHECKING`` imports included: the code that acts on a
+    policy or a space types it by what is below both (`autoprec.precision.view`,
+    `autoprec.space.fields`), never by the class whose methods call it."""
+    graph = import_graph()
+    found = [
+        f"{len(component)} modules ({', '.join(component)}), one cycle: "
+        + " -> ".join(_one_cycle(graph, set(component)))
+        for component in tangles(graph)
+    ]
+    assert not found, "import cycles:\n" + "\n".join(found)
+
+
+def test_errors_import_nothing_of_the_package() -> None:
+    """Every module may raise autoprec's errors, so `autoprec.errors` sits below them all."""
+    path = PACKAGE / "errors.py"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "autoprec"]
+        elif isinstance(node, ast.ImportFrom) and (
+            node.level or (node.module or "").split(".")[0] == "autoprec"
+        ):
+            found.append("." * node.level + (node.module or ""))
+    assert found == []
+
+
+# The layers above the trials (`autoprec.trials`), as DESIGN.md's data flow has them: the
+# search that runs trials and what it leaves behind. Each is a module or a package.
+ABOVE_THE_TRIALS = (
+    "autoprec.cli",  # the command
+    "autoprec.settings",  # every search setting, the modes' sections among them
+    "autoprec.study",  # the search: session, loop, workers, summary, confirmation
+    "autoprec.tracking",  # the Tracker, which records the trials' Results
+    "autoprec.report",  # a study's report: each mode's view
+    "autoprec.exports",  # what a finished study is exported as
+    # Trials launched across devices: the launch wraps any mode's trial, and each rank runs
+    # the training trial's loop (DESIGN.md: the modes' launch.py).
+    "autoprec.distributed.launch",
+    "autoprec.distributed.rank",
+    # The serving mode's measurement and its result type, built on the trials' results.
+    "autoprec.serving.measure",
+    # The zoo's calibration: it runs trials exactly as a search does, to measure every
+    # automatic judgement on tasks with known ground truth.
+    "autoprec.tasks.zoo",
+)
+
+
+def trials_importers_below(graph: dict[str, set[str]]) -> list[str]:
+    """``module -> trials module`` for each import of `autoprec.trials` (any of its
+    modules, in any way) by a module neither in it nor above it (`ABOVE_THE_TRIALS`, and
+    the facade, `autoprec`)."""
+
+    def within(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    found = []
+    for module, targets in sorted(graph.items()):
+        if module == "autoprec" or within(module, "autoprec.trials"):
+            continue
+        if any(within(module, above) for above in ABOVE_THE_TRIALS):
+            continue
+        found += [f"{module} -> {t}" for t in sorted(targets) if within(t, "autoprec.trials")]
+    return found
+
+
+def test_nothing_below_the_trials_imports_them() -> None:
+    """A trial runs on what is below it (the policy, precision, numerics, profile, space,
+    serving's conversion, tasks, devices) and what is below never asks the trials: the
+    modes it needs are declared in `autoprec.modes`, below the policy and the space, and
+    their trials are loaded by name (``Mode.trials``). Only the layers above the trials
+    (`ABOVE_THE_TRIALS`: the search and what it leaves behind, the launch across devices,
+    the serving mode's measurement, the zoo's calibration) import `autoprec.trials`."""
+    assert trials_importers_below(import_graph()) == []
+
+
+def test_precision_numerics_and_formats_never_import_serving() -> None:
+    """Serving converts weights by what is below it (the formats, their methods and
+    torchao's quiet import, `autoprec.formats.methods`); what lands a policy, watches the
+    numbers or declares a format never asks serving."""
+    below = ("autoprec.precision", "autoprec.numerics", "autoprec.formats")
+    found = [
+        f"{module} -> {target}"
+        for module, targets in sorted(import_graph().items())
+        if module.startswith(below)
+        for target in sorted(targets)
+        if target.startswith("autoprec.serving")
+    ]
+    assert found == []
+
+
+def test_the_policy_is_read_without_torch() -> None:
+    """`autoprec.policy` is plain data at the bottom: reading, checking and writing a
+    policy imports no torch (its methods on a model import what acts on it when called)."""
+    code = (
+        "import sys, autoprec.policy\n"
+        "policy = autoprec.policy.Policy.from_yaml('default: bf16\\nrules: []\\n')\n"
+        "assert autoprec.policy.Policy.from_yaml(policy.to_yaml()) == policy\n"
+        "assert 'torch' not in sys.modules, sorted(sys.modules)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_every_sub_package_ships_in_the_wheel() -> None:
@@ -205,8 +304,10 @@ def test_every_sub_package_ships_in_the_wheel() -> None:
 
 
 if __name__ == "__main__":
-    for cycle in find_cycles(import_graph()):
-        print(" -> ".join(cycle))
+    # The tangles of modules that import each other, by size, with one cycle through each.
+    graph = import_graph()
+    for component in sorted(tangles(graph), key=len, reverse=True):
+        print(len(component), " -> ".join(_one_cycle(graph, set(component))))
 
 
 def test_no_module_imports_through_the_public_facade() -> None:

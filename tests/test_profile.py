@@ -25,7 +25,7 @@ from autoprec.devices import (
 )
 from autoprec.errors import AutoprecError, DeviceError, PolicyError, SpaceError, TaskError
 from autoprec.numerics.observe import watch_task
-from autoprec.policy import parameterised_leaves
+from autoprec.precision.plan import parameterised_leaves
 from autoprec.profile.sensitivity import Profile, _alone
 from autoprec.space import load_space
 from autoprec.tasks import load_task

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -95,3 +97,12 @@ def test_state_dict_round_trip():
 def test_invalid_settings(kwargs):
     with pytest.raises(PolicyError, match=r"^loss_scale\."):
         LossScale(**kwargs)
+
+
+def test_the_largest_loss_scale_is_float32s_largest():
+    """The settings are checked without torch, against float32's largest number, as torch
+    keeps the scale: that number is allowed, the next float above it is not."""
+    largest = float(torch.finfo(torch.float32).max)
+    assert LossScale(init_scale=largest).init_scale == largest
+    with pytest.raises(PolicyError, match="init_scale"):
+        LossScale(init_scale=math.nextafter(largest, math.inf))

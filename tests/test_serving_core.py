@@ -11,7 +11,8 @@ from torch import nn
 
 from autoprec.devices import get_backend
 from autoprec.errors import AutoprecError, DeviceError, PolicyError
-from autoprec.policy import int8_capable, parameterised_leaves
+from autoprec.precision.plan import parameterised_leaves
+from autoprec.precision.resolution import int8_capable
 from autoprec.serving import (
     INT8_METHODS,
     Reference,

@@ -89,10 +89,10 @@ from autoprec.distributed.launch import AGENT_PID_ENV, DONE_PREFIX, READY_PREFIX
 from autoprec.distributed.parallel import RankTraining
 from autoprec.distributed.telemetry import reduce_telemetry
 from autoprec.errors import AutoprecError, PolicyError, first_line
+from autoprec.modes import load
 from autoprec.policy import Policy
 from autoprec.tasks.loading import load_task
 from autoprec.trials.base import Result, TrialState
-from autoprec.trials.mode import load
 from autoprec.trials.training import Budget, EarlyStopping, TrialResult, train_and_evaluate
 
 DEFAULT_TIMEOUT_S = 1800.0

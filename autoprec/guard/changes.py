@@ -28,7 +28,7 @@ from autoprec.numerics.forecast import Forecast, Headroom, Outcome, RangeSeries,
 from autoprec.numerics.fp8_telemetry import FLUSH_WARNING, ROLE_LABELS, Fp8Telemetry
 
 if TYPE_CHECKING:
-    from autoprec.policy import Policy
+    from autoprec.precision.view import PolicyView
 
 PROMOTE = "promote"
 ROLLBACK = "rollback"
@@ -233,7 +233,7 @@ def _escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
-def promoted_policy(policy: Policy, changes: list[Change], prefix: str = "") -> Policy:
+def promoted_policy(policy: PolicyView, changes: list[Change], prefix: str = "") -> PolicyView:
     """``policy`` with a rule per change ahead of its own, newest first. ``prefix``: the
     submodule the policy landed on (its rules name leaves below it)."""
     rules = []

@@ -69,7 +69,7 @@ from autoprec.precision.hooks import Precision
 from autoprec.precision.plan import Plan
 
 if TYPE_CHECKING:
-    from autoprec.policy import Policy
+    from autoprec.precision.view import PolicyView
 
 _log = logging.getLogger("autoprec")
 # Watched points kept per layer: the trend is fitted to the recent run, on as many points as
@@ -90,10 +90,10 @@ class GuardedPrecision(Precision):
         self,
         model: nn.Module,
         plan: Plan,
-        policy: Policy,
+        policy: PolicyView,
         backend: Backend,
         settings: Guard,
-        replan: Callable[[Policy], Plan],
+        replan: Callable[[PolicyView], Plan],
         placement: str = "",
     ) -> None:
         self.settings = settings

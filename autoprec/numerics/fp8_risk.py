@@ -24,20 +24,15 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from autoprec.devices import device_kind
 from autoprec.errors import first_line
 from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE, check_recipe, fp8_capable
+from autoprec.formats.methods import import_torchao
 from autoprec.numerics.fp8_telemetry import COLUMNS, cast_counts, cast_specs
-from autoprec.serving.quantizers import import_torchao
-
-if TYPE_CHECKING:
-    from autoprec.profile.sensitivity import Profile
-    from autoprec.space import SearchSpace
 
 
 @dataclass(frozen=True)
@@ -128,19 +123,3 @@ def _row_deviation(output: torch.Tensor, reference: torch.Tensor) -> float:
     norms = torch.linalg.vector_norm(rows, dim=-1).clamp_min(1e-12)
     errors = torch.linalg.vector_norm(output.reshape(rows.shape) - rows, dim=-1)
     return float((errors / norms).mean())
-
-
-def fp8_group_order(space: SearchSpace, profile: Profile, model: nn.Module) -> list[str]:
-    """The (fitted) space's groups that hold fp8-risk figures in ``profile``, riskiest
-    first by the largest fp8 risk of the layers each assigns (groups without any are left
-    out: the guided search takes them as the least risky)."""
-    group_of = space.assignment(model, device_kind(profile.device))
-    risks: dict[str, float] = {}
-    for module in profile.modules:
-        if module.fp8_risk is None:
-            continue
-        for leaf, group in group_of.items():
-            if leaf == module.name or leaf.startswith(f"{module.name}."):
-                risks[group] = max(risks.get(group, 0.0), module.fp8_risk)
-    names = [g.name for g in space.groups]
-    return sorted(risks, key=lambda g: (-risks[g], names.index(g)))

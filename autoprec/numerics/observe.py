@@ -65,7 +65,7 @@ from autoprec.devices import (
 from autoprec.precision.plan import parameterised_leaves
 
 if TYPE_CHECKING:
-    from autoprec.policy import Policy
+    from autoprec.precision.view import PolicyView
     from autoprec.tasks.base import Task
 
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -387,7 +387,7 @@ def synthesized_run(model: nn.Module) -> Any:
 
 def observed_dtypes(
     model: nn.Module,
-    policy: Policy,
+    policy: PolicyView,
     run: Any,
     device: str | torch.device | Backend | None,
     module: str | None = None,

@@ -16,7 +16,7 @@ from torch import nn
 
 
 def _adam_base() -> type:
-    from autoprec.serving.quantizers import import_torchao
+    from autoprec.formats.methods import import_torchao
 
     import_torchao()  # quietly: its import-time noise is not the user's to see
     from torchao.optim.adam import _AdamBase

@@ -93,7 +93,7 @@ def state_buffer(
 def _torchao_optimizer(
     state: TrainingState, params: list[nn.Parameter], reference: torch.optim.Optimizer
 ) -> torch.optim.Optimizer:
-    from autoprec.serving.quantizers import import_torchao
+    from autoprec.formats.methods import import_torchao
 
     import_torchao()  # quietly: its import-time noise is not the user's to see
     import torchao.optim as ao

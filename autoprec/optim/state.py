@@ -36,16 +36,14 @@ block of 256 included).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 import autoprec.formats as formats
 from autoprec._util.safe_names import check_name
-from autoprec.devices import state_nbytes
 from autoprec.errors import PolicyError
-from autoprec.precision.plan import selects
+
+if TYPE_CHECKING:
+    from torch import nn
 
 STATE_KINDS = ("fp32", "bf16", "8bit", "4bit", "fp8", "fp8-bf16")
 MASTER_DTYPES = ("fp32", "bf16")
@@ -127,6 +125,8 @@ class StateGroup:
             raise PolicyError("optimizer group: needs state, master or both")
 
     def matches(self, name: str, module: nn.Module) -> bool:
+        from autoprec.precision.plan import selects  # on a model: a policy is torch-free data
+
         return selects(self.patterns, self.types, name, module)
 
     def describe(self) -> str:
@@ -315,6 +315,10 @@ class OptimizerStates:
 
 def optimizer_state_nbytes(optimizer: Any) -> int:
     """Bytes of every tensor in the optimizer's state as it is stored (each storage once)."""
+    import torch
+
+    from autoprec.devices import state_nbytes
+
     storages: dict[int, int] = {}
     for state in optimizer.state.values():
         for value in state.values():

@@ -50,8 +50,9 @@ from torch import nn
 import autoprec.formats as formats
 from autoprec._util.structures import cast_floats, upcast_floats_except
 from autoprec.devices import Backend
+from autoprec.precision.loss_scale import LossScale
 from autoprec.precision.plan import Plan
-from autoprec.precision.scaling import LossScale, LossScaler
+from autoprec.precision.scaling import LossScaler
 
 
 @runtime_checkable

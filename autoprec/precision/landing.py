@@ -44,10 +44,10 @@ from autoprec.precision.plan import (
 
 if TYPE_CHECKING:
     from autoprec.guard.settings import Guard
-    from autoprec.policy import Policy
+    from autoprec.precision.view import PolicyView
 
 
-def matched_leaves(policy: Policy, model: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
+def matched_leaves(policy: PolicyView, model: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
     """Each leaf with parameters and the dtype of its first matching rule (None where no
     rule matches); raises PolicyError for a rule that matches no such leaf."""
     used = [False] * len(policy.rules)
@@ -69,7 +69,7 @@ def matched_leaves(policy: Policy, model: nn.Module) -> list[tuple[str, nn.Modul
 
 
 def plan(
-    policy: Policy,
+    policy: PolicyView,
     model: nn.Module,
     device: str | torch.device | Backend | None = None,
     module: str | None = None,
@@ -85,7 +85,7 @@ def plan(
 
 
 def apply(
-    policy: Policy,
+    policy: PolicyView,
     model: nn.Module,
     device: str | torch.device | Backend | None = None,
     module: str | None = None,
@@ -109,13 +109,15 @@ def apply(
         return Precision(model, planned, policy.loss_scale, backend)
     from autoprec.guard.precision import GuardedPrecision
 
-    def replan(effective: Policy) -> Plan:
+    def replan(effective: PolicyView) -> Plan:
         return plan(effective, model, backend, placement.name or None)
 
     return GuardedPrecision(model, planned, policy, backend, settings, replan, placement.name)
 
 
-def _guard_settings(policy: Policy, guard: Guard | bool | None, backend: Backend) -> Guard | None:
+def _guard_settings(
+    policy: PolicyView, guard: Guard | bool | None, backend: Backend
+) -> Guard | None:
     """The guard's settings: ``guard`` as given (True: the defaults, False: none), else the
     policy's own ``guard:`` section; a promotion target the device cannot run is refused."""
     from autoprec.guard.settings import Guard
@@ -144,7 +146,7 @@ def device_of(model: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def _placement(policy: Policy, model: nn.Module, module: str | None) -> Placement:
+def _placement(policy: PolicyView, model: nn.Module, module: str | None) -> Placement:
     """Where on ``model`` the policy lands: a submodule that its parent calls (the region
     in the outer dtype goes on its forward) on which every rule matches."""
 
@@ -163,7 +165,7 @@ def _placement(policy: Policy, model: nn.Module, module: str | None) -> Placemen
     return placement
 
 
-def _plan(policy: Policy, model: nn.Module, kind: str) -> Plan:
+def _plan(policy: PolicyView, model: nn.Module, kind: str) -> Plan:
     _refuse_serving_dtypes(policy)
     chosen: dict[str, str] = {}
     converted: dict[str, str] = {}  # leaf -> its conversion format: run in the region around
@@ -255,7 +257,7 @@ def _landing(kind: str, module: nn.Module, dtype: str, uniform: bool) -> str:
     return AUTOCAST_INPUT_DTYPE if behaviour == "input" else AUTOCAST
 
 
-def _refuse_serving_dtypes(policy: Policy) -> None:
+def _refuse_serving_dtypes(policy: PolicyView) -> None:
     """Layers in a serving-only format (int8), and fp8 ones by a serving method, are
     converted for serving (`autoprec.load_served_model`); no region runs them."""
     for where, dtype in (

@@ -190,6 +190,19 @@ def parameterised_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+def tied_leaves(model: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of leaves with parameters that share a parameter (a tied embedding and
+    head), each in module order: a conversion gives them one dtype, or quantizes one of
+    them to int8, so a search space keeps each group in one group."""
+    owners: dict[int, list[str]] = {}
+    for name, module in parameterised_leaves(model):
+        for parameter in module.parameters(recurse=False):
+            names = owners.setdefault(id(parameter), [])
+            if name not in names:
+                names.append(name)
+    return sorted({tuple(names) for names in owners.values() if len(names) > 1})
+
+
 def own_parameters(module: nn.Module) -> int:
     """How many parameters the module holds itself (not its children's)."""
     return sum(p.numel() for p in module.parameters(recurse=False))

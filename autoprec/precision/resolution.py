@@ -22,14 +22,14 @@ from torch import nn
 import autoprec.formats as formats
 from autoprec.devices import Backend, autocast_behaviour, device_kind, get_backend
 from autoprec.errors import PolicyError
+from autoprec.modes import Mode, mode_of
 from autoprec.numerics.observe import learn, observed_dtypes, probe, synthesized_run
 from autoprec.optim.state import TrainingState
 from autoprec.precision.landing import device_of, matched_leaves, plan
 from autoprec.precision.plan import low_precision_share, own_parameters
-from autoprec.trials import Mode, mode_of
 
 if TYPE_CHECKING:
-    from autoprec.policy import Policy
+    from autoprec.precision.view import PolicyView
 
 
 def int8_capable(module: nn.Module) -> bool:
@@ -39,7 +39,7 @@ def int8_capable(module: nn.Module) -> bool:
     return type(module) is nn.Linear or type(module).__name__ == "Conv1D"
 
 
-def _served_refusal(policy: Policy, dtype: str, module: nn.Module) -> str | None:
+def _served_refusal(policy: PolicyView, dtype: str, module: nn.Module) -> str | None:
     """Why a layer cannot be served in ``dtype`` (None: it can): a quantizing format's
     own word on the layer, by the method the policy records for it."""
     served = formats.get(dtype)
@@ -50,7 +50,7 @@ def _served_refusal(policy: Policy, dtype: str, module: nn.Module) -> str | None
 
 
 def resolve(
-    policy: Policy,
+    policy: PolicyView,
     model: nn.Module,
     device: str | torch.device | Backend | None = None,
     module: str | None = None,
@@ -86,7 +86,7 @@ def resolve(
     }
 
 
-def resolve_served(policy: Policy, model: nn.Module) -> dict[str, str]:
+def resolve_served(policy: PolicyView, model: nn.Module) -> dict[str, str]:
     """Every leaf with parameters mapped to the dtype its weights are converted to for
     serving (``Policy.resolve_served``, which says how)."""
     resolved: dict[str, str] = {}
@@ -100,7 +100,7 @@ def resolve_served(policy: Policy, model: nn.Module) -> dict[str, str]:
 
 
 def identity(
-    policy: Policy,
+    policy: PolicyView,
     model: nn.Module | None = None,
     device: str | torch.device | Backend | None = None,
     mode: str | Mode | None = None,
@@ -132,7 +132,7 @@ def identity(
 
 
 def layer_table(
-    policy: Policy,
+    policy: PolicyView,
     model: nn.Module,
     device: str | torch.device | Backend | None = None,
     mode: str | Mode | None = None,
@@ -166,7 +166,7 @@ def layer_table(
 
 
 def share(
-    policy: Policy,
+    policy: PolicyView,
     model: nn.Module,
     device: str | torch.device | Backend | None = None,
     mode: str | Mode | None = None,
@@ -179,7 +179,7 @@ def share(
 
 
 def _follows_uncast_input(
-    policy: Policy, model: nn.Module, leaf_dtypes: dict[str, str], kind: str
+    policy: PolicyView, model: nn.Module, leaf_dtypes: dict[str, str], kind: str
 ) -> bool:
     """Whether a leaf the plan puts below fp32 runs in the dtype its input arrives in,
     uncast: under a uniform policy (plain autocast) a plan casts no such input, so what

@@ -1,4 +1,5 @@
-"""Loss scaling: the settings (plain data, torch's names and defaults) and the scaler.
+"""Loss scaling: the scaler, by the settings of `autoprec.precision.loss_scale.LossScale`
+(plain data, torch's names and defaults).
 
 Three modes:
 - ``none``: the loss is not scaled; every step is taken.
@@ -14,107 +15,15 @@ Three modes:
 from __future__ import annotations
 
 import enum
-import math
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from autoprec.errors import LoopError, PolicyError
-
-LOSS_SCALE_MODES = ("none", "static", "dynamic")
-_FLOAT32_MAX = torch.finfo(torch.float32).max  # the scale is a float32, as in torch
-_DYNAMIC_FIELDS = (
-    "init_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "hysteresis",
-    "min_scale",
-)
-
-
-@dataclass(frozen=True)
-class LossScale:
-    """Loss-scale settings of a policy. Defaults are torch.amp.GradScaler's."""
-
-    mode: str = "none"
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    min_scale: float = 0.0
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.mode not in LOSS_SCALE_MODES:
-            problems.append(f"mode: unknown mode {self.mode!r} (expected none, static or dynamic)")
-        if not 0 < self.init_scale <= _FLOAT32_MAX:
-            problems.append(
-                f"init_scale: must be a positive float32 number, got {self.init_scale!r}"
-            )
-        if not (math.isfinite(self.growth_factor) and self.growth_factor > 1):
-            problems.append(
-                f"growth_factor: must be a finite number above 1, got {self.growth_factor!r}"
-            )
-        if not 0 < self.backoff_factor < 1:
-            problems.append(f"backoff_factor: must be between 0 and 1, got {self.backoff_factor!r}")
-        if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
-            problems.append(
-                f"growth_interval: must be a positive integer, got {self.growth_interval!r}"
-            )
-        if not (isinstance(self.hysteresis, int) and self.hysteresis >= 1):
-            problems.append(f"hysteresis: must be a positive integer, got {self.hysteresis!r}")
-        if not (math.isfinite(self.min_scale) and 0 <= self.min_scale <= self.init_scale):
-            problems.append(f"min_scale: must be between 0 and init_scale, got {self.min_scale!r}")
-        if problems:
-            raise PolicyError(f"loss_scale.{problems[0]}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.mode != "none"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The settings that matter for this mode, as plain YAML-ready data."""
-        if self.mode == "none":
-            return {"mode": "none"}
-        if self.mode == "static":
-            return {"mode": "static", "init_scale": float(self.init_scale)}
-        data = asdict(self)
-        return {"mode": "dynamic", **{k: data[k] for k in _DYNAMIC_FIELDS}}
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "loss_scale") -> LossScale:
-        if data is None:
-            return cls()
-        if not isinstance(data, dict):
-            raise PolicyError(f"{where}: expected a mapping, got {type(data).__name__}")
-        known = {"mode", *_DYNAMIC_FIELDS}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PolicyError(f"{where}.{unknown[0]}: unknown field (expected {sorted(known)})")
-        values = dict(data)
-        for key in ("init_scale", "growth_factor", "backoff_factor", "min_scale"):
-            if key in values:
-                values[key] = _number(values[key], f"{where}.{key}")
-        for key in ("growth_interval", "hysteresis"):
-            if key in values and not (
-                isinstance(values[key], int) and not isinstance(values[key], bool)
-            ):
-                raise PolicyError(f"{where}.{key}: must be an integer, got {values[key]!r}")
-        try:
-            return cls(**values)
-        except PolicyError as error:
-            raise PolicyError(f"{where}.{str(error).removeprefix('loss_scale.')}") from None
-
-
-def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise PolicyError(f"{where}: must be a number, got {value!r}")
-    return float(value)
+from autoprec.errors import LoopError
+from autoprec.precision.loss_scale import DYNAMIC_FIELDS, LossScale
 
 
 class _Stage(enum.Enum):
@@ -287,7 +196,7 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` (or GradScaler's, or an older autoprec's) holds; the
         settings it carries replace this scaler's, as GradScaler's ``load_state_dict`` does."""
-        settings = {k: state[k] for k in ("mode", *_DYNAMIC_FIELDS) if k in state}
+        settings = {k: state[k] for k in ("mode", *DYNAMIC_FIELDS) if k in state}
         self.settings = replace(self.settings, **settings)
         self._scale.fill_(float(state["scale"]))
         tracker = state.get("_growth_tracker", state.get("clean_steps", 0))

@@ -43,8 +43,8 @@ from autoprec._util.structures import cast_floats
 from autoprec.devices import Backend, get_backend
 from autoprec.dtypes import activation_dtype, dtype_name
 from autoprec.errors import DeviceError, PolicyError, TaskError, first_line
-from autoprec.policy import Policy, parameterised_leaves, tied_leaves
-from autoprec.precision.plan import boundaries
+from autoprec.policy import Policy
+from autoprec.precision.plan import boundaries, parameterised_leaves, tied_leaves
 from autoprec.serving.quantizers import (
     DEFAULT_INT8_METHOD,
     INT8_METHODS,

@@ -33,18 +33,20 @@ searched, int8 and fp8 where weights are converted, loss scaling and optimizer s
 where the model trains, the anchors) is the mode's `SpaceRules`, found through the mode
 object (``Mode.space_rules``).
 
-The package, by concept: ``base`` (`SearchSpace`, plain data, and its fingerprint),
-``groups`` (`Group`, `AutoGroups`, the rules a group's dtype gives), ``loss_scale`` (the
-``loss_scale`` section and its parameters), ``reading`` (the YAML), ``shipped`` (the
-shipped spaces, `load_space`), ``rules`` (`SpaceRules`), ``fitting`` (to a model, a
-device and a mode), ``policies`` (from parameters to a policy, and to the records).
+The package, by concept: ``fields`` (what a space holds, plain data), ``base``
+(`SearchSpace`: the fields with their methods, and its fingerprint), ``groups`` (`Group`,
+`AutoGroups`, the rules a group's dtype gives), ``loss_scale`` (the ``loss_scale`` section
+and its parameters), ``reading`` (the YAML), ``shipped`` (the shipped spaces,
+`load_space`), ``rules`` (`SpaceRules`), ``fitting`` (to a model, a device and a mode),
+``policies`` (from parameters to a policy, and to the records).
 """
 
 from __future__ import annotations
 
-from autoprec.space.base import DDP_REDUCE_PARAM, FSDP_REDUCE_PARAM, SearchSpace, Suggester
+from autoprec.space.base import SearchSpace
+from autoprec.space.fields import DDP_REDUCE_PARAM, FSDP_REDUCE_PARAM
 from autoprec.space.groups import AutoGroups, Group, dtype_beside
-from autoprec.space.loss_scale import LossScaleSpace
+from autoprec.space.loss_scale import LossScaleSpace, Suggester
 from autoprec.space.policies import policy_label
 from autoprec.space.rules import SpaceRules, searched_leaves, space_rules
 from autoprec.space.shipped import DEFAULT_SPACE, builtin_spaces, load_space

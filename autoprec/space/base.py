@@ -7,94 +7,30 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import autoprec.formats as formats
-from autoprec.dtypes import AUTOCAST_DTYPES
-from autoprec.formats.fp8 import DEFAULT_FP8_RECIPE
-from autoprec.optim.space import StateSpace
 from autoprec.policy import Policy
 from autoprec.space import fitting, policies
-from autoprec.space.groups import AutoGroups, Group
-from autoprec.space.loss_scale import LossScaleSpace
+from autoprec.space.fields import FSDP_REDUCE_PARAM, SpaceFields
+from autoprec.space.loss_scale import Suggester
 from autoprec.space.reading import space_fields
 from autoprec.space.rules import space_rules
-from autoprec.trials import DEFAULT_MODE
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from autoprec.devices import Backend
+    from autoprec.modes import Mode
     from autoprec.profile.sensitivity import Profile
-    from autoprec.trials.mode import Mode
-
-FSDP_REDUCE_PARAM = "fsdp.reduce_dtype"  # the reduce dtype's parameter under FSDP2
-DDP_REDUCE_PARAM = "ddp.reduce_dtype"  # and under DDP (its compression hook)
-
-
-class Suggester(Protocol):
-    """What a space needs from an Optuna trial (``optuna.Trial`` satisfies it)."""
-
-    def suggest_categorical(self, name: str, choices: Any) -> Any: ...
-
-    def suggest_int(self, name: str, low: int, high: int, *, log: bool = False) -> int: ...
 
 
 @dataclass(frozen=True)
-class SearchSpace:
+class SearchSpace(SpaceFields):
     """A space as read (groups by hand, or ``auto`` until fitted), or fitted to a model, a
     device and a mode (`fit`): the groups and the dtypes each may take, and the rest of
-    what a search chooses."""
-
-    name: str
-    groups: tuple[Group, ...]
-    accuracy_tolerance: float = 0.01
-    loss_scale: LossScaleSpace = field(default_factory=LossScaleSpace)
-    description: str = ""
-    source: str = "<space>"
-    dtypes: tuple[str, ...] = AUTOCAST_DTYPES  # fp8 only where a space lists it
-    auto: AutoGroups | None = None  # set until ``fit`` builds the groups of ``groups: auto``
-    # the mode it was fitted for (`autoprec.trials.MODES`), whose `SpaceRules` it follows
-    mode: str = DEFAULT_MODE
-    switch: str | None = None  # fitted where a mode searches it: "tf32" or "hf32"
-    head: str | None = None  # fitted: the group of the model's last layer, when it has others
-    # fitted where tied leaves are searched with their leader: (leaf, group) for each leaf
-    # sharing a parameter with an earlier leaf, which takes the dtype of that leaf's group
-    # (one tensor has one dtype)
-    ties: tuple[tuple[str, str], ...] = ()
-    # fitted where weights are converted: the method its int8 layers are measured with,
-    # which every policy with an int8 layer records (`autoprec.serving.quantizers`), so it
-    # serves what was measured
-    int8_method: str | None = None
-    # torchao float8 recipes searched for the fp8 layers (``fp8.recipe`` where several)
-    fp8_recipes: tuple[str, ...] = (DEFAULT_FP8_RECIPE,)
-    # fitted where weights are converted: the method its fp8 layers are measured with
-    # (`autoprec.serving.fp8`), recorded in every policy with an fp8 layer, as int8's is
-    fp8_method: str | None = None
-    # trials on several devices: the dtypes gradients may be communicated in, searched as
-    # ``reduce_param`` where several (``fsdp.reduce_dtype`` under FSDP2, ``ddp.reduce_dtype``
-    # under DDP; `autoprec.distributed`); empty elsewhere
-    reduce_dtypes: tuple[str, ...] = ()
-    reduce_param: str = FSDP_REDUCE_PARAM
-    # the optimizer state kinds and master dtypes searched per parameter group (the
-    # ``optimizer_states`` section, `autoprec.optim.space`); None: not searched
-    optimizer_states: StateSpace | None = None
-
-    @property
-    def offers_fp8(self) -> bool:
-        """Whether some group may take fp8."""
-        offered = [d for g in self.groups for d in g.dtypes]
-        offered += list(self.dtypes) if self.auto is not None else []
-        return any(formats.get(d).records_conversion for d in offered)
-
-    @property
-    def anchor_recipe(self) -> str:
-        """The fp8 recipe of the uniform-fp8 anchor and the guided search's fp8 probes:
-        torchao's default (tensorwise) where the space searches it, else its first."""
-        recipes = self.fp8_recipes
-        return DEFAULT_FP8_RECIPE if DEFAULT_FP8_RECIPE in recipes else recipes[0]
+    what a search chooses (its fields: `autoprec.space.fields.SpaceFields`)."""
 
     # The methods below are kept because many callers use them; each is one function of
     # the package (`autoprec.space.reading`, `.fitting`, `.policies`).
@@ -193,7 +129,7 @@ class SearchSpace:
         return policies.flat_params(self, policy)
 
 
-def space_fingerprint(space: SearchSpace) -> str:
+def space_fingerprint(space: SpaceFields) -> str:
     """A short hash of what the space searches (not its name or description); what was
     added since the first studies is hashed only where the space has it, so that older
     studies keep their fingerprint."""

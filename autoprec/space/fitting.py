@@ -8,31 +8,31 @@ from typing import TYPE_CHECKING
 
 from autoprec.devices import device_kind
 from autoprec.errors import SpaceError
+from autoprec.modes import mode_of
 from autoprec.policy import Rule
 from autoprec.profile.autogroups import build_groups
 from autoprec.space.groups import Group
 from autoprec.space.rules import space_rules
-from autoprec.trials import mode_of
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from autoprec.devices import Backend
+    from autoprec.modes import Mode
     from autoprec.profile.sensitivity import Profile
-    from autoprec.space.base import SearchSpace
-    from autoprec.trials.mode import Mode
+    from autoprec.space.fields import SpaceFields, SpaceT
 
 
 def fit_space(
-    space: SearchSpace,
+    space: SpaceT,
     model: nn.Module,
     profile: Profile | None = None,
     device: str | torch.device | Backend | None = None,
     mode: Mode | str | None = None,
     int8_method: str | None = None,
     fp8_method: str | None = None,
-) -> SearchSpace:
+) -> SpaceT:
     """`SearchSpace.fit`: the space for this model on the device kind of ``device``,
     fitted for ``mode``: its groups (built here for ``groups: auto``), those that take no
     leaf dropped, the group of the model's last layer, and the leaves that share a
@@ -63,7 +63,7 @@ def fit_space(
     return rules.fitted(fitted, kept, assigned, model, kind, int8_method, fp8_method)
 
 
-def _kept_groups(space: SearchSpace, model: nn.Module, kind: str) -> list[Group]:
+def _kept_groups(space: SpaceFields, model: nn.Module, kind: str) -> list[Group]:
     """The groups that take some leaf; an optional one that takes none is dropped, any
     other is refused."""
     taken = set(leaf_groups(space, model, kind).values())
@@ -83,7 +83,7 @@ def _kept_groups(space: SearchSpace, model: nn.Module, kind: str) -> list[Group]
 
 
 def leaf_groups(
-    space: SearchSpace, model: nn.Module, device: str | torch.device | Backend | None = None
+    space: SpaceFields, model: nn.Module, device: str | torch.device | Backend | None = None
 ) -> dict[str, str]:
     """`SearchSpace.assignment`: each searched leaf mapped to the group that takes it."""
     assigned = {}
@@ -99,7 +99,7 @@ def leaf_groups(
     return assigned
 
 
-def group_risk(space: SearchSpace, profile: Profile, model: nn.Module) -> list[tuple[str, float]]:
+def group_risk(space: SpaceFields, profile: Profile, model: nn.Module) -> list[tuple[str, float]]:
     """`SearchSpace.group_risk`: the groups with their risk in ``profile``, riskiest first."""
     if not space.groups:
         raise SpaceError(f"{space.source}: fit the space to the model before group_risk")
@@ -121,7 +121,23 @@ def group_risk(space: SearchSpace, profile: Profile, model: nn.Module) -> list[t
     return [(name, risks[name]) for name in order]
 
 
-def restrict_space(space: SearchSpace, supported: set[str]) -> SearchSpace:
+def fp8_group_order(space: SpaceFields, profile: Profile, model: nn.Module) -> list[str]:
+    """The (fitted) space's groups that hold fp8-risk figures in ``profile``, riskiest
+    first by the largest fp8 risk of the layers each assigns (groups without any are left
+    out: the guided search takes them as the least risky)."""
+    group_of = leaf_groups(space, model, device_kind(profile.device))
+    risks: dict[str, float] = {}
+    for module in profile.modules:
+        if module.fp8_risk is None:
+            continue
+        for leaf, group in group_of.items():
+            if leaf == module.name or leaf.startswith(f"{module.name}."):
+                risks[group] = max(risks.get(group, 0.0), module.fp8_risk)
+    names = [g.name for g in space.groups]
+    return sorted(risks, key=lambda g: (-risks[g], names.index(g)))
+
+
+def restrict_space(space: SpaceT, supported: set[str]) -> SpaceT:
     """`SearchSpace.restrict`: the space without the dtypes a device cannot run."""
     groups = []
     for group in space.groups:

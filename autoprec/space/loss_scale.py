@@ -7,15 +7,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from autoprec.errors import PolicyError, SpaceError
-from autoprec.precision.scaling import LOSS_SCALE_MODES, LossScale
-
-if TYPE_CHECKING:
-    from autoprec.space.base import Suggester
+from autoprec.precision.loss_scale import LOSS_SCALE_MODES, LossScale
 
 Fail = Callable[[str], SpaceError]
+
+
+class Suggester(Protocol):
+    """What a space needs from an Optuna trial (``optuna.Trial`` satisfies it)."""
+
+    def suggest_categorical(self, name: str, choices: Any) -> Any: ...
+
+    def suggest_int(self, name: str, low: int, high: int, *, log: bool = False) -> int: ...
+
 
 # Settings searched on an integer range (both ends equal: fixed).
 RANGE_FIELDS = {

@@ -15,10 +15,11 @@ from autoprec.space.loss_scale import loss_scale_of, suggest_loss_scale, torch_d
 from autoprec.space.rules import space_rules
 
 if TYPE_CHECKING:
-    from autoprec.space.base import SearchSpace, Suggester
+    from autoprec.space.fields import SpaceFields
+    from autoprec.space.loss_scale import Suggester
 
 
-def suggest_policy(space: SearchSpace, trial: Suggester) -> Policy:
+def suggest_policy(space: SpaceFields, trial: Suggester) -> Policy:
     """`SearchSpace.suggest`: ask the trial for every parameter of the space."""
     rules = space_rules(space.mode)
     params: dict[str, Any] = {}
@@ -44,7 +45,7 @@ def suggest_policy(space: SearchSpace, trial: Suggester) -> Policy:
     return policy_of(space, params)
 
 
-def policy_of(space: SearchSpace, params: Mapping[str, Any]) -> Policy:
+def policy_of(space: SpaceFields, params: Mapping[str, Any]) -> Policy:
     """`SearchSpace.policy`: the policy for a set of parameter values."""
     rules = space_rules(space.mode)
     tied = tuple(
@@ -73,7 +74,7 @@ def policy_of(space: SearchSpace, params: Mapping[str, Any]) -> Policy:
     )
 
 
-def uniform_params(space: SearchSpace, dtype: str) -> dict[str, Any]:
+def uniform_params(space: SpaceFields, dtype: str) -> dict[str, Any]:
     """`SearchSpace.uniform_params`: parameters that put every group in ``dtype``."""
     rules = space_rules(space.mode)
     params: dict[str, Any] = {f"dtype.{g.name}": dtype for g in space.groups}
@@ -88,7 +89,7 @@ def uniform_params(space: SearchSpace, dtype: str) -> dict[str, Any]:
     return params
 
 
-def flat_params(space: SearchSpace, policy: Policy) -> dict[str, str]:
+def flat_params(space: SpaceFields, policy: Policy) -> dict[str, str]:
     """`SearchSpace.flat_params`: the same keys for every policy of the space."""
     flat = {f"dtype.{g.name}": r.dtype for g, r in zip(space.groups, policy.rules, strict=False)}
     return flat | space_rules(space.mode).recorded(space, policy, flat)

@@ -14,15 +14,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from autoprec.trials import mode_of
-from autoprec.trials.mode import Mode
+from autoprec.modes import Mode, mode_of
 
 if TYPE_CHECKING:
     from torch import nn
 
     from autoprec.optim.space import StateSpace
     from autoprec.policy import Policy
-    from autoprec.space.base import SearchSpace
+    from autoprec.space.fields import SpaceFields, SpaceT
     from autoprec.space.groups import Group
 
 
@@ -41,7 +40,7 @@ class SpaceRules(Protocol):
 
     def refuse(
         self,
-        space: SearchSpace,
+        space: SpaceFields,
         model: nn.Module,
         device: Any,
         fp8_method: str | None,
@@ -57,42 +56,42 @@ class SpaceRules(Protocol):
 
     def fitted(
         self,
-        space: SearchSpace,
+        space: SpaceT,
         groups: list[Group],
         assignment: dict[str, str],
         model: nn.Module,
         kind: str,
         int8_method: str | None,
         fp8_method: str | None,
-    ) -> SearchSpace:
+    ) -> SpaceT:
         """The space with the groups it keeps (``groups``, each leaf of ``assignment``
         taken by one), each offering the dtypes its layers can take in this mode on the
         device kind, and what else the mode fits (methods, recipes, switches, states)."""
         ...
 
-    def searched_states(self, space: SearchSpace) -> StateSpace | None:
+    def searched_states(self, space: SpaceFields) -> StateSpace | None:
         """The optimizer states searched beside the layers' dtypes (None: none)."""
         ...
 
-    def fp8_made_with(self, space: SearchSpace, params: Mapping[str, Any]) -> str | None:
+    def fp8_made_with(self, space: SpaceFields, params: Mapping[str, Any]) -> str | None:
         """What a policy's fp8 layers are made with (its ``quantization.fp8``)."""
         ...
 
-    def fp8_fingerprint(self, space: SearchSpace) -> dict[str, Any]:
+    def fp8_fingerprint(self, space: SpaceFields) -> dict[str, Any]:
         """What the space's fingerprint holds about fp8, where some group offers it."""
         ...
 
-    def uniform_fp8(self, space: SearchSpace, dtype: str) -> dict[str, Any]:
+    def uniform_fp8(self, space: SpaceFields, dtype: str) -> dict[str, Any]:
         """The parameters of the uniform policy of a converted format (``dtype``: fp8):
         that format where a group can take it."""
         ...
 
-    def anchors(self, space: SearchSpace) -> dict[str, dict[str, Any]]:
+    def anchors(self, space: SpaceFields) -> dict[str, dict[str, Any]]:
         """The uniform policies every search of the space measures, by name."""
         ...
 
     def recorded(
-        self, space: SearchSpace, policy: Policy, dtypes: Mapping[str, str]
+        self, space: SpaceFields, policy: Policy, dtypes: Mapping[str, str]
     ) -> dict[str, str]:
         """What the records say of a policy beside its groups' dtypes (``dtypes``, as
         ``dtype.<group>``): the same keys for every policy of the space."""

@@ -29,13 +29,13 @@ from autoprec.devices import Backend, get_backend, parse_devices
 from autoprec.distributed.data import check_shardable
 from autoprec.distributed.launch import check_cores, trial_devices
 from autoprec.errors import AutoprecError, StoreError, first_line, redact
-from autoprec.numerics.fp8_risk import fp8_group_order
 from autoprec.numerics.state_health import GroupStateLoss
 from autoprec.profile.guided import GuidedStrategy
 from autoprec.profile.sensitivity import Profile
 from autoprec.selection import rank_key
 from autoprec.settings import study_settings
 from autoprec.space import DEFAULT_SPACE, SearchSpace, builtin_spaces, load_space
+from autoprec.space.fitting import fp8_group_order
 from autoprec.study._events import Callbacks, Guarded
 from autoprec.study._identity import (
     STUDY_ID_ATTR,

@@ -5,9 +5,11 @@ that differs between modes behind it.
 - ``serving``: trials convert a trained fp32 model's weights and serve it (``--mode
   serving``; ``inference``, its earlier name, is still accepted).
 
-A mode is a `Mode` (`autoprec.trials.mode`): its name, its `Trials` class and what the
-generic code asks of it (its settings section, its preferences and dtypes, its export
-formats, its report view and words, its summary's own part). The generic code (space,
+A mode is a `Mode`: its name, its `Trials` class and what the generic code asks of it (its
+settings section, its preferences and dtypes, its export formats, its report view and
+words, its summary's own part). The modes and their registry live in `autoprec.modes`,
+below the trials, so that the space and the policy find a mode without importing them;
+this package names them too. The generic code (space,
 policy, CLI, settings, summary, report, exports, the confirmation) asks the mode object
 and never names a mode. A new mode is one `Mode` subclass with its `Trials`, and
 `register` (or a line in `MODES`); one with settings of its own also declares their
@@ -19,8 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from autoprec.errors import AutoprecError
-from autoprec.trials.mode import Mode, ServingMode, TrainingMode
+from autoprec.modes import DEFAULT_MODE, MODES, Mode, canonical, mode_named, mode_of, register
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,45 +41,6 @@ __all__ = [
     "register",
     "trials_of",
 ]
-
-# Every mode by its name: the one registry.
-MODES: dict[str, Mode] = {}
-DEFAULT_MODE = "training"
-
-
-def register(mode: Mode) -> Mode:
-    """Add ``mode`` to `MODES` under its name (a mode of that name is replaced)."""
-    MODES[mode.name] = mode
-    return mode
-
-
-register(TrainingMode())
-register(ServingMode())
-
-
-def mode_named(name: str | None) -> Mode:
-    """The mode of that name, or of a name it was known by (``inference``: serving);
-    None is the default mode. Any other name is an AutoprecError listing the modes."""
-    if name is None:
-        return MODES[DEFAULT_MODE]
-    found = MODES.get(name) or next((m for m in MODES.values() if name in m.aliases), None)
-    if found is None:
-        raise AutoprecError(f"--mode: expected {' or '.join(MODES)}, got {name!r}")
-    return found
-
-
-def mode_of(mode: Mode | str | None) -> Mode:
-    """A `Mode` as it is, or the mode of that name (None: the default mode)."""
-    return mode if isinstance(mode, Mode) else mode_named(mode)
-
-
-def canonical(name: Any) -> Any:
-    """A mode's name as it is now, where ``name`` is one it was known by; anything else
-    unchanged (an unknown name is for the caller to refuse in its own words)."""
-    for mode in MODES.values():
-        if name in mode.aliases:
-            return mode.name
-    return name
 
 
 def trials_of(

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 import autoprec.formats as formats
 from autoprec.devices import fp8_unavailable_reason
 from autoprec.errors import SpaceError
-from autoprec.policy import int8_capable, tied_leaves
-from autoprec.precision.plan import parameterised_leaves
+from autoprec.precision.plan import parameterised_leaves, tied_leaves
+from autoprec.precision.resolution import int8_capable
 from autoprec.serving.fp8 import fp8_layer_refusal
+from autoprec.space.policies import uniform_params
 
 if TYPE_CHECKING:
     from torch import nn
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
     from autoprec.formats import Format
     from autoprec.optim.space import StateSpace
     from autoprec.policy import Policy
-    from autoprec.space import Group, SearchSpace, SpaceRules
+    from autoprec.space import Group, SpaceRules
+    from autoprec.space.fields import SpaceFields, SpaceT
 
 # The switch searched for the fp32 layers' matmuls, by device kind.
 _SWITCHES = {"cuda": "tf32", "npu": "hf32"}
@@ -40,7 +42,7 @@ class ServingSpaceRules:
         return parameterised_leaves(model)
 
     def refuse(
-        self, space: SearchSpace, model: nn.Module, device: Any, fp8_method: str | None
+        self, space: SpaceFields, model: nn.Module, device: Any, fp8_method: str | None
     ) -> None:
         """fp8 is offered only where an fp8 serving method was settled for the search."""
         if not space.offers_fp8:
@@ -57,14 +59,14 @@ class ServingSpaceRules:
 
     def fitted(
         self,
-        space: SearchSpace,
+        space: SpaceT,
         groups: list[Group],
         assignment: dict[str, str],
         model: nn.Module,
         kind: str,
         int8_method: str | None,
         fp8_method: str | None,
-    ) -> SearchSpace:
+    ) -> SpaceT:
         """int8 and fp8 offered where the groups' layers take them, the methods recorded,
         and the fp32 layers' matmuls in TF32 (CUDA) or HF32 (Ascend) searched."""
         kept = groups  # int8 (Linear, Conv1D) first, then fp8: the order a group offers them in
@@ -81,43 +83,46 @@ class ServingSpaceRules:
             fp8_method=fp8_method,
         )
 
-    def searched_states(self, space: SearchSpace) -> StateSpace | None:
+    def searched_states(self, space: SpaceFields) -> StateSpace | None:
         return None
 
-    def fp8_made_with(self, space: SearchSpace, params: Mapping[str, Any]) -> str | None:
+    def fp8_made_with(self, space: SpaceFields, params: Mapping[str, Any]) -> str | None:
         """The fp8 serving method the space's layers were fitted for."""
         return space.fp8_method
 
-    def fp8_fingerprint(self, space: SearchSpace) -> dict[str, Any]:
+    def fp8_fingerprint(self, space: SpaceFields) -> dict[str, Any]:
         return {"fp8_method": space.fp8_method}
 
-    def uniform_fp8(self, space: SearchSpace, dtype: str) -> dict[str, Any]:
+    def uniform_fp8(self, space: SpaceFields, dtype: str) -> dict[str, Any]:
         """As int8: what fp8 cannot take stays fp32."""
         fp32 = formats.reference().name
         return {f"dtype.{g.name}": dtype if dtype in g.dtypes else fp32 for g in space.groups}
 
-    def anchors(self, space: SearchSpace) -> dict[str, dict[str, Any]]:
+    def anchors(self, space: SpaceFields) -> dict[str, dict[str, Any]]:
         """fp16, bf16, int8 and fp8 where the layers take them, and the classic fp16 body
         with an fp32 head (the group of the model's last layer, whatever its name)."""
         anchors = {}
         low = [f for f in formats.all_formats() if f.low_precision]
         for made in (f for f in low if f.autocasts):  # fp16, bf16: every group, or none
             if all(made.name in g.dtypes for g in space.groups):
-                anchors[f"uniform-{made.name}"] = space.uniform_params(made.name)
+                anchors[f"uniform-{made.name}"] = uniform_params(space, made.name)
         # quantized (int8), then converted (fp8): where some group takes them
         for made in sorted((f for f in low if f.policy_records), key=lambda f: f.converts):
             if any(made.name in g.dtypes for g in space.groups):
-                anchors[f"uniform-{made.name}"] = space.uniform_params(made.name)
+                anchors[f"uniform-{made.name}"] = uniform_params(space, made.name)
         body = [g for g in space.groups if g.name != space.head]
         # fp16, whose narrow range training scales the loss for, with the head in fp32
         for made in (f for f in low if f.scales_loss and space.head is not None):
             if all(made.name in g.dtypes for g in body):
                 head = {f"dtype.{space.head}": formats.reference().name}
-                anchors[f"{made.name}-body-fp32-head"] = {**space.uniform_params(made.name), **head}
+                anchors[f"{made.name}-body-fp32-head"] = {
+                    **uniform_params(space, made.name),
+                    **head,
+                }
         return anchors
 
     def recorded(
-        self, space: SearchSpace, policy: Policy, dtypes: Mapping[str, str]
+        self, space: SpaceFields, policy: Policy, dtypes: Mapping[str, str]
     ) -> dict[str, str]:
         """The switch, where one is searched (no loss scaling)."""
         if space.switch is None:

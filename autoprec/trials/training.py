@@ -39,9 +39,10 @@ from autoprec.numerics.forecast import (
 from autoprec.numerics.observe import observed_dtypes, watch_task
 from autoprec.numerics.state_health import GroupStateHealth, GroupStateLoss, metric_safe
 from autoprec.numerics.telemetry import GradientMonitor
-from autoprec.policy import Policy, share_of_parameters
+from autoprec.policy import Policy
 from autoprec.precision.emulation import emulated_dtypes
 from autoprec.precision.hooks import Precision
+from autoprec.precision.plan import low_precision_share as share_of_parameters
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch
 from autoprec.trials.base import (

@@ -17,6 +17,7 @@ from autoprec.errors import SpaceError
 from autoprec.precision.plan import parameterised_leaves
 from autoprec.space.groups import Group, dtype_beside, formats_among
 from autoprec.space.loss_scale import flat_loss_scale
+from autoprec.space.policies import uniform_params
 
 if TYPE_CHECKING:
     from torch import nn
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     from autoprec.formats import Format
     from autoprec.optim.space import StateSpace
     from autoprec.policy import Policy
-    from autoprec.space import SearchSpace, SpaceRules
+    from autoprec.space import SpaceRules
+    from autoprec.space.fields import SpaceFields, SpaceT
 
 
 class TrainingSpaceRules:
@@ -38,7 +40,7 @@ class TrainingSpaceRules:
         fixed = formats.reference().name  # what autocast says of a layer it runs in fp32
         return [(n, m) for n, m in leaves if autocast_behaviour(kind, m) != fixed]
 
-    def refuse(self, space: SearchSpace, model: nn.Module, device: Any, fp8_method: Any) -> None:
+    def refuse(self, space: SpaceFields, model: nn.Module, device: Any, fp8_method: Any) -> None:
         """int8 is a serving choice (a training search would silently leave it out); fp8
         is offered only on a device that runs it."""
         listed = [("dtypes", space.dtypes)] + [
@@ -60,14 +62,14 @@ class TrainingSpaceRules:
 
     def fitted(
         self,
-        space: SearchSpace,
+        space: SpaceT,
         groups: list[Group],
         assignment: dict[str, str],
         model: nn.Module,
         kind: str,
         int8_method: str | None,
         fp8_method: str | None,
-    ) -> SearchSpace:
+    ) -> SpaceT:
         """Each group without the dtypes some layer of it fails in on the device kind,
         with fp8 only where torchao converts its layers (and the recipes that run there),
         and the optimizer-state groups fitted to the model's parameters."""
@@ -81,17 +83,17 @@ class TrainingSpaceRules:
             fitted = replace(fitted, optimizer_states=states)
         return replace(fitted, groups=tuple(kept))
 
-    def searched_states(self, space: SearchSpace) -> StateSpace | None:
+    def searched_states(self, space: SpaceFields) -> StateSpace | None:
         return space.optimizer_states
 
-    def fp8_made_with(self, space: SearchSpace, params: Mapping[str, Any]) -> str | None:
+    def fp8_made_with(self, space: SpaceFields, params: Mapping[str, Any]) -> str | None:
         """The torchao float8 recipe chosen (``fp8.recipe``), or the space's only one."""
         return params.get("fp8.recipe", space.fp8_recipes[0])  # type: ignore[no-any-return]
 
-    def fp8_fingerprint(self, space: SearchSpace) -> dict[str, Any]:
+    def fp8_fingerprint(self, space: SpaceFields) -> dict[str, Any]:
         return {"fp8_recipes": space.fp8_recipes}
 
-    def uniform_fp8(self, space: SearchSpace, dtype: str) -> dict[str, Any]:
+    def uniform_fp8(self, space: SpaceFields, dtype: str) -> dict[str, Any]:
         """fp8 where a group can take it, the rest beside it as `dtype_beside` says (bf16
         where it may: torchao's float8 inside bf16 autocast), with the anchor's recipe."""
         params: dict[str, Any] = {f"dtype.{g.name}": dtype_beside(g, dtype) for g in space.groups}
@@ -99,7 +101,7 @@ class TrainingSpaceRules:
             params["fp8.recipe"] = space.anchor_recipe
         return params
 
-    def anchors(self, space: SearchSpace) -> dict[str, dict[str, Any]]:
+    def anchors(self, space: SpaceFields) -> dict[str, dict[str, Any]]:
         """fp16 as ``model.half()`` gives it (no loss scaling) and as Apex O1/O2 or
         GradScaler give it (dynamic scaling), bf16, fp8 where some group offers it, and
         the optimizer states' own anchors."""
@@ -107,7 +109,7 @@ class TrainingSpaceRules:
         for made in _low_autocast():
             if not all(made.name in g.dtypes for g in space.groups):
                 continue
-            params = space.uniform_params(made.name)
+            params = uniform_params(space, made.name)
             anchors[f"uniform-{made.name}"] = params
             scaled = params.get("loss_scale.mode", "none") != "none"
             if made.scales_loss and scaled and "none" in space.loss_scale.modes:
@@ -115,13 +117,13 @@ class TrainingSpaceRules:
                 anchors[f"uniform-{made.name}-noscale"] = {**dtypes_only, "loss_scale.mode": "none"}
         for made in formats.all_formats():
             if made.records_conversion and any(made.name in g.dtypes for g in space.groups):
-                anchors[f"uniform-{made.name}"] = space.uniform_params(made.name)
+                anchors[f"uniform-{made.name}"] = uniform_params(space, made.name)
         if space.optimizer_states is not None:
-            anchors.update(space.optimizer_states.anchors(space.uniform_params("fp32")))
+            anchors.update(space.optimizer_states.anchors(uniform_params(space, "fp32")))
         return anchors
 
     def recorded(
-        self, space: SearchSpace, policy: Policy, dtypes: Mapping[str, str]
+        self, space: SpaceFields, policy: Policy, dtypes: Mapping[str, str]
     ) -> dict[str, str]:
         """The loss scaling, the fp8 recipe, the reduce dtype and the optimizer states,
         each where the space searches it."""
@@ -183,7 +185,7 @@ def _with_fp8_where_it_fits(
 
 
 def _runnable_recipes(
-    space: SearchSpace, groups: list[Group], kind: str, made: Format
+    space: SpaceFields, groups: list[Group], kind: str, made: Format
 ) -> tuple[str, ...]:
     """The space's recipes without those ``made`` (fp8) says fail on this device kind inside
     the region some group may put around its layers (fp16, bf16)."""

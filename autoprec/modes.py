@@ -1,15 +1,17 @@
-"""A mode of search as the generic code sees it: the `Mode` base class, whose defaults are
-the plain case, and the two modes autoprec ships.
+"""The modes of search as the generic code sees them: the `Mode` base class, whose defaults
+are the plain case, the two modes autoprec ships, and their registry, `MODES`.
 
 A mode owns everything that differs between modes: its `Trials` class, its own settings
 section, its preferences and dtypes, whether its trials train, how a policy resolves on a
 model under its trials, the export formats it allows, its report view and words, and its
-summary's own part. The generic code asks the mode object (found by
-`autoprec.trials.mode_named`) and never names a mode.
+summary's own part. The generic code asks the mode object (found by `mode_named`) and
+never names a mode.
 
 A new mode subclasses `Mode` and sets what differs; only ``name`` and ``trials`` are
-required. Heavy parts (the `Trials` class, the report view) are named as
-``"module:attribute"`` and loaded on first use, so that this module imports nothing heavy.
+required; `register` adds it. Heavy parts (the `Trials` class, the report view) are named
+as ``"module:attribute"`` and loaded on first use, so that this module imports nothing
+heavy, and nothing above the policy: the space, the policy's resolution and the settings
+find a mode here, below the trials (`autoprec.trials`) that implement it.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import autoprec.formats as formats
 from autoprec._util.names import EXPORT_FORMATS
+from autoprec.errors import AutoprecError
 from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.serving.scenarios import SERVING_PREFERENCES
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from autoprec.policy import Policy
+    from autoprec.precision.view import PolicyView
 
 
 # The export formats of converted weights (`autoprec.exports.SERVING_FORMATS`): what a
@@ -137,14 +140,14 @@ class Mode:
         return load(self.text)
 
     def resolve_policy(
-        self, policy: Policy, model: nn.Module, device: Any = None, example: Any = None
+        self, policy: PolicyView, model: nn.Module, device: Any = None, example: Any = None
     ) -> dict[str, str]:
         """Each leaf with parameters and the dtype it runs in under this mode's trials:
         under autocast on ``device``'s kind, as `Policy.resolve` says (``example``: as a
         forward of that batch shows it)."""
         return policy.resolve(model, device, example=example)
 
-    def resolved_where(self, policy: Policy, model: nn.Module, kind: str, watched: bool) -> str:
+    def resolved_where(self, policy: PolicyView, model: nn.Module, kind: str, watched: bool) -> str:
         """Where `resolve_policy`'s dtypes hold, for ``autoprec resolve``: the device kind,
         and the regions the policy's plan puts there."""
         plan = policy.plan(model, kind)
@@ -189,11 +192,51 @@ class ServingMode(Mode):
     policy_use = "whose policy converts a trained model's weights (autoprec.load_served_model)"
 
     def resolve_policy(
-        self, policy: Policy, model: nn.Module, device: Any = None, example: Any = None
+        self, policy: PolicyView, model: nn.Module, device: Any = None, example: Any = None
     ) -> dict[str, str]:
         """Each leaf with parameters and the dtype its weights are served in, as
         `Policy.resolve_served` says: serving converts the weights, on any device."""
         return policy.resolve_served(model)
 
-    def resolved_where(self, policy: Policy, model: nn.Module, kind: str, watched: bool) -> str:
+    def resolved_where(self, policy: PolicyView, model: nn.Module, kind: str, watched: bool) -> str:
         return "served"
+
+
+# Every mode by its name: the one registry.
+MODES: dict[str, Mode] = {}
+DEFAULT_MODE = "training"
+
+
+def register(mode: Mode) -> Mode:
+    """Add ``mode`` to `MODES` under its name (a mode of that name is replaced)."""
+    MODES[mode.name] = mode
+    return mode
+
+
+register(TrainingMode())
+register(ServingMode())
+
+
+def mode_named(name: str | None) -> Mode:
+    """The mode of that name, or of a name it was known by (``inference``: serving);
+    None is the default mode. Any other name is an AutoprecError listing the modes."""
+    if name is None:
+        return MODES[DEFAULT_MODE]
+    found = MODES.get(name) or next((m for m in MODES.values() if name in m.aliases), None)
+    if found is None:
+        raise AutoprecError(f"--mode: expected {' or '.join(MODES)}, got {name!r}")
+    return found
+
+
+def mode_of(mode: Mode | str | None) -> Mode:
+    """A `Mode` as it is, or the mode of that name (None: the default mode)."""
+    return mode if isinstance(mode, Mode) else mode_named(mode)
+
+
+def canonical(name: Any) -> Any:
+    """A mode's name as it is now, where ``name`` is one it was known by; anything else
+    unchanged (an unknown name is for the caller to refuse in its own words)."""
+    for mode in MODES.values():
+        if name in mode.aliases:
+            return mode.name
+    return name
