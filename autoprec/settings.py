@@ -616,8 +616,9 @@ def _expected(found: Option, python: bool = False) -> str:
             if found.switch
             else words[found.scalar]
         )
-        what += f" >= {found.at_least:g}" if math.isfinite(found.at_least) else ""
-        what += f" <= {found.at_most:g}" if math.isfinite(found.at_most) else ""
+        bounds = [f">= {found.at_least:g}"] if math.isfinite(found.at_least) else []
+        bounds += [f"<= {found.at_most:g}"] if math.isfinite(found.at_most) else []
+        what += " " + " and ".join(bounds) if bounds else ""
     if found.repeated:
         return f"expected a list, each {what}"
     nullable = type(None) in typing.get_args(found.type) and not python
