@@ -10,15 +10,25 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from autoprec.errors import AutoprecError, redact
+from autoprec.exports.registry import FORMATS
+from autoprec.settings import (
+    SECTIONS,
+    Option,
+    check_study_name,
+    declared,
+    options,
+    read_file,
+    to_yaml,
+)
 from autoprec.trials import MODES, Mode, mode_named
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy
-    from autoprec.settings import Option
     from autoprec.study.summary_schema import Summary
 
 EXIT_BAD_INPUT = 2
@@ -68,8 +78,6 @@ def _version() -> str:
 
 
 def _add_export(commands: Any) -> None:
-    from autoprec.exports.registry import FORMATS
-
     e = commands.add_parser(
         "export",
         help="write a study's best policy in a format other tools read (a served model, "
@@ -117,12 +125,10 @@ def _add_search(commands: Any) -> None:
         "MLflow, and write runs/<study>/best_policy.yaml and summary.json.",
         formatter_class=_DefaultsFormatter,
     )
-    from autoprec.settings import SECTIONS, options
-
     for section in SECTIONS:
         group = s.add_argument_group(section.title)
-        for declared in options(section):
-            _add_option(group, declared)
+        for setting in options(section):
+            _add_option(group, setting)
     files = s.add_argument_group("config file")
     files.add_argument(
         "--config",
@@ -140,13 +146,8 @@ def _add_search(commands: Any) -> None:
 
 
 def _shared(parser: Any, name: str, help: str, **given: Any) -> None:
-    """A search setting this command takes too (one of `_SHARED`): its flag, type, choices
-    and check as declared (`autoprec.settings`), with this command's help and, in ``given``,
-    its own ``default``, ``required``, or ``type`` (a tuple: given once per value)."""
-    from dataclasses import replace
-
-    from autoprec.settings import declared
-
+    """A search setting this command takes too (`_SHARED`) as declared, with this command's
+    help and, in ``given``, its own ``default``, ``required`` or ``type``."""
     _add_option(parser, replace(declared(name), help=help, **given))
 
 
@@ -154,22 +155,22 @@ def _shared(parser: Any, name: str, help: str, **given: Any) -> None:
 _SHARED = ("study", "runs_dir", "tracking_uri", "task", "device", "mode", "seed", "emulate")
 
 
-def _add_option(group: Any, declared: Option) -> None:
+def _add_option(group: Any, setting: Option) -> None:
     """One declared setting as an option of the command."""
-    if declared.switch:
-        action = "store_false" if declared.default else "store_true"
-        group.add_argument(declared.flag, dest=declared.name, action=action, help=declared.help)
+    if setting.switch:
+        action = "store_false" if setting.default else "store_true"
+        group.add_argument(setting.flag, dest=setting.name, action=action, help=setting.help)
         return
     group.add_argument(
-        declared.flag,
-        dest=declared.name,
-        type=declared.scalar,
-        action="append" if declared.repeated else "store",
-        choices=declared.choices,
-        default=list(default) if isinstance(default := declared.default, tuple) else default,
-        metavar=declared.metavar,
-        required=declared.required,
-        help=declared.help,
+        setting.flag,
+        dest=setting.name,
+        type=setting.scalar,
+        action="append" if setting.repeated else "store",
+        choices=setting.choices,
+        default=list(default) if isinstance(default := setting.default, tuple) else default,
+        metavar=setting.metavar,
+        required=setting.required,
+        help=setting.help,
     )
 
 
@@ -299,7 +300,6 @@ def _search(args: argparse.Namespace) -> int:
     from autoprec.progress import Progress
     from autoprec.report import front_table, gains_line
     from autoprec.report.headroom import forecast_lines, guard_line
-    from autoprec.settings import options, to_yaml
     from autoprec.study import SearchConfig, search
 
     values = {declared.name: getattr(args, declared.name) for declared in options()}
@@ -328,7 +328,6 @@ def _search(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from autoprec.devices import get_backend
     from autoprec.profile.sensitivity import profile_task
-    from autoprec.settings import check_study_name
     from autoprec.tasks import load_task
     from autoprec.tracking import Tracker
 
@@ -487,7 +486,6 @@ def _export(args: argparse.Namespace) -> int:
 
     from autoprec._util.files import refuse_links
     from autoprec.exports import ExportWarning, export_policy
-    from autoprec.exports.registry import export_format
     from autoprec.policy import load_policy
     from autoprec.study._summary_file import read_header
     from autoprec.tasks import check_task, load_task
@@ -496,7 +494,7 @@ def _export(args: argparse.Namespace) -> int:
     _check_study_exists(args.runs_dir, args.study)
     header = read_header(Path(args.runs_dir) / args.study / "summary.json", args.study)
     settings, mode = header.settings, mode_named(header.mode)
-    fmt = export_format(args.format or mode.export_formats[0])
+    fmt = FORMATS[args.format or mode.export_formats[0]]
     if fmt.name not in mode.export_formats:
         raise AutoprecError(
             f"--format {fmt.name}: {_format_modes(fmt.name)}; {args.study!r} is a "
@@ -595,11 +593,8 @@ def _ui(args: argparse.Namespace) -> int:
 
 
 def _check_shared(args: argparse.Namespace) -> None:
-    """The settings a command shares with the search, checked as declared (the search's
-    own config checks them all): every ``--study`` names a folder under the runs
-    directory, before anything is read or written, so that none leads outside."""
-    from autoprec.settings import declared
-
+    """The settings a command shares with the search, checked as declared before anything
+    is read or written (a ``--study`` cannot lead outside the runs folder)."""
     for name in _SHARED if args.command != "search" else ():
         values = getattr(args, name, None)
         for value in values if isinstance(values, list) else [values]:
@@ -612,8 +607,6 @@ def _with_config_file(
 ) -> argparse.Namespace:
     """``autoprec search --config FILE``: the command line parsed again over the file's
     settings as its defaults, so that an option given there overrides the file."""
-    from autoprec.settings import read_file
-
     if args.command != "search" or args.config is None:
         return args
     values = read_file(args.config)
@@ -627,14 +620,12 @@ def _with_config_file(
 def _in_config_file(message: str, args: argparse.Namespace) -> str:
     """Where a refused setting came from, when the config file gave it: `` (what.trials in
     search.yaml)`` for a message that starts with its option (``--trials: ...``)."""
-    from autoprec.settings import options
-
     given = getattr(args, "config_values", {})
     named = message.split(":")[0].split(" ")[0]
-    for declared in options():
-        from_file = declared.name in given and getattr(args, declared.name) == given[declared.name]
-        if named in (declared.flag, declared.name) and from_file:  # and not overridden
-            return f" ({declared.section}.{declared.name} in {args.config})"
+    for setting in options():
+        from_file = setting.name in given and getattr(args, setting.name) == given[setting.name]
+        if named in (setting.flag, setting.name) and from_file:  # and not overridden
+            return f" ({setting.section}.{setting.name} in {args.config})"
     return ""
 
 

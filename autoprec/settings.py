@@ -101,10 +101,9 @@ class Option:
         return all(v in self.choices for v in (value if self.repeated else [value]))
 
     def checked(self, value: Any) -> Any:
-        """``value``, refused in one line naming the option where it is not of this
-        setting's kind: its ``check`` passed, else of its type (a number, a switch; not a
-        path or a device, which their users check), one of its choices, within its bounds.
-        None passes where it is the default."""
+        """``value``, refused in one line naming the option unless its ``check`` passes, else
+        unless it has its type (a number, a switch: not a path or a device, which their users
+        check), is one of its choices, within its bounds. None passes where it is the default."""
         if value is None and self.default is None:
             return value
         if self.check is not None:
@@ -120,8 +119,7 @@ class Option:
 
 
 def declared(name: str) -> Option:
-    """The search's setting of that name, as another command takes it too (``--study``,
-    ``--task``, ...): `autoprec.cli` gives it that command's own help and default."""
+    """The search's setting of that name, as other commands take it too (``--study``)."""
     return next(o for o in options() if o.name == name)
 
 

@@ -1,10 +1,8 @@
-"""Export a policy to the formats other tools read (`FORMATS`, `autoprec.exports.registry`);
-``export_policy`` picks one by name, each module's own function (``export_cann``, ...) takes
-its format's arguments. This module imports no torch: each writer is imported when used.
-
-A format that cannot say exactly what the policy says warns (``ExportWarning``) and writes the
-same text in its file's header. Every value written into a generated file is quoted, and no
-export overwrites a file it did not write (``.autoprec-export.json`` records what it wrote).
+"""Export a policy to the formats other tools read (`FORMATS`): ``export_policy`` picks one
+by name; each format module's own function (``export_cann``, ...) takes its arguments. No
+torch is imported here. A format that cannot say exactly what the policy says warns
+(``ExportWarning``) and says it in its file's header; every value written into a generated
+file is quoted, and no export overwrites a file it did not write (``.autoprec-export.json``).
 The Ascend formats follow the documented formats only: neither torch_npu nor ATC ran here.
 """
 
@@ -15,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoprec.errors import ExportError, ExportWarning
-from autoprec.exports.registry import FORMATS, ExportFormat, ExportRequest, export_format, load
+from autoprec.exports.registry import FORMATS, ExportFormat, ExportRequest, load
 
 if TYPE_CHECKING:
     from torch import nn
@@ -63,7 +61,9 @@ def export_policy(
     from autoprec.devices import device_kind
     from autoprec.exports._owned import removed_if_refused
 
-    found = export_format(fmt)
+    if fmt not in FORMATS:
+        raise ExportError(f"format {fmt!r}: unknown (expected one of {', '.join(FORMATS)})")
+    found = FORMATS[fmt]
     if policy.serving_only and not found.serving_policies:
         raise ExportError(
             f"format {fmt!r}: the policy serves layers in {_served_in(policy)}, which {fmt} "

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from autoprec.errors import ExportError
-
 if TYPE_CHECKING:
     from torch import nn
 
@@ -47,11 +45,8 @@ class ExportFormat:
     # its writer needs the fp32 model, is sharpened by it (optional), or never reads it
     model: Literal["needed", "optional", "unused"] = "needed"
     trained: bool = False  # needs the trained weights, not only the layer names
-    # writes the weights converted for serving: only a serving study exports it, by default
-    # on the device it was searched on
-    converted: bool = False
-    # can express a policy only serving applies (int8 layers, fp8 by a serving method)
-    serving_policies: bool = False
+    converted: bool = False  # weights converted for serving: only a serving study's, on its device
+    serving_policies: bool = False  # expresses int8 layers and fp8 ones by a serving method
     device: str | None = None  # the device kind when none is given, and what it decides
     device_help: str = ""
     refused_devices: tuple[tuple[str, str], ...] = ()  # kinds, each with "module:attr" why
@@ -161,13 +156,6 @@ def load(reference: str) -> Any:
     """What ``"module:attr"`` names (a writer, a refusal's reason), its module imported."""
     module, _, name = reference.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-def export_format(name: str) -> ExportFormat:
-    """The format of that name; any other name is an ExportError listing them."""
-    if name not in FORMATS:
-        raise ExportError(f"format {name!r}: unknown (expected one of {', '.join(FORMATS)})")
-    return FORMATS[name]
 
 
 def format_names(default: str, converted: bool = True) -> tuple[str, ...]:
