@@ -249,6 +249,7 @@ class Budget:
         choices=(*MODES, *(alias for m in MODES.values() for alias in m.aliases)),
         metavar="{" + ",".join(MODES) + "}",
         study="mode",
+        check=mode_named,  # a mode registered later too
     )
 
 
