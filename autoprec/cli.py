@@ -10,15 +10,25 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from autoprec.errors import AutoprecError, redact
-from autoprec.trials import MODES, Mode, canonical, mode_named
+from autoprec.exports.registry import FORMATS
+from autoprec.settings import (
+    SECTIONS,
+    Option,
+    check_study_name,
+    declared,
+    options,
+    read_file,
+    to_yaml,
+)
+from autoprec.trials import MODES, Mode, mode_named
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy
-    from autoprec.settings import Option
     from autoprec.study.summary_schema import Summary
 
 EXIT_BAD_INPUT = 2
@@ -68,42 +78,28 @@ def _version() -> str:
 
 
 def _add_export(commands: Any) -> None:
-    from autoprec._util.names import EXPORT_FORMATS as FORMATS
-
     e = commands.add_parser(
         "export",
         help="write a study's best policy in a format other tools read (a served model, "
         "torchao, ATC, torch_npu, transformers, fp8 for torchtitan/torchao/accelerate, "
         "optimizer states for torchao, bitsandbytes and the Trainer)",
-        description="Export the best policy of a finished search. Formats: model (serving "
-        "studies' default: program.pt2, a torch.export program of the converted model, with "
-        "fp32.pt, policy.yaml and load_model.py), torchao (the int8 layers as a FqnToConfig), "
-        "yaml (training studies' default), torch-npu, cann (ONNX, keep_dtype.cfg and the ATC "
-        "command), transformers (_keep_in_fp32_modules_strict), fp8 (a training policy's fp8 "
-        "layers as torchtitan's [quantize.linear.float8] filter_fqns with its command line, "
-        "torchao's convert_to_float8_training and accelerate's AORecipeKwargs; a policy "
-        "without fp8 layers is refused), and a training policy's optimizer states: "
-        "torchao-optimizer (torchao's optimizer classes per parameter group), bitsandbytes "
-        "(8-bit AdamW with its 32-bit overrides), trainer (transformers' Trainer: its optim "
-        "string where one holds the policy, else optimizers= built from it). Where a format "
-        "cannot say "
-        "exactly what the policy says, a note on stderr says what it approximates.",
+        description="Export the best policy of a finished search in one of the formats "
+        "--format lists. Where a format cannot say exactly what the policy says, a note on "
+        "stderr says what it approximates.",
         formatter_class=_DefaultsFormatter,
     )
-    e.add_argument("--study", required=True, help="the study to export (under --runs-dir)")
+    _shared(e, "study", "the study to export (under --runs-dir)", required=True)
+    defaults = (f"{m.export_formats[0]} for a {m.name} study" for m in MODES.values())
     e.add_argument(
         "--format",
-        choices=FORMATS,
+        choices=tuple(FORMATS),
         default=None,
-        help="default: "
-        + ", ".join(f"{m.export_formats[0]} for a {m.name} study" for m in MODES.values()),
+        help="; ".join(f"{f.name}: {f.help}" for f in FORMATS.values())
+        + f" (default: {', '.join(defaults)})",
     )
     e.add_argument("--out", default=None, help="folder (default: runs/<study>/export-<format>)")
-    e.add_argument(
-        "--task",
-        default=None,
-        help="the study's task (default: the one the search was given by name or file)",
-    )
+    task = "the study's task (default: the one the search was given by name or file)"
+    _shared(e, "task", task, default=None)
     e.add_argument(
         "--checkpoint",
         default=None,
@@ -111,14 +107,14 @@ def _add_export(commands: Any) -> None:
         "else runs/<study>/fp32.pt, which only a serving search keeps: a training study's "
         "cann export needs it)",
     )
-    e.add_argument(
-        "--device",
-        default=None,
-        help="model: the device served on (default: the study's); cann, transformers: the "
-        "device whose autocast decides which layers run in fp32 (default: npu); fp8: the "
-        "device kind the fp8 layers are planned for (default: cuda)",
-    )
-    e.add_argument("--runs-dir", default="runs", help="where the search wrote its outputs")
+    devices: dict[str, list[str]] = {}
+    for f in FORMATS.values():
+        if f.device_help:
+            default = "the study's" if f.converted else f.device
+            devices.setdefault(f"{f.device_help} (default: {default})", []).append(f.name)
+    said = (f"{', '.join(names)}: {what}" for what, names in devices.items())
+    _shared(e, "device", "; ".join(said), default=None)
+    _shared(e, "runs_dir", "where the search wrote its outputs")
 
 
 def _add_search(commands: Any) -> None:
@@ -129,12 +125,10 @@ def _add_search(commands: Any) -> None:
         "MLflow, and write runs/<study>/best_policy.yaml and summary.json.",
         formatter_class=_DefaultsFormatter,
     )
-    from autoprec.settings import SECTIONS, options
-
     for section in SECTIONS:
         group = s.add_argument_group(section.title)
-        for declared in options(section):
-            _add_option(group, declared)
+        for setting in options(section):
+            _add_option(group, setting)
     files = s.add_argument_group("config file")
     files.add_argument(
         "--config",
@@ -151,21 +145,32 @@ def _add_search(commands: Any) -> None:
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _add_option(group: Any, declared: Option) -> None:
+def _shared(parser: Any, name: str, help: str, **given: Any) -> None:
+    """A search setting this command takes too (`_SHARED`) as declared, with this command's
+    help and, in ``given``, its own ``default``, ``required`` or ``type``."""
+    _add_option(parser, replace(declared(name), help=help, **given))
+
+
+# The settings other commands share with the search (checked as declared, `_check_shared`).
+_SHARED = ("study", "runs_dir", "tracking_uri", "task", "device", "mode", "seed", "emulate")
+
+
+def _add_option(group: Any, setting: Option) -> None:
     """One declared setting as an option of the command."""
-    if declared.switch:
-        action = "store_false" if declared.default else "store_true"
-        group.add_argument(declared.flag, dest=declared.name, action=action, help=declared.help)
+    if setting.switch:
+        action = "store_false" if setting.default else "store_true"
+        group.add_argument(setting.flag, dest=setting.name, action=action, help=setting.help)
         return
     group.add_argument(
-        declared.flag,
-        dest=declared.name,
-        type=declared.scalar,
-        action="append" if declared.repeated else "store",
-        choices=declared.choices,
-        default=list(declared.default) if declared.repeated else declared.default,
-        metavar=declared.metavar,
-        help=declared.help,
+        setting.flag,
+        dest=setting.name,
+        type=setting.scalar,
+        action="append" if setting.repeated else "store",
+        choices=setting.choices,
+        default=list(default) if isinstance(default := setting.default, tuple) else default,
+        metavar=setting.metavar,
+        required=setting.required,
+        help=setting.help,
     )
 
 
@@ -181,8 +186,6 @@ def _add_other_commands(commands: Any) -> None:
 
 def _add_profile(commands: Any) -> None:
     """The `profile` command: every layer ranked by numerical risk."""
-    from autoprec._util.names import DEFAULT_TASK, DEFAULT_TRACKING_URI
-
     pr = commands.add_parser(
         "profile",
         help="rank every layer by numerical risk in fp16/bf16, and fp8 with --emulate fp8 or "
@@ -193,62 +196,48 @@ def _add_profile(commands: Any) -> None:
         "and writes runs/<study>/profile.json; also logged to MLflow.",
         formatter_class=_DefaultsFormatter,
     )
-    pr.add_argument("--task", default=DEFAULT_TASK, help="as for search")
-    pr.add_argument("--study", default=None, help="study name (default: the task's name)")
-    pr.add_argument("--device", default="auto", help="as for search")
+    _shared(pr, "task", "as for search")
+    _shared(pr, "study", "study name (default: the task's name)")
+    _shared(pr, "device", "as for search")
     pr.add_argument("--steps", type=int, default=3, help="fp32 training steps watched")
-    pr.add_argument("--seed", type=int, default=0, help="seed of the weights and data order")
+    _shared(pr, "seed", "seed of the weights and data order")
     pr.add_argument("--top", type=int, default=20, help="rows of the printed ranking")
-    pr.add_argument("--runs-dir", default="runs", help="where runs/<study>/profile.json goes")
-    pr.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow tracking URI")
-    # -- fp8 risk (issue 20) --
-    pr.add_argument(
-        "--emulate",
-        action="append",
-        choices=("fp8",),
-        default=[],
-        help="as for search: with fp8 (run or emulated), each Linear's fp8 risk is ranked too",
-    )
+    _shared(pr, "runs_dir", "where runs/<study>/profile.json goes")
+    _shared(pr, "tracking_uri", "MLflow tracking URI")
+    emulated = "as for search: with fp8 (run or emulated), each Linear's fp8 risk is ranked too"
+    _shared(pr, "emulate", emulated)  # fp8 risk (issue 20)
 
 
 def _add_best(commands: Any) -> None:
     """The `best` command: a study's best policy."""
-    from autoprec._util.names import DEFAULT_TRACKING_URI
-
     b = commands.add_parser(
         "best", help="print a study's best policy (from MLflow)", formatter_class=_DefaultsFormatter
     )
-    b.add_argument("--study", required=True, help="the study whose best policy to print")
-    b.add_argument(
-        "--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow store the search used"
-    )
+    _shared(b, "study", "the study whose best policy to print", required=True)
+    _shared(b, "tracking_uri", "MLflow store the search used")
     b.add_argument("--json", action="store_true", help="print JSON instead of YAML")
 
 
 def _add_resolve(commands: Any) -> None:
     """The `resolve` command: the dtype each layer runs in under a policy."""
-    from autoprec._util.names import DEFAULT_TASK
-
     r = commands.add_parser(
         "resolve",
         help="show the dtype each layer of a task's model runs in under a policy, and how it lands",
         formatter_class=_DefaultsFormatter,
     )
     r.add_argument("--policy", required=True, help="policy YAML file")
-    r.add_argument("--task", default=DEFAULT_TASK, help="task whose model to resolve against")
-    r.add_argument(
-        "--mode",
-        type=canonical,
-        choices=tuple(MODES),
-        default=None,
-        help="training: the dtype each layer computes in under autocast; serving: the dtype "
+    _shared(r, "task", "task whose model to resolve against")
+    _shared(
+        r,
+        "mode",
+        "training: the dtype each layer computes in under autocast; serving: the dtype "
         "its weights are served in (default: serving for a policy with int8 layers; "
         "inference: serving's earlier name)",
     )
-    r.add_argument(
-        "--device",
-        default="auto",
-        help="the device whose autocast decides what runs in which dtype: auto, cpu, cuda, "
+    _shared(
+        r,
+        "device",
+        "the device whose autocast decides what runs in which dtype: auto, cpu, cuda, "
         "npu (LayerNorm runs in fp32 on CUDA and Ascend, in its input's dtype on the CPU); "
         "a device that is not here is read from its table",
     )
@@ -261,12 +250,13 @@ def _add_report(commands: Any) -> None:
         help="write runs/<study>/report.html and PNG plots, and log them to the MLflow parent",
         formatter_class=_DefaultsFormatter,
     )
-    rep.add_argument("--study", required=True, help="the study to report on (under --runs-dir)")
-    rep.add_argument("--runs-dir", default="runs", help="where the search wrote its outputs")
-    rep.add_argument(
-        "--tracking-uri",
+    _shared(rep, "study", "the study to report on (under --runs-dir)", required=True)
+    _shared(rep, "runs_dir", "where the search wrote its outputs")
+    _shared(
+        rep,
+        "tracking_uri",
+        "MLflow store to log to (default: the one the search used)",
         default=None,
-        help="MLflow store to log to (default: the one the search used)",
     )
 
 
@@ -277,10 +267,14 @@ def _add_compare(commands: Any) -> None:
         help="compare two or more studies on one page",
         formatter_class=_DefaultsFormatter,
     )
-    cmp_.add_argument(
-        "--study", action="append", required=True, help="a study to compare (give two or more)"
+    _shared(
+        cmp_,
+        "study",
+        "a study to compare (give two or more)",
+        type=tuple[str, ...],
+        required=True,
     )
-    cmp_.add_argument("--runs-dir", default="runs", help="where the searches wrote their outputs")
+    _shared(cmp_, "runs_dir", "where the searches wrote their outputs")
     cmp_.add_argument(
         "--out", default=None, help="HTML file (default: runs/compare-<studies>.html)"
     )
@@ -288,8 +282,6 @@ def _add_compare(commands: Any) -> None:
 
 def _add_ui(commands: Any) -> None:
     """The `ui` command: the MLflow UI on a study's runs."""
-    from autoprec._util.names import DEFAULT_TRACKING_URI
-
     u = commands.add_parser(
         "ui",
         help="serve the MLflow UI and print the URL of a study's runs table",
@@ -298,10 +290,8 @@ def _add_ui(commands: Any) -> None:
         "columns. Ctrl-C (or SIGTERM) stops the server and its workers.",
         formatter_class=_DefaultsFormatter,
     )
-    u.add_argument(
-        "--study", default=None, help="the study to open (default: the one searched last)"
-    )
-    u.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow tracking URI")
+    _shared(u, "study", "the study to open (default: the one searched last)")
+    _shared(u, "tracking_uri", "MLflow tracking URI")
     u.add_argument("--host", default="127.0.0.1", help="address the UI listens on")
     u.add_argument("--port", type=int, default=5000, help="port the UI listens on")
 
@@ -310,7 +300,6 @@ def _search(args: argparse.Namespace) -> int:
     from autoprec.progress import Progress
     from autoprec.report import front_table, gains_line
     from autoprec.report.headroom import forecast_lines, guard_line
-    from autoprec.settings import options, to_yaml
     from autoprec.study import SearchConfig, search
 
     values = {declared.name: getattr(args, declared.name) for declared in options()}
@@ -339,13 +328,11 @@ def _search(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from autoprec.devices import get_backend
     from autoprec.profile.sensitivity import profile_task
-    from autoprec.study.config import check_study_name
     from autoprec.tasks import load_task
-    from autoprec.tracking import Tracker, check_tracking_uri
+    from autoprec.tracking import Tracker
 
     if args.steps < 1 or args.top < 1:
         raise AutoprecError("--steps and --top: expected positive integers")
-    check_tracking_uri(args.tracking_uri)
     task = load_task(args.task)
     backend = get_backend(args.device, emulate=tuple(args.emulate))
     backend.check_training_emulation()
@@ -498,7 +485,7 @@ def _export(args: argparse.Namespace) -> int:
     import warnings
 
     from autoprec._util.files import refuse_links
-    from autoprec.exports import SERVING_FORMATS, ExportWarning, export_policy
+    from autoprec.exports import ExportWarning, export_policy
     from autoprec.policy import load_policy
     from autoprec.study._summary_file import read_header
     from autoprec.tasks import check_task, load_task
@@ -507,17 +494,17 @@ def _export(args: argparse.Namespace) -> int:
     _check_study_exists(args.runs_dir, args.study)
     header = read_header(Path(args.runs_dir) / args.study / "summary.json", args.study)
     settings, mode = header.settings, mode_named(header.mode)
-    fmt = args.format or mode.export_formats[0]
-    if fmt not in mode.export_formats:
+    fmt = FORMATS[args.format or mode.export_formats[0]]
+    if fmt.name not in mode.export_formats:
         raise AutoprecError(
-            f"--format {fmt}: {_format_modes(fmt)}; {args.study!r} is a "
+            f"--format {fmt.name}: {_format_modes(fmt.name)}; {args.study!r} is a "
             f"{mode.name} study, {mode.policy_use}"
         )
     folder = Path(args.runs_dir) / args.study
     policy = load_policy(folder / "best_policy.yaml")
     spec = args.task or settings.task_spec
     model = example = None
-    if fmt != "yaml" and (spec is not None or fmt != "torch-npu"):
+    if fmt.loads_model(task_known=spec is not None):
         if spec is None:
             raise AutoprecError(
                 f"study {args.study!r} was given its task as an object: name it with --task"
@@ -525,23 +512,23 @@ def _export(args: argparse.Namespace) -> int:
         task = load_task(spec)
         model = check_task(task)
         weights = args.checkpoint or settings.checkpoint or folder / FP32_CHECKPOINT
-        if fmt in ("model", "cann") and not Path(weights).is_file():
+        if fmt.trained and not Path(weights).is_file():
             missing = "{weights} does not exist" if args.checkpoint else mode.missing_weights
             why = missing.format(weights=weights)
             raise AutoprecError(
-                f"--format {fmt}: no trained fp32 weights ({why}); pass --checkpoint PATH, "
+                f"--format {fmt.name}: no trained fp32 weights ({why}); pass --checkpoint PATH, "
                 "your trained model's state dict (torch.save(model.state_dict(), PATH))"
             )
         if Path(weights).is_file():
             model = load_checkpoint(model, Path(weights), task)
         example = task.first_val_batch()
-    device = args.device or (settings.device if fmt in SERVING_FORMATS else None)
-    out = Path(args.out or folder / f"export-{fmt}")
+    device = args.device or (settings.device if fmt.converted else None)
+    out = Path(args.out or folder / f"export-{fmt.name}")
     if args.out is None:  # no link below the runs folder is followed (a folder named is)
         refuse_links(out, args.runs_dir)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ExportWarning)
-        paths = export_policy(policy, fmt, out, model, example, device, settings.int8, spec)
+        paths = export_policy(policy, fmt.name, out, model, example, device, settings.int8, spec)
     for warning in caught:
         if issubclass(warning.category, ExportWarning):
             print(f"autoprec export: note: {warning.message}", file=sys.stderr)
@@ -591,9 +578,6 @@ def _ui(args: argparse.Namespace) -> int:
     def prepare() -> None:
         """While the server starts (tens of seconds): the URI checked, the study's view
         found and written. An error here stops the server before it answers."""
-        from autoprec.tracking import check_tracking_uri
-
-        check_tracking_uri(args.tracking_uri)
         views.append(find_runs_view(args.tracking_uri, args.study))
         if views[0] is not None:
             write_runs_view(args.tracking_uri, views[0])
@@ -608,15 +592,14 @@ def _ui(args: argparse.Namespace) -> int:
     return serve(command, env, f"{base}/health", ready, prepare)
 
 
-def _check_study_names(args: argparse.Namespace) -> None:
-    """Every command's ``--study`` names a folder under the runs directory: checked as a
-    search checks it, before anything is read or written, so that none leads outside."""
-    from autoprec.study.config import check_study_name
-
-    studies = getattr(args, "study", None)
-    for study in studies if isinstance(studies, list) else [studies]:
-        if study is not None:
-            check_study_name(study)
+def _check_shared(args: argparse.Namespace) -> None:
+    """The settings a command shares with the search, checked as declared before anything
+    is read or written (a ``--study`` cannot lead outside the runs folder)."""
+    for name in _SHARED if args.command != "search" else ():
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None:  # the command's own default: none given
+                declared(name).checked(value)
 
 
 def _with_config_file(
@@ -624,8 +607,6 @@ def _with_config_file(
 ) -> argparse.Namespace:
     """``autoprec search --config FILE``: the command line parsed again over the file's
     settings as its defaults, so that an option given there overrides the file."""
-    from autoprec.settings import read_file
-
     if args.command != "search" or args.config is None:
         return args
     values = read_file(args.config)
@@ -639,14 +620,12 @@ def _with_config_file(
 def _in_config_file(message: str, args: argparse.Namespace) -> str:
     """Where a refused setting came from, when the config file gave it: `` (what.trials in
     search.yaml)`` for a message that starts with its option (``--trials: ...``)."""
-    from autoprec.settings import options
-
     given = getattr(args, "config_values", {})
     named = message.split(":")[0].split(" ")[0]
-    for declared in options():
-        from_file = declared.name in given and getattr(args, declared.name) == given[declared.name]
-        if named in (declared.flag, declared.name) and from_file:  # and not overridden
-            return f" ({declared.section}.{declared.name} in {args.config})"
+    for setting in options():
+        from_file = setting.name in given and getattr(args, setting.name) == given[setting.name]
+        if named in (setting.flag, setting.name) and from_file:  # and not overridden
+            return f" ({setting.section}.{setting.name} in {args.config})"
     return ""
 
 
@@ -665,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     }[args.command]
     try:
         args = _with_config_file(parser, argv, args)
-        _check_study_names(args)
+        _check_shared(args)
         return handler(args)
     except AutoprecError as error:
         print(f"autoprec {args.command}: error: {redact(str(error))}", file=sys.stderr)

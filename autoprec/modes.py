@@ -20,8 +20,8 @@ import importlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import autoprec.formats as formats
-from autoprec._util.names import EXPORT_FORMATS
 from autoprec.errors import AutoprecError
+from autoprec.exports.registry import format_names
 from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.serving.scenarios import SERVING_PREFERENCES
 
@@ -29,11 +29,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from autoprec.precision.view import PolicyView
-
-
-# The export formats of converted weights (`autoprec.exports.SERVING_FORMATS`): what a
-# training study, which keeps no trained weights, does not export.
-CONVERTED_WEIGHTS_FORMATS = ("model", "torchao")
 
 
 def load(reference: str) -> Any:
@@ -165,7 +160,8 @@ class TrainingMode(Mode):
     trials = "autoprec.trials.training:TrainingTrials"
     help = "trials train the model under each policy"
     trains = True
-    export_formats = tuple(f for f in EXPORT_FORMATS if f not in CONVERTED_WEIGHTS_FORMATS)
+    # a training study keeps no trained weights: no format of converted ones
+    export_formats = format_names("yaml", converted=False)
     rank_trial = "autoprec.distributed.rank:run_rank"
     missing_weights = "a training search keeps no weights: its trials train only --steps steps"
 
@@ -182,7 +178,7 @@ class ServingMode(Mode):
     )
     settings = "serving"
     preferences = SERVING_PREFERENCES
-    export_formats = ("model", *(f for f in EXPORT_FORMATS if f != "model"))
+    export_formats = format_names("model")
     config = "autoprec.trials.serving:ServingConfig"
     space_rules = "autoprec.trials.serving_space:RULES"
     summary_part = "autoprec.study.serving_summary:Serving"

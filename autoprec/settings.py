@@ -14,12 +14,15 @@ This module imports nothing heavy: ``autoprec search --help`` reads it without t
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import autoprec.formats as formats
 from autoprec._util.names import (
@@ -32,43 +35,28 @@ from autoprec._util.names import (
     INT8_METHODS,
     SAMPLERS,
 )
-from autoprec.errors import AutoprecError
-from autoprec.serving.scenarios import SCENARIOS
+from autoprec.errors import AutoprecError, StoreError, redact
+from autoprec.serving.scenarios import SCENARIOS, scenario
 from autoprec.trials import DEFAULT_MODE, MODES, Mode, mode_named
 from autoprec.trials.schedule import TRIAL_SCHEDULES
 
 
-def option(
-    default: Any,
-    help: str,
-    *,
-    flag: str | None = None,
-    choices: Sequence[str] | None = None,
-    metavar: str | None = None,
-    study: str | tuple[str, ...] = (),
-    study_if_set: str | tuple[str, ...] = (),
-) -> Any:
-    """A setting: its default and help, with what the command line needs besides its type
-    (``flag``, default ``--<name>``; ``choices``; ``metavar``) and the keys of the study's
-    fingerprint it makes (``study``: the setting changes what a trial measures;
-    ``study_if_set``: keys recorded only where they are not None)."""
-    metadata = {
-        "help": help,
-        "flag": flag,
-        "choices": None if choices is None else tuple(choices),
-        "metavar": metavar,
-        "study": (study,) if isinstance(study, str) else study,
-        "study_if_set": (study_if_set,) if isinstance(study_if_set, str) else study_if_set,
-    }
+def option(default: Any, help: str, **declared: Any) -> Any:
+    """A setting: its default and help, with the rest of its `Option` (what the command line
+    needs besides its type, the fingerprint's keys it makes, what a value must be)."""
     if isinstance(default, list | dict):
         raise TypeError("option(): give a tuple, not a mutable default")
-    return field(default=default, metadata=metadata)
+    return field(default=default, metadata={"help": help, **declared})
 
 
 @dataclass(frozen=True)
 class Option:
     """One declared setting, as the command line, the config file and the fingerprint see
-    it: ``name`` (the field, and the key in its section), ``section`` (its key)."""
+    it: ``name`` (the field, and the key in its section), ``section`` (its key), ``flag``
+    (default ``--<name>``); the keys of the study's fingerprint it makes (``study``: the
+    setting changes what a trial measures; ``study_if_set``: keys recorded only where they
+    are not None); what a value must be besides its type and ``choices``: ``at_least``,
+    ``at_most``, and what ``check`` takes (it raises an AutoprecError in its own words)."""
 
     name: str
     section: str
@@ -76,10 +64,14 @@ class Option:
     default: Any
     help: str
     flag: str
-    choices: tuple[str, ...] | None
-    metavar: str | None
-    study: tuple[str, ...]
-    study_if_set: tuple[str, ...]
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    study: tuple[str, ...] = ()
+    study_if_set: tuple[str, ...] = ()
+    at_least: float = -math.inf
+    at_most: float = math.inf
+    check: Callable[[Any], Any] | None = None
+    required: bool = False  # on the command line (another command's, `declared`)
 
     @property
     def switch(self) -> bool:
@@ -109,13 +101,42 @@ class Option:
             return True
         return all(v in self.choices for v in (value if self.repeated else [value]))
 
+    def checked(self, value: Any) -> Any:
+        """``value``, refused in one line naming the option unless its ``check`` passes, else
+        unless it has its type (a number, a switch: not a path or a device, which their users
+        check), is one of its choices, within its bounds. None passes where it is the default."""
+        if value is None and self.default is None:
+            return value
+        if self.check is not None:
+            self.check(value)
+            return value
+        typed = self.switch or self.scalar is not str or self.choices is not None
+        numeric = self.scalar in (int, float) and not self.repeated
+        if (typed and not self.accepts(value)) or (
+            numeric and not (math.isfinite(value) and self.at_least <= value <= self.at_most)
+        ):
+            raise AutoprecError(f"{self.flag}: {_expected(self, python=True)}, got {value!r}")
+        return value
+
+
+def declared(name: str) -> Option:
+    """The search's setting of that name, as other commands take it too (``--study``)."""
+    return next(o for o in options() if o.name == name)
+
+
+def check_values(settings: Any) -> None:
+    """Every declared setting ``settings`` has as an attribute, checked (`Option.checked`)."""
+    for o in options():
+        if hasattr(settings, o.name):
+            o.checked(getattr(settings, o.name))
+
 
 def _has_type(hint: Any, value: Any) -> bool:
     origin, members = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_has_type(member, value) for member in members)
     if origin in (tuple, Sequence, list):
-        return isinstance(value, list) and all(_has_type(members[0], v) for v in value)
+        return isinstance(value, list | tuple) and all(_has_type(members[0], v) for v in value)
     if hint is type(None):
         return value is None
     if hint is bool:
@@ -125,6 +146,65 @@ def _has_type(hint: Any, value: Any) -> bool:
     if hint is float:
         return isinstance(value, int | float) and not isinstance(value, bool)
     return isinstance(value, str)  # str, Path, and Any (a device, as a file can name it)
+
+
+# -- checks that are more than a type, bounds or choices ---------------------------------
+
+# Matched whole (fullmatch): a pattern ending in "$" would pass a name ending in "\n".
+STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+MAX_BATCH_SIZE = 65536  # a served batch; the validation samples are repeated to fill it
+_TRACKING_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "databricks")
+
+
+def check_study_name(name: str) -> str:
+    if not isinstance(name, str) or not STUDY_NAME.fullmatch(name):
+        raise AutoprecError(
+            f"--study {name!r}: use letters, digits, '.', '-' and '_' (at most 100)"
+        )
+    return name
+
+
+def check_storage_url(url: str) -> None:
+    """Refuse an Optuna storage URL that is not a database URL, before anything is
+    written."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):  # no URL; a port that is no number
+        raise StoreError(
+            f"--storage {redact(str(url))!r}: not a database URL (e.g. sqlite:///runs/optuna.db)"
+        ) from None
+    if parsed.get_backend_name() not in ("sqlite", "postgresql", "mysql"):
+        raise StoreError(f"--storage {redact(url)!r}: expected a sqlite, postgresql or mysql URL")
+
+
+def check_tracking_uri(uri: str) -> str:
+    """Refuse a URI MLflow would not understand, before anything is written."""
+    scheme = urlparse(uri).scheme.split("+")[0] if isinstance(uri, str) else ""
+    if scheme not in _TRACKING_SCHEMES:
+        raise StoreError(
+            f"--tracking-uri {redact(str(uri))!r}: unsupported scheme (expected sqlite:///path, "
+            "http(s)://host:port, postgresql://..., or file:///path)"
+        )
+    return uri
+
+
+def parse_batch_sizes(value: str | Sequence[int]) -> list[int]:
+    """``"1,8,64"`` (or a list) as batch sizes, each a positive integer, no repeats."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        sizes = [int(str(item).strip()) for item in items]
+    except ValueError:
+        sizes = []
+    if not sizes or any(size < 1 for size in sizes) or len(set(sizes)) != len(sizes):
+        raise AutoprecError(
+            f"--batch-sizes {value!r}: expected distinct positive integers, e.g. 1,8,64"
+        )
+    if max(sizes) > MAX_BATCH_SIZE:
+        raise AutoprecError(f"--batch-sizes {value!r}: at most {MAX_BATCH_SIZE} per batch")
+    return sizes
 
 
 # -- the sections ----------------------------------------------------------------------
@@ -157,8 +237,9 @@ class Budget:
         12,
         "total trials in the study (the fp32 baseline is extra); a continued study runs "
         "only the missing ones",
+        at_least=1,
     )
-    steps: int = option(200, "training steps per trial", study="steps")
+    steps: int = option(200, "training steps per trial", study="steps", at_least=3)
     seed: int = option(0, "seed of weights, data order and sampler", study="seed")
     mode: str | None = option(
         None,
@@ -169,6 +250,7 @@ class Budget:
         choices=(*MODES, *(alias for m in MODES.values() for alias in m.aliases)),
         metavar="{" + ",".join(MODES) + "}",
         study="mode",
+        check=mode_named,  # a mode registered later too
     )
 
 
@@ -188,9 +270,14 @@ class ServingSettings:
         f"what the serving optimises (default: server): {_PRESETS}",
         choices=tuple(SCENARIOS),
         study="scenario",
+        check=scenario,
     )
     batch_size: int | None = option(
-        None, "batch size served (default: the scenario's)", study="batch_sizes"
+        None,
+        "batch size served (default: the scenario's)",
+        study="batch_sizes",
+        at_least=1,
+        at_most=MAX_BATCH_SIZE,
     )
     batch_sizes: str | Sequence[int] | None = option(
         None,
@@ -198,6 +285,7 @@ class ServingSettings:
         "choice flips",
         metavar="N,N,...",
         study="batch_sizes",
+        check=parse_batch_sizes,
     )
     checkpoint: str | Path | None = option(
         None,
@@ -238,9 +326,13 @@ class Where:
         choices=tuple(f.name for f in formats.all_formats() if f.emulated_elsewhere),
         study="emulated",
     )
-    study: str | None = option(None, "study name (default: the task's name); reuse it to continue")
-    storage: str = option(DEFAULT_STORAGE, "Optuna storage URL")
-    tracking_uri: str = option(DEFAULT_TRACKING_URI, "MLflow tracking URI")
+    study: str | None = option(
+        None, "study name (default: the task's name); reuse it to continue", check=check_study_name
+    )
+    storage: str = option(DEFAULT_STORAGE, "Optuna storage URL", check=check_storage_url)
+    tracking_uri: str = option(
+        DEFAULT_TRACKING_URI, "MLflow tracking URI", check=check_tracking_uri
+    )
     runs_dir: str | Path = option(
         "runs",
         "the folder of the outputs: <folder>/<study>/summary.json, best_policy.yaml (the "
@@ -256,6 +348,7 @@ class Choice:
         None,
         "largest accepted accuracy drop from fp32, absolute (0.01 = 1 point); default: the "
         "space file's",
+        at_least=0,
     )
     prefer: str | None = option(
         None,
@@ -273,6 +366,7 @@ class Choice:
         3,
         "re-time this many of the fastest feasible policies side by side with the fp32 "
         "baseline before choosing (0: off; skipped with --prefer memory)",
+        at_least=0,
     )
     early_stopping: bool = option(
         True,
@@ -290,6 +384,7 @@ class Faults:
         "worker processes on this host, sharing the study's budget (default: one per "
         "--devices entry, else 1; run the same command on other hosts, with a shared "
         "--storage and --tracking-uri, to join)",
+        at_least=1,
     )
     devices: str | Sequence[str] | None = option(
         None,
@@ -302,6 +397,7 @@ class Faults:
         "trial, at least 300 s; 0: no limit)",
         flag="--trial-timeout",
         metavar="SECONDS",
+        at_least=0,
     )
     heartbeat_s: int = option(
         HEARTBEAT_INTERVAL_S,
@@ -309,6 +405,7 @@ class Faults:
         "died) is failed and its MLflow run closed as KILLED",
         flag="--heartbeat",
         metavar="SECONDS",
+        at_least=1,
     )
 
 
@@ -380,6 +477,7 @@ class Launch:
         "on CUDA, hccl on NPUs); with --devices cuda:0-7 and N=4, two trials run at once",
         metavar="N",
         study="nproc_per_trial",
+        at_least=1,
     )
     parallel: str | None = option(
         None,
@@ -429,7 +527,11 @@ def options(section: Section | None = None) -> Iterator[Option]:
             for f in dataclasses.fields(cls):
                 meta = dict(f.metadata)
                 default_flag = "--" + ("no-" if f.default is True else "") + f.name
-                meta["flag"] = meta["flag"] or default_flag.replace("_", "-")
+                meta.setdefault("flag", default_flag.replace("_", "-"))
+                for key in ("study", "study_if_set"):  # one key, or several
+                    meta[key] = (
+                        (meta[key],) if isinstance(meta.get(key), str) else meta.get(key, ())
+                    )
                 yield Option(f.name, each.key, hints[f.name], f.default, **meta)
 
 
@@ -500,15 +602,27 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return values
 
 
-def _expected(found: Option) -> str:
+def _expected(found: Option, python: bool = False) -> str:
+    """What a value of ``found`` must be, in words: as a config file spells it, or as
+    Python does (``python``: True or False, and None said by no one)."""
     if found.choices is not None:
         what = f"one of {', '.join(found.choices)}"
+    elif found.at_least == 1 and found.scalar is int and found.at_most == math.inf:
+        what = "a positive integer"
     else:
         words = {int: "an integer", float: "a number", str: "a string"}
-        what = "true or false" if found.switch else words[found.scalar]
+        what = (
+            ("True or False" if python else "true or false")
+            if found.switch
+            else words[found.scalar]
+        )
+        bounds = [f">= {found.at_least:g}"] if math.isfinite(found.at_least) else []
+        bounds += [f"<= {found.at_most:g}"] if math.isfinite(found.at_most) else []
+        what += " " + " and ".join(bounds) if bounds else ""
     if found.repeated:
         return f"expected a list, each {what}"
-    return f"expected {what}{' or null' if type(None) in typing.get_args(found.type) else ''}"
+    nullable = type(None) in typing.get_args(found.type) and not python
+    return f"expected {what}{' or null' if nullable else ''}"
 
 
 # -- the study's fingerprint -------------------------------------------------------------

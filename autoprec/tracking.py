@@ -39,6 +39,7 @@ from urllib.parse import unquote, urlparse
 
 from autoprec.errors import StoreError, first_line, redact
 from autoprec.policy import Policy
+from autoprec.settings import check_tracking_uri as check_tracking_uri
 from autoprec.trials.base import Result, TrialState
 
 if TYPE_CHECKING:
@@ -61,7 +62,6 @@ MAX_ENTITIES = 1000  # MLflow's limits per log_batch: metrics, params and tags t
 MAX_PARAMS_TAGS = 100  # ... and params, and tags, each
 BEST_POLICY_ARTIFACT = "best_policy.yaml"
 SUMMARY_ARTIFACT = "summary.json"
-_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "databricks")
 # A tracking server's requests: bounded, so that an outage is noticed in seconds, not
 # after MLflow's default of 7 retries with exponential backoff (minutes per request).
 HTTP_TIMEOUT_S = 10
@@ -71,17 +71,6 @@ FLUSH_WAIT_S = 30.0  # how long the end of a search waits for writes still queue
 # ... and after a Ctrl-C, which promises a prompt exit: what is left is written by the
 # next run of the study.
 INTERRUPTED_FLUSH_S = 5.0
-
-
-def check_tracking_uri(uri: str) -> str:
-    """Refuse a URI MLflow would not understand, before anything is written."""
-    scheme = urlparse(uri).scheme.split("+")[0] if isinstance(uri, str) else ""
-    if scheme not in _SCHEMES:
-        raise StoreError(
-            f"--tracking-uri {redact(str(uri))!r}: unsupported scheme (expected sqlite:///path, "
-            "http(s)://host:port, postgresql://..., or file:///path)"
-        )
-    return uri
 
 
 def absolute_sqlite_uri(uri: str) -> str:

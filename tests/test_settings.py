@@ -143,7 +143,7 @@ def test_a_search_from_a_config_file(tmp_path):
 
 
 BAD_FILES = [
-    ("what:\n  trials: many\n", "search.yaml: what.trials: expected an integer, got 'many'"),
+    ("what:\n  trials: many\n", "search.yaml: what.trials: expected a positive integer, got"),
     ("what:\n  trails: 3\n", "search.yaml: what.trails: unknown setting (section what has"),
     ("wat:\n  trials: 3\n", "search.yaml: unknown section 'wat' (expected what, serving,"),
     ("serving:\n  int8: fast\n", "search.yaml: serving.int8: expected one of auto, off,"),

@@ -1,5 +1,5 @@
-"""The names the ``autoprec`` command offers before it runs anything: built-in tasks, export
-formats, serving methods, samplers and the default stores.
+"""The names the ``autoprec`` command offers before it runs anything: built-in tasks, serving
+methods, samplers and the default stores.
 
 They live here, away from the registries that define them (which import torch, MLflow and
 Optuna), so that ``autoprec --version`` and every ``--help`` answer without importing any of
@@ -24,19 +24,6 @@ BUILTIN_TASK_NAMES = (
     "tiny-t5",
 )
 DEFAULT_TASK = "digits-mlp"
-# autoprec.exports.FORMATS
-EXPORT_FORMATS = (
-    "yaml",
-    "torch-npu",
-    "cann",
-    "transformers",
-    "fp8",
-    "model",
-    "torchao",
-    "torchao-optimizer",
-    "bitsandbytes",
-    "trainer",
-)
 # autoprec.serving.quantizers.INT8_METHODS and autoprec.serving.fp8.FP8_SERVING_METHODS
 INT8_METHODS = ("dynamic", "torchao-dynamic", "torchao-weight-only")
 FP8_SERVING_METHODS = (

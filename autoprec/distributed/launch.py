@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from autoprec.space import SearchSpace
     from autoprec.trials.base import Result
 
-PARALLEL_MODES = ("ddp", "fsdp2")
 FSDP2_REDUCE_DTYPES = ("fp32", "bf16")  # searched under FSDP2 (DDP's: `ddp_reduce_dtypes`)
 # The collective backend of each kind of device.
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -107,13 +106,10 @@ def settle_parallel(
     workers: int | None,
 ) -> str | None:
     """The parallel mode of a search's launched trials (``ddp`` unless given; None for
-    trials on one device), after checking ``--nproc-per-trial`` against the other
-    settings (``mode``: the search's, by a name `mode_named` knows, launchable). Raises
-    AutoprecError with one line naming the option."""
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise AutoprecError(f"--nproc-per-trial: expected a positive integer, got {nproc!r}")
-    if parallel is not None and parallel not in PARALLEL_MODES:
-        raise AutoprecError(f"--parallel: expected {' or '.join(PARALLEL_MODES)}, got {parallel!r}")
+    trials on one device), after checking ``--nproc-per-trial`` (each checked as
+    `autoprec.settings` declares it) against the other settings (``mode``: the search's,
+    by a name `mode_named` knows, launchable). Raises AutoprecError with one line naming
+    the option."""
     if nproc == 1:
         if parallel is not None:
             raise AutoprecError(

@@ -39,13 +39,11 @@ from autoprec.exports._common import (
     write,
 )
 from autoprec.exports._owned import export_folder, record_written
+from autoprec.exports.registry import FORMATS, ExportRequest
 from autoprec.policy import Policy
 from autoprec.serving.logits_path import serving_defaults
 
-MODEL_FILE = "model.onnx"
-KEEP_FILE = "keep_dtype.cfg"
-COMMAND_FILE = "atc_command.sh"
-FILES = (MODEL_FILE, KEEP_FILE, COMMAND_FILE)
+MODEL_FILE, KEEP_FILE, COMMAND_FILE = FILES = FORMATS["cann"].files
 # The oldest opset that keeps LayerNormalization one node (one name to keep); the newer ones
 # torch defaults to add nothing these models need.
 OPSET = 17
@@ -320,3 +318,7 @@ def export_cann(
     command_path.chmod(0o755)
     warn(notes)
     return record_written(folder, [onnx_path, keep_path, command_path], FILES)
+
+
+def export(r: ExportRequest) -> list[Path]:
+    return export_cann(r.policy, r.out_dir, r.model, r.example, str(r.device))

@@ -47,14 +47,12 @@ from autoprec.exports._common import (
     write,
 )
 from autoprec.exports._owned import export_folder, record_written
-from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
+from autoprec.exports.registry import FORMATS, ExportRequest
+from autoprec.exports.yaml_file import export_yaml
 from autoprec.formats.fp8 import FP8_DIM_MULTIPLE
 from autoprec.policy import Policy
 
-TORCHTITAN_FILE = "float8_torchtitan.toml"
-TORCHAO_FILE = "float8_torchao.py"
-ACCELERATE_FILE = "float8_accelerate.py"
-FILES = (TORCHTITAN_FILE, TORCHAO_FILE, ACCELERATE_FILE, POLICY_FILE)
+TORCHTITAN_FILE, TORCHAO_FILE, ACCELERATE_FILE, _ = FILES = FORMATS["fp8"].files
 # A filter_fqns entry torchtitan reads as a switch (its size heuristic), never as a name.
 TORCHTITAN_AUTO_FILTER = "auto_filter_small_kn"
 # The dtype each tool runs the layers it does not convert in, as the policy names them.
@@ -421,3 +419,7 @@ def _accelerate(label: str, layers: tuple[str, ...], recipe: str, notes: list[st
             "",
         ]
     )
+
+
+def export(r: ExportRequest) -> list[Path]:
+    return export_fp8(r.policy, r.out_dir, r.model, str(r.device))

@@ -34,11 +34,10 @@ from autoprec.exports._common import (
     write,
 )
 from autoprec.exports._owned import export_folder, record_written
+from autoprec.exports.registry import FORMATS, ExportRequest
 from autoprec.policy import Policy
 
-LIST_FILE = "keep_in_fp32_modules.json"
-SNIPPET_FILE = "load_transformers.py"
-FILES = (LIST_FILE, SNIPPET_FILE)
+LIST_FILE, SNIPPET_FILE = FILES = FORMATS["transformers"].files
 ATTRIBUTE = "_keep_in_fp32_modules_strict"
 TORCH_DTYPES = {"fp16": "torch.float16", "bf16": "torch.bfloat16", None: "torch.float32"}
 
@@ -233,3 +232,7 @@ def _tied_across_dtypes(model: nn.Module, dtypes: dict[str, str]) -> str:
         if len({dtypes.get(layer) for layer in layers} - {None}) > 1
     ]
     return "; ".join(tied)
+
+
+def export(r: ExportRequest) -> list[Path]:
+    return export_transformers(r.policy, r.out_dir, r.model, str(r.device))

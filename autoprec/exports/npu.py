@@ -24,11 +24,11 @@ from autoprec.exports._common import (
     write,
 )
 from autoprec.exports._owned import export_folder, record_written
+from autoprec.exports.registry import FORMATS, ExportRequest
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
 from autoprec.policy import Policy
 
-SETTINGS_FILE = "npu_settings.py"
-FILES = (SETTINGS_FILE, POLICY_FILE)
+SETTINGS_FILE, _ = FILES = FORMATS["torch-npu"].files
 KEEP_ORIGIN = "must_keep_origin_dtype"
 FP32_TO_FP16 = "allow_fp32_to_fp16"
 
@@ -151,3 +151,7 @@ def export_torch_npu(
     written = [path, *export_yaml(policy, folder)]
     warn(notes)
     return record_written(folder, written, FILES)
+
+
+def export(r: ExportRequest) -> list[Path]:
+    return export_torch_npu(r.policy, r.out_dir, r.model)

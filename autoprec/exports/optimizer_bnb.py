@@ -28,12 +28,12 @@ from autoprec.exports._common import (
     policy_label,
 )
 from autoprec.exports._owned import export_folder
-from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
+from autoprec.exports.registry import FORMATS, ExportRequest
+from autoprec.exports.yaml_file import export_code_beside_policy
 from autoprec.optim.state import LIBRARY_KINDS, in_reference
 from autoprec.policy import Policy
 
-SNIPPET_FILE = "bitsandbytes_optimizer.py"
-FILES = (SNIPPET_FILE, POLICY_FILE)
+SNIPPET_FILE, _ = FILES = FORMATS["bitsandbytes"].files
 
 
 def export_bitsandbytes(
@@ -95,3 +95,7 @@ def export_bitsandbytes(
         "",
     ]
     return export_code_beside_policy(policy, folder / SNIPPET_FILE, lines, FILES, notes)
+
+
+def export(r: ExportRequest) -> list[Path]:
+    return export_bitsandbytes(r.policy, r.out_dir, r.model)

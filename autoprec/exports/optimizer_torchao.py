@@ -30,12 +30,12 @@ from autoprec.exports._common import (
     policy_label,
 )
 from autoprec.exports._owned import export_folder
-from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
+from autoprec.exports.registry import FORMATS, ExportRequest
+from autoprec.exports.yaml_file import export_code_beside_policy
 from autoprec.optim.state import in_reference
 from autoprec.policy import Policy
 
-CONFIG_FILE = "torchao_optimizer.py"
-FILES = (CONFIG_FILE, POLICY_FILE)
+CONFIG_FILE, _ = FILES = FORMATS["torchao-optimizer"].files
 # Each state kind torchao has a public optimizer class for (AdamW's variant).
 CLASSES = {
     "fp32": "torch.optim.AdamW",
@@ -120,3 +120,7 @@ def export_torchao_optimizer(
         "",
     ]
     return export_code_beside_policy(policy, folder / CONFIG_FILE, lines, FILES, notes)
+
+
+def export(r: ExportRequest) -> list[Path]:
+    return export_torchao_optimizer(r.policy, r.out_dir, r.model)

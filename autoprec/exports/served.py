@@ -52,16 +52,13 @@ from autoprec.exports._common import (
     write,
 )
 from autoprec.exports._owned import export_folder, record_written
+from autoprec.exports.registry import FORMATS, ExportRequest
 from autoprec.exports.yaml_file import POLICY_FILE, export_yaml
 from autoprec.policy import Policy
 from autoprec.serving.conversion import has_torch_dynamic_int8
 from autoprec.serving.logits_path import LogitsPath
 
-PROGRAM_FILE = "program.pt2"
-WEIGHTS_FILE = "fp32.pt"
-SERVED_FILE = "served.pt"
-SNIPPET_FILE = "load_model.py"
-FILES = (PROGRAM_FILE, WEIGHTS_FILE, SERVED_FILE, POLICY_FILE, SNIPPET_FILE)
+PROGRAM_FILE, WEIGHTS_FILE, SERVED_FILE, _, SNIPPET_FILE = FILES = FORMATS["model"].files
 MAX_DEVIATION = 1e-3  # the program against the converted model, relative to its outputs' scale
 
 
@@ -283,3 +280,7 @@ def snippet(
         "",
     ]
     return "\n".join(lines)
+
+
+def export(r: ExportRequest) -> list[Path]:
+    return export_model(r.policy, r.out_dir, r.model, r.example, str(r.device), r.int8, r.task)

@@ -37,13 +37,13 @@ from autoprec.exports._common import (
     require,
 )
 from autoprec.exports._owned import export_folder
-from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
+from autoprec.exports.registry import FORMATS, ExportRequest
+from autoprec.exports.yaml_file import export_code_beside_policy
 from autoprec.policy import Policy
 from autoprec.serving.fp8 import default_fp8_method
 from autoprec.serving.quantizers import INT8_METHODS, QUANTIZERS, Quantizer, default_int8_method
 
-CONFIG_FILE = "torchao_config.py"
-FILES = (CONFIG_FILE, POLICY_FILE)
+CONFIG_FILE, _ = FILES = FORMATS["torchao"].files
 
 
 def export_torchao(
@@ -171,3 +171,7 @@ def _notes(
             "outputs differ slightly from the trial's"
         )
     return notes
+
+
+def export(r: ExportRequest) -> list[Path]:
+    return export_torchao(r.policy, r.out_dir, r.model, r.int8, str(r.device))

@@ -35,12 +35,12 @@ from autoprec.exports._common import (
     require,
 )
 from autoprec.exports._owned import export_folder
+from autoprec.exports.registry import FORMATS, ExportRequest
 from autoprec.exports.yaml_file import POLICY_FILE, export_code_beside_policy
 from autoprec.optim.state import TrainingState, in_reference
 from autoprec.policy import Policy
 
-SNIPPET_FILE = "trainer_optimizer.py"
-FILES = (SNIPPET_FILE, POLICY_FILE)
+SNIPPET_FILE, _ = FILES = FORMATS["trainer"].files
 # The Trainer's optim string for a policy whose every parameter keeps one state, by library.
 _UNIFORM = {("torchao", "fp32"): "adamw_torch", ("torchao", "8bit"): "adamw_torch_8bit"}
 
@@ -124,3 +124,7 @@ def export_trainer(
         "",
     ]
     return export_code_beside_policy(policy, folder / SNIPPET_FILE, lines, FILES)
+
+
+def export(r: ExportRequest) -> list[Path]:
+    return export_trainer(r.policy, r.out_dir, r.model)

@@ -7,9 +7,10 @@ from pathlib import Path
 
 from autoprec.exports._common import warn, write
 from autoprec.exports._owned import export_folder, record_written
+from autoprec.exports.registry import FORMATS, ExportRequest
 from autoprec.policy import Policy
 
-POLICY_FILE = "policy.yaml"
+(POLICY_FILE,) = FORMATS["yaml"].files
 
 
 def export_yaml(policy: Policy, out_dir: str | Path) -> list[Path]:
@@ -31,3 +32,7 @@ def export_code_beside_policy(
     written = write(path, "\n".join(lines))
     warn(list(notes))
     return record_written(path.parent, [written, *export_yaml(policy, path.parent)], list(files))
+
+
+def export(r: ExportRequest) -> list[Path]:
+    return export_yaml(r.policy, r.out_dir)

@@ -9,8 +9,6 @@ space (the study's default name, the space's tolerance) is settled by the sessio
 from __future__ import annotations
 
 import inspect
-import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, fields, replace
 from pathlib import Path
@@ -20,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 # bisection, `autoprec.profile.guided`, then TPE; a trial silent for 3 heartbeat intervals fails).
 from autoprec._util.names import DEFAULT_STORAGE as DEFAULT_STORAGE
 from autoprec._util.names import HEARTBEAT_INTERVAL_S as HEARTBEAT_INTERVAL_S
-from autoprec._util.names import SAMPLERS
+from autoprec._util.names import SAMPLERS as SAMPLERS
 from autoprec.devices import check_emulate
-from autoprec.errors import AutoprecError, StoreError, redact
+from autoprec.errors import AutoprecError, redact
 from autoprec.settings import (
+    SECTIONS,
     Budget,
     Choice,
     Compiled,
@@ -31,18 +30,16 @@ from autoprec.settings import (
     Launch,
     LongerThanATrial,
     Where,
+    check_values,
+    declared,
     options,
 )
-from autoprec.tracking import check_tracking_uri
+from autoprec.settings import check_study_name as check_study_name
 from autoprec.trials import MODES, Mode, canonical, mode_named
-from autoprec.trials.schedule import MAX_TRAIN_STEPS, TRIAL_SCHEDULES
+from autoprec.trials.schedule import MAX_TRAIN_STEPS
 
 if TYPE_CHECKING:
     from autoprec.trials.serving import ServingConfig
-
-DEFAULT_RUNS_DIR = Path(Where().runs_dir)
-# Matched whole (fullmatch): a pattern ending in "$" would pass a name ending in "\n".
-STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 # The sections last to first: a dataclass takes its bases' fields in reverse order.
@@ -84,37 +81,9 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
         given = zip(FLAT_KEYWORDS, flat, strict=True)
         self._nest_own({name: value for name, value in given if value is not None})
         object.__setattr__(self, "emulate", tuple(sorted(check_emulate(self.emulate))))
-        _check_positive(self.trials, "--trials", "a positive integer")
-        if _not_int(self.steps) or self.steps < 3:
-            raise AutoprecError(f"steps: must be an integer of at least 3, got {self.steps!r}")
-        if _not_int(self.seed):
-            raise AutoprecError(f"--seed: expected an integer, got {self.seed!r}")
-        if self.workers is not None:
-            _check_positive(self.workers, "--workers", "a positive integer")
-        if _not_int(self.confirm_top) or self.confirm_top < 0:
-            raise AutoprecError(
-                f"--confirm-top: expected an integer >= 0, got {self.confirm_top!r}"
-            )
-        timeout = self.trial_timeout_s
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0
-        ):
-            raise AutoprecError(
-                f"--trial-timeout: expected seconds >= 0 (0: no limit), got {timeout!r}"
-            )
-        if _not_int(self.heartbeat_s) or self.heartbeat_s < 1:
-            raise AutoprecError(
-                f"--heartbeat: expected whole seconds >= 1, got {self.heartbeat_s!r}"
-            )
-        mode = self._check_mode()
-        if not isinstance(self.compile, bool):
-            raise AutoprecError(f"--compile: expected True or False, got {self.compile!r}")
-        if self.compile and not mode.trains:
-            raise AutoprecError(
-                f"--compile: only with --mode {_training_modes()} ({mode.name} is not compiled)"
-            )
-        self._check_long_runs(mode)
-        _check_forecast(self.train_steps, self.forecast, self.steps)
+        self._check_mode()
+        check_values(self)  # each setting as declared (`autoprec.settings`); then together:
+        _check_lengths(self.steps, self.confirm_steps, self.train_steps)
         from autoprec.distributed.launch import settle_parallel
 
         parallel = settle_parallel(
@@ -122,16 +91,6 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
         )
         object.__setattr__(self, "parallel", parallel)
         self._check_launched()
-        if self.sampler not in SAMPLERS:
-            raise AutoprecError(
-                f"--sampler: expected one of {', '.join(SAMPLERS)}, got {self.sampler!r}"
-            )
-        if self.accuracy_tolerance is not None:
-            check_tolerance(self.accuracy_tolerance)
-        if self.study is not None:
-            check_study_name(self.study)
-        check_storage_url(self.storage)
-        check_tracking_uri(self.tracking_uri)
 
     def _nest_own(self, flat: dict[str, Any]) -> None:
         """Each mode's own settings object made of its flat keywords, on top of the one
@@ -156,7 +115,11 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
             object.__setattr__(self, chosen.settings, chosen.config_class()())
         object.__setattr__(self, "mode", mode)
 
-    def _check_mode(self) -> Mode:
+    def _check_mode(self) -> None:
+        """The mode, with the preference and each section's settings checked against it:
+        a setting of a section that does not apply to it (`Section.applies_to`), set away
+        from its default, is refused naming the modes it is for (a mode's own settings
+        object given: by its first option set)."""
         mode = mode_named(self.mode)
         allowed = mode.preferences
         if self.prefer is not None and self.prefer not in (*allowed, "speed"):
@@ -164,43 +127,15 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
                 f"--prefer: expected one of {', '.join(allowed)} for {self.mode}, "
                 f"got {self.prefer!r}"
             )
-        for key, owner in _own_settings().items():
-            own = getattr(self, key)
-            if own is not None and key != mode.settings:  # named by its first option set
-                flags = [
-                    o.flag
-                    for o in options()
-                    if o.section == key and getattr(own, o.name) != o.default
-                ]
-                raise AutoprecError(f"{(flags or ['--mode'])[0]}: only with --mode {owner.name}")
-        return mode
-
-    def _check_long_runs(self, mode: Mode) -> None:
-        confirm = self.confirm_steps
-        if confirm is not None and (_not_int(confirm) or confirm < self.steps):
-            raise AutoprecError(
-                f"--confirm-steps: expected an integer of at least --steps ({self.steps}), "
-                f"got {confirm!r}"
-            )
-        if not isinstance(self.guard, bool):
-            raise AutoprecError(f"--guard: expected True or False, got {self.guard!r}")
-        training_only = {
-            "--confirm-steps": confirm is not None,
-            "--trial-schedule": self.trial_schedule != "as-is",
-            "--train-steps": self.train_steps is not None,
-            "--forecast": self.forecast != "infeasible",
-            "--guard": self.guard,
-        }
-        for option, given in training_only.items():
-            if given and not mode.trains:
-                raise AutoprecError(
-                    f"{option}: only with --mode {_training_modes()} (trials that train)"
-                )
-        if self.trial_schedule not in TRIAL_SCHEDULES:
-            raise AutoprecError(
-                f"--trial-schedule: expected {' or '.join(TRIAL_SCHEDULES)}, "
-                f"got {self.trial_schedule!r}"
-            )
+        for section in SECTIONS:
+            holder = getattr(self, section.key) if section.own else self
+            if section.applies_to(mode) or holder is None:
+                continue
+            given = [o.flag for o in options(section) if getattr(holder, o.name) != o.default]
+            if given or section.own:
+                modes = " or ".join(m.name for m in MODES.values() if section.applies_to(m))
+                why = " (trials that train)" if section.training else ""
+                raise AutoprecError(f"{(given or ['--mode'])[0]}: only with --mode {modes}{why}")
 
     def _check_launched(self) -> None:
         """What a trial launched as several ranks does not do yet: refused in one line,
@@ -279,20 +214,14 @@ class SearchConfig(Launch, LongerThanATrial, Compiled, Faults, Choice, Where, Bu
         return cls(**{**{name: getattr(base, name) for name in known}, **settings})
 
 
-def _not_int(value: Any) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int)
-
-
-def _check_positive(value: Any, option: str, expected: str) -> None:
-    if _not_int(value) or value < 1:
-        raise AutoprecError(f"{option}: expected {expected}, got {value!r}")
-
-
-FORECAST_MODES = ("infeasible", "warn")
-
-
-def _check_forecast(train_steps: Any, mode: Any, steps: int) -> None:
-    if train_steps is not None and (_not_int(train_steps) or train_steps < steps):
+def _check_lengths(steps: int, confirm_steps: int | None, train_steps: int | None) -> None:
+    """The long confirmation and the forecast's horizon: at least the trials' steps."""
+    if confirm_steps is not None and confirm_steps < steps:
+        raise AutoprecError(
+            f"--confirm-steps: expected an integer of at least --steps ({steps}), "
+            f"got {confirm_steps!r}"
+        )
+    if train_steps is not None and train_steps < steps:
         raise AutoprecError(
             f"--train-steps: expected an integer of at least --steps ({steps}), got {train_steps!r}"
         )
@@ -301,8 +230,6 @@ def _check_forecast(train_steps: Any, mode: Any, steps: int) -> None:
             f"--train-steps {train_steps}: at most {MAX_TRAIN_STEPS} (the schedule is learnt "
             "by stepping the task's scheduler that far)"
         )
-    if mode not in FORECAST_MODES:
-        raise AutoprecError(f"--forecast: expected infeasible or warn, got {mode!r}")
 
 
 def _own_settings() -> dict[str, Mode]:
@@ -316,11 +243,6 @@ def _flat_keywords(key: str) -> list[str]:
     return [o.name for o in options() if o.section == key]
 
 
-def _training_modes() -> str:
-    """The modes whose trials train, as ``--mode`` names them: ``training``."""
-    return " or ".join(mode.name for mode in MODES.values() if mode.trains)
-
-
 # The keywords SearchConfig takes that are no field of it: the flat ones, in the order
 # __post_init__ gets them.
 _FIELDS = {f.name for f in fields(SearchConfig)}
@@ -331,35 +253,6 @@ for _name in FLAT_KEYWORDS:
 
 
 def check_tolerance(tolerance: Any) -> float:
-    if (
-        isinstance(tolerance, bool)
-        or not isinstance(tolerance, int | float)
-        or not math.isfinite(tolerance)
-        or tolerance < 0
-    ):
-        raise AutoprecError(f"--accuracy-tolerance: expected a number >= 0, got {tolerance!r}")
-    return float(tolerance)
-
-
-def check_study_name(name: str) -> str:
-    if not isinstance(name, str) or not STUDY_NAME.fullmatch(name):
-        raise AutoprecError(
-            f"--study {name!r}: use letters, digits, '.', '-' and '_' (at most 100)"
-        )
-    return name
-
-
-def check_storage_url(url: str) -> None:
-    """Refuse an Optuna storage URL that is not a database URL, before anything is
-    written."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        parsed = make_url(url)
-    except (ArgumentError, ValueError):  # no URL; a port that is no number
-        raise StoreError(
-            f"--storage {redact(str(url))!r}: not a database URL (e.g. sqlite:///runs/optuna.db)"
-        ) from None
-    if parsed.get_backend_name() not in ("sqlite", "postgresql", "mysql"):
-        raise StoreError(f"--storage {redact(url)!r}: expected a sqlite, postgresql or mysql URL")
+    """An accuracy tolerance (the option's, or a space file's), as ``--accuracy-tolerance``
+    declares it."""
+    return float(declared("accuracy_tolerance").checked(tolerance))

@@ -38,7 +38,6 @@ from autoprec.serving.conversion import (
     int8_unavailable_reason,
 )
 from autoprec.serving.fp8 import (
-    FP8_SERVING_METHODS,
     default_fp8_method,
     search_refusal,
 )
@@ -53,9 +52,8 @@ from autoprec.serving.measure import (
     measure_serving,
     timing_batch,
 )
-from autoprec.serving.quantizers import INT8_METHODS
 from autoprec.serving.scenarios import AS_SELECTION, Scenario, scenario
-from autoprec.settings import ServingSettings
+from autoprec.settings import SERVING, ServingSettings, check_values, options, parse_batch_sizes
 from autoprec.tasks import Task
 from autoprec.tasks.base import Batch, refuse_nan_outputs
 from autoprec.trials.base import (
@@ -75,76 +73,24 @@ if TYPE_CHECKING:
 
 FP32_CHECKPOINT = "fp32.pt"
 MLFLOW_MODEL_DIR = "mlflow_model"  # runs/<study>/, and the parent run's artifact "model"
-MAX_BATCH_SIZE = 65536  # a served batch; the validation samples are repeated to fill it
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServingConfig(ServingSettings):
-    """A serving search's settings, as given (``SearchConfig.serving``), declared in
-    `autoprec.settings.ServingSettings`: the ``scenario`` (server, edge, critical, batch:
-    the batch size, preference and tolerance it presets; default server), ``batch_size``
-    and ``batch_sizes`` (``"1,8,64"``: measured too) overriding it, the fp32 weights from
-    ``checkpoint`` (else the task's, else trained once for the search's ``steps`` and kept
-    as runs/<study>/fp32.pt), and ``int8`` (``auto``: where the device has kernels;
-    ``off``; or a method of `autoprec.serving.INT8_METHODS`), and ``fp8`` likewise
-    (``auto``: where the device serves fp8, on the CPU only with ``--emulate fp8``;
-    ``off``; or a method of `autoprec.serving.fp8.FP8_SERVING_METHODS`). Checked when
-    made."""
+    """A serving search's settings, as given (``SearchConfig.serving``): the scenario, the
+    batch sizes, the fp32 checkpoint and the int8 and fp8 methods, each declared (and
+    checked when made) in `autoprec.settings.ServingSettings`."""
 
     def __post_init__(self) -> None:
-        if self.scenario is not None:
-            scenario(self.scenario)
-        if self.batch_size is not None:
-            if (
-                isinstance(self.batch_size, bool)
-                or not isinstance(self.batch_size, int)
-                or self.batch_size < 1
-            ):
-                raise AutoprecError(
-                    f"--batch-size: expected a positive integer, got {self.batch_size!r}"
-                )
-            if self.batch_size > MAX_BATCH_SIZE:
-                raise AutoprecError(f"--batch-size {self.batch_size}: at most {MAX_BATCH_SIZE}")
-        if self.batch_sizes is not None:
-            parse_batch_sizes(self.batch_sizes)
-        if self.int8 not in ("auto", "off", *INT8_METHODS):
-            raise AutoprecError(
-                f"--int8: expected auto, off or one of {', '.join(INT8_METHODS)}, got {self.int8!r}"
-            )
-        if self.fp8 not in ("auto", "off", *FP8_SERVING_METHODS):
-            raise AutoprecError(
-                f"--fp8: expected auto, off or one of {', '.join(FP8_SERVING_METHODS)}, "
-                f"got {self.fp8!r}"
-            )
+        check_values(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for a worker's settings, and the settings shown)."""
-        return {
-            "scenario": self.scenario,
-            "batch_size": self.batch_size,
-            "batch_sizes": None
-            if self.batch_sizes is None
-            else parse_batch_sizes(self.batch_sizes),
-            "checkpoint": None if self.checkpoint is None else str(self.checkpoint),
-            "int8": self.int8,
-            "fp8": self.fp8,
-        }
-
-
-def parse_batch_sizes(value: str | Sequence[int]) -> list[int]:
-    """``"1,8,64"`` (or a list) as batch sizes, each a positive integer, no repeats."""
-    items = value.split(",") if isinstance(value, str) else list(value)
-    try:
-        sizes = [int(str(item).strip()) for item in items]
-    except ValueError:
-        sizes = []
-    if not sizes or any(size < 1 for size in sizes) or len(set(sizes)) != len(sizes):
-        raise AutoprecError(
-            f"--batch-sizes {value!r}: expected distinct positive integers, e.g. 1,8,64"
-        )
-    if max(sizes) > MAX_BATCH_SIZE:
-        raise AutoprecError(f"--batch-sizes {value!r}: at most {MAX_BATCH_SIZE} per batch")
-    return sizes
+        values = {o.name: getattr(self, o.name) for o in options(SERVING)}
+        sizes, checkpoint = self.batch_sizes, self.checkpoint
+        values["batch_sizes"] = None if sizes is None else parse_batch_sizes(sizes)
+        values["checkpoint"] = None if checkpoint is None else str(checkpoint)
+        return values
 
 
 @dataclass(frozen=True)
