@@ -1068,6 +1068,7 @@ class TrainingTrials:
         compiled: bool = False,
         forecast_warns: bool = False,
         schedule: dict[str, Any] | None = None,
+        confirm_steps: int | None = None,
     ) -> None:
         self.task, self.model, self.backend, self.budget = task, model, backend, budget
         self.asked = (accuracy_tolerance, prefer, study)
@@ -1076,6 +1077,7 @@ class TrainingTrials:
         self.forecast_warns = forecast_warns
         # The trials' schedule and the real run's length (`trial_schedule_settings`).
         self.schedule = dict(schedule or {})
+        self.confirm_steps = confirm_steps  # the long confirmation (`autoprec.study.confirm`)
 
     @classmethod
     def of(
@@ -1094,7 +1096,8 @@ class TrainingTrials:
             compiled=bool(getattr(config, "compile", False) or task.compile)
             and getattr(config, "nproc_per_trial", 1) == 1,
             forecast_warns=config.forecast == "warn",
-            schedule=trial_schedule_settings(config, task),
+            schedule=trial_schedule_settings(config),
+            confirm_steps=config.confirm_steps,
         )
 
     @property
@@ -1102,9 +1105,11 @@ class TrainingTrials:
         """What changes what a training trial measures or how it is judged: compiled
         trials' figures are not eager ones', a compressed schedule is not the real one,
         the forecast reaches to the real run's length, and under the guard no trial is
-        trained longer (None: unguarded, as studies made before the guard are)."""
+        trained longer (None: unguarded, as studies made before the guard are); the long
+        confirmation can change the choice."""
         return {
             "compile": self.compiled,
+            "confirm_steps": self.confirm_steps,
             **self.schedule,
             "forecast": "warn" if self.forecast_warns else "infeasible",
             "guard": True if self.budget.guarded else None,
@@ -1173,6 +1178,7 @@ class TrainingTrials:
             compiled=self.compiled,
             forecast_warns=self.forecast_warns,
             schedule=self.schedule,
+            confirm_steps=self.confirm_steps,
         )
 
     def measure(self, policy: Policy) -> TrialResult:
