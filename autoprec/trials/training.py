@@ -16,7 +16,7 @@ import io
 import math
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -169,6 +169,7 @@ class TrialResult(Measured):
     optimizer_state_mb: float | None = None
     state_health: list[dict[str, Any]] = field(default_factory=list)
     state_loss: list[dict[str, Any]] = field(default_factory=list)
+    retries: Sequence[str] = ()  # `Measured.retries`
 
     METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
