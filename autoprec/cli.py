@@ -466,10 +466,13 @@ def _read_summary(runs_dir: str, study: str) -> Summary:
 
 def _report(args: argparse.Namespace) -> int:
     from autoprec.report import render_report
+    from autoprec.report.text import retry_lines
     from autoprec.tracking import Tracker
 
     summary = _read_summary(args.runs_dir, args.study)
     files = render_report(summary, Path(args.runs_dir) / args.study, Path(args.runs_dir))
+    for line in retry_lines(summary):  # the report's table says so too
+        print(line)
     # The summary holds the URI with its password redacted: without one, MLflow takes
     # MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD from the environment.
     uri = args.tracking_uri or without_password(summary.settings.tracking_uri)

@@ -349,29 +349,34 @@ class Choice:
         "largest accepted accuracy drop from fp32, absolute (0.01 = 1 point); default: the "
         "space file's",
         at_least=0,
+        study="accuracy_tolerance",
     )
     prefer: str | None = option(
         None,
         "how the best feasible policy is chosen (default: speed in training, the scenario's "
         "in serving; latency and throughput are for serving)",
         choices=tuple(dict.fromkeys(p for m in MODES.values() for p in ("speed", *m.preferences))),
+        study="prefer",
     )
     sampler: str = option(
         "guided",
         "guided: profile the model, try the most promising policies and bisect for the "
         "layers that must stay fp32, then TPE; or an Optuna sampler alone",
         choices=SAMPLERS,
+        study="sampler",
     )
     confirm_top: int = option(
         3,
         "re-time this many of the fastest feasible policies side by side with the fp32 "
         "baseline before choosing (0: off; skipped with --prefer memory)",
         at_least=0,
+        study="confirm_top",
     )
     early_stopping: bool = option(
         True,
         "train every trial to the end, even when its loss trails the fp32 baseline's or its "
         "loss scaler keeps skipping steps",
+        study="early_stopping",
     )
 
 
@@ -434,6 +439,7 @@ class LongerThanATrial:
         "it does not hold there (non-finite loss, accuracy past the tolerance), confirm the "
         "next candidate, and so on (default: no confirmation)",
         metavar="K",
+        study="confirm_steps",
     )
     trial_schedule: str = option(
         "as-is",
@@ -629,8 +635,9 @@ def _expected(found: Option, python: bool = False) -> str:
 
 
 def study_keys(mode: str) -> list[str]:
-    """The keys of a study's fingerprint in ``mode``: every setting that changes what a
-    trial measures, of the sections that apply to it (`Section.applies_to`)."""
+    """The keys of a study's fingerprint in ``mode``: every setting that changes a record
+    of the study (what a trial measures, what is chosen), of the sections that apply to it
+    (`Section.applies_to`)."""
     keys: dict[str, None] = {}
     for section in SECTIONS:
         if section.applies_to(mode_named(mode)):

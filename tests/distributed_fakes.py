@@ -97,12 +97,13 @@ if __name__ == "__main__":
 # -- a real task whose rank 1 dies in one launch, for the search's tests ------------------
 
 KILL_DIR_ENV = "AUTOPREC_TEST_KILL_DIR"  # where rank 1 counts its launches
-KILL_AT_ENV = "AUTOPREC_TEST_KILL_AT"  # the launch (1: the baseline's) whose rank 1 dies
+KILL_AT_ENV = "AUTOPREC_TEST_KILL_AT"  # the launches (1: the baseline's) whose rank 1 dies
 
 
 def killed_blocks() -> object:
     """tests/distributed_tasks.py's ``blocks``, whose rank 1 kills itself (SIGKILL) after
-    two batches of the ``$AUTOPREC_TEST_KILL_AT``-th launch: a rank that dies mid-trial.
+    two batches of the launches ``$AUTOPREC_TEST_KILL_AT`` names (``2`` or ``2,3``; counted
+    in ``$AUTOPREC_TEST_KILL_DIR``, one file a launch): a rank that dies mid-trial.
     Loaded as ``tests.distributed_fakes:killed_blocks`` by the search and the ranks."""
     import dataclasses
     import importlib.util
@@ -122,7 +123,8 @@ def killed_blocks() -> object:
         launches = Path(os.environ[KILL_DIR_ENV])
         launches.mkdir(parents=True, exist_ok=True)
         (launches / str(os.getpid())).touch()
-        doomed = len(list(launches.iterdir())) == int(os.environ.get(KILL_AT_ENV, "2"))
+        doomed_at = {int(n) for n in os.environ.get(KILL_AT_ENV, "2").split(",")}
+        doomed = len(list(launches.iterdir())) in doomed_at
         for drawn, batch in enumerate(inner(seed)):
             if doomed and drawn == 2:
                 os.kill(os.getpid(), signal.SIGKILL)

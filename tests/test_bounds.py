@@ -74,12 +74,14 @@ def test_train_steps_past_the_bound_are_refused():
         autoprec.SearchConfig(train_steps=MAX_TRAIN_STEPS + 1)
 
 
-def test_a_compressed_schedule_for_a_task_without_one_is_said_and_recorded_as_is():
+def test_a_compressed_schedule_for_a_task_without_one_is_said_and_recorded_as_asked():
+    """Its trials train as-is, but the study records what was asked: a continuation that
+    asks otherwise is refused (tests/test_study_settings.py)."""
     task = make_tiny_task()
     config = autoprec.SearchConfig(steps=10, trial_schedule="compressed")
     warning = schedule_warning(task, task.model(), config)
     assert warning is not None and "has no learning-rate scheduler to compress" in warning
-    assert trial_schedule_settings(config, task)["trial_schedule"] == "as-is"
+    assert trial_schedule_settings(config)["trial_schedule"] == "compressed"
 
 
 def test_fp8_is_a_flat_serving_keyword_as_int8_is():

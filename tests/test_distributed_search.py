@@ -10,6 +10,7 @@ with the real rank program (`autoprec.distributed.rank`), at 2 ranks on the CPU.
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import math
 import os
@@ -31,7 +32,7 @@ from autoprec.distributed.launch import (
     failure_of,
     group_env,
     launch,
-    launch_set_up,
+    launch_with_retry,
     local_group,
     settle_parallel,
     usable_cores,
@@ -165,9 +166,7 @@ Root Cause (first observed failure):
   traceback : Signal 9 (SIGKILL) received by PID 24029
 ============================================================
 """
-    assert failure_of(killed) == (
-        "rank 1 exited with code -9 (SIGKILL): Signal 9 (SIGKILL) received by PID 24029"
-    )
+    assert failure_of(killed) == "rank 1 was killed by SIGKILL"
     # A rank raised; the other's collective lost its peer and torchrun's clock, a few ms
     # off, names that one the root cause (seen on a loaded machine).
     raced = """Failures:
@@ -217,7 +216,8 @@ def test_a_killed_rank_fails_the_launch_and_the_next_launch_runs(tmp_path):
     dead = launch({"fake": "die"}, 2, tmp_path / "die", limit_s, module=FAKES)
     assert dead.exit_code not in (0, None)
     reason = dead.reason(limit_s, 2)
-    assert reason.startswith("rank 1 exited with code -9 (SIGKILL)"), reason
+    assert reason.startswith("rank 1 was killed by SIGKILL (log: "), reason
+    assert dead.lost_rank(2) == "rank 1 was killed by SIGKILL"  # it is launched again
     assert dead.elapsed_s < limit_s / 2  # the agent noticed: the limit never came into it
     assert not any(_running(pid) for pid in _pids(tmp_path / "die"))
     started = time.monotonic()
@@ -234,6 +234,7 @@ def test_a_crashing_rank_names_its_error(tmp_path):
     assert crashed.reason(120.0, 2).startswith(
         "rank 1 exited with code 1: RuntimeError: rank 1 crashed on purpose"
     )
+    assert crashed.retried_because(2) is None  # it raised: it would raise again
 
 
 @pytest.mark.slow
@@ -261,8 +262,10 @@ def test_a_launch_that_fails_setting_up_is_launched_again_once(tmp_path):
         module=FAKES,
         env={ABORT_DIR_ENV: str(aborts)},  # rank 1 of the first launch aborts at its start
     )
-    outcome, retries = launch_set_up({"fake": "ok"}, plan)
-    assert retries == 1 and outcome.exit_code == 0, outcome.reason(120.0, 2)
+    outcome, retries = launch_with_retry({"fake": "ok"}, plan)
+    assert outcome.exit_code == 0, outcome.reason(120.0, 2)
+    (retry,) = retries  # why, naming the first launch's log
+    assert retry.startswith("rank 1 was killed by SIGABRT, before every rank was ready"), retry
     assert json.loads(outcome.result_path.read_text())["step_time_ms"] == 3.0  # both ranks
     first, second = sorted(plan.folder.iterdir(), key=lambda f: int(f.name.split("-")[1]))
     assert not (first / "ready-1").exists() and (second / "ready-1").exists()
@@ -366,28 +369,59 @@ def test_a_search_at_two_ranks_finishes(parallel, tmp_path):
         assert record["reduce_dtype"] == trial.params.get(param, "fp32")
 
 
-@pytest.mark.slow
-def test_a_rank_killed_mid_trial_fails_that_trial_and_the_search_goes_on(tmp_path):
+@pytest.mark.slow  # five launches of two ranks
+def test_a_rank_killed_mid_trial_is_launched_again_once_and_every_record_says_so(
+    tmp_path, monkeypatch, capsys
+):
+    """Rank 1 kills itself (SIGKILL) two batches into launches 2 and 3 (the first trial's,
+    and its retry) and 4 (the second trial's first): the first trial fails, its reason
+    naming the rank and the signal; the second is launched again and completes. Both
+    retries are on the trials' results, in summary.json, on their MLflow child runs, in
+    the search's table and in the report."""
     timeout_s = 400
-    _search(
+    printed = _search(
         tmp_path,
-        *("--task", "tests.distributed_fakes:killed_blocks", "--trials", "3", "--steps", "6"),
+        *("--task", "tests.distributed_fakes:killed_blocks", "--trials", "2", "--steps", "6"),
         *("--device", "cpu", "--nproc-per-trial", "2", "--confirm-top", "0"),
         *("--trial-timeout", str(timeout_s)),
-        env={KILL_DIR_ENV: str(tmp_path / "launches"), KILL_AT_ENV: "2"},  # the first trial
+        env={KILL_DIR_ENV: str(tmp_path / "launches"), KILL_AT_ENV: "2,3,4"},
     )
-    trials = _trials(tmp_path, "killed-blocks")
-    assert len(trials) == 3
+    killed = "launched again after rank 1 was killed by SIGKILL (log: "
+    trials = [t for t in _trials(tmp_path, "killed-blocks") if t.state.is_finished()]
     results = [t.user_attrs["autoprec"]["result"] for t in trials]
-    killed = results[0]  # launch 2: the first trial after the baseline's
-    assert killed["state"] == "failed", [r["reason"] for r in results]
-    assert killed["reason"].startswith("rank 1 exited with code -9 (SIGKILL)"), killed
-    assert killed["run_time_s"] < timeout_s  # ended by the agent, not by the limit
-    # The next trials ran. (Once, under heavy load, a later launch's rank aborted at its
-    # start in gloo, "terminate called without an active exception", and that trial
-    # failed too, as it should: so the others are only required to have run.)
-    later = [t for t in trials[1:] if t.datetime_start >= trials[0].datetime_complete]
-    assert len(later) == 2 and results[-1]["state"] == "complete", [r["reason"] for r in results]
+    assert [r["state"] for r in results] == ["failed", "complete"], [r["reason"] for r in results]
+    failed, retried = results
+    assert failed["reason"].startswith("rank 1 was killed by SIGKILL"), failed
+    assert failed["run_time_s"] < timeout_s  # ended by the agent, not by the limit
+    for result in results:
+        (retry,) = result["retries"]
+        assert retry.startswith("rank 1 was killed by SIGKILL (log: "), retry
+        log = tmp_path / retry.rpartition("(log: ")[2].rstrip(")")
+        assert "SIGKILL" in log.read_text()  # the first launch keeps its log
+    assert retried["retries"] != failed["retries"]  # each its own launch
+    assert retried["telemetry"]["distributed"]["nproc"] == 2  # the second launch's ranks
+
+    summary = json.loads((tmp_path / "runs/killed-blocks/summary.json").read_text())
+    assert "retries" not in summary["baseline"]  # it ran once
+    assert [e["retries"] for e in summary["trials"]] == [r["retries"] for r in results]
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/runs/mlflow.db")
+    runs = mlflow.search_runs(experiment_names=["killed-blocks"])
+    tags = {t: r for t, r in zip(runs["tags.trial_number"], runs["tags.retries"], strict=True)}
+    assert tags["0"] == failed["retries"][0] and tags["1"] == retried["retries"][0]
+    baseline = runs[runs["tags.autoprec.role"] == "baseline"]
+    assert baseline["tags.retries"].isna().all()
+
+    assert printed.count(killed) == 2, printed  # the search's table: a line a trial
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "--study", "killed-blocks"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("trial ") and killed in line for line in lines) == 2, lines
+    page = (tmp_path / "runs/killed-blocks/report.html").read_text()
+    for result in results:  # in the trials' table
+        assert html.escape(f"launched again after {result['retries'][0]}") in page
 
 
 @pytest.mark.slow

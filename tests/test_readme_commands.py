@@ -79,8 +79,8 @@ HANDLED: dict[str, Handling] = {
     "autoprec compare --study digits-mlp --study digits-cnn": Handling(),
     "autoprec ui": Handling(serves=True),
     "autoprec search --task digits-overflow --trials 20 --steps 60 --prefer memory": SEARCH,
-    "autoprec search --task my_task.py:make_task --trials 30 --steps 100 --confirm-steps 500 "
-    "--trial-schedule compressed": SEARCH,
+    "autoprec search --task my_task.py:make_task --study my-task-long --trials 30 --steps 100 "
+    "--confirm-steps 500 --trial-schedule compressed": SEARCH,
     "autoprec profile --task digits-overflow": Handling(),
     "autoprec profile --task fp8-outliers --emulate fp8": Handling(trains_fp8=True),
     "autoprec search --task late-overflow --train-steps 2000": SEARCH,

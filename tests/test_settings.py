@@ -196,6 +196,19 @@ FINGERPRINT_BEFORE = {
 }
 
 
+# ... and what it holds since the settings that choose the best were found to change the
+# study's records (best_policy.yaml, summary.json): a study fingerprinted before them is
+# checked on them as its summary.json says (tests/test_study_settings.py).
+FINGERPRINT_CHOICE = {
+    "accuracy_tolerance": 0.01,
+    "prefer": "speed",
+    "sampler": "random",
+    "confirm_top": 0,
+    "early_stopping": True,
+    "confirm_steps": None,
+}
+
+
 def test_the_fingerprint_comes_from_the_declaration_and_is_unchanged(tmp_path, monkeypatch):
     from autoprec.study import SearchConfig, search
 
@@ -204,7 +217,10 @@ def test_the_fingerprint_comes_from_the_declaration_and_is_unchanged(tmp_path, m
     search("digits-mlp", None, config)
     study = optuna.load_study(study_name="digits-mlp", storage="sqlite:///runs/optuna.db")
     recorded = study.user_attrs["autoprec.fingerprint"]
-    assert list(recorded) == list(FINGERPRINT_BEFORE) and recorded == FINGERPRINT_BEFORE
+    before = [k for k in recorded if k in FINGERPRINT_BEFORE]
+    assert before == list(FINGERPRINT_BEFORE)  # in the same order
+    assert {k: recorded[k] for k in before} == FINGERPRINT_BEFORE
+    assert {k: v for k, v in recorded.items() if k not in before} == FINGERPRINT_CHOICE
     # every key is a declared setting's (launched trials' "backend" only where there are,
     # "guard" only where the search ran under it)
     assert set(recorded) == set(study_keys("training")) - {"backend", "guard"}

@@ -12,9 +12,12 @@ is two workers, each launching on its own 4 devices (``CUDA_VISIBLE_DEVICES`` or
 ``ASCEND_RT_VISIBLE_DEVICES`` set to them; rank ``i`` uses its device ``i``).
 
 A launch that goes wrong fails its trial and the search goes on:
-- a rank that dies (a crash, out of memory, killed) makes the agent end the other ranks
-  and exit non-zero; the reason names the rank and its exit code, from the agent's
-  failure report;
+- a rank that raises makes the agent end the other ranks and exit non-zero; the reason
+  names the rank and its error, from the agent's failure report;
+- a rank lost to a signal (killed, out of host memory, before or during the trial) or a
+  launch that failed setting up is launched once more (`RETRIES`); the trial's result
+  says why (``retries``: ``rank 1 was killed by SIGKILL``), and a second loss fails it
+  with that reason;
 - a rank that hangs is ended by the time limit: the agent's process group and every
   rank's (each rank runs in a session of its own) get SIGTERM, then SIGKILL, so that no
   rank is left holding its device;
@@ -75,9 +78,10 @@ READY_PREFIX = "ready-"
 # ... and DONE_PREFIX + its rank once it has ended its process group, the trial done.
 DONE_PREFIX = "done-"
 # A launch that failed setting up (a rank died before every rank joined the process group,
-# which no policy touches: under heavy load, gloo's rendezvous once aborted a rank) is
-# launched again, this many times, before its trial fails.
-SETUP_RETRIES = 1
+# which no policy touches: under heavy load, gloo's rendezvous once aborted a rank), or
+# lost a rank to a signal before its trial was done (killed by someone, out of host
+# memory), is launched again, this many times, before its trial fails.
+RETRIES = 1
 # The agent dies with its launcher (Linux: PR_SET_PDEATHSIG); on that SIGTERM it ends
 # its ranks, and each rank dies with it too (SIGKILL). A launcher gone before the agent
 # asked (its parent is then another) ends it at once. Then it is torch's launcher, run
@@ -236,6 +240,23 @@ class LaunchOutcome:
         (an abort at exit, in a destructor, of a rank or of the agent)."""
         return self.result_path.is_file() and self._all(DONE_PREFIX, nproc)
 
+    def lost_rank(self, nproc: int) -> str | None:
+        """Why the launch lost a rank before its trial was done, where a signal ended it
+        (`failure_of`'s line: ``rank 1 was killed by SIGKILL``); None where none did."""
+        if self.exit_code in (None, 0) or self.finished(nproc):
+            return None
+        failure = _root_failure(_read(self.log_path))
+        return None if failure is None or int(failure["code"]) >= 0 else _described(failure)
+
+    def retried_because(self, nproc: int) -> str | None:
+        """Why this launch is launched again (`RETRIES`), in one line naming its log: it
+        failed setting up, or lost a rank to a signal; None where neither."""
+        if self.failed_setting_up(nproc):
+            why: str | None = f"{failure_of(_read(self.log_path))}, before every rank was ready"
+        else:
+            why = self.lost_rank(nproc)
+        return None if why is None else f"{why} (log: {self.log_path})"
+
     def _all(self, prefix: str, nproc: int) -> bool:
         folder = self.result_path.parent
         return all((folder / f"{prefix}{rank}").exists() for rank in range(nproc))
@@ -276,19 +297,29 @@ _LOST_PEER = re.compile(
 
 
 def failure_of(agent_log: str) -> str:
-    """The rank that failed first, its exit code and why, as torchrun's failure report
-    says (the ``Failures`` and ``Root Cause`` blocks its agent prints); the log's last
-    line where it has none. A rank ended by a signal (killed, out of host memory) is
-    named before the ranks that then lost their connection to it, or were ended by the
-    agent (SIGTERM); a rank that raised, before one whose collective lost its peer."""
+    """The rank that failed first and why, as torchrun's failure report says (the
+    ``Failures`` and ``Root Cause`` blocks its agent prints): ``rank 1 was killed by
+    SIGKILL``, ``rank 3 exited with code 1: RuntimeError: boom``; the log's last line
+    where it has none."""
+    failure = _root_failure(agent_log)
+    if failure is None:
+        lines = [line for line in agent_log.splitlines() if line.strip()]
+        last = _cut(lines[-1]) if lines else "no output"
+        return f"the launch failed: {last}"
+    return _described(failure)
+
+
+def _root_failure(agent_log: str) -> re.Match[str] | None:
+    """The failure of the agent's report that came first: a rank ended by a signal
+    (killed, out of host memory) before the ranks that then lost their connection to it,
+    or were ended by the agent (SIGTERM); a rank that raised, before one whose collective
+    lost its peer. None where the log holds no report."""
     _, marker, report = agent_log.partition("Failures:")
     if not marker:
         _, marker, report = agent_log.partition("Root Cause")
     failures = list(_FAILURE.finditer(report)) if marker else []
     if not failures:
-        lines = [line for line in agent_log.splitlines() if line.strip()]
-        last = _cut(lines[-1]) if lines else "no output"
-        return f"the launch failed: {last}"
+        return None
     root = report.find("Root Cause")
     rooted = [f for f in failures if f.start() > root >= 0]
     # SIGTERM is how the agent ends the others; any other signal ended a rank itself.
@@ -299,17 +330,24 @@ def failure_of(agent_log: str) -> str:
     # A rank whose collective lost its peer failed because another rank did first, even
     # where torchrun's clock names it the root cause.
     own = [f for f in [*rooted, *failures] if not _LOST_PEER.search(f["why"] or "")]
-    found = (signalled or own or rooted or failures)[0]
-    why_lines = [line.strip() for line in (found["why"] or "").splitlines() if line.strip()]
-    # A Python traceback says why on its last line; a signal, on its only one.
+    return (signalled or own or rooted or failures)[0]
+
+
+def _described(failure: re.Match[str]) -> str:
+    """A failure of the agent's report in one line: the rank, and the signal that ended
+    it or its exit code and why."""
+    code = int(failure["code"])
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"rank {failure['rank']} was killed by {name}"
+    why_lines = [line.strip() for line in (failure["why"] or "").splitlines() if line.strip()]
+    # A Python traceback says why on its last line.
     why = why_lines[-1] if why_lines else ""
     why = "" if why.startswith("To enable traceback") else why
-    code = int(found["code"])
-    signal_name = ""
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            signal_name = f" ({signal.Signals(-code).name})"
-    text = f"rank {found['rank']} exited with code {code}{signal_name}"
+    text = f"rank {failure['rank']} exited with code {code}"
     return f"{text}: {_cut(why)}" if why else text
 
 
@@ -556,10 +594,11 @@ def plan_for(
 
 
 def launched_trial(plan: LaunchPlan, policy: Policy, result_type: type[R]) -> R:
-    """One launch of the policy's trial (`launch_set_up`: again where it failed setting
-    up), its result read as ``result_type`` (the mode's); a launch that failed is a failed
-    trial, and one whose rank was refused its input (an AutoprecError) raises it here."""
-    outcome, retries = launch_set_up(plan.spec(policy), plan)
+    """One launch of the policy's trial (`launch_with_retry`: again where it failed setting
+    up or lost a rank to a signal), its result read as ``result_type`` (the mode's); a
+    launch that failed is a failed trial, and one whose rank was refused its input (an
+    AutoprecError) raises it here. The result's ``retries`` say why it was launched again."""
+    outcome, retries = launch_with_retry(plan.spec(policy), plan)
     folder = outcome.result_path.parent
     if outcome.result_path.is_file():  # a rank that raised wrote why, as a failed result
         result = read_result(outcome.result_path, result_type)
@@ -579,10 +618,7 @@ def launched_trial(plan: LaunchPlan, policy: Policy, result_type: type[R]) -> R:
         result = result_type(TrialState.FAILED, outcome.reason(plan.limit_s, plan.nproc))
     if result.state != TrialState.FAILED and outcome.exit_code == 0:
         shutil.rmtree(folder, ignore_errors=True)  # a failed launch keeps its log
-    if retries:  # said beside the ranks' record, and in a failed trial's reason
-        _note(result, "setup_retries", retries)
-        if result.state == TrialState.FAILED:
-            result.reason = f"after {retries} launch(es) that failed setting up: {result.reason}"
+    result.retries = retries  # a failed trial's reason is its last launch's
     result.run_time_s = outcome.elapsed_s
     return result
 
@@ -594,18 +630,19 @@ def _note(result: Result, key: str, value: Any) -> None:
         record[key] = value
 
 
-def launch_set_up(spec: dict[str, Any], plan: LaunchPlan) -> tuple[LaunchOutcome, int]:
+def launch_with_retry(spec: dict[str, Any], plan: LaunchPlan) -> tuple[LaunchOutcome, list[str]]:
     """One trial's launch (`launch`) in a folder of its own under ``plan.folder``, launched
-    again where it failed setting up (`LaunchOutcome.failed_setting_up`), at most
-    `SETUP_RETRIES` times: the last outcome, and how many launches were retried. Each
-    failed launch keeps its folder, with its log."""
-    retries = 0
+    again where it failed setting up or lost a rank to a signal
+    (`LaunchOutcome.retried_because`), at most `RETRIES` times: the last outcome, and why
+    each earlier launch was launched again. Each such launch keeps its folder and log."""
+    retries: list[str] = []
     while True:
         folder = plan.folder / f"{os.getpid()}-{next(_LAUNCHES)}"
         outcome = launch(spec, plan.nproc, folder, plan.limit_s, plan.environment(), plan.module)
-        if retries == SETUP_RETRIES or not outcome.failed_setting_up(plan.nproc):
+        why = outcome.retried_because(plan.nproc)
+        if len(retries) == RETRIES or why is None:
             return outcome, retries
-        retries += 1
+        retries.append(why)
 
 
 def _refused(path: Path) -> bool:

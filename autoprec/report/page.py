@@ -108,7 +108,7 @@ def verdict_cells(entry: Entry) -> list[str]:
         cell(entry.feasible),
         cell(entry.pareto),
         html.escape(policy_label(entry.params)),
-        html.escape(entry.reason or ""),
+        html.escape("; ".join(filter(None, [entry.reason, entry.retried]))),
     ]
 
 

@@ -64,4 +64,10 @@ def front_table(summary: Summary | dict[str, Any]) -> str:
     emulated = emulated_note(summary.settings.emulated, (e.emulated for e in front))
     if emulated:
         notes.append(emulated)
-    return "\n".join([text_table(lines), *notes])
+    return "\n".join([text_table(lines), *notes, *retry_lines(summary)])
+
+
+def retry_lines(summary: Summary) -> list[str]:
+    """A line for each trial that ran again, and why: ``trial 0 (uniform-fp16): launched
+    again after rank 1 was killed by SIGKILL (log: ...)``."""
+    return [f"{e.label}: {e.retried}" for e in summary.entries if e.retried]

@@ -70,10 +70,15 @@ def of_outputs(out_dir: Path) -> StudyIdentity | None:
     return StudyIdentity.of(storage, None) if isinstance(storage, str) else None
 
 
+# Settings a study's fingerprint holds since they were found to change its records (how
+# the best is chosen), which summary.json has recorded all along, under the same names.
+CHOICE_SETTINGS = ("accuracy_tolerance", "prefer", "sampler", "confirm_top", "confirm_steps")
+
+
 def summary_settings(out_dir: Path) -> dict[str, Any]:
-    """What runs/<study>/summary.json says of the settings a study made before studies
-    kept all of theirs did not record in Optuna: its forecast and its real run's length
-    (empty if there is no readable summary)."""
+    """What runs/<study>/summary.json says of the settings a study made before they were
+    fingerprinted did not record in Optuna: its forecast, its real run's length and how
+    its best was chosen (`CHOICE_SETTINGS`); empty if there is no readable summary."""
     try:
         summary = json.loads((out_dir / "summary.json").read_text())
     except (OSError, ValueError):
@@ -81,7 +86,7 @@ def summary_settings(out_dir: Path) -> dict[str, Any]:
     settings = summary.get("settings") if isinstance(summary, dict) else None
     if not isinstance(settings, dict):
         return {}
-    known: dict[str, Any] = {}
+    known: dict[str, Any] = {k: settings[k] for k in CHOICE_SETTINGS if k in settings}
     if settings.get("forecast") in ("infeasible", "warn"):
         known["forecast"] = settings["forecast"]
     asked, steps = settings.get("train_steps_asked"), settings.get("steps")

@@ -229,6 +229,8 @@ def trial_log(
     }
     if result.reason:
         tags["reason"] = result.reason[:4000]
+    if result.retries:  # why it was run again (a launch that lost a rank)
+        tags["retries"] = "; ".join(result.retries)[:4000]
     drop = record.accuracy_drop
     extra = {} if drop is None else {"accuracy_drop": drop}
     return TrialLog(key, name, space.flat_params(record.policy), result, extra, tags, record.policy)

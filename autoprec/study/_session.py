@@ -116,8 +116,8 @@ class Prepared:
 
     @property
     def settings(self) -> dict[str, Any]:
-        """The study's fingerprint: the declared settings that change what a trial
-        measures (`autoprec.settings.study_settings`), as this search settled them."""
+        """The study's fingerprint: the declared settings that change a record of the
+        study (`autoprec.settings.study_settings`), as this search settled them."""
         config = self.config
         resolved = {  # the options first, then what follows from them (the fitted space)
             "task": self.task.name,
@@ -129,6 +129,12 @@ class Prepared:
             "nproc_per_trial": config.nproc_per_trial,
             "parallel": config.parallel,
             **self.trials.settings,  # the mode's own
+            # how the best is chosen from the trials (best_policy.yaml, the summary)
+            "accuracy_tolerance": self.tolerance,
+            "prefer": config.prefer or self.prefer,
+            "sampler": config.sampler,
+            "confirm_top": config.confirm_top,
+            "early_stopping": config.early_stopping,
             "space": self.space.name,
             "space_fingerprint": self.space.fingerprint(),
         }

@@ -44,7 +44,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autoprec._util.files import open_log
 from autoprec.errors import StoreError, first_line
-from autoprec.settings import study_options
+from autoprec.settings import options, study_options
 from autoprec.study._identity import STUDY_ID_ATTR, new_study_id
 from autoprec.study.config import HEARTBEAT_INTERVAL_S
 from autoprec.tracking import unwritable
@@ -490,6 +490,8 @@ LEGACY_DEFAULTS: dict[str, Any] = {
 }
 # The option that sets each fingerprinted setting, for the refusal's line.
 _OPTIONS = study_options()
+# The keys a fingerprint holds only where they are set (`option`'s ``study_if_set``).
+_OPTIONAL = {key for o in options() for key in o.study_if_set}
 
 
 def refuse_other_settings(
@@ -511,13 +513,18 @@ def refuse_other_settings(
 def _recorded_settings(
     attrs: dict[str, Any], settings: dict[str, Any], legacy: dict[str, Any]
 ) -> tuple[dict[str, Any], bool]:
-    """The settings an existing study was made with, and whether it predates the
-    fingerprint: then those it recorded as attributes of their own, the defaults of those
-    it left out (`LEGACY_DEFAULTS`), and what its summary.json says of others
-    (``legacy``); a setting none of them knows is taken as given, and recorded now."""
+    """The settings an existing study was made with, and whether its fingerprint is to be
+    recorded again. A study made before the fingerprint: those it recorded as attributes
+    of their own, the defaults of those it left out (`LEGACY_DEFAULTS`), and what its
+    summary.json says of others (``legacy``). A study whose fingerprint predates some of
+    the settings now in it: those as its summary.json says. A setting none of them knows
+    is taken as given, and recorded now."""
     fingerprint = attrs.get(FINGERPRINT_ATTR)
     if isinstance(fingerprint, dict):
-        return _current_names(fingerprint), False
+        # (a key recorded only where set was not set: it is not a later one)
+        later = [k for k in settings if k not in fingerprint and k not in _OPTIONAL]
+        known = {**fingerprint, **{k: legacy.get(k, settings[k]) for k in later}}
+        return _current_names(known), bool(later)
     known = {**LEGACY_DEFAULTS, **legacy}
     known.update({k: attrs[k] for k in settings if attrs.get(k) is not None})
     return _current_names({k: known.get(k, settings[k]) for k in settings}), True

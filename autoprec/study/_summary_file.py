@@ -156,6 +156,9 @@ def _check_row(
         expect(row.get(key), bool, f"{where}.{key}")
     for key in ("anchor", "reason"):
         expect(row.get(key), (str, type(None)), f"{where}.{key}")
+    expect(row.get("retries", []), list, f"{where}.retries")
+    for retry in row.get("retries", []):
+        expect(retry, str, f"{where}.retries")
     expect(row.get("policy", {}), (dict, type(None)), f"{where}.policy")
     expect(row.get("params"), dict, f"{where}.params")
     found = [k.removeprefix("dtype.") for k in row["params"] if str(k).startswith("dtype.")]

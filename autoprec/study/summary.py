@@ -175,6 +175,7 @@ def summarize(
             execution=read.execution,
             state_health=read.state_health,
             state_loss=read.state_loss,
+            retries=list(r.result.retries),
         )
 
     chosen = Best.of(

@@ -83,6 +83,8 @@ class Entry:
     # what each quantised kind would lose on its states (`autoprec.numerics.state_health`).
     state_health: list[GroupStateHealth] = field(default_factory=list)
     state_loss: list[GroupStateLoss] = field(default_factory=list)
+    # Why it was run again before its figures (`autoprec.trials.base.Measured.retries`).
+    retries: list[str] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -134,6 +136,11 @@ class Entry:
         return f"trial {self.number}" + (f" ({self.anchor})" if self.anchor else "")
 
     @property
+    def retried(self) -> str | None:
+        """``launched again after rank 1 was killed by SIGKILL (log: ...)``, where it was."""
+        return f"launched again after {'; '.join(self.retries)}" if self.retries else None
+
+    @property
     def groups(self) -> list[str]:
         """The searched layer groups, in the space's order."""
         return [k.removeprefix("dtype.") for k in self.params if k.startswith("dtype.")]
@@ -163,6 +170,7 @@ class Entry:
             "execution": dict(data.get("execution") or {}),
             "state_health": [GroupStateHealth.from_json(g) for g in data.get("state_health") or []],
             "state_loss": [GroupStateLoss.from_json(g) for g in data.get("state_loss") or []],
+            "retries": [str(r) for r in data.get("retries") or []],
             "latency_by_batch_ms": None
             if by_batch is None
             else {int(k): _number(v) for k, v in by_batch.items()},
@@ -198,6 +206,8 @@ class Entry:
             data["state_health"] = [g.to_json() for g in self.state_health]
         if self.state_loss:
             data["state_loss"] = [g.to_json() for g in self.state_loss]
+        if self.retries:
+            data["retries"] = self.retries
         return data
 
 

@@ -67,6 +67,10 @@ class Measured:
     peak_memory_mb: float | None
     peak_memory_is_estimate: bool
     run_time_s: float
+    # Why the trial was run again before this result (a launch across devices that lost a
+    # rank: ``rank 1 was killed by SIGKILL (log: ...)``); none where it ran once. A mode
+    # whose trials can be run again keeps it as a field of its result.
+    retries: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         self.state = TrialState(self.state)
@@ -140,6 +144,7 @@ class Result(Protocol):
     peak_memory_mb: float | None
     peak_memory_is_estimate: bool
     run_time_s: float
+    retries: Sequence[str]
 
     def __init__(self, state: str, reason: str | None = None) -> None: ...  # a failed one
     @property

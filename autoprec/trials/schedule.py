@@ -117,7 +117,7 @@ def schedule_warning(task: Task, model: nn.Module, config: Any) -> str | None:
     """The one warning for trials that end before the schedule's peak learning rate: what
     share of the warm-up they see, and what to do; or, for ``--trial-schedule compressed``
     on a task without a scheduler, that there is nothing to compress (its trials are the
-    same as-is, and the study records them so). None when the trials see the peak, run
+    same as-is; the study records what was asked). None when the trials see the peak, run
     the compressed schedule, or the task has no scheduler and no schedule was asked."""
     if task.scheduler is None:
         if config.trial_schedule != "compressed":
@@ -209,13 +209,12 @@ def real_task(task: Task) -> Task:
     return task
 
 
-def trial_schedule_settings(config: Any, task: Task) -> dict[str, Any]:
-    """What a study's trials are identified by of the schedule: the one they train on
-    (``task`` as `for_trials` made it: as-is for a task without a scheduler, which has
-    nothing to compress), and the real run's length, to which the compressed schedule
-    and the range forecast reach."""
-    compressed = isinstance(task.scheduler, CompressedSchedule)
+def trial_schedule_settings(config: Any) -> dict[str, Any]:
+    """What a study's trials are identified by of the schedule: the one asked for (a
+    compressed one on a task without a scheduler trains as-is, but the study records what
+    was asked, so that a continuation that asks otherwise is refused), and the real run's
+    length, to which the compressed schedule and the range forecast reach."""
     return {
-        "trial_schedule": "compressed" if compressed else "as-is",
+        "trial_schedule": config.trial_schedule,
         "train_steps": train_steps_of(config),
     }

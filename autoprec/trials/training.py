@@ -16,7 +16,7 @@ import io
 import math
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -171,6 +171,7 @@ class TrialResult(Measured):
     optimizer_state_mb: float | None = None
     state_health: list[dict[str, Any]] = field(default_factory=list)
     state_loss: list[dict[str, Any]] = field(default_factory=list)
+    retries: Sequence[str] = ()  # `Measured.retries`
 
     METRICS: ClassVar[tuple[str, ...]] = (
         "accuracy",
@@ -1070,6 +1071,7 @@ class TrainingTrials:
         compiled: bool = False,
         forecast_warns: bool = False,
         schedule: dict[str, Any] | None = None,
+        confirm_steps: int | None = None,
     ) -> None:
         self.task, self.model, self.backend, self.budget = task, model, backend, budget
         self.asked = (accuracy_tolerance, prefer, study)
@@ -1078,6 +1080,7 @@ class TrainingTrials:
         self.forecast_warns = forecast_warns
         # The trials' schedule and the real run's length (`trial_schedule_settings`).
         self.schedule = dict(schedule or {})
+        self.confirm_steps = confirm_steps  # the long confirmation (`autoprec.study.confirm`)
 
     @classmethod
     def of(
@@ -1096,7 +1099,8 @@ class TrainingTrials:
             compiled=bool(getattr(config, "compile", False) or task.compile)
             and getattr(config, "nproc_per_trial", 1) == 1,
             forecast_warns=config.forecast == "warn",
-            schedule=trial_schedule_settings(config, task),
+            schedule=trial_schedule_settings(config),
+            confirm_steps=config.confirm_steps,
         )
 
     @property
@@ -1104,9 +1108,11 @@ class TrainingTrials:
         """What changes what a training trial measures or how it is judged: compiled
         trials' figures are not eager ones', a compressed schedule is not the real one,
         the forecast reaches to the real run's length, and under the guard no trial is
-        trained longer (None: unguarded, as studies made before the guard are)."""
+        trained longer (None: unguarded, as studies made before the guard are); the long
+        confirmation can change the choice."""
         return {
             "compile": self.compiled,
+            "confirm_steps": self.confirm_steps,
             **self.schedule,
             "forecast": "warn" if self.forecast_warns else "infeasible",
             "guard": True if self.budget.guarded else None,
@@ -1175,6 +1181,7 @@ class TrainingTrials:
             compiled=self.compiled,
             forecast_warns=self.forecast_warns,
             schedule=self.schedule,
+            confirm_steps=self.confirm_steps,
         )
 
     def measure(self, policy: Policy) -> TrialResult:
