@@ -10,11 +10,14 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from autoprec.errors import AutoprecError, redact
 from autoprec.trials import MODES, Mode, canonical, mode_named
+
+STARTED_S = time.perf_counter()  # the command's start, for the search's closing line
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy
@@ -321,7 +324,8 @@ def _search(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_yaml({"task": args.task, "space": args.space, **config.option_values()}), end="")
         return 0
-    result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
+    progress = Progress(enabled=not args.no_progress, started_s=STARTED_S)
+    result = search(args.task, args.space, config, progress)
     summary = result.typed or result.summary
     print(front_table(summary))
     print(gains_line(summary))
@@ -333,6 +337,7 @@ def _search(args: argparse.Namespace) -> int:
     print(f"best policy: {result.best_policy_path}")
     print(f"summary:     {result.summary_path}")
     print(f"compare:     autoprec ui --tracking-uri {redact(args.tracking_uri)}")
+    print(progress.took(result.typed.phase_time_s if result.typed is not None else {}))
     return 0
 
 
