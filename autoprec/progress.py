@@ -83,13 +83,13 @@ class Progress(Callbacks):
             file=sys.stderr,
             dynamic_ncols=True,
             bar_format=BAR_FORMAT,
+            postfix=self._postfix(progress),
         )
-        self._show_best(progress)
 
     def trial_end(self, record: TrialRecord, progress: Standing) -> None:
         if self.bar is not None:
-            self._show_best(progress, refresh=False)  # drawn once, by the update
-            self.bar.update(1)
+            self.bar.set_postfix_str(self._postfix(progress), refresh=False)
+            self.bar.update(1)  # drawn once, with the new figures
 
     def confirming(self, count: int) -> None:
         self._close()
@@ -129,12 +129,12 @@ class Progress(Callbacks):
         trials = duration(phases_s.get("trials", 0.0))
         return f"{line}, the trials {trials} (estimated ~{duration(self.estimate_s)})"
 
-    def _show_best(self, progress: Standing, refresh: bool = True) -> None:
+    def _postfix(self, progress: Standing) -> str:
+        """The bar's figures: the time left, while trials are, and the best so far."""
         best = best_record(progress.records, progress.baseline, progress.prefer)
         left = progress.remaining_s(self.workers)
         shown = f"~{duration(left)} left, " if progress.done < progress.total else ""
-        shown += f"best {best.number}: {best_figures(best.result)}"
-        self.bar.set_postfix_str(shown, refresh=refresh)
+        return shown + f"best {best.number}: {best_figures(best.result)}"
 
 
 def estimate_line(progress: Standing, workers: int = 1) -> str:
