@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -26,6 +27,8 @@ from autoprec.settings import (
     to_yaml,
 )
 from autoprec.trials import MODES, Mode, mode_named
+
+STARTED_S = time.perf_counter()  # the command's start, for the search's closing line
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy
@@ -310,7 +313,8 @@ def _search(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_yaml({"task": args.task, "space": args.space, **config.option_values()}), end="")
         return 0
-    result = search(args.task, args.space, config, Progress(enabled=not args.no_progress))
+    progress = Progress(enabled=not args.no_progress, started_s=STARTED_S)
+    result = search(args.task, args.space, config, progress)
     summary = result.typed or result.summary
     print(front_table(summary))
     print(gains_line(summary))
@@ -322,6 +326,7 @@ def _search(args: argparse.Namespace) -> int:
     print(f"best policy: {result.best_policy_path}")
     print(f"summary:     {result.summary_path}")
     print(f"compare:     autoprec ui --tracking-uri {redact(args.tracking_uri)}")
+    print(progress.took(result.typed.phase_time_s if result.typed is not None else {}))
     return 0
 
 

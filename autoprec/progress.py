@@ -4,6 +4,7 @@ on stderr (the results go to stdout)."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,23 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-class Progress(Callbacks):
-    """The search's progress on stderr: a tqdm bar with trial n of N, the best so far and
-    the ETA, and one line for each phase around it."""
+# The bar: tqdm's own, with our estimate of the time left in its postfix instead of
+# tqdm's (which counts the time since the bar opened, not the trials').
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 
-    def __init__(self, enabled: bool = True) -> None:
+
+class Progress(Callbacks):
+    """The search's progress on stderr: a tqdm bar with trial n of N, the time left and
+    the best so far, and one line for each phase around it: the estimate of the trials'
+    time before the first. ``started_s`` (`time.perf_counter`): when the command began,
+    for `took`."""
+
+    def __init__(self, enabled: bool = True, started_s: float | None = None) -> None:
         self.enabled = enabled
         self.bar: Any = None
+        self.started_s = time.perf_counter() if started_s is None else started_s
+        self.workers = 1
+        self.estimate_s: float | None = None  # the trials' time, before the first
 
     def waiting(self, holder: str | None) -> None:
         _say(f"waiting for {holder} to set the study up (parent run, baseline) ...")
@@ -54,8 +65,12 @@ class Progress(Callbacks):
             else "pinned to " + ", ".join(devices)
         )
         _say(f"{workers} workers, {where}")
+        self.workers = workers
 
     def trials_start(self, progress: Standing) -> None:
+        if progress.done < progress.total:
+            self.estimate_s = progress.remaining_s(self.workers)
+            _say(estimate_line(progress, self.workers))
         if not self.enabled:
             return
         from tqdm import tqdm
@@ -67,13 +82,14 @@ class Progress(Callbacks):
             desc="search",
             file=sys.stderr,
             dynamic_ncols=True,
+            bar_format=BAR_FORMAT,
+            postfix=self._postfix(progress),
         )
-        self._show_best(progress)
 
     def trial_end(self, record: TrialRecord, progress: Standing) -> None:
         if self.bar is not None:
-            self.bar.update(1)
-            self._show_best(progress)
+            self.bar.set_postfix_str(self._postfix(progress), refresh=False)
+            self.bar.update(1)  # drawn once, with the new figures
 
     def confirming(self, count: int) -> None:
         self._close()
@@ -104,9 +120,44 @@ class Progress(Callbacks):
             self.bar.close()
             self.bar = None
 
-    def _show_best(self, progress: Standing) -> None:
+    def took(self, phases_s: dict[str, float]) -> str:
+        """The closing line: what the command took, of it the trial loop's part
+        (summary.json's ``phase_time_s``), and what was estimated for it."""
+        line = f"took: {duration(time.perf_counter() - self.started_s)}"
+        if self.estimate_s is None:
+            return line
+        trials = duration(phases_s.get("trials", 0.0))
+        return f"{line}, the trials {trials} (estimated ~{duration(self.estimate_s)})"
+
+    def _postfix(self, progress: Standing) -> str:
+        """The bar's figures: the time left, while trials are, and the best so far."""
         best = best_record(progress.records, progress.baseline, progress.prefer)
-        self.bar.set_postfix_str(f"best {best.number}: {best_figures(best.result)}")
+        left = progress.remaining_s(self.workers)
+        shown = f"~{duration(left)} left, " if progress.done < progress.total else ""
+        return shown + f"best {best.number}: {best_figures(best.result)}"
+
+
+def estimate_line(progress: Standing, workers: int = 1) -> str:
+    """What the trials left will take, before the first: from the baseline's trial, or
+    in a continued study from the trials measured so far."""
+    left = progress.total - progress.done
+    trials = f"{left} trial{'s' if left != 1 else ''}"
+    at_once = f", {workers} at a time" if workers > 1 else ""
+    total = f"~{duration(progress.remaining_s(workers))}"
+    each = f"{progress.trial_s:.1f} s a trial"
+    if progress.done == 0:
+        return f"estimate: {total} for {trials}{at_once} (baseline {each})"
+    return f"estimate: {total} for the {trials} left{at_once} ({each} so far)"
+
+
+def duration(seconds: float) -> str:
+    """Seconds as a person reads them: ``40 s``, ``3 min 20 s``, ``1 h 05 min``."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    return f"{whole // 3600} h {whole % 3600 // 60:02d} min"
 
 
 def best_figures(result: Result) -> str:

@@ -84,6 +84,16 @@ def absolute_sqlite_uri(uri: str) -> str:
     return uri
 
 
+def holds_nothing(uri: str) -> bool:
+    """Whether the store is a local sqlite file that does not exist yet: it holds no run,
+    and reading it would only make it (MLflow's import and its tables, seconds of a
+    search's start), which the writer thread does beside the set-up instead."""
+    uri = absolute_sqlite_uri(uri)
+    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
+        return False
+    return not Path(uri.removeprefix("sqlite:///")).exists()
+
+
 def mlflow_client(uri: str) -> MlflowClient:
     """An MLflow client for the URI (sqlite paths made absolute), quiet (no telemetry, no
     progress bars, warnings only) and, on a server, with short request timeouts."""

@@ -12,7 +12,7 @@ import mlflow
 import pytest
 
 import autoprec
-from autoprec.progress import Progress
+from autoprec.progress import Progress, duration
 from autoprec.study import Callbacks
 
 
@@ -103,3 +103,37 @@ def test_callbacks_are_reachable_as_the_docs_write_them():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_search_says_how_long_it_will_take_and_what_it_took(in_tmp, tiny_task, capsys):
+    """Before the first trial, the estimate from the baseline's trial; in the bar, the time
+    left from the trials so far; at the end, what it took (the CLI's closing line)."""
+    progress = Progress(enabled=True)
+    config = autoprec.SearchConfig(trials=3, steps=6, device="cpu", confirm_top=0)
+    result = autoprec.search(tiny_task, config=config, callbacks=progress)
+    err = capsys.readouterr().err
+    baseline_s = result.summary["baseline"]["metrics"]["run_time_s"]
+    each = f"{baseline_s:.1f}"
+    estimate = f"estimate: ~{duration(3 * baseline_s)} for 3 trials (baseline {each} s a trial)"
+    assert estimate in err.splitlines(), err
+    assert err.index(estimate) < err.index("search:")  # before the first trial
+    assert " left, best " in err  # the bar, while trials are left
+    assert progress.estimate_s == pytest.approx(3 * baseline_s)
+    took = progress.took(result.summary["phase_time_s"])
+    assert took.startswith("took: ") and f"(estimated ~{duration(3 * baseline_s)})" in took
+    # A continued study with every trial measured has nothing left to estimate.
+    again = Progress(enabled=False)
+    autoprec.search(tiny_task, config=config, callbacks=again)
+    assert "estimate:" not in capsys.readouterr().err
+    assert again.estimate_s is None
+
+
+def test_durations_read_as_a_person_reads_them():
+    assert [duration(s) for s in (0.4, 40.2, 59.6, 200, 3599, 3700)] == [
+        "0 s",
+        "40 s",
+        "1 min 00 s",
+        "3 min 20 s",
+        "59 min 59 s",
+        "1 h 01 min",
+    ]

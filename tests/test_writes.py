@@ -189,10 +189,11 @@ def test_no_secret_on_the_console_in_runs_or_in_the_stores(studies):
     root, _, done = studies
     for name, run in done.items():
         _no_secret(run.stdout + run.stderr, f"search {name}")
-    closing = done["trained"].stdout.splitlines()[-1]
+    compare, took = done["trained"].stdout.splitlines()[-2:]
     assert (
-        closing == "compare:     autoprec ui --tracking-uri sqlite:///runs/mlflow.db?password=***"
+        compare == "compare:     autoprec ui --tracking-uri sqlite:///runs/mlflow.db?password=***"
     )
+    assert took.startswith("took: "), took
     best = _cli(root, "best", "--study", "trained", "--tracking-uri", TRACKING)
     assert best.returncode == 0, best.stderr[-2000:]
     _no_secret(best.stdout + best.stderr, "best")

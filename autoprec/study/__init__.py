@@ -83,7 +83,10 @@ def search(
         session.callbacks.warning(warning)
     phases_s = {"setup": time.perf_counter() - started_s}
     session.set_up(_parent_params(prepared))
-    phases_s["baseline"] = time.perf_counter() - started_s - phases_s["setup"]
+    set_up_s = time.perf_counter() - started_s - phases_s["setup"]
+    # The baseline's phase: its run, the parent run and the anchors; the rest of the
+    # set-up is the profile, the warm-up and the wait for MLflow, each its own phase.
+    phases_s["baseline"] = set_up_s - sum(session.phases_s.values())
     confirmed, interrupted = _trials_and_confirmation(session, phases_s)
     return _finish(session, confirmed, interrupted, phases_s, started_s)
 
@@ -109,6 +112,7 @@ def _trials_and_confirmation(
     finished_cleanly = False
     interrupted = False
     confirmed: dict[str, float] = {}
+    mark_s, warm_s = time.perf_counter(), session.phases_s.get("warm_up", 0.0)
     try:
         try:
             if session.prepared.workers == 1:
@@ -119,19 +123,26 @@ def _trials_and_confirmation(
                 run_workers(session, session.prepared.workers)
         except KeyboardInterrupt:  # Ctrl-C: keep what was measured, write it out, then stop
             interrupted = True
-        mark_s = time.perf_counter()
+        phases_s["trials"] = _less_warm_up(session, mark_s, warm_s)
+        mark_s, warm_s = time.perf_counter(), session.phases_s.get("warm_up", 0.0)
         if not interrupted:
             try:
                 confirmed = session.confirm(config.confirm_top)
             except KeyboardInterrupt:  # the trials' own times stand
                 interrupted = True
-        phases_s["confirm"] = time.perf_counter() - mark_s
+        phases_s["confirm"] = _less_warm_up(session, mark_s, warm_s)
         finished_cleanly = True
     finally:
         if not finished_cleanly:
             session.tracker.end_parent("KILLED")
             session.tracker.close()
     return confirmed, interrupted
+
+
+def _less_warm_up(session: Session, mark_s: float, warm_s: float) -> float:
+    """Seconds since ``mark_s``, less the warm-up run since (its own phase)."""
+    warmed_s = session.phases_s.get("warm_up", 0.0) - warm_s
+    return time.perf_counter() - mark_s - warmed_s
 
 
 def _finish(
@@ -181,7 +192,9 @@ def _finish(
     )
     phases_s["tracking_flush"] = time.perf_counter() - mark_s
     summary.wall_time_s = time.perf_counter() - started_s
-    summary.phase_time_s = phases_s  # this invocation's set-up, warm-up and re-timing
+    # This invocation's phases, in seconds: set-up, profile, warm-up, the wait for MLflow
+    # before the baseline, baseline, trials, re-timing, summary and MLflow's writes.
+    summary.phase_time_s = {**phases_s, **session.phases_s}
     policy_path, summary_path = write_outputs(summary, best_policy, prepared.out_dir)
     best_key = summary.best.key
     tracker.finish_parent(

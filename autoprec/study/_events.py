@@ -30,6 +30,18 @@ class Progress:
     baseline: TrialRecord
     prefer: str
 
+    @property
+    def trial_s(self) -> float:
+        """Seconds a trial takes: the mean own time of the trials measured so far, or the
+        fp32 baseline's before any."""
+        times_s = [r.result.run_time_s for r in self.records]
+        return sum(times_s) / len(times_s) if times_s else self.baseline.result.run_time_s
+
+    def remaining_s(self, workers: int = 1) -> float:
+        """Seconds the trials left will take, ``workers`` at a time, at `trial_s` each."""
+        left = max(0, self.total - self.done)
+        return -(-left // max(1, workers)) * self.trial_s
+
 
 class Callbacks:
     """Events of a search, in the order they come."""

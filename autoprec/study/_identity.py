@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.errors import StoreError, redact
-from autoprec.tracking import ROLE_TAG, Tracker, absolute_sqlite_uri
+from autoprec.tracking import ROLE_TAG, Tracker, absolute_sqlite_uri, holds_nothing
 from autoprec.trials.schedule import DEFAULT_TRAIN_STEPS_PER_TRIAL_STEP
 
 STUDY_ID_ATTR = "autoprec.study_id"  # Optuna study attribute: the study's random id
@@ -127,6 +127,8 @@ def of_parent_run(tracker: Tracker) -> StudyIdentity | None:
     """The study that the MLflow parent run of the tracker's study came from (None if
     there is no parent run yet, or the tracking store cannot be read now: the tracker's
     writer says so, in one line)."""
+    if holds_nothing(tracker.uri):  # a new store: no run in it, and nothing to wait for
+        return None
     try:
         client = tracker.client
         experiment = client.get_experiment_by_name(tracker.study)

@@ -245,6 +245,13 @@ class Session:
         self.space = prepared.space
         self.baseline: TrialRecord | None = None
         self.trials: Trials = prepared.trials
+        # Seconds this process spent in each part of the set-up and re-timing: the
+        # profile, the warm-up, waiting for MLflow before the baseline (summary.json's
+        # phase_time_s).
+        self.phases_s: dict[str, float] = {}
+
+    def _timed(self, phase: str, started_s: float) -> None:
+        self.phases_s[phase] = self.phases_s.get(phase, 0.0) + time.perf_counter() - started_s
 
     def warm_up(self) -> None:
         """The mode's warm-up (training: a short run of each dtype), before any timing.
@@ -252,7 +259,9 @@ class Session:
         applies."""
         configured = self.prepared.config.trial_timeout_s
         limit_s = TRIAL_TIMEOUT_MIN_S if configured is None else configured
+        started_s = time.perf_counter()
         self.trials.warm_up(self.prepared.space, limit_s)
+        self._timed("warm_up", started_s)
 
     @classmethod
     def open(
@@ -344,10 +353,12 @@ class Session:
         self.profile = self._stored_profile()
         if prepared.needs_profile and self.profile is None:
             self.callbacks.profiling()
+            started_s = time.perf_counter()
             self.profile = self.trials.profile(prepared.budget.seed)
             path = self.profile.save(prepared.out_dir / "profile.json")
             self.tracker.log_profile(self.profile, path)
             self.study.set_user_attr(PROFILE_ATTR, self.profile.brief())
+            self._timed("profile", started_s)
             self.callbacks.profiled(self.profile, path)
         self.space = prepared.fitted(self.profile)
         if self.study.user_attrs.get("baseline") is None:
@@ -411,7 +422,9 @@ class Session:
         # takes seconds of the CPU: done first, so that the baseline's steps are not timed
         # beside it (a busy core makes torch's two threads wait on each other: on a loaded
         # 2-core CPU a step took ~90x as long on two threads as on one).
+        started_s = time.perf_counter()
         tracker.flush(FLUSH_WAIT_S)
+        self._timed("tracking_wait", started_s)
         try:
             result = self.trials.measure(policy)
         except BaseException:
