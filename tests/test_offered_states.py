@@ -18,6 +18,7 @@ import autoprec
 from autoprec.devices import get_backend
 from autoprec.errors import SpaceError
 from autoprec.optim.space import StateSpace
+from autoprec.report.gains import gains_line
 from autoprec.space import SearchSpace, load_space
 from autoprec.trials.training import Budget, TrainingTrials
 from tests.conftest import make_tiny_task
@@ -191,3 +192,4 @@ def test_a_search_that_prefers_memory_chooses_low_bit_states(tmp_path, monkeypat
     assert {state.state for state in kept.values()} & {"8bit", "4bit", "fp8-bf16"}
     best_mb = summary.best.metrics["optimizer_state_mb"]
     assert best_mb < summary.baseline.metrics["optimizer_state_mb"]
+    assert f"optimizer state {best_mb:.2f} MB against fp32's" in gains_line(summary)

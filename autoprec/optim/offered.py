@@ -25,10 +25,9 @@ from autoprec.optim.optimizer import import_bitsandbytes
 from autoprec.optim.space import StateChoice, StateSpace
 from autoprec.optim.state import StateGroup
 
-# The kinds offered per library, the fewest bytes last: fp32 (the baseline's), the 8-bit
-# recipe, the least memory, and MS-AMP O2-like moments (torchao only). bf16 and fp8 states
-# are left out: each kind costs a compile of torchao's step on the CPU, and these store no
-# less than 8bit.
+# The kinds offered per library: fp32 (the baseline's), the 8-bit recipe, the least memory
+# (4bit) and MS-AMP O2-like moments (torchao only). bf16 and fp8 states are left out: each
+# kind costs a compile of torchao's step on the CPU, and neither stores less than 8bit.
 OFFERED_KINDS = {
     "torchao": ("fp32", "8bit", "4bit", "fp8-bf16"),
     "bitsandbytes": ("fp32", "8bit"),

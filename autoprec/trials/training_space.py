@@ -109,8 +109,9 @@ class TrainingSpaceRules:
             anchors[f"uniform-{dtype}"] = params
             scaled = params.get("loss_scale.mode", "none") != "none"
             if dtype == "fp16" and scaled and "none" in space.loss_scale.modes:
-                dtypes_only = {k: v for k, v in params.items() if k.startswith("dtype.")}
-                anchors["uniform-fp16-noscale"] = {**dtypes_only, "loss_scale.mode": "none"}
+                # the layers' dtypes and the optimizer states (fp32) without the scaling
+                unscaled = {k: v for k, v in params.items() if not k.startswith("loss_scale.")}
+                anchors["uniform-fp16-noscale"] = {**unscaled, "loss_scale.mode": "none"}
         if any(FP8 in g.dtypes for g in space.groups):
             anchors["uniform-fp8"] = space.uniform_params(FP8)
         if space.optimizer_states is not None:
