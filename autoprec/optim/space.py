@@ -1,8 +1,9 @@
 """The optimizer-state part of a search space: which state kinds and master dtypes each
 parameter group may take, searched beside the layers' dtypes and loss scaling.
 
-A space asks for it with an ``optimizer_states`` section (spaces without one search as
-before)::
+A space asks for it with an ``optimizer_states`` section (a space without one searches
+the states `autoprec.optim.offered` offers under ``--prefer memory``, and ``auto`` offers
+them under any preference)::
 
     optimizer_states:
       states: [fp32, 8bit]          # choices of a group that lists none

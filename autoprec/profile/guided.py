@@ -350,7 +350,9 @@ class GuidedStrategy(_Strategy):
             yield {**layers.params, **_part(states.params, _STATE_KEYS)}, "combine"
 
     def _best(self, outcomes: list[_Outcome]) -> _Outcome | None:
-        """The outcome best for the preference (the first of equals), None for none."""
+        """The outcome best for the preference, equals by the other objective (fp16 and
+        bf16 layers weigh alike, and bf16 may be much faster), then the first; None for
+        none."""
         wanted = PREFER_METRICS[self.prefer]
         scored = [
             o for o in outcomes if all(math.isfinite(o.metrics.get(m, math.nan)) for m in wanted)
@@ -358,7 +360,13 @@ class GuidedStrategy(_Strategy):
         if not scored:
             return None
         best = {m: min(o.metrics[m] for o in scored) for m in wanted}
-        return min(scored, key=lambda o: preference_score(o.metrics, self.prefer, best))
+        other = [m for m in PREFER_METRICS["balanced"] if m not in wanted]
+
+        def rank(outcome: _Outcome) -> tuple[float, ...]:
+            then = [outcome.metrics.get(m, math.inf) for m in other]
+            return (preference_score(outcome.metrics, self.prefer, best), *then)
+
+        return min(scored, key=rank)
 
     def _layers_at(self, low: str, kept: set[str]) -> dict[str, Any]:
         return self._params(self._assign(low, kept))
