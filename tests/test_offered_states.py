@@ -16,7 +16,7 @@ import torch
 
 import autoprec
 from autoprec.devices import get_backend
-from autoprec.errors import SpaceError
+from autoprec.errors import AutoprecError, SpaceError
 from autoprec.optim.space import StateSpace
 from autoprec.report.gains import gains_line
 from autoprec.space import SearchSpace, load_space
@@ -193,3 +193,27 @@ def test_a_search_that_prefers_memory_chooses_low_bit_states(tmp_path, monkeypat
     best_mb = summary.best.metrics["optimizer_state_mb"]
     assert best_mb < summary.baseline.metrics["optimizer_state_mb"]
     assert f"optimizer state {best_mb:.2f} MB against fp32's" in gains_line(summary)
+
+
+def test_under_fsdp2_on_the_cpu_offered_4bit_states_are_left_out_and_written_ones_refused(
+    tmp_path,
+):
+    """torchao's 4-bit state fails on sharded parameters on the CPU: states the search
+    offered go on without it, a section written by hand that lists it is refused."""
+    from autoprec.distributed.launch import LaunchPlan
+
+    plan = LaunchPlan(
+        nproc=2,
+        parallel="fsdp2",
+        backend="gloo",
+        group=["cpu", "cpu"],
+        task_spec="unused",
+        folder=tmp_path,
+        limit_s=300.0,
+    )
+    offered = plan.fit(fitted(token_task(), load_space("default")))
+    assert offered.optimizer_states is not None
+    assert [c.states for c in offered.optimizer_states.groups] == [("fp32", "8bit", "fp8-bf16")] * 2
+    written = {**LAYERS_ONLY, "optimizer_states": {"states": ["fp32", "4bit"]}}
+    with pytest.raises(AutoprecError, match="4bit under --parallel fsdp2"):
+        plan.fit(fitted(token_task(), SearchSpace.from_dict(written, "states.yaml")))
