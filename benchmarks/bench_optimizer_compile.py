@@ -14,6 +14,10 @@ same model shape and times its first step:
   again (inductor's on-disk cache makes it cheaper than ``first``).
 
     python benchmarks/bench_optimizer_compile.py [--kinds 8bit,4bit,fp8,bf16] [--width 256]
+    python benchmarks/bench_optimizer_compile.py --task tiny-gpt2 --kinds 8bit,4bit,fp8-bf16
+
+``--task`` takes a built-in task's model, optimizer and first training batch instead (the
+states a ``--prefer memory`` search of it offers).
 
 Figures depend on load; run it on an idle machine. CPU only needed.
 """
@@ -41,10 +45,21 @@ def model(width: int) -> nn.Module:
     )
 
 
-def first_step_s(kind: str, width: int) -> float:
-    net = model(width)
-    optimizer = Policy(optimizer_states=OptimizerStates(kind)).optimizer(net, lr=1e-3)
-    net(torch.randint(0, 512, (8,))).square().mean().backward()
+def first_step_s(kind: str, width: int, task: str | None = None) -> float:
+    policy = Policy(optimizer_states=OptimizerStates(kind))
+    if task is None:
+        net = model(width)
+        optimizer = policy.optimizer(net, lr=1e-3)
+        net(torch.randint(0, 512, (8,))).square().mean().backward()
+    else:
+        from autoprec.tasks import load_task
+
+        found = load_task(task)
+        torch.manual_seed(0)
+        net = found.model()
+        optimizer = policy.optimizer(net, found.make_optimizer)
+        batch = found.batch(next(iter(found.train_data(0))))
+        found.compute_loss(batch.run(net), batch.targets).backward()
     started = time.perf_counter()
     optimizer.step()
     return time.perf_counter() - started
@@ -54,16 +69,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", default="8bit,4bit,fp8,bf16,fp8-bf16")
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--task", default=None, help="a built-in task's model instead")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    print(f"torch {torch.__version__}, model width {args.width}, 4 parameter shapes each")
+    what = f"task {args.task}" if args.task else f"model width {args.width}, 4 parameter shapes"
+    print(f"torch {torch.__version__}, {what}")
     print("| state | first step s | again s | after dynamo reset s |")
     print("|---|---|---|---|")
     for kind in args.kinds.split(","):
-        first = first_step_s(kind, args.width)
-        again = first_step_s(kind, args.width)
+        first = first_step_s(kind, args.width, args.task)
+        again = first_step_s(kind, args.width, args.task)
         torch._dynamo.reset()
-        reset = first_step_s(kind, args.width)
+        reset = first_step_s(kind, args.width, args.task)
         print(f"| {kind} | {first:.1f} | {again:.2f} | {reset:.1f} |", flush=True)
 
 

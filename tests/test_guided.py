@@ -498,3 +498,41 @@ def test_the_group_whose_states_lose_most_is_kept_high_first_then_tried_in_bf16(
     blind = run(GuidedStrategy(space, [], prefer="memory"), oracle)
     assert len(blind) > len(proposals)
     assert states_of(best_feasible(blind, oracle)) == states_of(best_feasible(proposals, oracle))
+
+
+def test_the_best_layers_and_the_best_states_are_then_tried_together():
+    """Each lever is searched with the other at its highest; once both have a feasible
+    answer, the search tries them at once ("combine"), which here weighs least. Of layers
+    that weigh alike (fp16, bf16), the faster are combined."""
+    space = SearchSpace.from_dict(
+        {
+            "name": "both",
+            "dtypes": ["fp32", "fp16", "bf16"],
+            "groups": [{"name": n, "patterns": [n]} for n in ("x", "y")],
+            "optimizer_states": {
+                "states": ["fp32", "8bit"],
+                "groups": [{"name": n, "patterns": [n]} for n in ("a", "b")],
+            },
+        },
+        "<both>",
+    )
+    layer_mb = {"fp32": 10.0, "fp16": 5.0, "bf16": 5.0}
+    state_mb = {"fp32": 8.0, "8bit": 2.0}
+
+    def oracle(params: Mapping[str, Any]) -> Observation:
+        dtypes, states = dtypes_of(params), states_of(params)
+        if dtypes["y"] != "fp32" or states["b"] == "8bit":  # y and b must stay high
+            return Observation(dict(params), "pruned", False, {})
+        memory = sum(layer_mb[d] for d in dtypes.values())
+        memory += sum(state_mb[s] for s in states.values())
+        step_ms = 50.0 if "fp16" in dtypes.values() else 10.0  # as on a CPU without fp16
+        metrics = {"peak_memory_mb": memory, "step_time_ms": step_ms}
+        return Observation(dict(params), "complete", True, metrics)
+
+    proposals = run(GuidedStrategy(space, ["y", "x"], prefer="memory"), oracle)
+    combined = [p for p, phase in proposals if phase == "combine"]
+    assert [(dtypes_of(p), states_of(p)) for p in combined] == [
+        ({"x": "bf16", "y": "fp32"}, {"a": "8bit", "b": "fp32"})
+    ]
+    best = best_feasible(proposals, oracle)
+    assert (dtypes_of(best), states_of(best)) == (dtypes_of(combined[0]), states_of(combined[0]))

@@ -79,6 +79,7 @@ HANDLED: dict[str, Handling] = {
     "autoprec compare --study digits-mlp --study digits-cnn": Handling(),
     "autoprec ui": Handling(serves=True),
     "autoprec search --task digits-overflow --trials 20 --steps 60 --prefer memory": SEARCH,
+    "autoprec search --task tiny-gpt2 --prefer memory --trials 10 --steps 60": SEARCH,
     "autoprec search --task my_task.py:make_task --study my-task-long --trials 30 --steps 100 "
     "--confirm-steps 500 --trial-schedule compressed": SEARCH,
     "autoprec profile --task digits-overflow": Handling(),

@@ -544,9 +544,12 @@ class LaunchPlan:
 
         if self.parallel == "fsdp2" and space.optimizer_states is not None:
             kind = self.group[0].split(":")[0]
-            refusal = fsdp2_state_refusal(space.optimizer_states.kinds(), kind)
-            if refusal is not None:  # before any store is opened
-                raise AutoprecError(f"{space.source}: {refusal}")
+            states = space.optimizer_states
+            refused = {k for k in states.kinds() if fsdp2_state_refusal({k}, kind) is not None}
+            if refused and space.auto_states:  # offered, not asked for: those left out
+                space = replace(space, optimizer_states=states.without(refused))
+            elif refused:  # before any store is opened
+                raise AutoprecError(f"{space.source}: {fsdp2_state_refusal(refused, kind)}")
         if space.reduce_dtypes:
             return space
         if self.parallel == "fsdp2":

@@ -25,6 +25,7 @@ process) reuse it where shapes, dtypes and state kinds repeat.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -38,6 +39,7 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 _ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 # bitsandbytes' optim_bits for each state kind it implements.
 BITSANDBYTES_BITS = {"fp32": 32, "8bit": 8}
+_NO_CACHE_HASH = r".* does not implement _stable_hash_for_caching"
 
 
 def build_optimizer(
@@ -98,6 +100,9 @@ def _torchao_optimizer(
     import_torchao()  # quietly: its import-time noise is not the user's to see
     import torchao.optim as ao
 
+    # At the first compile of each of torchao's state subclasses torch says that it has no
+    # hash for AOT autograd's cache: a note to torchao, not the user's to see.
+    warnings.filterwarnings("ignore", message=_NO_CACHE_HASH, category=UserWarning)
     adamw, kwargs = _adam_defaults(reference, state, "torchao")
     stochastic = not in_reference(state.master)  # bf16 masters
     quantised = {

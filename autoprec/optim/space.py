@@ -1,8 +1,9 @@
 """The optimizer-state part of a search space: which state kinds and master dtypes each
 parameter group may take, searched beside the layers' dtypes and loss scaling.
 
-A space asks for it with an ``optimizer_states`` section (spaces without one search as
-before)::
+A space asks for it with an ``optimizer_states`` section (a space without one searches
+the states `autoprec.optim.offered` offers under ``--prefer memory``, and ``auto`` offers
+them under any preference)::
 
     optimizer_states:
       states: [fp32, 8bit]          # choices of a group that lists none
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -64,6 +65,10 @@ class StateChoice:
 @dataclass(frozen=True)
 class StateSpace:
     groups: tuple[StateChoice, ...]
+    # the library the policies' states are built with (`OptimizerStates.library`): a
+    # section read from YAML searches torchao's; the states offered without a section
+    # (`autoprec.optim.offered`) come from the library installed
+    library: str = "torchao"
 
     def kinds(self) -> set[str]:
         """Every state kind some group may take."""
@@ -138,7 +143,15 @@ class StateSpace:
                     f"optimizer_states.groups[{i}] ({choice.name}): matches no trainable "
                     f"parameter of {type(model).__name__} that an earlier group has not taken"
                 )
-        return StateSpace(tuple(kept))
+        return StateSpace(tuple(kept), self.library)
+
+    def without(self, kinds: set[str]) -> StateSpace:
+        """The space without the state kinds ``kinds`` (a group keeps fp32 at least)."""
+        groups = []
+        for choice in self.groups:
+            left = tuple(k for k in choice.states if k not in kinds) or ("fp32",)
+            groups.append(replace(choice, states=left))
+        return StateSpace(tuple(groups), self.library)
 
     def assignment(self, model: nn.Module) -> dict[str, str]:
         """Each trainable parameter's name mapped to the group that takes it."""
@@ -174,7 +187,12 @@ class StateSpace:
             groups.append(
                 StateGroup(choice.group.patterns, choice.group.types, state, master, choice.name)
             )
-        return OptimizerStates(groups=tuple(groups))
+        # Every state in fp32 is the task's own optimizer whichever library the others
+        # take (bitsandbytes' 32-bit step is not it): the fp32 baseline is the task's.
+        quantised = any(g.state != "fp32" or g.master != "fp32" for g in groups)
+        return OptimizerStates(
+            groups=tuple(groups), library=self.library if quantised else "torchao"
+        )
 
     def anchors(self, layers_fp32: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Every state in 8 bits with embeddings in fp32 (bitsandbytes' recipe) and MS-AMP
@@ -216,7 +234,10 @@ class StateSpace:
         return flat
 
     def fingerprint_content(self) -> list[Any]:
-        return [(c.name, c.group.to_dict(), c.states, c.masters, c.optional) for c in self.groups]
+        content: list[Any] = [
+            (c.name, c.group.to_dict(), c.states, c.masters, c.optional) for c in self.groups
+        ]
+        return content if self.library == "torchao" else [*content, self.library]
 
 
 def _first(choices: tuple[str, ...]) -> str:

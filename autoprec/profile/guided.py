@@ -29,7 +29,10 @@ three phases run over the state groups, with every layer in its highest dtype: s
 group in each quantised kind offered, bisect the groups in the order of what that kind's
 quantiser lost on the fp32 baseline's real states (``state_losses``:
 `autoprec.numerics.state_health.rank_state_groups`), keep the needed ones in fp32, then
-try them in bf16 states. Layer proposals keep every state in its highest kind.
+try them in bf16 states. Layer proposals keep every state in its highest kind. Once a
+feasible policy that moved only the layers and one that moved only the states are known
+(after the seeds, and again at the end), the search combines them ("combine"): the best
+of each for the preference, both levers at once.
 
 When these are done, `propose` returns None and the caller hands the study to its
 multi-objective sampler, which tunes the rest and the loss scale.
@@ -63,6 +66,13 @@ if TYPE_CHECKING:
     from autoprec.optim.space import StateChoice
 
 Proposal = tuple[dict[str, Any], str]
+# The parameters of each lever: the layers' dtypes, the optimizer states and masters.
+_LAYER_KEYS = ("dtype.",)
+_STATE_KEYS = ("state.", "master.")
+
+
+def _part(params: Mapping[str, Any], lever: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k.startswith(lever)}
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,7 @@ class Observation:
 class _Outcome:
     feasible: bool
     metrics: Mapping[str, float]
+    params: Mapping[str, Any] = field(default_factory=dict)
 
 
 class _Strategy:
@@ -122,7 +133,7 @@ class _Strategy:
                 continue
             feasible = observation.state == "complete" and bool(observation.feasible)
             if key not in known or (feasible and not known[key].feasible):
-                known[key] = _Outcome(feasible, dict(observation.metrics))
+                known[key] = _Outcome(feasible, dict(observation.metrics), dict(observation.params))
         busy = {self._key(params) for params in pending}
         for params, phase in self._plan(known, busy):
             key = self._key(params)
@@ -320,6 +331,7 @@ class GuidedStrategy(_Strategy):
             yield self._params(self._assign(low, set())), "seed"
         for kind in self.state_kinds:
             yield self._states_at(kind, set()), "seed"
+        yield from self._combined(known)
         for low in self._dtype_order(known):
             converts = formats.get(low).converts
             order = self._searchable(low, self.fp8_risk_order if converts else self.risk_order)
@@ -337,6 +349,48 @@ class GuidedStrategy(_Strategy):
                 kept = yield from self._drop_singles(order[:needed], at, known, busy)
                 if kept is not None and kind != _wide():
                     yield from self._in_bf16(kept, self._states_in_bf16(kind), known, busy)
+        yield from self._combined(known)
+
+    def _combined(self, known: dict[str, _Outcome]) -> Iterator[Proposal]:
+        """Both levers at once: the layers of the best feasible policy (for the
+        preference) that moved only the layers, with the states of the best feasible one
+        that moved only the states; nothing until both are known."""
+        if not self.state_groups:
+            return
+        high = self._params({g.name: _high(g) for g in self.groups})
+
+        def moved_only(lever: tuple[str, ...], other: tuple[str, ...]) -> list[_Outcome]:
+            return [
+                o
+                for o in known.values()
+                if o.feasible
+                and _part(o.params, other) == _part(high, other)
+                and _part(o.params, lever) != _part(high, lever)
+            ]
+
+        layers = self._best(moved_only(_LAYER_KEYS, _STATE_KEYS))
+        states = self._best(moved_only(_STATE_KEYS, _LAYER_KEYS))
+        if layers is not None and states is not None:
+            yield {**layers.params, **_part(states.params, _STATE_KEYS)}, "combine"
+
+    def _best(self, outcomes: list[_Outcome]) -> _Outcome | None:
+        """The outcome best for the preference, equals by the other objective (fp16 and
+        bf16 layers weigh alike, and bf16 may be much faster), then the first; None for
+        none."""
+        wanted = PREFER_METRICS[self.prefer]
+        scored = [
+            o for o in outcomes if all(math.isfinite(o.metrics.get(m, math.nan)) for m in wanted)
+        ]
+        if not scored:
+            return None
+        best = {m: min(o.metrics[m] for o in scored) for m in wanted}
+        other = [m for m in PREFER_METRICS["balanced"] if m not in wanted]
+
+        def rank(outcome: _Outcome) -> tuple[float, ...]:
+            then = [outcome.metrics.get(m, math.inf) for m in other]
+            return (preference_score(outcome.metrics, self.prefer, best), *then)
+
+        return min(scored, key=rank)
 
     def _layers_at(self, low: str, kept: set[str]) -> dict[str, Any]:
         return self._params(self._assign(low, kept))

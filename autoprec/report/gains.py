@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autoprec.report.states_words import states_words
 from autoprec.selection import TIME_TIE
 from autoprec.study.summary_schema import CONFIRMED_TIME, Entry, Summary, as_summary
 
@@ -34,11 +35,13 @@ def gains_line(summary: Summary | dict[str, Any]) -> str:
     memory = f"{abs(saving) * 100:.0f}% {'less' if saving >= 0 else 'more'} memory"
     accuracy = f"accuracy {_change_pt(best)} pt vs fp32"
     speed = speed_words(best.speedup_vs_fp32 or 1.0) + _at_batch(summary)
+    states = states_words(summary)
+    states = f"; {states}" if states else ""
     if summary.retimed(best):
-        return f"best: {best.name} - {speed} side by side with fp32, {memory}, {accuracy}"
+        return f"best: {best.name} - {speed} side by side with fp32, {memory}, {accuracy}{states}"
     return (
         f"best: {best.name} - {memory}, {accuracy}; speed not re-timed side by side with fp32 "
-        f"({_why_not_retimed(summary)}): {speed} in the trials' own timing"
+        f"({_why_not_retimed(summary)}): {speed} in the trials' own timing{states}"
     )
 
 

@@ -59,6 +59,13 @@ class SpaceFields:
     # the optimizer state kinds and master dtypes searched per parameter group (the
     # ``optimizer_states`` section, `autoprec.optim.space`); None: not searched
     optimizer_states: StateSpace | None = None
+    # ``optimizer_states: auto``: the states `autoprec.optim.offered` offers, fitted where
+    # the task trains with Adam or AdamW (as ``--prefer memory`` offers them to a space
+    # without the section)
+    auto_states: bool = False
+    # fitted: what the fitting left out and why, one line each, for the user (not searched,
+    # so not in the fingerprint)
+    notes: tuple[str, ...] = ()
 
     @property
     def offers_fp8(self) -> bool:

@@ -86,6 +86,9 @@ def uniform_params(space: SpaceFields, dtype: str) -> dict[str, Any]:
         params = rules.uniform_fp8(space, dtype)
     if any(f.scales_loss for f in formats_among(params.values())) and rules.scales_loss:
         params.update(torch_default_params(space.loss_scale))
+    states = rules.searched_states(space)
+    if states is not None:  # every state as the task's optimizer keeps it (fp32 where offered)
+        params.update(states.flat_params(states.states({})))
     return params
 
 

@@ -65,12 +65,21 @@ def space_fields(data: Any, source: str) -> dict[str, Any]:
         "dtypes": dtypes,
         "auto": auto,
         "fp8_recipes": recipes,
-        "optimizer_states": (
-            StateSpace.from_dict(data["optimizer_states"], fail)
-            if "optimizer_states" in data
-            else None
-        ),
+        **_optimizer_states(data, fail),
     }
+
+
+def _optimizer_states(data: dict[str, Any], fail: Fail) -> dict[str, Any]:
+    """The ``optimizer_states`` section: a mapping (`StateSpace`), or ``auto`` (the states
+    `autoprec.optim.offered` offers, where the task trains with Adam or AdamW)."""
+    if "optimizer_states" not in data:
+        return {"optimizer_states": None}
+    section = data["optimizer_states"]
+    if section == "auto":
+        return {"optimizer_states": None, "auto_states": True}
+    if isinstance(section, str):
+        raise fail(f"optimizer_states: expected a mapping or 'auto', got {section!r}")
+    return {"optimizer_states": StateSpace.from_dict(section, fail)}
 
 
 def _refuse_unknown(data: dict[str, Any], known: tuple[str, ...], where: str, fail: Fail) -> None:

@@ -81,6 +81,8 @@ def search(
     warning = schedule_warning(prepared.task, prepared.model, prepared.config)
     if warning is not None:  # the trials see only the start of the task's warm-up
         session.callbacks.warning(warning)
+    for note in prepared.space.notes:  # what the space left out (a library not installed)
+        session.callbacks.warning(note)
     phases_s = {"setup": time.perf_counter() - started_s}
     session.set_up(_parent_params(prepared))
     set_up_s = time.perf_counter() - started_s - phases_s["setup"]

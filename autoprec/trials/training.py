@@ -17,7 +17,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -679,7 +679,10 @@ class _Run:
             result.reason = f"{result.reason}; {reason}" if result.reason else reason
         if states.all_fp32(self.model):
             kinds = STATE_KINDS[1:]  # the first, fp32, is what they train in now
-            losses = state_loss(self.model, self.optimizer, states, kinds)
+            try:
+                losses = state_loss(self.model, self.optimizer, states, kinds)
+            except ImportError:  # torchao, whose quantisers say it, is not installed
+                losses = []
             result.state_loss = [loss.to_json() for loss in losses]
 
     def _forecast(self, batches: Iterator[Any] | None) -> None:
@@ -1119,11 +1122,26 @@ class TrainingTrials:
         }
 
     def fit(self, space: SearchSpace, profile: Profile | None) -> SearchSpace:
-        """Training runs under autocast: how it treats these layers is watched first."""
+        """Training runs under autocast: how it treats these layers is watched first. A
+        space without an ``optimizer_states`` section searches the states
+        `autoprec.optim.offered` offers too, where it says ``optimizer_states: auto`` or
+        the search prefers memory."""
         self.backend.check_training_emulation()
         watch_task(self.task, self.model, self.backend)
         supported = {d for d in formats.names() if self.backend.supports(d)}
+        space = self._with_offered_states(space)
         return space.fit(self.model, profile, self.backend, mode=self.mode).restrict(supported)
+
+    def _with_offered_states(self, space: SearchSpace) -> SearchSpace:
+        from autoprec.optim.offered import offered_states
+
+        prefers_memory = self.asked[1] == "memory"
+        if space.optimizer_states is not None or not (space.auto_states or prefers_memory):
+            return space
+        optimizer = self.task.make_optimizer(self.model.parameters())
+        offered = offered_states(self.model, optimizer)
+        notes = space.notes if offered.note is None else (*space.notes, offered.note)
+        return replace(space, optimizer_states=offered.states, auto_states=True, notes=notes)
 
     def choice(self, space: SearchSpace) -> Choice:
         """The space's tolerance unless one was given; speed first; the task's name."""

@@ -113,8 +113,9 @@ class TrainingSpaceRules:
             anchors[f"uniform-{made.name}"] = params
             scaled = params.get("loss_scale.mode", "none") != "none"
             if made.scales_loss and scaled and "none" in space.loss_scale.modes:
-                dtypes_only = {k: v for k, v in params.items() if k.startswith("dtype.")}
-                anchors[f"uniform-{made.name}-noscale"] = {**dtypes_only, "loss_scale.mode": "none"}
+                # the layers' dtypes and the optimizer states (fp32) without the scaling
+                unscaled = {k: v for k, v in params.items() if not k.startswith("loss_scale.")}
+                anchors[f"uniform-{made.name}-noscale"] = {**unscaled, "loss_scale.mode": "none"}
         for made in formats.all_formats():
             if made.records_conversion and any(made.name in g.dtypes for g in space.groups):
                 anchors[f"uniform-{made.name}"] = uniform_params(space, made.name)
