@@ -42,20 +42,44 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
 
 
-# Files whose tests take minutes (every README and docs command, 6-8 minutes): handed out
-# first, so that the other workers share the rest meanwhile and none waits at the end.
-LONGEST_FIRST = ("test_readme_commands.py",)
+# Files whose tests take minutes (every README and docs command; serving searches and a
+# transformers model exported): handed out first, so that the other workers share the rest
+# meanwhile and none waits at the end.
+LONGEST_FIRST = ("test_readme_commands.py", "test_serving_search.py")
+
+# Files with tests of a minute or more (whole searches run as typed, a transformers model
+# exported): their tests that share no module-scoped fixture are units of their own, so
+# that the workers share them rather than one worker running the file from end to end;
+# those that share one stay one unit, so that it is built once.
+A_UNIT_A_TEST = ("test_readme_commands.py", "test_serving_search.py")
+
+
+def _shares_a_module_fixture(item) -> bool:
+    """Whether ``item`` uses a fixture that lives longer than one test (session-scoped
+    ones are built once a worker anyway)."""
+    definitions = item._fixtureinfo.name2fixturedefs.values()
+    return any(d.scope in ("module", "package", "class") for ds in definitions for d in ds)
+
+
+def _unit(item) -> str:
+    """The xdist group ``item`` runs in: the ranks', its own, or its file's."""
+    name = item.path.name
+    if name in RANKS_GROUP:
+        return "ranks"
+    if name in A_UNIT_A_TEST and not _shares_a_module_fixture(item):
+        return item.nodeid
+    return name
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """A test file is one unit of work for xdist's ``--dist loadgroup`` (pyproject.toml's
     addopts), so that its module-scoped searches run once; the files of RANKS_GROUP are
-    one unit together, and those of LONGEST_FIRST come first."""
+    one unit together, a test of A_UNIT_A_TEST without a module-scoped fixture is one of
+    its own, and the files of LONGEST_FIRST come first."""
     items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: else as found
     for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("ranks" if name in RANKS_GROUP else name))
+        item.add_marker(pytest.mark.xdist_group(_unit(item)))
 
 
 @pytest.fixture
