@@ -102,6 +102,7 @@ HANDLED: dict[str, Handling] = {
     "--device cpu": SEARCH,
     "autoprec search --print-config > search.yaml": Handling(writes=True),
     "autoprec search --config search.yaml --trials 4 --steps 50": SEARCH,
+    "autoprec --version": Handling(),
 }
 FAST = ("autoprec search", "autoprec search --mode serving --scenario edge")
 
