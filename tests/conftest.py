@@ -51,7 +51,7 @@ LONGEST_FIRST = ("test_readme_commands.py", "test_serving_search.py")
 # exported): their tests that share no module-scoped fixture are units of their own, so
 # that the workers share them rather than one worker running the file from end to end;
 # those that share one stay one unit, so that it is built once.
-A_UNIT_A_TEST = ("test_readme_commands.py", "test_serving_search.py")
+A_UNIT_A_TEST = ("test_readme_commands.py", "test_serving_search.py", "test_search_guard.py")
 
 
 def _shares_a_module_fixture(item) -> bool:
