@@ -103,6 +103,7 @@ HANDLED: dict[str, Handling] = {
     "autoprec search --print-config > search.yaml": Handling(writes=True),
     "autoprec search --config search.yaml --trials 4 --steps 50": SEARCH,
     "autoprec --version": Handling(),
+    "autoprec search --trials 4 --steps 50 --workers 2 --study digits-mlp-2workers": SEARCH,
 }
 FAST = ("autoprec search", "autoprec search --mode serving --scenario edge")
 
