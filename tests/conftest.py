@@ -43,14 +43,15 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 # Files with tests of a minute or more (whole searches run as typed, a transformers model
-# exported, long confirmations): a test that shares no module-scoped fixture is a unit of
-# its own, and the tests that share one are a unit together (so it is built once), so
-# that the workers share such a file rather than one worker running it end to end.
+# exported, long confirmations, the zoo's tasks): a test that shares no module-scoped
+# fixture is a unit of its own, and the tests that share one are a unit together (so it is
+# built once), so that the workers share such a file rather than one worker running it.
 A_UNIT_A_TEST = (
     "test_readme_commands.py",
     "test_serving_search.py",
     "test_search_guard.py",
     "test_confirmation.py",
+    "test_zoo.py",
 )
 
 # The files whose tests take minutes are handed out first, so that the other workers share
