@@ -42,20 +42,51 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
 
 
-# Files whose tests take minutes (every README and docs command, 6-8 minutes): handed out
-# first, so that the other workers share the rest meanwhile and none waits at the end.
-LONGEST_FIRST = ("test_readme_commands.py",)
+# Files with tests of a minute or more (whole searches run as typed, a transformers model
+# exported, long confirmations, the zoo's tasks): a test that shares no module-scoped
+# fixture is a unit of its own, and the tests that share one are a unit together (so it is
+# built once), so that the workers share such a file rather than one worker running it.
+A_UNIT_A_TEST = (
+    "test_readme_commands.py",
+    "test_serving_search.py",
+    "test_search_guard.py",
+    "test_confirmation.py",
+    "test_zoo.py",
+)
+
+# The files whose tests take minutes are handed out first, so that the other workers share
+# the rest meanwhile and none waits at the end.
+LONGEST_FIRST = A_UNIT_A_TEST
+
+
+def _module_fixtures(item) -> list[str]:
+    """The fixtures ``item`` uses that live longer than one test (session-scoped ones are
+    built once a worker anyway)."""
+    found = item._fixtureinfo.name2fixturedefs.items()
+    return sorted(name for name, defs in found if defs[-1].scope in ("module", "package", "class"))
+
+
+def _unit(item) -> str:
+    """The xdist group ``item`` runs in: the ranks', its own, its module fixtures', or its
+    file's."""
+    name = item.path.name
+    if name in RANKS_GROUP:
+        return "ranks"
+    if name not in A_UNIT_A_TEST:
+        return name
+    shared = _module_fixtures(item)
+    return f"{name}::{'+'.join(shared)}" if shared else item.nodeid
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """A test file is one unit of work for xdist's ``--dist loadgroup`` (pyproject.toml's
     addopts), so that its module-scoped searches run once; the files of RANKS_GROUP are
-    one unit together, and those of LONGEST_FIRST come first."""
+    one unit together, a test of A_UNIT_A_TEST is one with the tests that share its
+    module-scoped fixtures (alone without one), and the files of LONGEST_FIRST come first."""
     items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: else as found
     for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("ranks" if name in RANKS_GROUP else name))
+        item.add_marker(pytest.mark.xdist_group(_unit(item)))
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ run before it in the pages' order.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.util
 import os
@@ -34,6 +35,7 @@ import sys
 import termios
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,6 +103,8 @@ HANDLED: dict[str, Handling] = {
     "--device cpu": SEARCH,
     "autoprec search --print-config > search.yaml": Handling(writes=True),
     "autoprec search --config search.yaml --trials 4 --steps 50": SEARCH,
+    "autoprec --version": Handling(),
+    "autoprec search --trials 4 --steps 50 --workers 2 --study digits-mlp-2workers": SEARCH,
 }
 FAST = ("autoprec search", "autoprec search --mode serving --scenario edge")
 
@@ -158,10 +162,35 @@ def docs_pages() -> list[Path]:
 
 def readme_steps() -> list[Step]:
     """The steps of README.md, then of every docs page, in that order."""
-    steps = []
-    for page in [README, *docs_pages()]:
-        steps += _page_steps(page.read_text())
-    return steps
+    return [step for steps in pages_steps().values() for step in steps]
+
+
+def pages_steps() -> dict[str, list[Step]]:
+    """Each page's steps, README.md's first, then the docs pages in mkdocs.yml's order."""
+    return {page.name: _page_steps(page.read_text()) for page in [README, *docs_pages()]}
+
+
+# Pages whose commands use what another page's steps made, walked as one unit after it:
+# Serving search's ``--checkpoint my_weights.pt`` is the file the README's loop saves.
+WALKED_AFTER = {"serving-search.md": "README.md"}
+
+
+def walks() -> dict[str, list[Step]]:
+    """The pages' steps as independent walks, each in a folder of its own: a page's own
+    steps, after those of the page it needs (`WALKED_AFTER`); pages without commands or
+    snippets are left out. Every file step (``my_task.py``) is in every walk, first."""
+    pages = pages_steps()
+    files = [step for steps in pages.values() for step in steps if step.kind == "file"]
+    found: dict[str, list[Step]] = {}
+    for name, steps in pages.items():
+        if name in WALKED_AFTER.values():
+            continue
+        after = WALKED_AFTER.get(name)
+        walked = [*pages.get(after or "", []), *steps]
+        if any(step.kind != "file" for step in walked):
+            label = f"{after}+{name}" if after else name
+            found[label] = [*files, *(step for step in walked if step.kind != "file")]
+    return found
 
 
 def _page_steps(text: str) -> list[Step]:
@@ -458,26 +487,48 @@ def test_the_config_file_commands_run_as_typed(tmp_path):
     assert (tmp_path / "runs/digits-mlp/summary.json").is_file()
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(postgres_bin() is None, reason="PostgreSQL is not installed")
-@pytest.mark.skipif(importlib.util.find_spec("psycopg") is None, reason="psycopg is missing")
-def test_every_readme_command_runs_as_typed(tmp_path):
-    """Every step of the README in its order, in one folder (later lines use what earlier
-    ones made), each command in a terminal, where the bar draws. A command that is not a
-    search also runs piped; searches run piped in `test_the_first_commands_run_as_typed`
+def _walk_param(name: str, steps: list[Step]):
+    """A walk as a test case: slow, and skipped where its hosts need what is missing."""
+    marks = [pytest.mark.slow]
+    if any(step.kind == "command" and HANDLED[step.text].servers for step in steps):
+        missing = postgres_bin() is None or importlib.util.find_spec("psycopg") is None
+        marks.append(pytest.mark.skipif(missing, reason="PostgreSQL or psycopg is missing"))
+    return pytest.param(steps, id=name.replace(".md", ""), marks=marks)
+
+
+# The walks with most steps first: xdist hands out the longest while the rest is shared.
+@pytest.mark.parametrize(
+    "steps",
+    [_walk_param(name, s) for name, s in sorted(walks().items(), key=lambda w: -len(w[1]))],
+)
+def test_every_readme_command_runs_as_typed(steps, tmp_path):
+    """Every step of a page (`walks`) in its order, in one folder (later lines use what
+    earlier ones made), each command in a terminal, where the bar draws. A command that is
+    not a search also runs piped; searches run piped in `test_the_first_commands_run_as_typed`
     (training and serving: the bar's code does not ask which device or store it is on),
-    so the suite does not pay for every search twice."""
-    with (
-        postgres(("optuna", "mlflow")) as pg,
-        mlflow_server(f"{pg}/mlflow", tmp_path / "artifacts") as tracking,
-    ):
-        host = pg.removeprefix("postgresql://")
-        machine = Machine({"autoprec@db.example": host, "http://10.0.0.5:5000": tracking})
+    so the suite does not pay for every search twice. A page is a test of its own, so that
+    the workers share the pages."""
+    with contextlib.ExitStack() as hosts:
+        machine = Machine()
+        if any(step.kind == "command" and HANDLED[step.text].servers for step in steps):
+            pg = hosts.enter_context(postgres(("optuna", "mlflow")))
+            tracking = hosts.enter_context(mlflow_server(f"{pg}/mlflow", tmp_path / "artifacts"))
+            host = pg.removeprefix("postgresql://")
+            machine = Machine({"autoprec@db.example": host, "http://10.0.0.5:5000": tracking})
         folder = tmp_path / "user"
         folder.mkdir()
-        steps = readme_steps()  # the files a command names are written before any command
-        for step in sorted(steps, key=lambda s: s.kind != "file"):
+        for step in steps:
             if step.kind != "command" or not HANDLED[step.text].draws:
                 run_step(step, folder, machine, pty_=False)
             if step.kind == "command":
                 run_step(step, folder, machine, pty_=True)
+
+
+def test_the_walks_take_every_step_once():
+    """The walks together take every step of every page once, and the files first in each."""
+    walked = [step for steps in walks().values() for step in steps if step.kind != "file"]
+    assert Counter(walked) == Counter(step for step in readme_steps() if step.kind != "file")
+    assert len(walks()) >= 10, list(walks())  # the pages are still walked one by one
+    for steps in walks().values():
+        kinds = [step.kind for step in steps]
+        assert kinds == sorted(kinds, key=lambda kind: kind != "file")
