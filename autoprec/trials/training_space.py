@@ -15,7 +15,7 @@ import autoprec.formats as formats
 from autoprec.devices import autocast_behaviour, failing_dtypes, fp8_unavailable_reason
 from autoprec.errors import SpaceError
 from autoprec.precision.plan import parameterised_leaves
-from autoprec.space.groups import Group, dtype_beside, formats_among
+from autoprec.space.groups import Group, dtype_beside, formats_among, widest
 from autoprec.space.loss_scale import flat_loss_scale
 from autoprec.space.policies import uniform_params
 
@@ -75,9 +75,11 @@ class TrainingSpaceRules:
         and the optimizer-state groups fitted to the model's parameters."""
         kept = _without_failing_dtypes(groups, assignment, model, kind)
         fitted = replace(space, int8_method=None, fp8_method=None)
-        for made in (f for f in formats.all_formats() if f.records_conversion and space.offers_fp8):
-            kept = _with_fp8_where_it_fits(kept, assignment, model, space.source, made)
-            fitted = replace(fitted, fp8_recipes=_runnable_recipes(space, kept, kind, made))
+        for made in formats.all_formats():  # fp8, MXFP8: where a group's layers take it
+            if made.converts and any(made.name in g.dtypes for g in kept):
+                kept = _with_fp8_where_it_fits(kept, assignment, model, space.source, made)
+            if made.records_conversion and space.offers_fp8:
+                fitted = replace(fitted, fp8_recipes=_runnable_recipes(space, kept, kind, made))
         if space.optimizer_states is not None:
             states = space.optimizer_states.fit(model, lambda m: SpaceError(f"{space.source}: {m}"))
             fitted = replace(fitted, optimizer_states=states)
@@ -120,7 +122,10 @@ class TrainingSpaceRules:
             if made.records_conversion and any(made.name in g.dtypes for g in space.groups):
                 anchors[f"uniform-{made.name}"] = uniform_params(space, made.name)
         if space.optimizer_states is not None:
-            anchors.update(space.optimizer_states.anchors(uniform_params(space, "fp32")))
+            # the states' anchors beside each group's widest dtype (fp32 where it may)
+            high = uniform_params(space, formats.reference().name)
+            high.update({f"dtype.{g.name}": widest(g.dtypes) for g in space.groups})
+            anchors.update(space.optimizer_states.anchors(high))
         return anchors
 
     def recorded(
@@ -174,7 +179,8 @@ def _with_fp8_where_it_fits(
         if others == group.dtypes:
             fitted.append(group)
         elif group.name not in refused:
-            fitted.append(replace(group, fp8_leaves=tuple(leaves[group.name])))
+            own = tuple(leaves[group.name]) if made.records_conversion else group.fp8_leaves
+            fitted.append(replace(group, fp8_leaves=own))
         elif not others:
             raise SpaceError(
                 f"{source}: group {group.name!r}: offers only {made.name}, but "
