@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import autoprec.formats as formats
 from autoprec.errors import AutoprecError
-from autoprec.exports.registry import format_names
 from autoprec.selection import TRAINING_PREFERENCES
 from autoprec.serving.scenarios import SERVING_PREFERENCES
 
@@ -78,7 +77,11 @@ class Mode:
     view: ClassVar[str] = "autoprec.report.training:training_view"
     text: ClassVar[str] = "autoprec.report.modes:TRAINING_TEXT"
     # ``autoprec export --format``s its studies allow, the first the default.
-    export_formats: ClassVar[tuple[str, ...]] = ("yaml",)
+    # ``autoprec export --format``'s default for its studies; whether they allow the other
+    # formats, and those of converted weights (`autoprec.exports.registry.format_names`).
+    export_default: ClassVar[str] = "yaml"
+    exports_others: ClassVar[bool] = False
+    exports_converted: ClassVar[bool] = False
     # How its studies' policies are used, for ``autoprec export``'s refusal of a format.
     policy_use: ClassVar[str] = "whose policy is applied with autoprec.Precision"
     # Why ``autoprec export`` finds no trained fp32 weights ({weights}: where it looked).
@@ -103,6 +106,14 @@ class Mode:
         if self.config is None:
             raise TypeError(f"{self!r}: no class of its own settings (Mode.config)")
         return load(self.config)  # type: ignore[no-any-return]
+
+    @property
+    def export_formats(self) -> tuple[str, ...]:
+        """``autoprec export --format``s its studies allow, the first the default."""
+        if not self.exports_others:
+            return (self.export_default,)
+        names = load("autoprec.exports.registry:format_names")
+        return names(self.export_default, converted=self.exports_converted)  # type: ignore[no-any-return]
 
     def load_space_rules(self) -> Any:
         """Its space rules, imported on first use."""
@@ -160,8 +171,7 @@ class TrainingMode(Mode):
     trials = "autoprec.trials.training:TrainingTrials"
     help = "trials train the model under each policy"
     trains = True
-    # a training study keeps no trained weights: no format of converted ones
-    export_formats = format_names("yaml", converted=False)
+    exports_others = True  # but no format of converted weights: it keeps none
     rank_trial = "autoprec.distributed.rank:run_rank"
     missing_weights = "a training search keeps no weights: its trials train only --steps steps"
 
@@ -178,7 +188,9 @@ class ServingMode(Mode):
     )
     settings = "serving"
     preferences = SERVING_PREFERENCES
-    export_formats = format_names("model")
+    export_default = "model"
+    exports_others = True
+    exports_converted = True
     config = "autoprec.trials.serving:ServingConfig"
     space_rules = "autoprec.trials.serving_space:RULES"
     summary_part = "autoprec.study.serving_summary:Serving"

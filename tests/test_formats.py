@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import matplotlib.image
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -169,7 +171,7 @@ def test_a_made_up_format_is_searched_exported_and_drawn(tmp_path: Path) -> None
             accuracy_tolerance: 0.02
             dtypes: [fp32, e3m2]
             groups: auto
-            auto_groups: {max_groups: 3}
+            auto_groups: {max_groups: 4}
         """)
     )
     env = {**os.environ, "AUTOPREC_FORMATS": f"{source}:E3M2"}
@@ -189,7 +191,11 @@ def test_a_made_up_format_is_searched_exported_and_drawn(tmp_path: Path) -> None
     assert '"e3m2"' in json.dumps(summary["trials"])  # some trial put a group in it
     out = tmp_path / "exported"
     run("export", "--study", "digits-mlp", "--out", str(out), f"--runs-dir={runs}")
-    assert Policy.from_yaml((out / "policy.yaml").read_text()).name is not None
+    best = Policy.from_yaml((runs / "digits-mlp" / "best_policy.yaml").read_text())
+    assert Policy.from_yaml((out / "policy.yaml").read_text()) == best
     run("report", "--study", "digits-mlp", f"--runs-dir={runs}", tracking)
-    page = next(runs.rglob("*.html")).read_text()
-    assert "e3m2" in page and "#17becf" in page
+    assert "e3m2" in (runs / "digits-mlp" / "report.html").read_text()
+    # the dtype map draws its layers in the format's own colour, #17becf
+    pixels = matplotlib.image.imread(runs / "digits-mlp" / "dtype_map.png")[..., :3]
+    colour = np.array([0x17, 0xBE, 0xCF]) / 255
+    assert (np.abs(pixels - colour).max(axis=-1) < 0.02).any()

@@ -219,7 +219,7 @@ def test_fp8_on_the_cpu_needs_the_opt_in():
     assert not get_backend("cpu").supports("fp8")
     assert get_backend("cpu", emulate="fp8").supports("fp8")
     assert get_backend("cpu", emulate=["fp8"]).emulated() == ("fp8",)
-    with pytest.raises(DeviceError, match="only fp8 can be emulated"):
+    with pytest.raises(DeviceError, match="only fp8, mxfp8, mxfp4, nvfp4 can be emulated"):
         get_backend("cpu", emulate="int4")
 
 
