@@ -13,8 +13,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 from autoprec import formats
 
 PACKAGE = Path(__file__).resolve().parent.parent / "autoprec"
@@ -98,12 +96,6 @@ def test_the_scan_sees_each_kind_of_comparison() -> None:
     assert _lines(source, _format_names()) == [1, 2, 3, 4, 6]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="18 remain while the migration lands: 14 in devices.py, policy.py, precision/, "
-    "serving/mlflow_model.py, trials/serving.py and trials/training.py, 4 in "
-    "exports/__init__.py's dispatch (its export format named fp8)",
-)
 def test_no_code_outside_formats_compares_against_a_format_name() -> None:
     found = offences()
     assert not found, f"{len(found)} comparisons against a format's name:\n" + "\n".join(found)

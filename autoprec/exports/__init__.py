@@ -12,6 +12,7 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import autoprec.formats as formats
 from autoprec.errors import ExportError, ExportWarning
 from autoprec.exports.registry import FORMATS, ExportFormat, ExportRequest, load
 
@@ -80,8 +81,9 @@ def export_policy(
 
 
 def _served_in(policy: Policy) -> str:
-    """What makes a policy serving-only: int8 layers, and/or fp8 ones by a serving method."""
-    found = ["int8"] if "int8" in (policy.default, *(r.dtype for r in policy.rules)) else []
+    """What makes a policy serving-only: layers in a format only serving has (int8), and/or
+    fp8 ones by a serving method."""
+    found = [d for d in dict.fromkeys(policy.named_dtypes) if not formats.get(d).trains]
     if policy.fp8_method is not None and policy.names_fp8:
         found.append(f"fp8 ({policy.fp8_method})")
     return " and ".join(found)

@@ -189,7 +189,9 @@ class StateSpace:
             )
         # Every state in fp32 is the task's own optimizer whichever library the others
         # take (bitsandbytes' 32-bit step is not it): the fp32 baseline is the task's.
-        quantised = any(g.state != "fp32" or g.master != "fp32" for g in groups)
+        quantised = not all(
+            in_reference(g.state or "") and in_reference(g.master or "") for g in groups
+        )
         return OptimizerStates(
             groups=tuple(groups), library=self.library if quantised else "torchao"
         )
