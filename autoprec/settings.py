@@ -30,12 +30,12 @@ from autoprec._util.names import (
     DEFAULT_STORAGE,
     DEFAULT_TASK,
     DEFAULT_TRACKING_URI,
-    FP8_SERVING_METHODS,
     HEARTBEAT_INTERVAL_S,
-    INT8_METHODS,
     SAMPLERS,
 )
 from autoprec.errors import AutoprecError, StoreError, redact
+from autoprec.formats.fp8 import FP8
+from autoprec.formats.int8 import INT8
 from autoprec.serving.scenarios import SCENARIOS, scenario
 from autoprec.trials import DEFAULT_MODE, MODES, Mode, mode_named
 from autoprec.trials.schedule import TRIAL_SCHEDULES
@@ -297,14 +297,14 @@ class ServingSettings:
     int8: str = option(
         "auto",
         "int8 Linear layers: auto (where the device has kernels), off, or a method",
-        choices=("auto", "off", *INT8_METHODS),
+        choices=("auto", "off", *(m.name for m in INT8.methods)),
         study="int8",
     )
     fp8: str = option(
         "auto",
         "fp8 Linear layers for serving (torchao float8 weights): auto (CUDA 8.9+; on the CPU "
         "only with --emulate fp8), off, or a method",
-        choices=("auto", "off", *FP8_SERVING_METHODS),
+        choices=("auto", "off", *(m.name for m in FP8.methods)),
         study_if_set="fp8",  # studies without fp8 keep the identity they had before it
     )
 

@@ -89,16 +89,12 @@ def test_the_console_script_prints_the_version_and_the_help():
 def test_the_cli_names_are_the_registries_names():
     """The names the parser offers without importing torch are those the code runs."""
     from autoprec._util import names as _names
-    from autoprec.serving.fp8 import FP8_SERVING_METHODS
-    from autoprec.serving.quantizers import INT8_METHODS
     from autoprec.study import config
     from autoprec.tasks import BUILTIN_TASKS, DEFAULT_TASK
     from autoprec.tracking import DEFAULT_TRACKING_URI
 
     assert tuple(BUILTIN_TASKS) == _names.BUILTIN_TASK_NAMES
     assert _names.DEFAULT_TASK == DEFAULT_TASK
-    assert _names.INT8_METHODS == INT8_METHODS
-    assert _names.FP8_SERVING_METHODS == FP8_SERVING_METHODS
     assert _names.DEFAULT_STORAGE == config.DEFAULT_STORAGE
     assert _names.DEFAULT_TRACKING_URI == DEFAULT_TRACKING_URI
     assert _names.SAMPLERS == config.SAMPLERS

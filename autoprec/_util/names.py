@@ -1,5 +1,6 @@
-"""The names the ``autoprec`` command offers before it runs anything: built-in tasks, serving
-methods, samplers and the default stores.
+"""The names the ``autoprec`` command offers before it runs anything: built-in tasks, samplers
+and the default stores (the formats' names and methods need no mirror: `autoprec.formats`
+imports no torch).
 
 They live here, away from the registries that define them (which import torch, MLflow and
 Optuna), so that ``autoprec --version`` and every ``--help`` answer without importing any of
@@ -24,13 +25,6 @@ BUILTIN_TASK_NAMES = (
     "tiny-t5",
 )
 DEFAULT_TASK = "digits-mlp"
-# autoprec.serving.quantizers.INT8_METHODS and autoprec.serving.fp8.FP8_SERVING_METHODS
-INT8_METHODS = ("dynamic", "torchao-dynamic", "torchao-weight-only")
-FP8_SERVING_METHODS = (
-    "torchao-fp8-weight-only",
-    "torchao-fp8-dynamic",
-    "torchao-fp8-dynamic-rowwise",
-)
 # autoprec.study.config's and autoprec.tracking's
 DEFAULT_STORAGE = "sqlite:///runs/optuna.db"
 DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"
