@@ -114,6 +114,16 @@ def test_mxfp8_trains_by_hand_as_its_numerics_say_and_its_layers_come_back() -> 
     assert train(mlp(), Policy()) != losses
 
 
+def test_mxfp8_layers_inside_a_bf16_region_train() -> None:
+    """Behind a LayerNorm that hands on fp32, inside bf16 autocast: the matmul's operands
+    and the backward's take one dtype."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 10))
+    policy = Policy.from_yaml("default: bf16\nrules:\n- {patterns: ['2'], dtype: mxfp8}\n")
+    losses = train(model, policy, emulate="mxfp8")
+    assert losses[-1] < losses[0] and model[2].weight.dtype == torch.float32
+
+
 def test_mxfp8_without_emulation_on_the_cpu_is_refused_in_one_line() -> None:
     policy = Policy(rules=(Rule("mxfp8", patterns=("0",)),))
     with pytest.raises(PolicyError) as error:

@@ -43,12 +43,17 @@ def _function(round_trip: RoundTrip, block: int) -> Any:
     class _Matmuls(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            # one dtype for both operands: the region's where autocast is on, as a kernel's
+            kind = x.device.type
+            dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+            x, weight = x.to(dtype), weight.to(dtype)
             ctx.save_for_backward(x, weight)
             return along(round_trip, x, -1, block) @ along(round_trip, weight, -1, block).t()
 
         @staticmethod
         def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             x, weight = ctx.saved_tensors
+            grad = grad.to(x.dtype)  # backward runs outside the region
             # grad_input contracts over the outputs, grad_weight over the tokens.
             grad_x = along(round_trip, grad, -1, block) @ along(round_trip, weight, 0, block)
             tokens_grad = along(round_trip, grad.reshape(-1, grad.shape[-1]), 0, block)
