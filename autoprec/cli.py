@@ -604,10 +604,11 @@ def _check_shared(args: argparse.Namespace) -> None:
     """The settings a command shares with the search, checked as declared before anything
     is read or written (a ``--study`` cannot lead outside the runs folder)."""
     for name in _SHARED if args.command != "search" else ():
-        values = getattr(args, name, None)
-        for value in values if isinstance(values, list) else [values]:
+        setting, values = declared(name), getattr(args, name, None)
+        several = isinstance(values, list) and not setting.repeated  # compare's --study
+        for value in values if several and values is not None else [values]:
             if value is not None:  # the command's own default: none given
-                declared(name).checked(value)
+                setting.checked(value)
 
 
 def _with_config_file(

@@ -74,6 +74,7 @@ class Measured:
 
     def __post_init__(self) -> None:
         self.state = TrialState(self.state)
+        self.retries = tuple(self.retries)  # as read back from JSON (a list) or made
 
     @property
     def time_ms(self) -> float | None:
