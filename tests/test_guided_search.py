@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import autoprec
 from autoprec.tasks import load_task
 from autoprec.tracking import mlflow_client
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CLI = "import sys; from autoprec.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -50,8 +53,16 @@ def test_profile_command_refuses_bad_input(in_tmp):
 
 @pytest.mark.slow
 def test_guided_search_keeps_the_overflowing_layer_and_lowers_the_rest(in_tmp):
+    # The task's shipped space with the optimizer's states held in fp32: --prefer memory
+    # would search them too, and this test follows the layers.
+    shipped = (ROOT / "search_spaces" / "digits-overflow.yaml").read_text()
+    space = in_tmp / "layers.yaml"
+    space.write_text(
+        shipped
+        + "optimizer_states:\n  groups:\n    - {name: all, patterns: ['*'], states: [fp32]}\n"
+    )
     result = autoprec.search(
-        "digits-overflow", trials=6, steps=40, device="cpu", prefer="memory", confirm_top=0
+        "digits-overflow", space, trials=6, steps=40, device="cpu", prefer="memory", confirm_top=0
     )
     summary = result.summary
     assert summary["profile"][0]["module"] == "features"
