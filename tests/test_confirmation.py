@@ -238,9 +238,12 @@ def test_a_trial_length_confirmation_reuses_the_baseline(tmp_path, monkeypatch):
 
 # The optimizer's states held in fp32: --prefer memory would search them too, and this
 # test is about the layers.
-LATE_SPACE = SPACE.replace("name: late", "name: late-overflow").replace(
-    "{name: grow, patterns: [grow]}", "{name: body, patterns: [body]}"
-) + "optimizer_states:\n  groups:\n    - {name: all, patterns: ['*'], states: [fp32]}\n"
+LATE_SPACE = (
+    SPACE.replace("name: late", "name: late-overflow").replace(
+        "{name: grow, patterns: [grow]}", "{name: body, patterns: [body]}"
+    )
+    + "optimizer_states:\n  groups:\n    - {name: all, patterns: ['*'], states: [fp32]}\n"
+)
 
 
 @pytest.mark.slow
