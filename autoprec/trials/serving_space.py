@@ -75,6 +75,9 @@ class ServingSpaceRules:
         ):
             takes = partial(_fp8_takes, fp8_method) if made.converts else int8_capable
             kept = _where_it_fits(kept, assignment, model, made, takes)
+        for made in formats.all_formats():  # MXFP8, MXFP4, NVFP4: where a space lists them
+            if made.quantizes and not made.policy_records:
+                kept = _where_every_layer_fits(kept, assignment, model, made)
         return replace(
             space,
             groups=tuple(kept),
@@ -158,6 +161,22 @@ def _where_it_fits(
             group = replace(group, int8_leaves=leaves if some else ())
         fitted.append(replace(group, dtypes=dtypes))
     return fitted
+
+
+def _where_every_layer_fits(
+    groups: list[Group], assignment: dict[str, str], model: nn.Module, made: Format
+) -> list[Group]:
+    """``made`` left to the groups that list it and whose layers it all serves."""
+    modules = dict(model.named_modules())
+    refused = {
+        group
+        for leaf, group in assignment.items()
+        if made.serving_layer_refusal(modules[leaf], None) is not None
+    }
+    return [
+        replace(g, dtypes=tuple(d for d in g.dtypes if d != made.name)) if g.name in refused else g
+        for g in groups
+    ]
 
 
 def _fp8_takes(method: str | None, module: nn.Module) -> bool:
