@@ -99,18 +99,35 @@ def import_torchao() -> Any:
     return torchao
 
 
-def torchao_quantize(config: Callable[[], Any]) -> Callable[[nn.Module, list[str]], None]:
+def torchao_quantize(
+    config: Callable[[], Any], bf16: bool = False
+) -> Callable[[nn.Module, list[str]], None]:
     """Quantize the named layers of a model with torchao's ``quantize_`` and the config
-    ``config()`` makes."""
+    ``config()`` makes; with ``bf16``, the layers cast to bf16 first (torchao's MX and
+    NVFP4 linears are bf16 in and out)."""
 
     def quantize(model: nn.Module, names: list[str]) -> None:
         import_torchao()
+        import torch
         import torchao.quantization as quantization
 
         chosen = set(names)
+        for name in chosen if bf16 else ():
+            model.get_submodule(name).to(torch.bfloat16)
         quantization.quantize_(model, config(), filter_fn=lambda module, fqn: fqn in chosen)
 
     return quantize
+
+
+def kernel_preference(capability: tuple[int, int]) -> Any:
+    """torchao's ``KernelPreference``: its own kernels on a CUDA device of at least
+    ``capability``, else emulated ones (real numerics, no speed)."""
+    import_torchao()
+    import torch
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    native = torch.cuda.is_available() and torch.cuda.get_device_capability() >= capability
+    return KernelPreference.AUTO if native else KernelPreference.EMULATED
 
 
 def torchao_config(name: str, **kwargs: str) -> Callable[[], Any]:

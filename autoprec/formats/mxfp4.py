@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from autoprec.formats.base import QUANTIZE, Format, Limits
 from autoprec.formats.blocks import dims_refusal
-from autoprec.formats.methods import Quantizer, import_torchao
+from autoprec.formats.methods import Quantizer, kernel_preference, torchao_quantize
 
 if TYPE_CHECKING:
     from torch import nn
@@ -22,23 +22,15 @@ BLOCK = 32
 _CONFIG = "MXDynamicActivationMXWeightConfig"
 
 
-def _quantize(model: nn.Module, names: list[str]) -> None:
-    import_torchao()
+def _config() -> Any:
     import torch
     from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
-    from torchao.quantization import quantize_
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-    chosen = set(names)
-    for name in chosen:
-        model.get_submodule(name).to(torch.bfloat16)  # torchao's MX linear is bf16 in and out
-    native = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0)
-    config = MXDynamicActivationMXWeightConfig(
+    return MXDynamicActivationMXWeightConfig(
         activation_dtype=torch.float4_e2m1fn_x2,
         weight_dtype=torch.float4_e2m1fn_x2,
-        kernel_preference=KernelPreference.AUTO if native else KernelPreference.EMULATED,
+        kernel_preference=kernel_preference((10, 0)),
     )
-    quantize_(model, config, filter_fn=lambda module, fqn: fqn in chosen)
 
 
 class MXFP4(Format):
@@ -62,7 +54,7 @@ class MXFP4(Format):
             True,
             False,
             "torchao has no MX kernels for {kind}",
-            _quantize,
+            torchao_quantize(_config, bf16=True),
         ),
     )
     default_methods: ClassVar[dict[str, str]] = {"cpu": "torchao-mxfp4", "cuda": "torchao-mxfp4"}

@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from autoprec.formats.base import CONVERT, QUANTIZE, Format, Limits
 from autoprec.formats.blocks import BlockLayers, dims_refusal
-from autoprec.formats.methods import Quantizer, import_torchao
+from autoprec.formats.methods import (
+    Quantizer,
+    import_torchao,
+    kernel_preference,
+    torchao_quantize,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -34,20 +39,10 @@ def _round_trip(tensor: torch.Tensor) -> torch.Tensor:
     return MXTensor.to_mx(tensor, torch.float8_e4m3fn, BLOCK).dequantize(tensor.dtype)
 
 
-def _quantize(model: nn.Module, names: list[str]) -> None:
-    import_torchao()
-    import torch
+def _config() -> Any:
     from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
-    from torchao.quantization import quantize_
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
-    chosen = set(names)
-    for name in chosen:
-        model.get_submodule(name).to(torch.bfloat16)  # torchao's MX linear is bf16 in and out
-    emulated = not torch.cuda.is_available() or torch.cuda.get_device_capability() < (10, 0)
-    preference = KernelPreference.EMULATED if emulated else KernelPreference.AUTO
-    config = MXDynamicActivationMXWeightConfig(kernel_preference=preference)
-    quantize_(model, config, filter_fn=lambda module, fqn: fqn in chosen)
+    return MXDynamicActivationMXWeightConfig(kernel_preference=kernel_preference((10, 0)))
 
 
 class MXFP8(Format):
@@ -71,7 +66,7 @@ class MXFP8(Format):
             True,
             False,
             "torchao has no MX kernels for {kind}",
-            _quantize,
+            torchao_quantize(_config, bf16=True),
         ),
     )
     default_methods: ClassVar[dict[str, str]] = {"cpu": "torchao-mxfp8", "cuda": "torchao-mxfp8"}

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from autoprec.formats.base import QUANTIZE, Format, Limits
 from autoprec.formats.blocks import dims_refusal
-from autoprec.formats.methods import Quantizer, import_torchao
+from autoprec.formats.methods import Quantizer, torchao_quantize
 
 if TYPE_CHECKING:
     from torch import nn
@@ -22,16 +22,10 @@ BLOCK = 16
 _CONFIG = "NVFP4WeightOnlyConfig"
 
 
-def _quantize(model: nn.Module, names: list[str]) -> None:
-    import_torchao()
-    import torch
+def _config() -> Any:
     from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
-    from torchao.quantization import quantize_
 
-    chosen = set(names)
-    for name in chosen:
-        model.get_submodule(name).to(torch.bfloat16)  # torchao's NVFP4 linear is bf16
-    quantize_(model, NVFP4WeightOnlyConfig(), filter_fn=lambda module, fqn: fqn in chosen)
+    return NVFP4WeightOnlyConfig()
 
 
 class NVFP4(Format):
@@ -56,7 +50,7 @@ class NVFP4(Format):
             True,
             False,
             "torchao has no NVFP4 kernels for {kind}",
-            _quantize,
+            torchao_quantize(_config, bf16=True),
         ),
     )
     default_methods: ClassVar[dict[str, str]] = {
