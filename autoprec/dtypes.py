@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autoprec.formats import all_formats, get, names, reference
+from autoprec.formats import all_formats, get, names
 
 if TYPE_CHECKING:
     import torch
 
 _ALL = all_formats()
-FP32 = reference().name
-# Transitional: the names code not yet asking the objects still compares against.
-FP16, BF16, FP8, INT8 = "fp16", "bf16", "fp8", "int8"
 # ``TORCH_DTYPES`` (each name below to its torch dtype) is made when first asked for
 # (`__getattr__`), so that the names are read without torch (a policy is torch-free data).
 # The floating dtypes autocast and ``Tensor.to`` know, by name.
@@ -22,17 +19,7 @@ AUTOCAST_DTYPES: tuple[str, ...] = tuple(f.name for f in _ALL if f.autocasts)
 # Floating dtypes below fp32 that a region runs in (the share of parameters, the
 # profile's tests, the guided search's low dtypes).
 LOW_PRECISION: tuple[str, ...] = tuple(f.name for f in _ALL if f.autocasts and f.low_precision)
-# Dtypes serving quantizes a layer's weights to.
-SERVING_QUANTIZED: tuple[str, ...] = tuple(f.name for f in _ALL if f.quantizes)
-QUANTIZED: tuple[str, ...] = tuple(f.name for f in _ALL if f.quantizes and not f.converts)
-TRAINING_DTYPES: tuple[str, ...] = names("training")
 SERVING_DTYPES: tuple[str, ...] = names("serving")
-POLICY_DTYPES: tuple[str, ...] = tuple(f.name for f in _ALL)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a floating dtype name (``fp16`` -> ``torch.float16``)."""
-    return get(name).torch_dtype()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
